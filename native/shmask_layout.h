@@ -1,0 +1,126 @@
+/*
+ * shmask shared-memory layout. This file owns every offset; nothing else
+ * (no Python, no other C file) computes one.
+ *
+ * One segment per producer (a scheduler rank), a POSIX shm object:
+ *
+ *   0                 4096                                   4096 + capacity
+ *   +-----------------+------------------------------------------+
+ *   | segment header  | data region: records, 64-byte aligned     |
+ *   +-----------------+------------------------------------------+
+ *
+ * Segment header (one page; positions on their own cache lines so the
+ * producer's stores do not bounce the readers' lines):
+ *
+ *   byte 0    u64 magic            "SHMASK01"
+ *   byte 8    u32 layout_version   SHM_LAYOUT_VERSION
+ *   byte 12   u32 header_bytes     4096
+ *   byte 16   u64 capacity         data bytes, a power of two
+ *   byte 24   u64 epoch            random, fixed at creation; refs carry it
+ *   byte 32   u64 producer_pid
+ *   byte 40   u64 producer_start   /proc/<pid>/stat start time (clock ticks)
+ *   byte 48   u64 created_ns       CLOCK_REALTIME at creation
+ *   byte 64   u64 head   (atomic)  next byte position the producer writes
+ *   byte 128  u64 tail   (atomic)  oldest position not yet reclaimed
+ *   byte 192  u64 counters[8] (atomic, producer-written, for `shmask ls`)
+ *
+ * Positions are monotonic u64 byte counts; a record lives at
+ * data + (pos & (capacity - 1)). A record never wraps: when it does not
+ * fit before the end, the producer writes a PADDING record over the rest
+ * and starts again at offset 0.
+ *
+ * Record (record_bytes long, a multiple of 64):
+ *
+ *   byte 0    u64 tag              the record's position; readers compare it
+ *   byte 8    u32 state (atomic)   STAGING -> WRITTEN -> RELEASED | EXPIRED
+ *   byte 12   u32 mode             SHM_MODE_SELECTED | SHM_MODE_SUPPORT
+ *   byte 16   u64 record_bytes
+ *   byte 24   u32 rows             valid once WRITTEN
+ *   byte 28   u32 rows_capacity
+ *   byte 32   u64 nnz              valid once WRITTEN (sum of lengths)
+ *   byte 40   u64 nnz_capacity
+ *   byte 48   u64 published_ns     CLOCK_MONOTONIC of the producer (leases)
+ *   byte 56   u64 reserved
+ *   byte 64   int32 lengths[rows_capacity]            padded to 64
+ *             int32 ids[nnz_capacity]                 padded to 64
+ *             float logprobs[nnz_capacity | rows_capacity]
+ *
+ * The arrays are placed by capacity, not by count, so a record can be
+ * filled in place while it is STAGING (a RowQueue's buffer) and published
+ * without moving a byte: publish writes rows and nnz, then release-stores
+ * WRITTEN. Readers derive the array offsets from the capacities with
+ * shm_record_layout(); no offset is ever read from shared memory.
+ */
+#ifndef SHMASK_LAYOUT_H
+#define SHMASK_LAYOUT_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define SHM_MAGIC 0x31304b53414d4853ULL /* "SHMASK01" little-endian */
+#define SHM_LAYOUT_VERSION 1u
+#define SHM_HEADER_BYTES 4096u
+#define SHM_RECORD_ALIGN 64u
+#define SHM_RECORD_HEADER_BYTES 64u
+#define SHM_MIN_CAPACITY 4096u
+#define SHM_N_COUNTERS 8
+
+enum shm_state {
+    SHM_STATE_FREE = 0,
+    SHM_STATE_STAGING = 1,   /* producer is filling it (a RowQueue buffer) */
+    SHM_STATE_WRITTEN = 2,   /* published; one reader may release it */
+    SHM_STATE_RELEASED = 3,  /* reader is done; reclaimable */
+    SHM_STATE_PADDING = 4,   /* filler up to the end of the data region */
+    SHM_STATE_EXPIRED = 5,   /* lease ran out before release; reclaimable */
+    SHM_STATE_DISCARDED = 6, /* staging buffer abandoned (grown or moved) */
+};
+
+enum shm_mode { SHM_MODE_SELECTED = 1, SHM_MODE_SUPPORT = 2 };
+
+enum shm_counter {
+    SHM_COUNTER_PUBLISHED = 0,
+    SHM_COUNTER_RELEASED = 1,
+    SHM_COUNTER_EXPIRED = 2,
+    SHM_COUNTER_PADDING = 3,
+    SHM_COUNTER_DISCARDED = 4,
+};
+
+struct shm_segment_header {
+    uint64_t magic;
+    uint32_t layout_version;
+    uint32_t header_bytes;
+    uint64_t capacity;
+    uint64_t epoch;
+    uint64_t producer_pid;
+    uint64_t producer_start;
+    uint64_t created_ns;
+    uint64_t pad0;
+    _Atomic uint64_t head; /* byte 64 */
+    uint64_t pad1[7];
+    _Atomic uint64_t tail; /* byte 128 */
+    uint64_t pad2[7];
+    _Atomic uint64_t counters[SHM_N_COUNTERS]; /* byte 192 */
+};
+
+struct shm_record_header {
+    uint64_t tag;
+    _Atomic uint32_t state;
+    uint32_t mode;
+    uint64_t record_bytes;
+    uint32_t rows;
+    uint32_t rows_capacity;
+    uint64_t nnz;
+    uint64_t nnz_capacity;
+    uint64_t published_ns;
+    uint64_t reserved;
+};
+
+_Static_assert(offsetof(struct shm_segment_header, head) == 64, "head at byte 64");
+_Static_assert(offsetof(struct shm_segment_header, tail) == 128, "tail at byte 128");
+_Static_assert(offsetof(struct shm_segment_header, counters) == 192, "counters at 192");
+_Static_assert(sizeof(struct shm_segment_header) <= SHM_HEADER_BYTES, "header fits a page");
+_Static_assert(sizeof(struct shm_record_header) == SHM_RECORD_HEADER_BYTES, "record header");
+_Static_assert(offsetof(struct shm_record_header, state) == 8, "state at byte 8");
+
+#endif

@@ -1,0 +1,35 @@
+"""Turns the native core's return codes into shmask exceptions."""
+
+from __future__ import annotations
+
+from ._native import lib
+from .errors import (
+    DoubleReleaseError,
+    InvalidRefError,
+    InvalidRowsError,
+    ShmaskError,
+    StaleChunkError,
+)
+
+_MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
+    lib.SHM_E_TOO_BIG: (InvalidRowsError, "chunk is larger than the whole ring"),
+    lib.SHM_E_BAD_HEADER: (InvalidRefError, "segment header is invalid"),
+    lib.SHM_E_BAD_POSITION: (InvalidRefError, "position is outside the ring's live range"),
+    lib.SHM_E_BAD_RECORD: (InvalidRefError, "record does not match the reference"),
+    lib.SHM_E_STALE: (StaleChunkError, "chunk was reclaimed (lease expired) before it was read"),
+    lib.SHM_E_DOUBLE_RELEASE: (DoubleReleaseError, "chunk was released already"),
+    lib.SHM_E_NOT_WRITTEN: (InvalidRefError, "position does not hold a published chunk"),
+    lib.SHM_E_BAD_LENGTHS: (InvalidRefError, "row lengths are negative, too long, or do not sum to nnz"),
+    lib.SHM_E_BAD_STATE: (ShmaskError, "record is not in the state this call needs"),
+    lib.SHM_E_OVERFLOW: (InvalidRefError, "sizes overflow"),
+    lib.SHM_E_BAD_SLOT: (InvalidRowsError, "queue slot is not an open RowQueue of this Writer"),
+    lib.SHM_E_BAD_LENGTH: (InvalidRowsError, "row length is negative or longer than allowed"),
+    lib.SHM_E_SOURCE_OVERRUN: (InvalidRowsError, "lengths run past the end of ids/logprobs"),
+    lib.SHM_E_MODE: (InvalidRowsError, "queue mode differs from the rows' mode"),
+}
+
+
+def raise_for(rc: int, context: str) -> None:
+    """Raise the exception for a negative return code; `context` says where."""
+    kind, message = _MESSAGES.get(rc, (ShmaskError, f"native error {rc}"))
+    raise kind(f"{context}: {message}")

@@ -1,0 +1,98 @@
+"""Configuration from SHMASK_* environment variables.
+
+Every field has a default; a bad value fails at start with a message naming
+the variable and the accepted range (docs/configuration.md lists them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from .errors import ConfigError
+
+TRANSPORTS = ("shm", "inline")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+_NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": str.upper}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings shared by Writer and Reader. `Config.from_env()` reads them."""
+
+    transport: str = "shm"
+    """"shm": rows go through the ring; "inline": every chunk rides in its ref."""
+    ring_mb: int = 1024
+    """Data bytes of one producer's ring in MiB (rounded up to a power of two).
+    Size it for requests x emission tokens x max support x 8 bytes, x2 slack."""
+    name_prefix: str = "shmask"
+    """Segments are /dev/shm/<prefix>-<uid>-<pid>-<random>."""
+    full_wait_ms: float = 50.0
+    """How long a producer waits for readers to release when the ring is full,
+    before the chunk goes inline in its ref."""
+    lease_s: float = 60.0
+    """A published chunk not released within this time is reclaimed."""
+    max_tokens: int = 8192
+    """Largest support (entries in one row) accepted."""
+    queue_rows: int = 64
+    """Rows a new RowQueue buffer holds before it first doubles (the emission
+    interval is a good value)."""
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        _check_choice("SHMASK_TRANSPORT", self.transport, TRANSPORTS)
+        _check_range("SHMASK_RING_MB", self.ring_mb, 1, 1 << 20)
+        if not _PREFIX_PATTERN.match(self.name_prefix):
+            raise ConfigError(
+                f"SHMASK_NAME_PREFIX={self.name_prefix!r} is invalid: "
+                "use 1 to 32 letters, digits or underscores"
+            )
+        _check_range("SHMASK_FULL_WAIT_MS", self.full_wait_ms, 0, 60_000)
+        _check_range("SHMASK_LEASE_S", self.lease_s, 0.001, 86_400)
+        _check_range("SHMASK_MAX_TOKENS", self.max_tokens, 1, 1 << 22)
+        _check_range("SHMASK_QUEUE_ROWS", self.queue_rows, 1, 1 << 20)
+        _check_choice("SHMASK_LOG_LEVEL", self.log_level, LOG_LEVELS)
+
+    @property
+    def ring_capacity_bytes(self) -> int:
+        """The ring's data bytes: ring_mb MiB rounded up to a power of two."""
+        return 1 << (self.ring_mb * 1024 * 1024 - 1).bit_length()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        """Build a Config from SHMASK_* variables; keyword overrides win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            name = "SHMASK_" + field.name.upper()
+            if name not in env:
+                continue
+            raw = env[name].strip()
+            values[field.name] = _parse(name, raw, type(getattr(cls, field.name)))
+        values.update(overrides)
+        config = cls(**values)  # type: ignore[arg-type]
+        logging.getLogger("shmask").setLevel(config.log_level)
+        return config
+
+
+def _parse(name: str, raw: str, kind: type) -> object:
+    if kind is str:
+        return _NORMALIZE.get(name, str)(raw)
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigError(f"{name}={value!r} is out of range: accepted {low} to {high}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is invalid: accepted {', '.join(choices)}")

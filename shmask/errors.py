@@ -1,0 +1,29 @@
+"""Every error shmask raises derives from ShmaskError."""
+
+
+class ShmaskError(Exception):
+    """Base class of shmask errors."""
+
+
+class ConfigError(ShmaskError, ValueError):
+    """A SHMASK_* setting (or a Config field) is out of its accepted range."""
+
+
+class SegmentError(ShmaskError, OSError):
+    """A shared-memory segment could not be created, attached or validated."""
+
+
+class InvalidRefError(ShmaskError, ValueError):
+    """A reference (or the record it points at) is malformed or forged."""
+
+
+class StaleChunkError(ShmaskError):
+    """The chunk was reclaimed (lease ran out, producer gone) before it was read."""
+
+
+class DoubleReleaseError(ShmaskError):
+    """A chunk was released twice."""
+
+
+class InvalidRowsError(ShmaskError, ValueError):
+    """Rows handed to a Writer or RowQueue have the wrong shape, dtype or values."""

@@ -1,0 +1,176 @@
+"""The consumer side (a tokenizer process): open refs as numpy views.
+
+Segments are attached lazily, by the name a ref carries, and validated
+before use; every field of a ref is bounds-checked by the native core
+before a byte of the record is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+
+from ._native import ffi, lib
+from ._native_errors import raise_for
+from .chunk import Chunk
+from .config import Config
+from .errors import InvalidRefError, SegmentError, StaleChunkError
+from .refs import KIND_EMPTY, KIND_INLINE, KIND_SHM, MODE_SELECTED, MODE_SUPPORT, ChunkRef, RefBatch
+from .segment import Segment, producer_alive
+
+log = logging.getLogger("shmask")
+
+
+class _Attached:
+    """A segment this reader mapped, with the header values it validated once
+    (later changes to the shared header cannot widen what it may read)."""
+
+    __slots__ = ("segment", "capacity", "epoch", "pid", "start", "view")
+
+    def __init__(self, segment: Segment, capacity: int, epoch: int, pid: int, start: int) -> None:
+        self.segment = segment
+        self.capacity = capacity
+        self.epoch = epoch
+        self.pid = pid
+        self.start = start
+        self.view = np.frombuffer(segment.mapping, dtype=np.uint8)
+        self.view.flags.writeable = False
+
+
+class Reader:
+    """Opens ChunkRefs. One Reader per process (or thread) is enough."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config or Config.from_env()
+        self._attached: dict[str, _Attached] = {}
+        self._view = ffi.new("shm_view *")
+
+    def open(self, ref: ChunkRef) -> Chunk:
+        """The chunk's rows as read-only numpy views; release() when done."""
+        if not isinstance(ref, ChunkRef):
+            raise InvalidRefError(f"Reader.open takes a ChunkRef, got {type(ref).__name__}")
+        if ref.kind == KIND_SHM:
+            return self._open_shm(ref)
+        if ref.kind == KIND_INLINE:
+            return _open_inline(ref)
+        if ref.kind == KIND_EMPTY:
+            return Chunk.empty(ref.mode if ref.mode in (MODE_SELECTED, MODE_SUPPORT)
+                               else MODE_SUPPORT)
+        raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2")
+
+    def open_batch(self, batch: RefBatch) -> Iterator[Chunk]:
+        """Open every ref of a batch, in order."""
+        for ref in batch:
+            yield self.open(ref)
+
+    def close(self) -> None:
+        """Forget every segment (views handed out stay valid until dropped)."""
+        for attached in self._attached.values():
+            attached.segment.close()
+        self._attached.clear()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+    def _open_shm(self, ref: ChunkRef) -> Chunk:
+        attached = self._attach(ref.segment)
+        if ref.epoch != attached.epoch:
+            raise StaleChunkError(
+                f"ref epoch {ref.epoch} does not match segment {ref.segment!r} "
+                f"(epoch {attached.epoch}): the segment was recreated"
+            )
+        segment = attached.segment
+        rc = lib.shm_open_record(segment.base, segment.size, attached.capacity, ref.position,
+                                 ref.record_bytes, ref.rows, ref.nnz, ref.mode, self._view)
+        if rc:
+            raise_for(rc, f"open {ref!r}")
+        view = self._view
+        rows, nnz = ref.rows, ref.nnz
+        n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
+        data = attached.view
+        lengths = data[view.lengths_offset:view.lengths_offset + 4 * rows].view(np.int32)
+        ids = data[view.ids_offset:view.ids_offset + 4 * nnz].view(np.int32)
+        logprobs = data[view.logprobs_offset:view.logprobs_offset + 4 * n_logprobs].view(np.float32)
+        _check_lengths(lengths, nnz, self.config.max_tokens)
+        # Re-check after reading the lengths: a record reclaimed meanwhile
+        # must not pass with someone else's lengths.
+        if lib.shm_check_record(segment.base, attached.capacity, ref.position):
+            raise StaleChunkError(f"{ref!r} was reclaimed while it was opened")
+        return Chunk(ref.mode, lengths, ids, logprobs, _ShmRecord(attached, ref.position))
+
+    def _attach(self, name: str) -> _Attached:
+        attached = self._attached.get(name)
+        if attached is not None:
+            return attached
+        try:
+            segment = Segment.attach(name)
+        except SegmentError as exc:
+            raise StaleChunkError(f"cannot read chunk: {exc}") from exc
+        info = ffi.new("shm_info *")
+        if lib.shm_read_info(segment.base, segment.size, info) != lib.SHM_OK:
+            segment.close()
+            raise InvalidRefError(f"segment {name!r} has no valid shmask header")
+        self._forget_dead_segments()
+        attached = _Attached(segment, int(info.capacity), int(info.epoch),
+                             int(info.producer_pid), int(info.producer_start))
+        self._attached[name] = attached
+        return attached
+
+    def _forget_dead_segments(self) -> None:
+        # A new producer appeared: unmap the segments of producers that died,
+        # so a long-lived tokenizer does not pin their memory forever.
+        for name, attached in list(self._attached.items()):
+            if not producer_alive(attached.pid, attached.start):
+                attached.segment.close()
+                del self._attached[name]
+
+
+class _ShmRecord:
+    """What a Chunk needs to re-check and release its ring record."""
+
+    __slots__ = ("attached", "position")
+
+    def __init__(self, attached: _Attached, position: int) -> None:
+        self.attached = attached
+        self.position = position
+
+    def check(self) -> None:
+        segment = self.attached.segment
+        if lib.shm_check_record(segment.base, self.attached.capacity, self.position):
+            raise StaleChunkError(
+                f"chunk at {segment.name}@{self.position} was reclaimed while it was read"
+            )
+
+    def release(self) -> None:
+        segment = self.attached.segment
+        rc = lib.shm_release(segment.base, segment.size, self.attached.capacity, self.position)
+        if rc:
+            raise_for(rc, f"release {segment.name}@{self.position}")
+
+
+def _check_lengths(lengths: np.ndarray, nnz: int, max_tokens: int) -> None:
+    rc = lib.shm_validate_lengths(ffi.from_buffer("int32_t[]", lengths), lengths.size, nnz,
+                                  max_tokens)
+    if rc:
+        raise_for(rc, "chunk lengths")
+
+
+def _open_inline(ref: ChunkRef) -> Chunk:
+    payload = ref.payload
+    rows, nnz = ref.rows, ref.nnz
+    n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
+    if payload is None or len(payload) != 4 * (rows + nnz + n_logprobs):
+        raise InvalidRefError(f"inline {ref!r} carries {0 if payload is None else len(payload)} "
+                              f"bytes; rows and nnz need {4 * (rows + nnz + n_logprobs)}")
+    data = np.frombuffer(payload, dtype=np.uint8)
+    lengths = data[:4 * rows].view(np.int32)
+    ids = data[4 * rows:4 * (rows + nnz)].view(np.int32)
+    logprobs = data[4 * (rows + nnz):].view(np.float32)
+    _check_lengths(lengths, nnz, 1 << 30)
+    return Chunk(ref.mode, lengths, ids, logprobs, None)

@@ -1,0 +1,309 @@
+"""References: what crosses zmq instead of the rows.
+
+A RefBatch is one bytes object for a whole emission (one entry per request),
+so pickling it, msgpacking it or sending it as a zmq frame costs O(1) Python
+objects however many requests it holds. Wire format (little-endian):
+
+    offset 0   4s   magic b"SMRB"
+           4   u16  version (1)
+           6   u16  n_segments
+           8   u32  n_entries
+          12   u32  inline_bytes
+          16   segment table: n_segments x (u64 epoch, u8 name_len, name)
+               padded with zeros to a multiple of 8
+               entries: n_entries x ENTRY_DTYPE (40 bytes)
+               inline area: inline_bytes (packed chunks of entries of kind INLINE)
+
+An inline chunk is `lengths int32[rows] | ids int32[nnz] | logprobs
+float32[nnz or rows]`, packed. Everything here is parsed as untrusted input:
+a malformed batch raises InvalidRefError, never reads out of bounds.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidRefError
+
+MAGIC = b"SMRB"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHII")
+_SEGMENT = struct.Struct("<QB")
+MAX_NAME_BYTES = 64
+MSGPACK_EXT_CODE = 83  # msgspec/msgpack extension type carrying RefBatch bytes
+
+KIND_EMPTY = 0  # a request that produced no rows since its last take
+KIND_SHM = 1
+KIND_INLINE = 2
+MODE_SELECTED = 1
+MODE_SUPPORT = 2
+MODES = {"selected": MODE_SELECTED, "support": MODE_SUPPORT}
+MODE_NAMES = {v: k for k, v in MODES.items()}
+
+ENTRY_DTYPE = np.dtype(
+    [
+        ("kind", "<u1"),
+        ("mode", "<u1"),
+        ("segment", "<u2"),
+        ("rows", "<u4"),
+        ("position", "<u8"),  # ring position (shm) or offset in the inline area
+        ("record_bytes", "<u8"),  # record size (shm) or payload size (inline)
+        ("nnz", "<u8"),
+        ("reserved", "<u8"),
+    ]
+)
+assert ENTRY_DTYPE.itemsize == 40
+
+
+def mode_code(mode: str | int) -> int:
+    if isinstance(mode, str) and mode in MODES:
+        return MODES[mode]
+    if mode in MODE_NAMES:
+        return int(mode)
+    raise InvalidRefError(f"mode {mode!r} is invalid: accepted 'selected' or 'support'")
+
+
+def inline_payload_bytes(mode: int, rows: int, nnz: int) -> int:
+    return 4 * (rows + nnz + (nnz if mode == MODE_SUPPORT else rows))
+
+
+class ChunkRef:
+    """A reference to one chunk (consecutive rows of one request)."""
+
+    __slots__ = ("kind", "mode", "segment", "epoch", "position", "record_bytes", "rows", "nnz",
+                 "payload")
+
+    def __init__(self, kind: int, mode: int, segment: str, epoch: int, position: int,
+                 record_bytes: int, rows: int, nnz: int, payload: memoryview | None) -> None:
+        self.kind = kind
+        self.mode = mode
+        self.segment = segment
+        self.epoch = epoch
+        self.position = position
+        self.record_bytes = record_bytes
+        self.rows = rows
+        self.nnz = nnz
+        self.payload = payload
+
+    @property
+    def inline(self) -> bool:
+        return self.kind == KIND_INLINE
+
+    @property
+    def mode_name(self) -> str:
+        return MODE_NAMES.get(self.mode, "?")
+
+    def to_bytes(self) -> bytes:
+        return RefBatch.from_refs([self]).to_bytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> ChunkRef:
+        batch = RefBatch.from_bytes(data)
+        if len(batch) != 1:
+            raise InvalidRefError(f"expected one reference, got a batch of {len(batch)}")
+        return batch[0]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ChunkRef.from_bytes, (self.to_bytes(),))
+
+    def __repr__(self) -> str:
+        where = "inline" if self.inline else f"{self.segment}@{self.position}"
+        return f"ChunkRef({self.mode_name}, rows={self.rows}, nnz={self.nnz}, {where})"
+
+
+class RefBatch:
+    """One emission's references, in one bytes object; `batch[i]` is request i."""
+
+    __slots__ = ("_data", "_segments", "_entries", "_inline")
+
+    def __init__(self, data: bytes, segments: list[tuple[str, int]], entries: np.ndarray,
+                 inline: memoryview) -> None:
+        self._data = data
+        self._segments = segments
+        self._entries = entries
+        self._inline = inline
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def build(cls, segments: Sequence[tuple[str, int]], entries: np.ndarray,
+              inline_chunks: Sequence[bytes | memoryview] = ()) -> RefBatch:
+        """Pack entries (ENTRY_DTYPE; inline entries' `position` is the offset
+        into the concatenation of `inline_chunks`)."""
+        table = bytearray()
+        for name, epoch in segments:
+            encoded = name.encode()
+            table += _SEGMENT.pack(epoch, len(encoded)) + encoded
+        table += b"\0" * (-(_HEADER.size + len(table)) % 8)
+        inline_bytes = sum(len(c) for c in inline_chunks)
+        if inline_bytes >= 1 << 32:
+            raise InvalidRefError(f"inline payload of {inline_bytes} bytes exceeds 4 GiB")
+        parts = [
+            _HEADER.pack(MAGIC, VERSION, len(segments), len(entries), inline_bytes),
+            bytes(table),
+            np.ascontiguousarray(entries, dtype=ENTRY_DTYPE).tobytes(),
+            *inline_chunks,
+        ]
+        return cls.from_bytes(b"".join(parts))
+
+    @classmethod
+    def from_refs(cls, refs: Sequence[ChunkRef]) -> RefBatch:
+        segments: dict[tuple[str, int], int] = {}
+        entries = np.zeros(len(refs), dtype=ENTRY_DTYPE)
+        chunks: list[memoryview] = []
+        offset = 0
+        for i, ref in enumerate(refs):
+            entry = entries[i]
+            entry["kind"], entry["mode"] = ref.kind, ref.mode
+            entry["rows"], entry["nnz"] = ref.rows, ref.nnz
+            if ref.kind == KIND_SHM:
+                key = (ref.segment, ref.epoch)
+                entry["segment"] = segments.setdefault(key, len(segments))
+                entry["position"], entry["record_bytes"] = ref.position, ref.record_bytes
+            elif ref.kind == KIND_INLINE:
+                assert ref.payload is not None
+                entry["position"], entry["record_bytes"] = offset, len(ref.payload)
+                chunks.append(ref.payload)
+                offset += len(ref.payload)
+        return cls.build(list(segments), entries, chunks)
+
+    # ------------------------------------------------------------- parsing
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> RefBatch:
+        data = bytes(data) if not isinstance(data, bytes) else data
+        if len(data) < _HEADER.size:
+            raise InvalidRefError(f"reference batch of {len(data)} bytes is shorter than its header")
+        magic, version, n_segments, n_entries, inline_bytes = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise InvalidRefError(f"not a shmask reference batch (magic {magic!r})")
+        if version != VERSION:
+            raise InvalidRefError(f"reference batch version {version} is not supported ({VERSION})")
+        offset = _HEADER.size
+        segments = []
+        for _ in range(n_segments):
+            if offset + _SEGMENT.size > len(data):
+                raise InvalidRefError("reference batch truncated in its segment table")
+            epoch, name_len = _SEGMENT.unpack_from(data, offset)
+            offset += _SEGMENT.size
+            if name_len > MAX_NAME_BYTES or offset + name_len > len(data):
+                raise InvalidRefError(f"segment name of {name_len} bytes is invalid")
+            try:
+                name = data[offset:offset + name_len].decode("ascii")
+            except UnicodeDecodeError:
+                raise InvalidRefError("segment name is not ASCII") from None
+            segments.append((name, epoch))
+            offset += name_len
+        offset += -offset % 8
+        entries_end = offset + n_entries * ENTRY_DTYPE.itemsize
+        if entries_end + inline_bytes != len(data):
+            raise InvalidRefError(
+                f"reference batch is {len(data)} bytes, its header says {entries_end + inline_bytes}"
+            )
+        entries = np.frombuffer(data, dtype=ENTRY_DTYPE, count=n_entries, offset=offset)
+        if n_entries:
+            _check_entries(entries, n_segments, inline_bytes)
+        return cls(data, segments, entries, memoryview(data)[entries_end:])
+
+    def to_bytes(self) -> bytes:
+        return self._data
+
+    # ------------------------------------------------------------- access
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, index: int) -> ChunkRef:
+        entry = self._entries[index]
+        kind = int(entry["kind"])
+        segment, epoch, payload = "", 0, None
+        if kind == KIND_SHM:
+            segment, epoch = self._segments[int(entry["segment"])]
+        elif kind == KIND_INLINE:
+            start = int(entry["position"])
+            payload = self._inline[start:start + int(entry["record_bytes"])]
+        return ChunkRef(kind, int(entry["mode"]), segment, epoch, int(entry["position"]),
+                        int(entry["record_bytes"]), int(entry["rows"]), int(entry["nnz"]),
+                        payload)
+
+    def __iter__(self) -> Iterator[ChunkRef]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def entries(self) -> np.ndarray:
+        """The entries as a read-only structured array (vectorised routing)."""
+        return self._entries
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._data)
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> RefBatch:
+        """A batch of the given requests, in that order (multi-tokenizer routing)."""
+        index = np.asarray(indices, dtype=np.int64)
+        if index.size and (index.min() < -len(self) or index.max() >= len(self)):
+            raise IndexError(f"select: indices must lie in [0, {len(self)})")
+        entries = self._entries[index].copy()
+        inline = np.flatnonzero(entries["kind"] == KIND_INLINE)
+        chunks = []
+        offset = 0
+        for i in inline:  # inline chunks are the rare full-ring fallback
+            start, size = int(entries[i]["position"]), int(entries[i]["record_bytes"])
+            chunks.append(self._inline[start:start + size])
+            entries[i]["position"] = offset
+            offset += size
+        return RefBatch.build(self._segments, entries, chunks)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RefBatch.from_bytes, (self._data,))
+
+    def __repr__(self) -> str:
+        return f"RefBatch({len(self)} refs, {self.nbytes} bytes)"
+
+
+def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> None:
+    kind = entries["kind"]
+    if np.any(kind > KIND_INLINE):
+        raise InvalidRefError(f"reference kind {int(kind.max())} is invalid: accepted 0, 1, 2")
+    live = kind != KIND_EMPTY
+    mode = entries["mode"]
+    if np.any(live & (mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
+        raise InvalidRefError("reference mode is invalid: accepted 1 (selected), 2 (support)")
+    shm = kind == KIND_SHM
+    if np.any(shm & (entries["segment"] >= n_segments)):
+        raise InvalidRefError(f"reference names segment index >= {n_segments}")
+    inline = kind == KIND_INLINE
+    if np.any(inline):
+        start = entries["position"][inline]
+        size = entries["record_bytes"][inline]
+        rows = entries["rows"][inline].astype(np.uint64)
+        nnz = entries["nnz"][inline]
+        if np.any(nnz > (1 << 40)) or np.any(size > inline_bytes) or np.any(
+            start > inline_bytes - size
+        ):
+            raise InvalidRefError("inline reference points outside its batch")
+        per_row = np.where(mode[inline] == MODE_SUPPORT, nnz, rows)
+        if np.any(size != 4 * (rows + nnz + per_row)):
+            raise InvalidRefError("inline reference size disagrees with its rows and nnz")
+
+
+# ------------------------------------------------------------- msgpack
+
+def msgpack_enc_hook(obj: Any) -> Any:
+    """msgspec.msgpack enc_hook: RefBatch/ChunkRef travel as one ext object."""
+    import msgspec
+
+    if isinstance(obj, RefBatch):
+        return msgspec.msgpack.Ext(MSGPACK_EXT_CODE, obj.to_bytes())
+    if isinstance(obj, ChunkRef):
+        return msgspec.msgpack.Ext(MSGPACK_EXT_CODE, obj.to_bytes())
+    raise NotImplementedError(f"cannot msgpack {type(obj).__name__}")
+
+
+def msgpack_ext_hook(code: int, data: memoryview) -> Any:
+    """msgspec.msgpack ext_hook: the inverse of msgpack_enc_hook (a RefBatch)."""
+    if code != MSGPACK_EXT_CODE:
+        raise InvalidRefError(f"unknown msgpack extension code {code}")
+    return RefBatch.from_bytes(data)
