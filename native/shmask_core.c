@@ -73,7 +73,7 @@ int shm_init(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t epoc
 
 static void write_record_header(struct shm_record_header *r, uint64_t pos, uint32_t mode,
                                 uint64_t bytes, uint64_t rows_capacity, uint64_t nnz_capacity,
-                                uint32_t state) {
+                                uint64_t owner, uint32_t state) {
     r->tag = pos;
     r->mode = mode;
     r->record_bytes = bytes;
@@ -82,12 +82,12 @@ static void write_record_header(struct shm_record_header *r, uint64_t pos, uint3
     r->nnz = 0;
     r->nnz_capacity = nnz_capacity;
     r->published_ns = 0;
-    r->reserved = 0;
+    r->owner = owner;
     atomic_store_explicit(&r->state, state, memory_order_release);
 }
 
-int shm_reserve(void *base, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
-                uint64_t *position_out) {
+static int reserve_record(void *base, uint32_t mode, uint64_t rows_capacity,
+                          uint64_t nnz_capacity, uint64_t owner, uint64_t *position_out) {
     struct shm_segment_header *h = seg(base);
     shm_layout layout;
     int rc = shm_record_layout(mode, rows_capacity, nnz_capacity, &layout);
@@ -101,16 +101,21 @@ int shm_reserve(void *base, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_
     uint64_t padding = offset + bytes > capacity ? capacity - offset : 0;
     if (head + padding + bytes - tail > capacity) return SHM_FULL;
     if (padding) {
-        write_record_header(record_at(base, capacity, head), head, 0, padding, 0, 0,
+        write_record_header(record_at(base, capacity, head), head, 0, padding, 0, 0, 0,
                             SHM_STATE_PADDING);
         bump(base, SHM_COUNTER_PADDING);
         head += padding;
     }
     write_record_header(record_at(base, capacity, head), head, mode, bytes, rows_capacity,
-                        nnz_capacity, SHM_STATE_STAGING);
+                        nnz_capacity, owner, SHM_STATE_STAGING);
     *position_out = head;
     atomic_store_explicit(&h->head, head + bytes, memory_order_release);
     return SHM_OK;
+}
+
+int shm_reserve(void *base, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
+                uint64_t *position_out) {
+    return reserve_record(base, mode, rows_capacity, nnz_capacity, 0, position_out);
 }
 
 void *shm_record_address(void *base, uint64_t position) {
@@ -304,9 +309,96 @@ int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
     return total == nnz ? SHM_OK : SHM_E_BAD_LENGTHS;
 }
 
-/* ------------------------------------------------------ per-step copies */
+/* ------------------------------------------------------ RowQueue buffers */
 
-int64_t shm_append_step(shm_queue *queues, uint64_t n_queues, const int32_t *slots,
+static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+static void point_at_record(void *base, shm_queue *q, uint64_t position) {
+    struct shm_segment_header *h = seg(base);
+    char *record = (char *)record_at(base, h->capacity, position);
+    shm_layout layout;
+    shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
+    q->lengths = (int32_t *)(record + layout.lengths_offset);
+    q->ids = (int32_t *)(record + layout.ids_offset);
+    q->logprobs = (float *)(record + layout.logprobs_offset);
+    q->position = position;
+    q->in_ring = 1;
+}
+
+static void copy_rows(const shm_queue *from, int32_t *lengths, int32_t *ids, float *logprobs) {
+    memcpy(lengths, from->lengths, from->rows * sizeof(int32_t));
+    memcpy(ids, from->ids, from->nnz * sizeof(int32_t));
+    uint64_t n_logprobs = from->mode == SHM_MODE_SUPPORT ? from->nnz : from->rows;
+    memcpy(logprobs, from->logprobs, n_logprobs * sizeof(float));
+}
+
+static void discard_buffer(void *base, shm_queue *q) {
+    if (q->in_ring && q->rows_capacity) shm_discard(base, q->position);
+    q->in_ring = 0;
+    q->position = 0;
+}
+
+int shm_queue_restage(void *base, shm_queue *q, uint64_t slot, uint64_t rows_capacity,
+                      uint64_t nnz_capacity) {
+    if (!base || (!q->in_ring && q->rows_capacity)) return SHM_FULL;
+    if (rows_capacity < q->rows || nnz_capacity < q->nnz) return SHM_E_OVERFLOW;
+    uint64_t position;
+    int rc = reserve_record(base, q->mode, rows_capacity, nnz_capacity, slot + 1, &position);
+    if (rc) return rc;
+    shm_queue old = *q;
+    q->rows_capacity = rows_capacity;
+    q->nnz_capacity = nnz_capacity;
+    point_at_record(base, q, position);
+    if (old.rows_capacity) {
+        copy_rows(&old, q->lengths, q->ids, q->logprobs);
+        discard_buffer(base, &old);
+    }
+    return SHM_OK;
+}
+
+void shm_queue_move(void *base, shm_queue *q, int32_t *lengths, int32_t *ids, float *logprobs,
+                    uint64_t rows_capacity, uint64_t nnz_capacity) {
+    shm_queue old = *q;
+    if (old.rows_capacity) copy_rows(&old, lengths, ids, logprobs);
+    if (base) discard_buffer(base, &old);
+    q->lengths = lengths;
+    q->ids = ids;
+    q->logprobs = logprobs;
+    q->rows_capacity = rows_capacity;
+    q->nnz_capacity = nnz_capacity;
+    q->in_ring = 0;
+    q->position = 0;
+}
+
+void shm_queue_drop(void *base, shm_queue *q) {
+    if (base) discard_buffer(base, q);
+    q->lengths = NULL;
+    q->ids = NULL;
+    q->logprobs = NULL;
+    q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
+    q->in_ring = 0;
+    q->position = 0;
+}
+
+/* Doubling: each byte is copied O(1) times however long the queue runs. A
+ * fresh buffer is sized from the last take (next_rows/next_nnz); the very
+ * first one assumes rows as long as the one being appended. */
+static int grow(void *base, shm_queue *q, uint64_t slot, uint64_t n) {
+    uint64_t need_rows = q->rows + 1, need_nnz = q->nnz + n;
+    uint64_t rows_capacity, nnz_capacity;
+    if (!q->rows_capacity) {
+        rows_capacity = max_u64(q->next_rows, need_rows);
+        nnz_capacity = q->next_nnz ? max_u64(q->next_nnz, need_nnz) : max_u64(n, 1) * rows_capacity;
+    } else {
+        rows_capacity = need_rows > q->rows_capacity ? max_u64(2 * q->rows_capacity, need_rows)
+                                                     : q->rows_capacity;
+        nnz_capacity = need_nnz > q->nnz_capacity ? max_u64(2 * q->nnz_capacity, need_nnz)
+                                                  : q->nnz_capacity;
+    }
+    return shm_queue_restage(base, q, slot, rows_capacity, nnz_capacity);
+}
+
+int64_t shm_append_step(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
                         uint64_t batch, const int32_t *lengths, const int32_t *ids,
                         const float *logprobs, uint64_t row_stride, uint64_t ids_len,
                         uint64_t logprobs_len, uint32_t mode, uint64_t max_row_length,
@@ -327,8 +419,10 @@ int64_t shm_append_step(shm_queue *queues, uint64_t n_queues, const int32_t *slo
             return SHM_E_SOURCE_OVERRUN;
         if (mode == SHM_MODE_SELECTED && i >= logprobs_len) return SHM_E_SOURCE_OVERRUN;
         if (q->rows + 1 > q->rows_capacity || q->nnz + (uint64_t)n > q->nnz_capacity) {
-            *source_cursor = cursor;
-            return (int64_t)i; /* grow this queue, then call again from row i */
+            if (grow(base, q, (uint64_t)slot, (uint64_t)n) != SHM_OK) {
+                *source_cursor = cursor;
+                return (int64_t)i; /* the caller grows it (waiting, or privately) */
+            }
         }
         q->lengths[q->rows] = n;
         memcpy(q->ids + q->nnz, ids + source, (size_t)n * sizeof(int32_t));
@@ -346,11 +440,52 @@ int64_t shm_append_step(shm_queue *queues, uint64_t n_queues, const int32_t *slo
     return (int64_t)batch;
 }
 
-void shm_copy_queue(const shm_queue *from, shm_queue *to) {
-    memcpy(to->lengths, from->lengths, from->rows * sizeof(int32_t));
-    memcpy(to->ids, from->ids, from->nnz * sizeof(int32_t));
-    uint64_t n_logprobs = from->mode == SHM_MODE_SUPPORT ? from->nnz : from->rows;
-    memcpy(to->logprobs, from->logprobs, n_logprobs * sizeof(float));
-    to->rows = from->rows;
-    to->nnz = from->nnz;
+int64_t shm_take_queues(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
+                        uint64_t count, uint64_t start, uint64_t now_ns, int final,
+                        uint8_t *kind_out, uint8_t *mode_out, uint64_t *position_out, uint64_t *bytes_out,
+                        uint32_t *rows_out, uint64_t *nnz_out) {
+    for (uint64_t i = start; i < count; i++) {
+        int32_t slot = slots[i];
+        if (slot < 0 || (uint64_t)slot >= n_queues || !queues[slot].mode) return SHM_E_BAD_SLOT;
+        shm_queue *q = &queues[slot];
+        kind_out[i] = 0;
+        mode_out[i] = (uint8_t)q->mode;
+        position_out[i] = bytes_out[i] = nnz_out[i] = 0;
+        rows_out[i] = 0;
+        if (q->rows == 0) {
+            if (final) shm_queue_drop(base, q);
+            continue;
+        }
+        if (!q->in_ring) return (int64_t)i;
+        int rc = shm_publish(base, q->position, q->rows, q->nnz, now_ns);
+        if (rc) return rc;
+        shm_layout layout;
+        shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
+        kind_out[i] = 1;
+        position_out[i] = q->position;
+        bytes_out[i] = layout.record_bytes;
+        rows_out[i] = (uint32_t)q->rows;
+        nnz_out[i] = q->nnz;
+        q->next_rows = q->rows + q->rows / 4 + 1;
+        q->next_nnz = q->nnz + q->nnz / 4 + 1;
+        /* The published record is the reader's now: forget it, don't discard. */
+        q->in_ring = 0;
+        q->lengths = NULL;
+        q->ids = NULL;
+        q->logprobs = NULL;
+        q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
+        q->position = 0;
+        /* Next emission's buffer now, while we are at it; if the ring has no
+         * room the next append takes the slow path instead. */
+        if (!final) shm_queue_restage(base, q, (uint64_t)slot, q->next_rows, q->next_nnz);
+    }
+    return (int64_t)count;
+}
+
+int64_t shm_staging_owner(void *base, uint64_t position) {
+    struct shm_record_header *r = record_at(base, seg(base)->capacity, position);
+    if (r->tag != position ||
+        atomic_load_explicit(&r->state, memory_order_acquire) != SHM_STATE_STAGING || !r->owner)
+        return -1;
+    return (int64_t)(r->owner - 1);
 }

@@ -62,7 +62,9 @@ typedef struct {
     uint64_t expired;
 } shm_info;
 
-/* One RowQueue's staging buffer: where its arrays are and how full. */
+/* One RowQueue's staging buffer: where its arrays are and how full. The
+ * buffer is a STAGING record in the ring (in_ring) or private memory the
+ * Python side owns (the ring had no room). */
 typedef struct {
     int32_t *lengths;
     int32_t *ids;
@@ -71,9 +73,11 @@ typedef struct {
     uint64_t rows_capacity;
     uint64_t nnz;
     uint64_t nnz_capacity;
-    uint32_t mode;   /* 0: slot closed */
+    uint64_t position;  /* record position when in_ring */
+    uint64_t next_rows; /* capacity of the next buffer: the last take's size */
+    uint64_t next_nnz;  /* plus slack, so steady decoding never doubles */
+    uint32_t mode;      /* 0: slot closed */
     uint32_t in_ring;
-    uint64_t position; /* record position when in_ring */
 } shm_queue;
 
 int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
@@ -107,17 +111,45 @@ int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
 /* The per-step copy: row i of the step goes to queues[slots[i]].
  * ids/logprobs are [B, row_stride] when row_stride > 0, else flat CSR with
  * rows consecutive (*source_cursor carries the CSR offset across calls).
- * Returns B when every row landed, i in [start_row, B) when queue slots[i]
- * needs a larger buffer first, or a negative error (*bad_row says which). */
-int64_t shm_append_step(shm_queue *queues, uint64_t n_queues, const int32_t *slots,
+ * A queue that needs a larger buffer gets one in the ring (doubling) when
+ * the ring has room right now. Returns B when every row landed; i in
+ * [start_row, B) when queue slots[i] needs a buffer the ring cannot give
+ * now (or is in private memory), so the caller grows it and calls again
+ * from row i; or a negative error (*bad_row says which row). */
+int64_t shm_append_step(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
                         uint64_t batch, const int32_t *lengths, const int32_t *ids,
                         const float *logprobs, uint64_t row_stride, uint64_t ids_len,
                         uint64_t logprobs_len, uint32_t mode, uint64_t max_row_length,
                         uint64_t start_row, uint64_t *source_cursor, int64_t *bad_row);
 
-/* Copies a queue's filled rows into another buffer of at least that size
- * (growth, relocation within the ring, or moving to private memory). */
-void shm_copy_queue(const shm_queue *from, shm_queue *to);
+/* Gives queue `slot` a ring buffer of these capacities, keeping its rows
+ * (the old ring buffer is discarded). SHM_FULL / SHM_E_TOO_BIG when the ring
+ * cannot; the queue is then unchanged. Not for queues in private memory. */
+int shm_queue_restage(void *base, shm_queue *queue, uint64_t slot, uint64_t rows_capacity,
+                      uint64_t nnz_capacity);
+
+/* Points a queue at the buffers the caller allocated (private memory) and
+ * copies its rows there, discarding the ring buffer it had. */
+void shm_queue_move(void *base, shm_queue *queue, int32_t *lengths, int32_t *ids,
+                    float *logprobs, uint64_t rows_capacity, uint64_t nnz_capacity);
+
+/* Drops a queue's buffer and rows (the ring buffer is discarded). */
+void shm_queue_drop(void *base, shm_queue *queue);
+
+/* One emission: publishes the ring buffers of queues[slots[start..count)]
+ * in place and writes each chunk's kind (0 empty, 1 ring), mode, position,
+ * record size, rows and nnz; then gives each queue a fresh ring buffer
+ * sized for the next emission (or drops it when `final`). Returns count, or
+ * i when queue slots[i] stages in private memory (the caller sends it
+ * inline and calls again from i + 1), or a negative error. */
+int64_t shm_take_queues(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
+                        uint64_t count, uint64_t start, uint64_t now_ns, int final,
+                        uint8_t *kind_out, uint8_t *mode_out, uint64_t *position_out, uint64_t *bytes_out,
+                        uint32_t *rows_out, uint64_t *nnz_out);
+
+/* The queue slot that owns the STAGING record at `position` (for moving
+ * a buffer that blocks the tail), or -1. The caller checks it. */
+int64_t shm_staging_owner(void *base, uint64_t position);
 
 #define SHM_E_BAD_SLOT -20
 #define SHM_E_BAD_LENGTH -21

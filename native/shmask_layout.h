@@ -40,7 +40,7 @@
  *   byte 32   u64 nnz              valid once WRITTEN (sum of lengths)
  *   byte 40   u64 nnz_capacity
  *   byte 48   u64 published_ns     CLOCK_MONOTONIC of the producer (leases)
- *   byte 56   u64 reserved
+ *   byte 56   u64 owner            producer's queue slot + 1 while STAGING
  *   byte 64   int32 lengths[rows_capacity]            padded to 64
  *             int32 ids[nnz_capacity]                 padded to 64
  *             float logprobs[nnz_capacity | rows_capacity]
@@ -113,7 +113,7 @@ struct shm_record_header {
     uint64_t nnz;
     uint64_t nnz_capacity;
     uint64_t published_ns;
-    uint64_t reserved;
+    uint64_t owner;
 };
 
 _Static_assert(offsetof(struct shm_segment_header, head) == 64, "head at byte 64");

@@ -56,6 +56,8 @@ class Reader:
         if ref.kind == KIND_INLINE:
             return _open_inline(ref)
         if ref.kind == KIND_EMPTY:
+            if ref.rows or ref.nnz:
+                raise InvalidRefError(f"empty reference with rows={ref.rows} nnz={ref.nnz}")
             return Chunk.empty(ref.mode if ref.mode in (MODE_SELECTED, MODE_SUPPORT)
                                else MODE_SUPPORT)
         raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2")

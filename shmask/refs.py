@@ -268,6 +268,8 @@ def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> N
     if np.any(kind > KIND_INLINE):
         raise InvalidRefError(f"reference kind {int(kind.max())} is invalid: accepted 0, 1, 2")
     live = kind != KIND_EMPTY
+    if np.any(~live & ((entries["rows"] != 0) | (entries["nnz"] != 0))):
+        raise InvalidRefError("an empty reference must have rows == nnz == 0")
     mode = entries["mode"]
     if np.any(live & (mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
         raise InvalidRefError("reference mode is invalid: accepted 1 (selected), 2 (support)")

@@ -30,6 +30,9 @@ from .errors import SegmentError
 log = logging.getLogger("shmask")
 
 SHM_DIR = "/dev/shm"
+# Map every page up front: otherwise the first touch of each 4 KiB page on
+# the hot path (a decode step's copy, a tokenizer's read) takes a page fault.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _NAME_PATTERN = re.compile(r"^/[A-Za-z0-9_]{1,32}-[0-9]{1,10}-[0-9]{1,10}-[0-9a-f]{16}$")
 
 
@@ -94,7 +97,7 @@ class Segment:
                     f"({free / 2**20:.0f} MiB free): {exc.strerror}; lower SHMASK_RING_MB "
                     "or enlarge /dev/shm (docker: --shm-size)"
                 ) from exc
-            mapping = mmap.mmap(shm.fd, size)
+            mapping = mmap.mmap(shm.fd, size, flags=_MAP_FLAGS)
         except BaseException:
             _unlink_quietly(name)
             raise
@@ -124,7 +127,7 @@ class Segment:
         try:
             if shm.size < int(lib.SHM_HEADER_BYTES) + int(lib.SHM_MIN_CAPACITY):
                 raise SegmentError(f"segment {name!r} is too small ({shm.size} bytes)")
-            mapping = mmap.mmap(shm.fd, shm.size)
+            mapping = mmap.mmap(shm.fd, shm.size, flags=_MAP_FLAGS)
         finally:
             shm.close_fd()
         return cls(name, mapping, owner_pid=None)

@@ -66,6 +66,7 @@ class Writer:
         self.segment: Segment | None = None
         self.epoch = secrets.randbits(63)
         self._capacity = 0
+        self._base = ffi.NULL  # the ring's address; NULL under SHMASK_TRANSPORT=inline
         self._max_row = self.config.max_tokens
         self._full_wait_s = self.config.full_wait_ms / 1000.0
         self._lease_ns = int(self.config.lease_s * 1e9)
@@ -82,8 +83,6 @@ class Writer:
         self._table_size = _INITIAL_SLOTS
         self._free_slots = list(range(_INITIAL_SLOTS - 1, -1, -1))
         self._private: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._staging_at: dict[int, int] = {}  # ring position -> slot (staging buffers)
-        self._next_size: dict[int, tuple[int, int]] = {}  # slot -> (rows, nnz) hint
         self._queues: dict[int, RowQueue] = {}
         self._restaging = -1
         self._source_cursor = ffi.new("uint64_t *")
@@ -132,7 +131,7 @@ class Writer:
         dest_lengths[:] = lengths
         dest_ids[:] = ids
         dest_logprobs[:] = logprobs
-        return self._publish_record(position, code, rows, nnz, rows, nnz)
+        return self._publish_record(position, code, rows, nnz)
 
     # ------------------------------------------------------------ RowQueues
     def open_queue(self, mode: str = "support") -> RowQueue:
@@ -145,6 +144,7 @@ class Writer:
         entry = self._table[slot]
         ffi.memmove(ffi.addressof(entry), b"\0" * ffi.sizeof("shm_queue"), ffi.sizeof("shm_queue"))
         entry.mode = code
+        entry.next_rows = self.config.queue_rows
         queue = RowQueue(self, slot, code)
         self._queues[slot] = queue
         return queue
@@ -194,8 +194,8 @@ class Writer:
         row = 0
         while True:
             done = lib.shm_append_step(
-                self._table, self._table_size, c_slots, batch, c_lengths, c_ids, c_logprobs,
-                row_stride, ids.size, logprobs.size, mode, self._max_row, row,
+                self._base, self._table, self._table_size, c_slots, batch, c_lengths, c_ids,
+                c_logprobs, row_stride, ids.size, logprobs.size, mode, self._max_row, row,
                 self._source_cursor, self._bad_row,
             )
             if done == batch:
@@ -205,35 +205,31 @@ class Writer:
                 raise_for(int(done), f"append_step row {bad} (slot {int(slots[bad])}, "
                                      f"length {int(lengths[bad])})")
             row = int(done)
-            self._grow_queue(int(slots[row]), 1, int(lengths[row]))
+            self._grow_queue(int(slots[row]), int(lengths[row]))
 
     def take_batch(self, queues: Sequence[RowQueue], final: bool = False) -> RefBatch:
-        """Take every queue (one emission): one RefBatch, entry i for queues[i]."""
+        """Take every queue (one emission): one RefBatch, entry i for queues[i].
+
+        Ring buffers are published in place and each queue gets its next
+        buffer, all in one native call; `final` drops the buffers instead
+        (the requests ended)."""
         self._check_open()
-        entries = np.zeros(len(queues), dtype=ENTRY_DTYPE)
-        inline_chunks: list[bytes] = []
-        inline_offset = 0
-        for i, queue in enumerate(queues):
-            ref = self._take(queue, final)
-            entry = entries[i]
-            entry["kind"], entry["mode"], entry["rows"], entry["nnz"] = (
-                ref.kind, ref.mode, ref.rows, ref.nnz)
-            if ref.kind == KIND_SHM:
-                entry["position"], entry["record_bytes"] = ref.position, ref.record_bytes
-            elif ref.kind == KIND_INLINE:
-                assert ref.payload is not None
-                entry["position"], entry["record_bytes"] = inline_offset, len(ref.payload)
-                inline_chunks.append(bytes(ref.payload))
-                inline_offset += len(ref.payload)
+        for queue in queues:
+            if queue.writer is not self or queue.closed:
+                raise ShmaskError(f"{queue!r} is closed or belongs to another Writer")
+        entries, inline_chunks = self._take_into_entries(_slots_array(queues), final)
         segments = [(self.segment_name, self.epoch)] if self.segment else []
         self.reclaim()
         return RefBatch.build(segments, entries, inline_chunks)
 
     # ------------------------------------------------------------ lifecycle
-    def reclaim(self) -> None:
-        """Return released (and lease-expired) records to the ring."""
+    def reclaim(self, move_staging: bool = False) -> None:
+        """Return released (and lease-expired) records to the ring. With
+        `move_staging`, queue buffers that block the tail are moved out of
+        the way (to the head, else to private memory), each at most once."""
         if self.segment is None:
             return
+        moved: set[int] = set()
         while True:
             lib.shm_reclaim(self._base, time.monotonic_ns(), self._lease_ns, self._reclaim_result)
             result = self._reclaim_result
@@ -241,11 +237,12 @@ class Writer:
                 self.stats.expired += int(result.expired)
                 log.warning("reclaimed %d chunk(s) not released within SHMASK_LEASE_S=%s",
                             int(result.expired), self.config.lease_s)
-            if result.blocked_state != lib.SHM_STATE_STAGING:
+            if not move_staging or result.blocked_state != lib.SHM_STATE_STAGING:
                 return
-            # A queue still filling blocks the tail: move it so reclaim goes on.
-            if not self._move_staging(int(result.blocked_position)):
+            slot = int(lib.shm_staging_owner(self._base, result.blocked_position))
+            if slot in moved or not self._move_staging(slot):
                 return
+            moved.add(slot)
 
     def close(self) -> None:
         """Close every queue and unlink the segment. Readers that still hold
@@ -288,23 +285,32 @@ class Writer:
         self._table, self._table_size = table, size
 
     def _reserve(self, mode: int, rows_capacity: int, nnz_capacity: int) -> int | None:
-        """A ring record for this many rows, or None (the chunk goes inline)."""
-        rc = lib.shm_reserve(self._base, mode, rows_capacity, nnz_capacity, self._position)
+        """A ring record for a one-shot chunk, or None (the chunk goes inline)."""
+        position = self._position
+        if self._wait_for_room(
+            lambda: lib.shm_reserve(self._base, mode, rows_capacity, nnz_capacity, position)
+        ):
+            return int(position[0])
+        return None
+
+    def _wait_for_room(self, attempt) -> bool:  # type: ignore[no-untyped-def]
+        """Full-ring policy: try; reclaim and retry until SHMASK_FULL_WAIT_MS
+        has passed; False means the caller falls back to inline."""
+        rc = attempt()
         if rc == lib.SHM_OK:
-            return int(self._position[0])
+            return True
         if rc != lib.SHM_FULL:
-            return None  # larger than the whole ring
+            return False  # larger than the whole ring
+        self.stats.full_waits += 1
         deadline = time.monotonic() + self._full_wait_s
         pause = 0.0001
-        self.stats.full_waits += 1
         while True:
-            self.reclaim()
-            rc = lib.shm_reserve(self._base, mode, rows_capacity, nnz_capacity, self._position)
-            if rc == lib.SHM_OK:
-                return int(self._position[0])
+            self.reclaim(move_staging=True)
+            if attempt() == lib.SHM_OK:
+                return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return None
+                return False
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.005)
 
@@ -321,24 +327,24 @@ class Writer:
         logprobs = view[start + layout.logprobs_offset:][:4 * n_logprobs].view(np.float32)
         return lengths, ids, logprobs
 
-    def _publish_record(self, position: int, mode: int, rows: int, nnz: int,
-                        rows_capacity: int, nnz_capacity: int) -> ChunkRef:
+    def _publish_record(self, position: int, mode: int, rows: int, nnz: int) -> ChunkRef:
         rc = lib.shm_publish(self._base, position, rows, nnz, time.monotonic_ns())
         if rc:
             raise_for(rc, f"publish at position {position}")
-        # The record's size comes from the producer's own capacities, never
-        # from a value read back out of shared memory.
-        lib.shm_record_layout(mode, rows_capacity, nnz_capacity, self._layout)
-        self.stats.chunks += 1
-        self.stats.rows += rows
-        self.stats.payload_bytes += 4 * (rows + nnz + (nnz if mode == MODE_SUPPORT else rows))
+        # The record's size comes from the producer's own numbers, never from
+        # a value read back out of shared memory.
+        lib.shm_record_layout(mode, rows, nnz, self._layout)
+        self._count(rows, nnz, mode)
         return ChunkRef(KIND_SHM, mode, self.segment_name, self.epoch, position,
                         int(self._layout.record_bytes), rows, nnz, None)
 
-    def _inline_ref(self, mode: int, rows: int, nnz: int, payload: bytes) -> ChunkRef:
+    def _count(self, rows: int, nnz: int, mode: int) -> None:
         self.stats.chunks += 1
         self.stats.rows += rows
-        self.stats.payload_bytes += len(payload)
+        self.stats.payload_bytes += 4 * (rows + nnz + (nnz if mode == MODE_SUPPORT else rows))
+
+    def _inline_ref(self, mode: int, rows: int, nnz: int, payload: bytes) -> ChunkRef:
+        self._count(rows, nnz, mode)
         self.stats.inline_chunks += 1
         self.stats.inline_bytes += len(payload)
         if self.config.transport == "shm":
@@ -356,118 +362,115 @@ class Writer:
             self._last_warning = now
             self._pending_warnings = 0
 
-    # ---- queue buffers
-    def _grow_queue(self, slot: int, extra_rows: int, extra_nnz: int) -> None:
+    # ---- queue buffers (the fast paths are in the native core)
+    def _grow_queue(self, slot: int, extra_nnz: int) -> None:
+        """Slow path of append_step: the ring had no room for this queue's
+        larger buffer right away. Wait for room, else stage privately."""
         entry = self._table[slot]
-        rows_needed = int(entry.rows) + extra_rows
-        nnz_needed = int(entry.nnz) + extra_nnz
-        hint_rows, hint_nnz = self._next_size.get(slot, (self.config.queue_rows, 0))
-        rows_capacity = max(int(entry.rows_capacity) * 2, rows_needed, hint_rows)
-        per_row = max(extra_nnz, 1)
-        nnz_capacity = max(int(entry.nnz_capacity) * 2, nnz_needed, hint_nnz,
-                           per_row * rows_capacity if entry.nnz_capacity == 0 else 0)
-        if entry.rows_capacity and rows_needed <= entry.rows_capacity:
-            rows_capacity = int(entry.rows_capacity)  # only the ids need room
-        if entry.nnz_capacity and nnz_needed <= entry.nnz_capacity:
-            nnz_capacity = int(entry.nnz_capacity)
-        self._restage(slot, rows_capacity, nnz_capacity)
+        rows_needed, nnz_needed = int(entry.rows) + 1, int(entry.nnz) + extra_nnz
+        rows_capacity = max(2 * int(entry.rows_capacity), rows_needed, int(entry.next_rows))
+        nnz_capacity = max(2 * int(entry.nnz_capacity), nnz_needed, int(entry.next_nnz),
+                           max(extra_nnz, 1) * rows_capacity if not entry.nnz_capacity else 0)
+        self._restage(slot, rows_capacity, nnz_capacity, wait=True)
 
-    def _restage(self, slot: int, rows_capacity: int, nnz_capacity: int,
-                 wait: bool = True) -> None:
-        """Give queue `slot` a new buffer of these capacities, keeping its rows:
-        in the ring if it has room (after reclaim and the full wait when
-        `wait`), else in private memory."""
-        mode = int(self._table[slot].mode)
-        position = None
-        if self.segment is not None:
+    def _restage(self, slot: int, rows_capacity: int, nnz_capacity: int, wait: bool) -> None:
+        """Give queue `slot` a buffer of these capacities, keeping its rows: in
+        the ring if it has room (after the full-ring wait when `wait`), else
+        in private memory. A queue already in private memory stays there
+        until its next take (its chunk goes inline; the next starts afresh)."""
+        entry = self._table[slot]
+        staged_privately = not entry.in_ring and entry.rows_capacity
+        if self.segment is not None and not staged_privately:
             self._restaging = slot  # reclaim must not move this queue meanwhile
             try:
-                if wait:
-                    position = self._reserve(mode, rows_capacity, nnz_capacity)
-                elif lib.shm_reserve(self._base, mode, rows_capacity, nnz_capacity,
-                                     self._position) == lib.SHM_OK:
-                    position = int(self._position[0])
+                attempt = lambda: lib.shm_queue_restage(  # noqa: E731
+                    self._base, ffi.addressof(entry), slot, rows_capacity, nnz_capacity)
+                placed = self._wait_for_room(attempt) if wait else attempt() == lib.SHM_OK
             finally:
                 self._restaging = -1
-        old = ffi.new("shm_queue *", self._table[slot])
-        old_private = self._private.pop(slot, None)
-        entry = self._table[slot]
-        if position is not None:
-            lengths, ids, logprobs = self._record_arrays(position, mode, rows_capacity,
-                                                         nnz_capacity)
-            entry.in_ring, entry.position = 1, position
-            self._staging_at[position] = slot
-        else:
-            n_logprobs = nnz_capacity if mode == MODE_SUPPORT else rows_capacity
-            lengths = np.empty(rows_capacity, np.int32)
-            ids = np.empty(nnz_capacity, np.int32)
-            logprobs = np.empty(n_logprobs, np.float32)
-            self._private[slot] = (lengths, ids, logprobs)
-            entry.in_ring, entry.position = 0, 0
-        entry.lengths = ffi.cast("int32_t *", lengths.ctypes.data)
-        entry.ids = ffi.cast("int32_t *", ids.ctypes.data)
-        entry.logprobs = ffi.cast("float *", logprobs.ctypes.data)
-        entry.rows_capacity, entry.nnz_capacity = rows_capacity, nnz_capacity
-        if old.rows_capacity:
-            lib.shm_copy_queue(old, entry)
-        else:
-            entry.rows, entry.nnz = 0, 0
-        if old.in_ring and old.rows_capacity:
-            self._staging_at.pop(int(old.position), None)
-            lib.shm_discard(self._base, old.position)
-        del old_private  # the private arrays may go now that the rows are copied
+            if placed:
+                self._private.pop(slot, None)
+                return
+        n_logprobs = nnz_capacity if entry.mode == MODE_SUPPORT else rows_capacity
+        arrays = (np.empty(rows_capacity, np.int32), np.empty(nnz_capacity, np.int32),
+                  np.empty(n_logprobs, np.float32))
+        lib.shm_queue_move(self._base, ffi.addressof(entry),
+                           *(ffi.cast(t, a.ctypes.data) for t, a in
+                             zip(("int32_t *", "int32_t *", "float *"), arrays, strict=True)),
+                           rows_capacity, nnz_capacity)
+        self._private[slot] = arrays  # after the copy: the old arrays may go now
 
-    def _move_staging(self, position: int) -> bool:
-        """Move the staging buffer at the ring's tail out of the way: to the
-        head if there is room, else to private memory. False if unknown."""
-        slot = self._staging_at.get(position)
-        if slot is None or slot == self._restaging:
+    def _move_staging(self, slot: int) -> bool:
+        """Move queue `slot`'s staging buffer (it blocks the ring's tail) to
+        the head if there is room, else to private memory."""
+        if slot == self._restaging or self._queue_entry(slot) is None:
             return False
         entry = self._table[slot]
+        if not entry.in_ring:
+            return False
         self.stats.staging_moves += 1
         self._restage(slot, int(entry.rows_capacity), int(entry.nnz_capacity), wait=False)
         return True
 
-    def _take(self, queue: RowQueue, final: bool) -> ChunkRef:
-        if queue.writer is not self or queue.closed:
-            raise ShmaskError(f"{queue!r} is closed or belongs to another Writer")
-        slot = queue.slot
+    def _take_into_entries(self, slots: np.ndarray,
+                           final: bool) -> tuple[np.ndarray, list[bytes]]:
+        count = slots.size
+        kind = np.zeros(count, np.uint8)
+        position = np.zeros(count, np.uint64)
+        record_bytes = np.zeros(count, np.uint64)
+        rows = np.zeros(count, np.uint32)
+        nnz = np.zeros(count, np.uint64)
+        mode = np.zeros(count, np.uint8)
+        inline_chunks: list[bytes] = []
+        inline_offset = 0
+        start = 0
+        outputs = [ffi.from_buffer(ctype, array) for ctype, array in (
+            ("int32_t[]", slots), ("uint8_t[]", kind), ("uint8_t[]", mode),
+            ("uint64_t[]", position), ("uint64_t[]", record_bytes), ("uint32_t[]", rows),
+            ("uint64_t[]", nnz))]
+        now = time.monotonic_ns()
+        while start < count:
+            done = lib.shm_take_queues(self._base, self._table, self._table_size, outputs[0], count,
+                                       start, now, int(final), *outputs[1:])
+            if done < 0:
+                raise_for(int(done), "take")
+            if done == count:
+                break
+            i = int(done)  # a queue in private memory: its chunk goes inline
+            ref = self._take_private(int(slots[i]), final)
+            kind[i], mode[i], rows[i], nnz[i] = KIND_INLINE, ref.mode, ref.rows, ref.nnz
+            assert ref.payload is not None
+            position[i], record_bytes[i] = inline_offset, len(ref.payload)
+            inline_chunks.append(bytes(ref.payload))
+            inline_offset += len(ref.payload)
+            start = i + 1
+        shm = kind == KIND_SHM
+        if shm.any():
+            self.stats.chunks += int(shm.sum())
+            self.stats.rows += int(rows[shm].sum())
+            per_row = np.where(mode[shm] == MODE_SUPPORT, nnz[shm], rows[shm])
+            self.stats.payload_bytes += int(4 * (rows[shm].sum() + nnz[shm].sum() + per_row.sum()))
+        entries = np.zeros(count, dtype=ENTRY_DTYPE)
+        entries["kind"], entries["mode"], entries["rows"], entries["nnz"] = kind, mode, rows, nnz
+        entries["position"], entries["record_bytes"] = position, record_bytes
+        return entries, inline_chunks
+
+    def _take_private(self, slot: int, final: bool) -> ChunkRef:
         entry = self._table[slot]
         rows, nnz, mode = int(entry.rows), int(entry.nnz), int(entry.mode)
-        if rows == 0:
-            if final:
-                self._drop_buffer(slot)
-            return ChunkRef(KIND_EMPTY, mode, "", 0, 0, 0, 0, 0, None)
-        # Next emission's buffer: this one's size with 25% slack, so steady
-        # decoding needs no doubling at all.
-        self._next_size[slot] = (rows + rows // 4 + 1, nnz + nnz // 4 + 1)
-        if entry.in_ring:
-            position = int(entry.position)
-            ref = self._publish_record(position, mode, rows, nnz, int(entry.rows_capacity),
-                                       int(entry.nnz_capacity))
-            self._staging_at.pop(position, None)
-        else:
-            lengths, ids, logprobs = self._private.pop(slot)
-            n_logprobs = nnz if mode == MODE_SUPPORT else rows
-            payload = lengths[:rows].tobytes() + ids[:nnz].tobytes() + logprobs[:n_logprobs].tobytes()
-            ref = self._inline_ref(mode, rows, nnz, payload)
-        entry.rows = entry.nnz = entry.rows_capacity = entry.nnz_capacity = 0
-        entry.in_ring = entry.position = 0
-        return ref
-
-    def _drop_buffer(self, slot: int) -> None:
-        entry = self._table[slot]
-        if entry.in_ring and entry.rows_capacity:
-            self._staging_at.pop(int(entry.position), None)
-            lib.shm_discard(self._base, entry.position)
-        self._private.pop(slot, None)
-        entry.rows = entry.nnz = entry.rows_capacity = entry.nnz_capacity = 0
-        entry.in_ring = entry.position = 0
+        lengths, ids, logprobs = self._private.pop(slot)
+        n_logprobs = nnz if mode == MODE_SUPPORT else rows
+        payload = b"".join((lengths[:rows].tobytes(), ids[:nnz].tobytes(),
+                            logprobs[:n_logprobs].tobytes()))
+        entry.next_rows, entry.next_nnz = rows + rows // 4 + 1, nnz + nnz // 4 + 1
+        lib.shm_queue_drop(ffi.NULL, ffi.addressof(entry))
+        return self._inline_ref(mode, rows, nnz, payload)
 
     def _close_queue(self, queue: RowQueue) -> None:
-        self._drop_buffer(queue.slot)
-        self._table[queue.slot].mode = 0
-        self._next_size.pop(queue.slot, None)
+        entry = self._table[queue.slot]
+        lib.shm_queue_drop(self._base, ffi.addressof(entry))
+        self._private.pop(queue.slot, None)
+        entry.mode = 0
         self._queues.pop(queue.slot, None)
         self._free_slots.append(queue.slot)
 
@@ -494,8 +497,7 @@ class RowQueue:
 
     def take(self, final: bool = False) -> ChunkRef:
         """Publish the rows appended since the last take, in place."""
-        self.writer._check_open()
-        return self.writer._take(self, final)
+        return self.writer.take_batch([self], final)[0]
 
     @property
     def rows(self) -> int:

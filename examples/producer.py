@@ -1,0 +1,92 @@
+"""The scheduler: a decode loop that samples supports for every running
+request, stages them in RowQueues, and every `--emit-every` tokens (and when
+a request finishes) publishes them and sends one RefBatch to the detokenizer.
+
+Run by examples/pipeline.py; shmask settings come from SHMASK_* variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import msgspec
+import numpy as np
+import zmq
+from workload import request_lengths, step_rows
+
+import shmask
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, help="zmq endpoint of the detokenizer")
+    parser.add_argument("--results", required=True, help="zmq endpoint for the final stats")
+    parser.add_argument("--control", required=True, help="zmq endpoint that says when to exit")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--top-k", type=int, default=1000)
+    parser.add_argument("--mode", choices=["support", "selected"], default="support")
+    parser.add_argument("--emit-every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    context = zmq.Context()
+    out = context.socket(zmq.PUSH)
+    out.connect(args.out)
+    results = context.socket(zmq.PUSH)
+    results.connect(args.results)
+    encoder = msgspec.msgpack.Encoder()
+
+    writer = shmask.Writer()
+    requests = np.arange(args.requests, dtype=np.int64)
+    lengths_of_request = request_lengths(requests, args.tokens)
+    queues = [writer.open_queue(args.mode) for _ in requests]
+    slots = np.array([q.slot for q in queues], np.int32)
+    emitted_from = np.zeros(args.requests, np.int64)  # first token not yet emitted
+    append_s = emit_s = 0.0
+    emissions: list[float] = []
+    bytes_sent = 0
+    for token in range(int(lengths_of_request.max())):
+        running = token < lengths_of_request
+        lengths, ids, logprobs = step_rows(args.seed, args.top_k, requests[running], token, args.mode)
+        t0 = time.perf_counter()
+        writer.append_step(slots[running], lengths, ids, logprobs)
+        append_s += time.perf_counter() - t0
+        finishing = running & (token + 1 == lengths_of_request)
+        due = running & (((token + 1) % args.emit_every == 0) | finishing)
+        if not due.any():
+            continue
+        t0 = time.perf_counter()
+        index = np.flatnonzero(due)
+        batch = writer.take_batch([queues[i] for i in index])
+        header = encoder.encode({"requests": index.astype(np.int32).tobytes(),
+                                 "starts": emitted_from[index].astype(np.int32).tobytes()})
+        out.send_multipart([header, batch.to_bytes()], copy=False)
+        emitted_from[index] = token + 1
+        for i in np.flatnonzero(finishing):
+            queues[i].close()
+        elapsed = time.perf_counter() - t0
+        emit_s += elapsed
+        emissions.append(elapsed)
+        bytes_sent += len(header) + batch.nbytes
+    out.send_multipart([encoder.encode({"stop": True}), b""])
+    stats = writer.stats
+    results.send(encoder.encode({
+        "stage": "scheduler", "append_s": append_s, "emit_s": emit_s,
+        "emission_ms_median": 1000 * float(np.median(emissions)), "emissions": len(emissions),
+        "chunks": stats.chunks, "rows": stats.rows, "payload_bytes": stats.payload_bytes,
+        "inline_chunks": stats.inline_chunks, "socket_bytes": bytes_sent,
+    }))
+    # Keep the ring until the consumers are done with it (the pipeline says so).
+    control = context.socket(zmq.PULL)
+    control.connect(args.control)
+    control.recv()
+    writer.close()
+    for socket in (out, results, control):
+        socket.close(linger=1000)
+    context.term()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""A deterministic stand-in for a sampler: the support of token t of request
+r is a pure function of (seed, r, t), so the consumer can check every row it
+receives without any data travelling beside the transport.
+
+Rows look like real top-k/top-p supports: ascending distinct token ids in a
+151,936-entry vocabulary, a length between top_k/2 and top_k that varies per
+row, and negative float32 logprobs (or one logprob per row, selected mode).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+VOCAB = 151_936
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _hash(seed: int, requests: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        h = (np.uint64(seed) * _MIX) ^ (requests.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9))
+        h ^= tokens.astype(np.uint64) * np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xD6E8FEB86837B1AB)
+        h ^= h >> np.uint64(29)
+    return h
+
+
+def request_lengths(requests: np.ndarray, tokens: int) -> np.ndarray:
+    """Output length of each request: they end at different steps, as real ones do."""
+    return tokens - (requests % 7) * (tokens // 20)
+
+
+def row_params(seed: int, top_k: int, requests: np.ndarray, tokens: np.ndarray):
+    """Per row: length, first id, id step, logprob offset."""
+    h = _hash(seed, requests, tokens)
+    lengths = (top_k - (h % np.uint64(top_k // 2 + 1))).astype(np.int32)
+    steps = (1 + (h >> np.uint64(20)) % np.uint64(3)).astype(np.int64)
+    span = np.maximum(VOCAB - lengths.astype(np.int64) * steps, 1)
+    first = ((h >> np.uint64(24)).astype(np.int64) % span).astype(np.int64)
+    offset = ((h >> np.uint64(40)) % np.uint64(1000)).astype(np.float32) / np.float32(100)
+    return lengths, first, steps, offset
+
+
+def step_rows(seed: int, top_k: int, requests: np.ndarray, token: int, mode: str):
+    """One decode step's host buffers, as an engine has them: lengths [B],
+    ids [B, top_k] padded, logprobs [B, top_k] (support) or [B] (selected)."""
+    tokens = np.full(requests.shape, token, np.int64)
+    lengths, first, steps, offset = row_params(seed, top_k, requests, tokens)
+    column = np.arange(top_k, dtype=np.int64)
+    ids = (first[:, None] + column[None, :] * steps[:, None]).astype(np.int32)
+    ids[column[None, :] >= lengths[:, None]] = 0  # padding, never read
+    if mode == "support":
+        logprobs = -(offset[:, None] + column[None, :].astype(np.float32) * np.float32(0.001))
+    else:
+        logprobs = -offset
+    return lengths, ids, logprobs.astype(np.float32)
+
+
+def expected_chunk(seed: int, top_k: int, request: int, start: int, rows: int, mode: str):
+    """CSR (lengths, ids, logprobs) of tokens [start, start + rows) of one request."""
+    tokens = np.arange(start, start + rows, dtype=np.int64)
+    lengths, first, steps, offset = row_params(seed, top_k, np.full(rows, request), tokens)
+    row_of = np.repeat(np.arange(rows), lengths)
+    starts = np.zeros(rows, np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    within = np.arange(row_of.size, dtype=np.int64) - starts[row_of]
+    ids = (first[row_of] + within * steps[row_of]).astype(np.int32)
+    if mode == "support":
+        logprobs = -(offset[row_of] + within.astype(np.float32) * np.float32(0.001))
+    else:
+        logprobs = -offset
+    return lengths, ids, logprobs.astype(np.float32)

@@ -1,0 +1,152 @@
+"""References on the wire: pickle, msgpack, routing, and forged input."""
+
+from __future__ import annotations
+
+import pickle
+import pickletools
+
+import msgspec
+import numpy as np
+import pytest
+from conftest import assert_chunk_equal, random_chunk
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shmask
+from shmask.refs import ENTRY_DTYPE
+
+
+def _batch(writer, n, rng):
+    queues = [writer.open_queue() for _ in range(n)]
+    lengths = rng.integers(1, 5, n).astype(np.int32)
+    writer.append_step(queues, lengths, rng.integers(0, 99, (n, 4)).astype(np.int32),
+                       rng.random((n, 4)).astype(np.float32))
+    batch = writer.take_batch(queues)
+    for q in queues:
+        q.close()
+    return batch
+
+
+def _pickle_ops(obj) -> int:
+    return sum(1 for _ in pickletools.genops(pickle.dumps(obj, protocol=5)))
+
+
+def test_pickle_round_trip_is_o1_objects(writer, reader):
+    rng = np.random.default_rng(20)
+    small, large = _batch(writer, 3, rng), _batch(writer, 300, rng)
+    # the pickle of a 300-entry batch has exactly as many opcodes as a 3-entry one
+    assert _pickle_ops(small) == _pickle_ops(large)
+    back = pickle.loads(pickle.dumps(large))
+    assert back.to_bytes() == large.to_bytes() and len(back) == 300
+    for ref in back:
+        reader.open(ref).release()
+    for ref in small:
+        reader.open(ref).release()
+
+
+def test_msgpack_round_trip_is_one_ext_object(writer, reader):
+    rng = np.random.default_rng(21)
+    batch = _batch(writer, 200, rng)
+    message = {"rids": ["a", "b"], "masks": batch}
+    encoded = msgspec.msgpack.encode(message, enc_hook=shmask.msgpack_enc_hook)
+    raw = msgspec.msgpack.decode(encoded)  # without the hook: one Ext, whatever the size
+    assert isinstance(raw["masks"], msgspec.msgpack.Ext)
+    decoded = msgspec.msgpack.decode(encoded, ext_hook=shmask.msgpack_ext_hook)
+    assert decoded["masks"].to_bytes() == batch.to_bytes()
+    for ref in decoded["masks"]:
+        reader.open(ref).release()
+
+
+def test_chunk_ref_pickles(writer, reader):
+    lengths, ids, logprobs = random_chunk(np.random.default_rng(22), 4, 6)
+    ref = pickle.loads(pickle.dumps(writer.publish(lengths, ids, logprobs)))
+    with reader.open(ref) as chunk:
+        assert_chunk_equal(chunk, lengths, ids, logprobs)
+
+
+def test_select_routes_subsets_including_inline(writer, reader):
+    rng = np.random.default_rng(23)
+    chunks = [random_chunk(rng, 3, 5) for _ in range(6)]
+    refs = [writer.publish(*c) for c in chunks]
+    inline_writer = shmask.Writer(shmask.Config(**{**writer.config.__dict__, "transport": "inline"}))
+    refs[2] = inline_writer.publish(*chunks[2])
+    refs[4] = inline_writer.publish(*chunks[4])
+    inline_writer.close()
+    batch = shmask.RefBatch.from_refs(refs)
+    odd, even = batch.select([5, 3, 1]), batch.select(np.array([4, 2, 0]))
+    for sub, order in ((odd, [5, 3, 1]), (even, [4, 2, 0])):
+        sub = shmask.RefBatch.from_bytes(sub.to_bytes())
+        for ref, i in zip(sub, order, strict=True):
+            with reader.open(ref) as chunk:
+                assert_chunk_equal(chunk, *chunks[i])
+    with pytest.raises(IndexError):
+        batch.select([6])
+
+
+# ----------------------------------------------------------------- forged refs
+
+FIELDS = ("position", "record_bytes", "rows", "nnz", "mode", "segment", "kind")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(FIELDS), value=st.integers(0, 2**64 - 1), spare=st.integers(0, 3))
+def test_forged_entry_fields_raise_shmask_errors(writer, reader, field, value, spare):
+    """Any field of a real batch replaced by any value: a shmask error or the
+    true rows (when the forged value happens to be harmless), never a crash
+    and never other rows."""
+    rng = np.random.default_rng(spare)
+    chunks = [random_chunk(rng, 3, 6) for _ in range(2)]
+    refs = [writer.publish(*c) for c in chunks]
+    batch = shmask.RefBatch.from_refs(refs)
+    entries = batch.entries.copy()
+    limit = {"mode": 255, "kind": 255, "segment": 2**16 - 1, "rows": 2**32 - 1}.get(field, 2**64 - 1)
+    entries[field][0] = value % (limit + 1)
+    data = batch.to_bytes()
+    forged = data[: len(data) - entries.nbytes] + entries.tobytes()
+    try:
+        for ref, want in zip(shmask.RefBatch.from_bytes(forged), chunks, strict=True):
+            with reader.open(ref) as chunk:
+                assert_chunk_equal(chunk, *want)
+    except shmask.ShmaskError:
+        pass
+    for ref in refs:  # leave the ring clean for the next example
+        try:
+            reader.open(ref).release()
+        except shmask.ShmaskError:
+            pass
+    writer.reclaim()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 400), flips=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)),
+                                               max_size=4))
+def test_forged_batch_bytes_raise_shmask_errors(writer, reader, cut, flips):
+    inline = shmask.Writer(shmask.Config(**{**writer.config.__dict__, "transport": "inline"}))
+    rng = np.random.default_rng(cut)
+    refs = [writer.publish(*random_chunk(rng, 2, 4)), inline.publish(*random_chunk(rng, 2, 4))]
+    inline.close()
+    data = bytearray(shmask.RefBatch.from_refs(refs).to_bytes())
+    for at, byte in flips:
+        if at < len(data):
+            data[at] = byte
+    data = data[: max(cut, 0)] if cut < len(data) else data
+    try:
+        for ref in shmask.RefBatch.from_bytes(bytes(data)):
+            with reader.open(ref) as chunk:
+                chunk.to_lists()
+    except shmask.ShmaskError:
+        pass
+    try:
+        reader.open(refs[0]).release()
+    except shmask.ShmaskError:
+        pass
+    writer.reclaim()
+
+
+def test_forged_segment_names_are_refused(reader):
+    entries = np.zeros(1, ENTRY_DTYPE)
+    entries["kind"], entries["mode"], entries["rows"] = 1, 2, 1
+    for name in ("/etc/passwd", "../x", "/shmask-0-1-notahexstring0000", "/" + "a" * 60, ""):
+        batch = shmask.RefBatch.build([(name, 1)], entries)
+        with pytest.raises(shmask.ShmaskError):
+            reader.open(batch[0])
