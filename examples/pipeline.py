@@ -43,6 +43,7 @@ def main() -> int:
                         help="seed the tokenizers check against (default: --seed; another value "
                              "shows that the check catches wrong rows)")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--summary-json", default=None, help="also write the totals here")
     args = parser.parse_args()
     check_seed = args.seed if args.check_seed is None else args.check_seed
     total_rows = int(request_lengths(np.arange(args.requests), args.tokens).sum())
@@ -138,6 +139,13 @@ def _report(console: Console, args, stats, wall: float, total_rows: int) -> int:
     table.add_row("wall time", f"{wall:.1f} s")
     console.print(table)
     ok = mismatches == 0 and rows == total_rows
+    if args.summary_json:
+        Path(args.summary_json).write_bytes(msgspec.json.encode({
+            "rows": rows, "expected_rows": total_rows, "mismatches": mismatches,
+            "chunks": sum(t["chunks"] for t in tokenizers),
+            "inline_chunks": scheduler["inline_chunks"], "wall_s": wall,
+            "scheduler": scheduler, "detokenizer": detokenizer, "tokenizers": tokenizers,
+        }))
     console.print("[green]OK: every row arrived intact[/]" if ok else "[red]FAILED[/]")
     return 0 if ok else 1
 

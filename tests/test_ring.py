@@ -171,3 +171,36 @@ def test_chunk_larger_than_ring_goes_inline(writer, reader):
     assert ref.inline  # 2.5 MB record in a 1 MiB ring
     with reader.open(ref) as chunk:
         assert chunk.nnz == ids.size
+
+
+def test_second_opener_cannot_release_twice(writer, config):
+    """Two readers open the same ref (a routing bug): only one release wins."""
+    ref = writer.publish(*random_chunk(np.random.default_rng(18), 3, 5))
+    with shmask.Reader(config) as first, shmask.Reader(config) as second:
+        a, b = first.open(ref), second.open(ref)
+        a.release()
+        with pytest.raises(shmask.DoubleReleaseError):
+            b.release()
+
+
+def test_forged_position_inside_a_payload_is_refused(writer, reader):
+    """A ref pointing into a record's payload, at bytes crafted to look like a
+    published record header, must not be read as one (the tag check)."""
+    from shmask.refs import ENTRY_DTYPE
+
+    header = np.zeros(16, np.uint32)  # 64 bytes, as the record header lays them out
+    header[0:2] = [0, 0]  # tag: deliberately not the forged position
+    header[2], header[3] = 2, 2  # state WRITTEN, mode support
+    header[4] = 256  # record_bytes (low word)
+    header[6], header[7] = 1, 1  # rows, rows_capacity
+    header[8], header[10] = 1, 1  # nnz, nnz_capacity
+    lengths = np.array([64] + [0] * 15, np.int32)  # 16 rows -> ids start 128 bytes in
+    ids = np.concatenate([header.view(np.int32), np.arange(1, 49, dtype=np.int32)])  # lengths [1]
+    ref = writer.publish(lengths, ids, np.zeros(64, np.float32))
+    forged = np.zeros(1, ENTRY_DTYPE)
+    forged["kind"], forged["mode"], forged["rows"], forged["nnz"] = 1, 2, 1, 1
+    forged["position"], forged["record_bytes"] = ref.position + 128, 256
+    batch = shmask.RefBatch.build([(ref.segment, ref.epoch)], forged)
+    with pytest.raises(shmask.ShmaskError):
+        reader.open(batch[0])
+    reader.open(ref).release()
