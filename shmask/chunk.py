@@ -124,10 +124,13 @@ class Chunk:
         exactly `float()` of the float32 values, as json.dumps of to_lists()
         would."""
         ids_field, logprobs_field, lengths_field = fields
-        bounds = self.offsets[1:-1]
-        ids = np.split(self.ids, bounds)
+        bounds = self.offsets.tolist()
+        starts_stops = list(zip(bounds, bounds[1:], strict=False))
+        # Plain slices are views, and twice as cheap as np.split's.
+        ids = [self.ids[a:b] for a, b in starts_stops]
         logprobs64 = self.logprobs.astype(np.float64)
-        logprobs: Any = np.split(logprobs64, bounds) if self.support_mode else logprobs64
+        logprobs: Any = ([logprobs64[a:b] for a, b in starts_stops] if self.support_mode
+                         else logprobs64)
         out = orjson.dumps(
             {ids_field: ids, logprobs_field: logprobs, lengths_field: self.lengths},
             option=orjson.OPT_SERIALIZE_NUMPY,
