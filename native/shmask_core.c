@@ -177,7 +177,16 @@ int shm_reclaim(void *base, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_resu
             out->blocked_state = state;
             break;
         }
-        tail += r->record_bytes;
+        /* Readers can write this page too: never trust a size that would
+         * move the tail off a record boundary or past the head. */
+        uint64_t bytes = r->record_bytes;
+        if (r->tag != tail || bytes < SHM_RECORD_HEADER_BYTES || bytes % SHM_RECORD_ALIGN ||
+            bytes > capacity - (tail & (capacity - 1)) || bytes > head - tail) {
+            out->blocked_position = tail;
+            out->blocked_state = SHM_STATE_CORRUPT;
+            break;
+        }
+        tail += bytes;
     }
     /* Release: everything above (the CASes included) happens before a
      * reader can observe the new tail and conclude its record is gone. */

@@ -74,6 +74,7 @@ enum shm_state {
     SHM_STATE_PADDING = 4,   /* filler up to the end of the data region */
     SHM_STATE_EXPIRED = 5,   /* lease ran out before release; reclaimable */
     SHM_STATE_DISCARDED = 6, /* staging buffer abandoned (grown or moved) */
+    SHM_STATE_CORRUPT = 255, /* reclaim result only: a header failed its checks */
 };
 
 enum shm_mode { SHM_MODE_SELECTED = 1, SHM_MODE_SUPPORT = 2 };

@@ -71,6 +71,7 @@ class Writer:
         self._full_wait_s = self.config.full_wait_ms / 1000.0
         self._lease_ns = int(self.config.lease_s * 1e9)
         self._last_warning = 0.0
+        self._last_corruption_report = -_WARN_INTERVAL_S
         self._pending_warnings = 0
         if self.config.transport == "shm":
             collect_garbage(self.config.name_prefix)
@@ -237,12 +238,24 @@ class Writer:
                 self.stats.expired += int(result.expired)
                 log.warning("reclaimed %d chunk(s) not released within SHMASK_LEASE_S=%s",
                             int(result.expired), self.config.lease_s)
+            if result.blocked_state == lib.SHM_STATE_CORRUPT:
+                self._report_corruption(int(result.blocked_position))
             if not move_staging or result.blocked_state != lib.SHM_STATE_STAGING:
                 return
-            slot = int(lib.shm_staging_owner(self._base, result.blocked_position))
-            if slot in moved or not self._move_staging(slot):
+            position = int(result.blocked_position)
+            slot = int(lib.shm_staging_owner(self._base, position))
+            if slot in moved or not self._move_staging(slot, position):
                 return
             moved.add(slot)
+
+    def _report_corruption(self, position: int) -> None:
+        # Only a process that maps the ring writable can do this; the ring
+        # stops reclaiming there (chunks then go inline) rather than guess.
+        now = time.monotonic()
+        if now - self._last_corruption_report >= _WARN_INTERVAL_S:
+            log.error("ring %s: record header at position %d was overwritten; reclaim "
+                      "stopped there", self.segment_name, position)
+            self._last_corruption_report = now
 
     def close(self) -> None:
         """Close every queue and unlink the segment. Readers that still hold
@@ -400,14 +413,14 @@ class Writer:
                            rows_capacity, nnz_capacity)
         self._private[slot] = arrays  # after the copy: the old arrays may go now
 
-    def _move_staging(self, slot: int) -> bool:
-        """Move queue `slot`'s staging buffer (it blocks the ring's tail) to
-        the head if there is room, else to private memory."""
+    def _move_staging(self, slot: int, position: int) -> bool:
+        """Move queue `slot`'s staging buffer (it blocks the ring's tail at
+        `position`) to the head if there is room, else to private memory."""
         if slot == self._restaging or self._queue_entry(slot) is None:
             return False
         entry = self._table[slot]
-        if not entry.in_ring:
-            return False
+        if not entry.in_ring or entry.position != position:
+            return False  # the owner field (shared memory) disagrees with our table
         self.stats.staging_moves += 1
         self._restage(slot, int(entry.rows_capacity), int(entry.nnz_capacity), wait=False)
         return True

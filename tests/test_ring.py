@@ -204,3 +204,19 @@ def test_forged_position_inside_a_payload_is_refused(writer, reader):
     with pytest.raises(shmask.ShmaskError):
         reader.open(batch[0])
     reader.open(ref).release()
+
+
+def test_corrupted_record_size_stops_reclaim_instead_of_jumping(writer, reader, caplog):
+    """A reader that scribbles over a released record's size must not make
+    the producer move its tail off a record boundary."""
+    rng = np.random.default_rng(19)
+    refs = [writer.publish(*random_chunk(rng, 4, 10)) for _ in range(3)]
+    for ref in refs:
+        reader.open(ref).release()
+    scribble = np.frombuffer(reader._attach(refs[0].segment).segment.mapping, np.uint64)
+    scribble[(4096 + refs[1].position) // 8 + 2] = 12345  # record_bytes of the second record
+    writer.reclaim()
+    used, _ = writer.ring_usage()
+    assert used == refs[1].record_bytes + refs[2].record_bytes, "tail stops at the bad header"
+    assert "overwritten" in caplog.text
+    assert writer.publish(*random_chunk(rng, 2, 4)).rows == 2  # still publishing
