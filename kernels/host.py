@@ -1,0 +1,146 @@
+"""Host side: move CSR rows from the GPU into pinned host buffers and hand
+numpy views of those buffers to the transport, with no further host copy.
+
+Per step: one small copy (offsets, lengths, statuses, selected logprobs), a
+sync to learn ``offsets[B]``, then one copy of exactly the realized ids and
+values (``ids[:offsets[B]]``) -- never a padded ``[B, capacity]`` buffer.
+Buffers are pinned page-locked memory when CUDA is present (so the copies are
+DMA at full PCIe/NVLink-C2C speed), plain host memory otherwise; they grow
+on demand and are reused, so a step allocates nothing in steady state.
+
+The views returned by :meth:`HostStaging.fetch` stay valid until the next
+``fetch``; the transport copies them into shared memory inside
+``append_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._common import Rows, Status
+
+__all__ = ["HostRows", "HostStaging", "publish"]
+
+
+@dataclass
+class HostRows:
+    """Numpy views into :class:`HostStaging`'s buffers (no copies)."""
+
+    offsets: np.ndarray  # int32[B + 1]
+    lengths: np.ndarray  # int32[B]
+    status: np.ndarray  # int32[B]
+    ids: np.ndarray  # int32[offsets[B]], flat CSR
+    values: np.ndarray  # float32[offsets[B]]
+    selected_logprob: np.ndarray | None  # float32[B]
+    tokens: np.ndarray | None  # int32[B]
+
+
+class HostStaging:
+    """Reusable (pinned when CUDA is present) host buffers for :class:`Rows`."""
+
+    def __init__(self, batch_capacity: int = 256, entries_capacity: int = 1 << 16) -> None:
+        if batch_capacity < 1 or entries_capacity < 1:
+            raise ValueError(
+                f"capacities must be >= 1, got batch_capacity={batch_capacity}, "
+                f"entries_capacity={entries_capacity}"
+            )
+        self.pinned = torch.cuda.is_available()
+        self._batch = 0
+        self._entries = 0
+        self._grow_batch(batch_capacity)
+        self._grow_entries(entries_capacity)
+
+    def _empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=self.pinned)
+
+    def _grow_batch(self, batch: int) -> None:
+        if batch <= self._batch:
+            return
+        self._batch = batch
+        self.offsets = self._empty(batch + 1, torch.int32)
+        self.lengths = self._empty(batch, torch.int32)
+        self.status = self._empty(batch, torch.int32)
+        self.selected = self._empty(batch, torch.float32)
+        self.tokens = self._empty(batch, torch.int32)
+
+    def _grow_entries(self, entries: int) -> None:
+        if entries <= self._entries:
+            return
+        self._entries = max(entries, 2 * self._entries)
+        self.ids = self._empty(self._entries, torch.int32)
+        self.values = self._empty(self._entries, torch.float32)
+
+    @staticmethod
+    def _wait(tensor: torch.Tensor) -> None:
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+
+    def fetch(self, rows: Rows) -> HostRows:
+        """Copy ``rows`` to the host buffers; returns views of them."""
+        batch = rows.lengths.numel()
+        self._grow_batch(batch)
+        small = [(self.offsets[: batch + 1], rows.offsets), (self.lengths[:batch], rows.lengths),
+                 (self.status[:batch], rows.status)]
+        if rows.selected_logprob is not None:
+            small.append((self.selected[:batch], rows.selected_logprob))
+        if rows.tokens is not None:
+            small.append((self.tokens[:batch], rows.tokens))
+        for host, device in small:
+            host.copy_(device, non_blocking=self.pinned)
+        self._wait(rows.offsets)
+        total = int(self.offsets[batch])
+        self._grow_entries(total)
+        if total:
+            self.ids[:total].copy_(rows.ids[:total], non_blocking=self.pinned)
+            self.values[:total].copy_(rows.values[:total], non_blocking=self.pinned)
+            self._wait(rows.ids)
+        return HostRows(
+            offsets=self.offsets[: batch + 1].numpy(),
+            lengths=self.lengths[:batch].numpy(),
+            status=self.status[:batch].numpy(),
+            ids=self.ids[:total].numpy(),
+            values=self.values[:total].numpy(),
+            selected_logprob=None if rows.selected_logprob is None else self.selected[:batch].numpy(),
+            tokens=None if rows.tokens is None else self.tokens[:batch].numpy(),
+        )
+
+
+def publish(
+    writer: Any,
+    slots: np.ndarray | Sequence[Any],
+    rows: HostRows,
+    mode: str = "support",
+) -> np.ndarray:
+    """Append one step's rows to the transport: ``writer.append_step(slots,
+    lengths, ids, logprobs)`` with ``ids``/``logprobs`` the staging views.
+
+    ``slots[b]`` is row b's RowQueue slot (int array) or RowQueue. Rows that
+    were not opted in (SKIPPED) are left out; OVERFLOW and INVALID rows are
+    sent with length 0 (their status is returned for the caller to report).
+    ``mode`` "support" sends the support logprobs, "selected" the selected
+    logprob of each row. Returns the statuses of the rows sent.
+    """
+    if mode not in ("support", "selected"):
+        raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
+    batch = rows.lengths.size
+    if len(slots) != batch:
+        raise ValueError(f"slots has {len(slots)} entries; expected one per row ({batch})")
+    sent = rows.status != Status.SKIPPED
+    if isinstance(slots, np.ndarray):
+        chosen: Any = slots if sent.all() else slots[sent]
+    else:
+        chosen = [queue for queue, keep in zip(slots, sent, strict=True) if keep]
+    lengths = rows.lengths if sent.all() else rows.lengths[sent]
+    if mode == "support":
+        logprobs = rows.values
+    else:
+        if rows.selected_logprob is None:
+            raise ValueError("mode 'selected' needs rows from capture() or sample()")
+        logprobs = rows.selected_logprob if sent.all() else rows.selected_logprob[sent]
+    writer.append_step(chosen, lengths, rows.ids, logprobs)
+    return rows.status[sent]

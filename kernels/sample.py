@@ -1,0 +1,84 @@
+"""Sample with capture: draw each row's token and capture its support from the
+same thresholds in the same kernel, so the two can never disagree.
+
+The draw is an exponential race (equivalent to Gumbel-max): over the support
+of :func:`.capture.capture`'s semantics, token = argmax ``w_i / E_i`` with
+``E_i = -log(u_i)`` and ``u_i`` the Philox uniform of (``seeds[b]``, ``i``).
+So the token has probability ``w_i / Z`` and depends only on the row's seed,
+its probabilities and its settings, not on the batch around it. Use a new seed
+per step (for example a hash of request seed and step). Greedy rows take the
+smallest id among the maxima. Tokens of INVALID rows are -1.
+
+The torch reference draws from ``torch.Generator`` streams, so it matches the
+kernel in distribution, not draw by draw.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import Rows, check_matrix, per_row
+from .capture import reference_capture, reference_support, run_capture
+
+__all__ = ["reference_sample", "sample"]
+
+
+def sample(
+    probs: torch.Tensor,
+    seeds: torch.Tensor | int,
+    *,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+    min_p: torch.Tensor | float | None = None,
+    max_tokens: int,
+    order: str = "joint",
+    rows: torch.Tensor | None = None,
+    greedy: torch.Tensor | bool | None = None,
+) -> Rows:
+    """Sampled tokens (``Rows.tokens`` int32[B]) and their captured support.
+
+    Arguments as :func:`.capture.capture`, with ``seeds`` int64[B] (or one
+    int for every row) in place of ``sampled``. Every row is sampled; ``rows``
+    only chooses which supports are materialised.
+    """
+    return run_capture(probs, sampled=None, seeds=seeds, top_k=top_k, top_p=top_p,
+                       min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
+                       greedy=greedy)
+
+
+def reference_sample(
+    probs: torch.Tensor,
+    seeds: torch.Tensor | int,
+    *,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    max_tokens: int,
+    order: str = "joint",
+    rows: torch.Tensor | None = None,
+    greedy: torch.Tensor | bool | None = None,
+) -> Rows:
+    """Plain-torch sample with capture: an exponential race per row on a
+    ``torch.Generator`` seeded with the row's seed (CPU streams)."""
+    probs = check_matrix(probs, "probs")
+    batch, vocab = probs.shape
+    seeds = per_row(seeds, batch, torch.int64, torch.device("cpu"), "seeds", 0)
+    is_greedy = per_row(greedy, batch, torch.bool, torch.device("cpu"), "greedy", False)
+    support, bad, w = reference_support(probs, top_k, top_p, min_p, order)
+    w = w.cpu()
+    support = support.cpu()
+    tokens = torch.empty(batch, dtype=torch.int64)
+    for b in range(batch):
+        gen = torch.Generator().manual_seed(int(seeds[b]))
+        race = torch.empty(vocab).exponential_(generator=gen)
+        if is_greedy[b]:
+            tokens[b] = int(torch.argmax(w[b]))  # first maximum
+        else:
+            score = torch.where(support[b], w[b] / race, -1.0)
+            tokens[b] = int(torch.argmax(score)) if support[b].any() else -1
+    result = reference_capture(probs, tokens.to(probs.device), top_k=top_k, top_p=top_p,
+                               min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
+                               greedy=greedy)
+    tokens = torch.where(result.status == 2, -1, tokens.to(probs.device))
+    result.tokens = tokens.to(torch.int32)
+    return result
