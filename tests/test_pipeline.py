@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import SESSION_PREFIX
 
 PIPELINE = Path(__file__).resolve().parents[1] / "examples" / "pipeline.py"
