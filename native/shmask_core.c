@@ -498,3 +498,35 @@ int64_t shm_staging_owner(void *base, uint64_t position) {
         return -1;
     return (int64_t)(r->owner - 1);
 }
+
+/* ------------------------------------------------------- response JSON */
+
+int64_t shm_json_nest(const char *flat, uint64_t flat_len, const int32_t *lengths, uint64_t rows,
+                      char *out, uint64_t out_capacity) {
+    if (flat_len < 2 || flat[0] != '[' || flat[flat_len - 1] != ']') return -1;
+    if (out_capacity < flat_len + 3 * rows) return -1; /* rows add 3 bytes at most: [ ] , */
+    const char *p = flat + 1, *end = flat + flat_len - 1; /* the numbers, comma-separated */
+    char *o = out;
+    *o++ = '[';
+    for (uint64_t r = 0; r < rows; r++) {
+        if (r) *o++ = ',';
+        *o++ = '[';
+        int32_t n = lengths[r];
+        if (n < 0) return -1;
+        if (n > 0) {
+            /* n numbers end at the n-th comma (or at the closing bracket) */
+            if (p >= end) return -1; /* no numbers left for this row */
+            const char *q = p;
+            int32_t commas = 0;
+            while (q < end && (*q != ',' || ++commas < n)) q++;
+            if (commas < n - 1) return -1; /* fewer numbers than the lengths say */
+            memcpy(o, p, (size_t)(q - p));
+            o += q - p;
+            p = q < end ? q + 1 : end;
+        }
+        *o++ = ']';
+    }
+    if (p != end) return -1; /* numbers left over */
+    *o++ = ']';
+    return (int64_t)(o - out);
+}

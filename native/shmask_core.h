@@ -151,6 +151,13 @@ int64_t shm_take_queues(void *base, shm_queue *queues, uint64_t n_queues, const 
  * a buffer that blocks the tail), or -1. The caller checks it. */
 int64_t shm_staging_owner(void *base, uint64_t position);
 
+/* Response building: turns orjson's flat JSON array "[a,b,c,...]" of
+ * numbers into one array per row, "[[a,b],[c],...]", split by `lengths`
+ * (numbers never contain ',' or ']'). `out` must hold flat_len + 3 * rows
+ * bytes. Returns the bytes written, or -1 if the counts do not match. */
+int64_t shm_json_nest(const char *flat, uint64_t flat_len, const int32_t *lengths, uint64_t rows,
+                      char *out, uint64_t out_capacity);
+
 #define SHM_E_BAD_SLOT -20
 #define SHM_E_BAD_LENGTH -21
 #define SHM_E_SOURCE_OVERRUN -22

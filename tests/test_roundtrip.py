@@ -133,3 +133,26 @@ def test_inline_transport_round_trip(config, reader):
         assert_chunk_equal(chunk, lengths, ids, logprobs)
     with reader.open(batch[0]) as chunk:
         assert chunk.ids.tolist() == ids[:lengths[0]].tolist()
+
+
+@pytest.mark.parametrize("mode", ["support", "selected"])
+@pytest.mark.parametrize("lengths", [[0], [0, 0, 0], [1], [0, 3, 0, 0, 2, 0], [300, 0, 200], [1] * 40])
+def test_json_path_row_splits(writer, reader, mode, lengths):
+    """Both to_json paths (short rows split natively, long rows per view),
+    empty rows anywhere."""
+    lengths = np.array(lengths, np.int32)
+    ids = np.arange(lengths.sum(), dtype=np.int32) * 7
+    logprobs = -np.linspace(0, 3, ids.size if mode == "support" else lengths.size).astype(np.float32)
+    with reader.open(writer.publish(lengths, ids, logprobs, mode)) as chunk:
+        ids_lists, lp_lists = chunk.to_lists()
+        assert json.loads(chunk.to_json(("a", "b", "c"))) == {
+            "a": ids_lists, "b": lp_lists, "c": lengths.tolist()}
+
+
+def test_json_nest_refuses_mismatched_counts():
+    from shmask.chunk import _nest
+
+    assert _nest(b"[1,2,3]", np.array([2, 0, 1], np.int32)) == b"[[1,2],[],[3]]"
+    for flat, lengths in ((b"[1,2,3]", [2, 2]), (b"[1,2,3]", [1, 1]), (b"[]", [1]), (b"1,2", [2])):
+        with pytest.raises(shmask.ShmaskError):
+            _nest(flat, np.array(lengths, np.int32))
