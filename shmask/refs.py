@@ -215,21 +215,21 @@ class RefBatch:
         return len(self._entries)
 
     def __getitem__(self, index: int) -> ChunkRef:
-        entry = self._entries[index]
-        kind = int(entry["kind"])
-        segment, epoch, payload = "", 0, None
-        if kind == KIND_SHM:
-            segment, epoch = self._segments[int(entry["segment"])]
-        elif kind == KIND_INLINE:
-            start = int(entry["position"])
-            payload = self._inline[start:start + int(entry["record_bytes"])]
-        return ChunkRef(kind, int(entry["mode"]), segment, epoch, int(entry["position"]),
-                        int(entry["record_bytes"]), int(entry["rows"]), int(entry["nnz"]),
-                        payload)
+        return self._ref(*self._entries[index].tolist())
 
     def __iter__(self) -> Iterator[ChunkRef]:
-        for i in range(len(self)):
-            yield self[i]
+        # One tolist() for the whole batch: plain ints, no numpy scalars per field.
+        for fields in self._entries.tolist():
+            yield self._ref(*fields)
+
+    def _ref(self, kind: int, mode: int, segment_index: int, rows: int, position: int,
+             record_bytes: int, nnz: int, _reserved: int) -> ChunkRef:
+        segment, epoch, payload = "", 0, None
+        if kind == KIND_SHM:
+            segment, epoch = self._segments[segment_index]
+        elif kind == KIND_INLINE:
+            payload = self._inline[position:position + record_bytes]
+        return ChunkRef(kind, mode, segment, epoch, position, record_bytes, rows, nnz, payload)
 
     @property
     def entries(self) -> np.ndarray:
