@@ -68,7 +68,7 @@ def main() -> None:
     }))
     reader.close()
     inp.close()
-    results.close(linger=1000)
+    results.close(linger=-1)  # deliver the report, however slow the pipeline is
     context.term()
 
 

@@ -62,7 +62,10 @@ def main() -> None:
         "emission_ms_median": 1000 * float(np.median(per_emission)) if per_emission else 0.0,
     }))
     for socket in (inp, results, *outs):
-        socket.close(linger=1000)
+        # Wait until every message is delivered: a tokenizer still starting
+        # up must not lose the end of the stream (the pipeline's timeout
+        # bounds the wait if a peer died).
+        socket.close(linger=-1)
     context.term()
 
 

@@ -84,7 +84,7 @@ def main() -> None:
     control.recv()
     writer.close()
     for socket in (out, results, control):
-        socket.close(linger=1000)
+        socket.close(linger=-1)  # see detokenizer.py
     context.term()
 
 

@@ -396,18 +396,23 @@ void shm_queue_drop(void *base, shm_queue *q) {
 /* Doubling: each byte is copied O(1) times however long the queue runs. A
  * fresh buffer is sized from the last take (next_rows/next_nnz); the very
  * first one assumes rows as long as the one being appended. */
-static int grow(void *base, shm_queue *q, uint64_t slot, uint64_t n) {
+void shm_queue_grown_capacities(const shm_queue *q, uint64_t n, uint64_t *rows_out,
+                                uint64_t *nnz_out) {
     uint64_t need_rows = q->rows + 1, need_nnz = q->nnz + n;
-    uint64_t rows_capacity, nnz_capacity;
     if (!q->rows_capacity) {
-        rows_capacity = max_u64(q->next_rows, need_rows);
-        nnz_capacity = q->next_nnz ? max_u64(q->next_nnz, need_nnz) : max_u64(n, 1) * rows_capacity;
-    } else {
-        rows_capacity = need_rows > q->rows_capacity ? max_u64(2 * q->rows_capacity, need_rows)
-                                                     : q->rows_capacity;
-        nnz_capacity = need_nnz > q->nnz_capacity ? max_u64(2 * q->nnz_capacity, need_nnz)
-                                                  : q->nnz_capacity;
+        *rows_out = max_u64(q->next_rows, need_rows);
+        *nnz_out = q->next_nnz ? max_u64(q->next_nnz, need_nnz) : max_u64(n, 1) * *rows_out;
+        return;
     }
+    *rows_out = need_rows > q->rows_capacity ? max_u64(2 * q->rows_capacity, need_rows)
+                                             : q->rows_capacity;
+    *nnz_out = need_nnz > q->nnz_capacity ? max_u64(2 * q->nnz_capacity, need_nnz)
+                                          : q->nnz_capacity;
+}
+
+static int grow(void *base, shm_queue *q, uint64_t slot, uint64_t n) {
+    uint64_t rows_capacity, nnz_capacity;
+    shm_queue_grown_capacities(q, n, &rows_capacity, &nnz_capacity);
     return shm_queue_restage(base, q, slot, rows_capacity, nnz_capacity);
 }
 

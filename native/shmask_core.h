@@ -128,6 +128,11 @@ int64_t shm_append_step(void *base, shm_queue *queues, uint64_t n_queues, const 
 int shm_queue_restage(void *base, shm_queue *queue, uint64_t slot, uint64_t rows_capacity,
                       uint64_t nnz_capacity);
 
+/* The capacities a queue grows to so that one more row of n entries fits
+ * (doubling; a fresh buffer is sized from the last take). */
+void shm_queue_grown_capacities(const shm_queue *queue, uint64_t n, uint64_t *rows_out,
+                                uint64_t *nnz_out);
+
 /* Points a queue at the buffers the caller allocated (private memory) and
  * copies its rows there, discarding the ring buffer it had. */
 void shm_queue_move(void *base, shm_queue *queue, int32_t *lengths, int32_t *ids,

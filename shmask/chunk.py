@@ -127,6 +127,15 @@ class Chunk:
         Floats are widened to float64 first so that parsing the JSON gives
         exactly `float()` of the float32 values, as json.dumps of to_lists()
         would."""
+        try:
+            out = self._json(fields)
+        except ShmaskError:
+            self.check()  # rows overwritten under us: say so (StaleChunkError)
+            raise
+        self.check()
+        return out
+
+    def _json(self, fields: Sequence[str]) -> bytes:
         ids_field, logprobs_field, lengths_field = (orjson.dumps(str(f)) for f in fields)
         numpy = orjson.OPT_SERIALIZE_NUMPY
         logprobs64 = self.logprobs.astype(np.float64)
@@ -146,10 +155,8 @@ class Chunk:
             logprobs = orjson.dumps([logprobs64[a:b] for a, b in spans] if self.support_mode
                                     else logprobs64, option=numpy)
         lengths = _dumps(self.lengths)
-        out = b"".join((b"{", ids_field, b":", ids, b",", logprobs_field, b":", logprobs, b",",
-                        lengths_field, b":", lengths, b"}"))
-        self.check()
-        return out
+        return b"".join((b"{", ids_field, b":", ids, b",", logprobs_field, b":", logprobs, b",",
+                         lengths_field, b":", lengths, b"}"))
 
     # ---------------------------------------------------------- lifetime
     def check(self) -> None:

@@ -379,11 +379,10 @@ class Writer:
     def _grow_queue(self, slot: int, extra_nnz: int) -> None:
         """Slow path of append_step: the ring had no room for this queue's
         larger buffer right away. Wait for room, else stage privately."""
-        entry = self._table[slot]
-        rows_needed, nnz_needed = int(entry.rows) + 1, int(entry.nnz) + extra_nnz
-        rows_capacity = max(2 * int(entry.rows_capacity), rows_needed, int(entry.next_rows))
-        nnz_capacity = max(2 * int(entry.nnz_capacity), nnz_needed, int(entry.next_nnz),
-                           max(extra_nnz, 1) * rows_capacity if not entry.nnz_capacity else 0)
+        capacities = ffi.new("uint64_t[2]")
+        lib.shm_queue_grown_capacities(ffi.addressof(self._table[slot]), extra_nnz, capacities,
+                                       capacities + 1)
+        rows_capacity, nnz_capacity = int(capacities[0]), int(capacities[1])
         self._restage(slot, rows_capacity, nnz_capacity, wait=True)
 
     def _restage(self, slot: int, rows_capacity: int, nnz_capacity: int, wait: bool) -> None:
