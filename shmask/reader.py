@@ -17,7 +17,16 @@ from ._native_errors import raise_for
 from .chunk import Chunk
 from .config import Config
 from .errors import InvalidRefError, SegmentError, StaleChunkError
-from .refs import KIND_EMPTY, KIND_INLINE, KIND_SHM, MODE_SELECTED, MODE_SUPPORT, ChunkRef, RefBatch
+from .refs import (
+    KIND_EMPTY,
+    KIND_INLINE,
+    KIND_SHM,
+    MODE_SELECTED,
+    MODE_SUPPORT,
+    ChunkRef,
+    RefBatch,
+    payload_bytes,
+)
 from .segment import Segment, producer_alive
 
 log = logging.getLogger("shmask")
@@ -54,7 +63,7 @@ class Reader:
         if ref.kind == KIND_SHM:
             return self._open_shm(ref)
         if ref.kind == KIND_INLINE:
-            return _open_inline(ref)
+            return _open_inline(ref, self.config.max_tokens)
         if ref.kind == KIND_EMPTY:
             if ref.rows or ref.nnz:
                 raise InvalidRefError(f"empty reference with rows={ref.rows} nnz={ref.nnz}")
@@ -163,16 +172,16 @@ def _check_lengths(lengths: np.ndarray, nnz: int, max_tokens: int) -> None:
         raise_for(rc, "chunk lengths")
 
 
-def _open_inline(ref: ChunkRef) -> Chunk:
+def _open_inline(ref: ChunkRef, max_tokens: int) -> Chunk:
     payload = ref.payload
     rows, nnz = ref.rows, ref.nnz
-    n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
-    if payload is None or len(payload) != 4 * (rows + nnz + n_logprobs):
+    size = int(payload_bytes(ref.mode, rows, nnz))
+    if payload is None or len(payload) != size:
         raise InvalidRefError(f"inline {ref!r} carries {0 if payload is None else len(payload)} "
-                              f"bytes; rows and nnz need {4 * (rows + nnz + n_logprobs)}")
+                              f"bytes; rows and nnz need {size}")
     data = np.frombuffer(payload, dtype=np.uint8)
     lengths = data[:4 * rows].view(np.int32)
     ids = data[4 * rows:4 * (rows + nnz)].view(np.int32)
     logprobs = data[4 * (rows + nnz):].view(np.float32)
-    _check_lengths(lengths, nnz, 1 << 30)
+    _check_lengths(lengths, nnz, max_tokens)
     return Chunk(ref.mode, lengths, ids, logprobs, None)

@@ -67,8 +67,10 @@ def mode_code(mode: str | int) -> int:
     raise InvalidRefError(f"mode {mode!r} is invalid: accepted 'selected' or 'support'")
 
 
-def inline_payload_bytes(mode: int, rows: int, nnz: int) -> int:
-    return 4 * (rows + nnz + (nnz if mode == MODE_SUPPORT else rows))
+def payload_bytes(mode, rows, nnz):  # type: ignore[no-untyped-def]
+    """Bytes of a chunk's CSR arrays (lengths, ids, logprobs): the size of an
+    inline payload. Works on ints and, element-wise, on numpy arrays."""
+    return 4 * (rows + nnz + np.where(mode == MODE_SUPPORT, nnz, rows))
 
 
 class ChunkRef:
@@ -286,8 +288,7 @@ def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> N
             start > inline_bytes - size
         ):
             raise InvalidRefError("inline reference points outside its batch")
-        per_row = np.where(mode[inline] == MODE_SUPPORT, nnz, rows)
-        if np.any(size != 4 * (rows + nnz + per_row)):
+        if np.any(size != payload_bytes(mode[inline], rows, nnz)):
             raise InvalidRefError("inline reference size disagrees with its rows and nnz")
 
 

@@ -31,6 +31,7 @@ from .refs import (
     ChunkRef,
     RefBatch,
     mode_code,
+    payload_bytes,
 )
 from .segment import Segment, collect_garbage
 
@@ -354,7 +355,7 @@ class Writer:
     def _count(self, rows: int, nnz: int, mode: int) -> None:
         self.stats.chunks += 1
         self.stats.rows += rows
-        self.stats.payload_bytes += 4 * (rows + nnz + (nnz if mode == MODE_SUPPORT else rows))
+        self.stats.payload_bytes += int(payload_bytes(mode, rows, nnz))
 
     def _inline_ref(self, mode: int, rows: int, nnz: int, payload: bytes) -> ChunkRef:
         self._count(rows, nnz, mode)
@@ -449,7 +450,7 @@ class Writer:
             if done == count:
                 break
             i = int(done)  # a queue in private memory: its chunk goes inline
-            ref = self._take_private(int(slots[i]), final)
+            ref = self._take_private(int(slots[i]))
             kind[i], mode[i], rows[i], nnz[i] = KIND_INLINE, ref.mode, ref.rows, ref.nnz
             assert ref.payload is not None
             position[i], record_bytes[i] = inline_offset, len(ref.payload)
@@ -460,14 +461,14 @@ class Writer:
         if shm.any():
             self.stats.chunks += int(shm.sum())
             self.stats.rows += int(rows[shm].sum())
-            per_row = np.where(mode[shm] == MODE_SUPPORT, nnz[shm], rows[shm])
-            self.stats.payload_bytes += int(4 * (rows[shm].sum() + nnz[shm].sum() + per_row.sum()))
+            self.stats.payload_bytes += int(payload_bytes(mode[shm], rows[shm].astype(np.uint64),
+                                                          nnz[shm]).sum())
         entries = np.zeros(count, dtype=ENTRY_DTYPE)
         entries["kind"], entries["mode"], entries["rows"], entries["nnz"] = kind, mode, rows, nnz
         entries["position"], entries["record_bytes"] = position, record_bytes
         return entries, inline_chunks
 
-    def _take_private(self, slot: int, final: bool) -> ChunkRef:
+    def _take_private(self, slot: int) -> ChunkRef:
         entry = self._table[slot]
         rows, nnz, mode = int(entry.rows), int(entry.nnz), int(entry.mode)
         lengths, ids, logprobs = self._private.pop(slot)
