@@ -26,7 +26,9 @@ setup(
         # torch==2.13.0 is the CPU build that lies on disk here; a looser pin
         # would pull a multi-GB CUDA build on a machine without it.
         "kernels": ["torch==2.13.0", "triton>=3.0"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "ruff>=0.5"],
+        # the HTTP front end example (examples/server.py), as SGLang serves
+        "server": ["fastapi>=0.110", "uvicorn>=0.29"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "ruff>=0.5", "httpx>=0.27"],
     },
     entry_points={"console_scripts": ["shmask=shmask.cli:main"]},
 )
