@@ -64,7 +64,7 @@ def measure(width: int, batch: int, tokens: int, emissions: int) -> dict[str, fl
                            name_prefix=SEGMENT_PREFIX, full_wait_ms=50, lease_s=600)
     with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
         queues = [writer.open_queue("support") for _ in range(batch)]
-        slots = np.array([q.slot for q in queues], np.int32)
+        slots = np.array([q.handle for q in queues], np.int64)
         emission_bytes = batch * tokens * width * 8 * 1.25
         # Lap the ring once (and the copy's slab) before measuring.
         warm_laps = int(config.ring_capacity_bytes / emission_bytes) + 2

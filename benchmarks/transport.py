@@ -310,7 +310,7 @@ class Shmask(Transport):
             self.writer = shmask.Writer(self.config())
             mode = "support" if self.support else "selected"
             self.queues = [self.writer.open_queue(mode) for _ in range(self.batch)]
-            self.slots = np.array([q.slot for q in self.queues], np.int32)
+            self.slots = np.array([q.handle for q in self.queues], np.int64)
         elif role == "tokenizer":
             self.reader = shmask.Reader(self.config())
 

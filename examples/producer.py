@@ -42,7 +42,7 @@ def main() -> None:
     requests = np.arange(args.requests, dtype=np.int64)
     lengths_of_request = request_lengths(requests, args.tokens)
     queues = [writer.open_queue(args.mode) for _ in requests]
-    slots = np.array([q.slot for q in queues], np.int32)
+    slots = np.array([q.handle for q in queues], np.int64)
     emitted_from = np.zeros(args.requests, np.int64)  # first token not yet emitted
     append_s = emit_s = 0.0
     emissions: list[float] = []

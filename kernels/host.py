@@ -119,7 +119,7 @@ def publish(
     """Append one step's rows to the transport: ``writer.append_step(slots,
     lengths, ids, logprobs)`` with ``ids``/``logprobs`` the staging views.
 
-    ``slots[b]`` is row b's RowQueue slot (int array) or RowQueue. Rows that
+    ``slots[b]`` is row b's RowQueue handle (int64 array) or RowQueue. Rows that
     were not opted in (SKIPPED) are left out; OVERFLOW and INVALID rows are
     sent with length 0 (their status is returned for the caller to report).
     ``mode`` "support" sends the support logprobs, "selected" the selected

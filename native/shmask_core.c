@@ -11,10 +11,16 @@
  *     record, the bytes it read may belong to someone else (seqlock style).
  * Only the producer writes head, tail, record headers and counters.
  */
+#define _GNU_SOURCE /* MAP_POPULATE, MAP_ANONYMOUS, SA_ONSTACK */
 #include "shmask_core.h"
 #include "shmask_layout.h"
 
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -28,6 +34,9 @@ static inline const struct shm_segment_header *cseg(const void *base) {
 }
 static inline struct shm_record_header *record_at(void *base, uint64_t capacity, uint64_t pos) {
     return (struct shm_record_header *)((char *)base + SHM_HEADER_BYTES + (pos & (capacity - 1)));
+}
+static inline struct shm_record_header *ring_record(const shm_ring *ring, uint64_t pos) {
+    return record_at(ring->base, ring->capacity, pos);
 }
 static inline uint64_t align64(uint64_t n) { return (n + 63u) & ~(uint64_t)63u; }
 static inline int is_power_of_two(uint64_t n) { return n && !(n & (n - 1)); }
@@ -54,27 +63,6 @@ int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capaci
 
 /* ------------------------------------------------------------ producer */
 
-int shm_init(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t epoch,
-             uint64_t pid, uint64_t start, uint64_t created_ns) {
-    if (!is_power_of_two(capacity) || capacity < SHM_MIN_CAPACITY) return SHM_E_BAD_HEADER;
-    if (mapped_bytes < SHM_HEADER_BYTES + capacity) return SHM_E_BAD_HEADER;
-    struct shm_segment_header *h = seg(base);
-    memset(h, 0, SHM_HEADER_BYTES);
-    h->layout_version = SHM_LAYOUT_VERSION;
-    h->header_bytes = SHM_HEADER_BYTES;
-    h->capacity = capacity;
-    h->epoch = epoch;
-    h->producer_pid = pid;
-    h->producer_start = start;
-    h->created_ns = created_ns;
-    atomic_store_explicit(&h->head, 0, memory_order_relaxed);
-    atomic_store_explicit(&h->tail, 0, memory_order_relaxed);
-    /* Magic last: a janitor that maps a half-made segment skips it. */
-    atomic_thread_fence(memory_order_release);
-    __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
-    return SHM_OK;
-}
-
 static void write_record_header(struct shm_record_header *r, uint64_t pos, uint32_t mode,
                                 uint64_t bytes, uint64_t rows_capacity, uint64_t nnz_capacity,
                                 uint64_t owner, uint32_t state) {
@@ -90,77 +78,171 @@ static void write_record_header(struct shm_record_header *r, uint64_t pos, uint3
     atomic_store_explicit(&r->state, state, memory_order_release);
 }
 
-static int reserve_record(void *base, uint32_t mode, uint64_t rows_capacity,
+
+static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+static inline uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+static inline int ring_usable(const shm_ring *ring) { return ring->base && !ring->dead; }
+
+#define HANDLE_GENERATION_MASK 0xffffull
+#define HANDLE_TAG_MASK 0x7fffull
+#define INITIAL_SLOTS 64u
+
+static int64_t make_handle(const shm_ring *ring, uint64_t slot) {
+    uint64_t generation = ring->queues[slot].generation & HANDLE_GENERATION_MASK;
+    return (int64_t)(slot | generation << SHM_HANDLE_SLOT_BITS | ring->handle_tag << 48);
+}
+
+static int grow_table(shm_ring *ring) {
+    uint64_t old = ring->n_queues, size = old ? 2 * old : INITIAL_SLOTS;
+    if (size > (1ull << 31)) return SHM_E_NO_MEMORY;
+    shm_queue *queues = realloc(ring->queues, size * sizeof *queues);
+    if (!queues) return SHM_E_NO_MEMORY;
+    ring->queues = queues;
+    uint32_t *free_slots = realloc(ring->free_slots, size * sizeof *free_slots);
+    if (!free_slots) return SHM_E_NO_MEMORY;
+    ring->free_slots = free_slots;
+    memset(queues + old, 0, (size - old) * sizeof *queues);
+    for (uint64_t slot = size; slot-- > old;) ring->free_slots[ring->n_free++] = (uint32_t)slot;
+    ring->n_queues = size;
+    return SHM_OK;
+}
+
+int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t capacity,
+                  uint64_t epoch, uint64_t pid, uint64_t start, uint64_t created_ns,
+                  uint64_t handle_tag) {
+    memset(ring, 0, sizeof *ring);
+    ring->handle_tag = handle_tag & HANDLE_TAG_MASK;
+    /* A fresh buffer's size is a guess (rows x this step's row length) until
+     * the queue's first take; bound the guess so one odd setting cannot ask
+     * for gigabytes (it still grows by doubling if rows really are that long). */
+    ring->initial_nnz_cap = base ? max_u64(capacity / 64 / 4, 1024) : (1ull << 20);
+    if (base) {
+        if (!is_power_of_two(capacity) || capacity < SHM_MIN_CAPACITY) return SHM_E_BAD_HEADER;
+        if (mapped_bytes < SHM_HEADER_BYTES + capacity) return SHM_E_BAD_HEADER;
+        struct shm_segment_header *h = seg(base);
+        memset(h, 0, SHM_HEADER_BYTES);
+        h->layout_version = SHM_LAYOUT_VERSION;
+        h->header_bytes = SHM_HEADER_BYTES;
+        h->capacity = capacity;
+        h->epoch = epoch;
+        h->producer_pid = pid;
+        h->producer_start = start;
+        h->created_ns = created_ns;
+        atomic_store_explicit(&h->head, 0, memory_order_relaxed);
+        atomic_store_explicit(&h->tail, 0, memory_order_relaxed);
+        /* Magic last: a reader that maps a half-made segment rejects it. */
+        atomic_thread_fence(memory_order_release);
+        __atomic_store_n(&h->magic, SHM_MAGIC, __ATOMIC_RELEASE);
+        ring->base = base;
+        ring->mapped_bytes = mapped_bytes;
+        ring->capacity = capacity;
+    }
+    return grow_table(ring);
+}
+
+static void free_private(shm_queue *q) {
+    if (!q->in_ring && q->rows_capacity) free(q->lengths); /* one block: lengths|ids|logprobs */
+}
+
+static void drop_buffer(shm_ring *ring, shm_queue *q) {
+    if (q->in_ring && q->rows_capacity && ring_usable(ring)) {
+        struct shm_record_header *r = ring_record(ring, q->position);
+        uint32_t expected = SHM_STATE_STAGING;
+        /* A tag or state someone else rewrote is left alone: reclaim stops
+         * there and reports it, rather than guess. */
+        if (r->tag == q->position &&
+            atomic_compare_exchange_strong_explicit(&r->state, &expected, SHM_STATE_DISCARDED,
+                                                    memory_order_acq_rel, memory_order_acquire))
+            bump(ring->base, SHM_COUNTER_DISCARDED);
+    }
+    free_private(q);
+    q->lengths = NULL;
+    q->ids = NULL;
+    q->logprobs = NULL;
+    q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
+    q->in_ring = 0;
+    q->position = 0;
+}
+
+void shm_ring_free(shm_ring *ring) {
+    for (uint64_t slot = 0; slot < ring->n_queues; slot++) free_private(&ring->queues[slot]);
+    free(ring->queues);
+    free(ring->free_slots);
+    ring->queues = NULL;
+    ring->free_slots = NULL;
+    ring->n_queues = ring->n_free = 0;
+}
+
+void shm_ring_mark_dead(shm_ring *ring) { ring->dead = 1; }
+
+static int reserve_record(shm_ring *ring, uint32_t mode, uint64_t rows_capacity,
                           uint64_t nnz_capacity, uint64_t owner, uint64_t *position_out) {
-    struct shm_segment_header *h = seg(base);
+    if (!ring->base) return SHM_E_TOO_BIG;
+    if (ring->dead) return SHM_E_TRUNCATED;
     shm_layout layout;
     int rc = shm_record_layout(mode, rows_capacity, nnz_capacity, &layout);
     if (rc) return rc;
-    uint64_t capacity = h->capacity;
-    uint64_t bytes = layout.record_bytes;
+    uint64_t capacity = ring->capacity, bytes = layout.record_bytes;
     if (bytes > capacity) return SHM_E_TOO_BIG;
-    uint64_t head = atomic_load_explicit(&h->head, memory_order_relaxed);
-    uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
+    uint64_t head = ring->head, tail = ring->tail;
     uint64_t offset = head & (capacity - 1);
     uint64_t padding = offset + bytes > capacity ? capacity - offset : 0;
     if (head + padding + bytes - tail > capacity) return SHM_FULL;
     if (padding) {
-        write_record_header(record_at(base, capacity, head), head, 0, padding, 0, 0, 0,
-                            SHM_STATE_PADDING);
-        bump(base, SHM_COUNTER_PADDING);
+        write_record_header(ring_record(ring, head), head, 0, padding, 0, 0, 0, SHM_STATE_PADDING);
+        bump(ring->base, SHM_COUNTER_PADDING);
         head += padding;
     }
-    write_record_header(record_at(base, capacity, head), head, mode, bytes, rows_capacity,
-                        nnz_capacity, owner, SHM_STATE_STAGING);
+    write_record_header(ring_record(ring, head), head, mode, bytes, rows_capacity, nnz_capacity,
+                        owner, SHM_STATE_STAGING);
     *position_out = head;
-    atomic_store_explicit(&h->head, head + bytes, memory_order_release);
+    ring->head = head + bytes;
+    atomic_store_explicit(&seg(ring->base)->head, ring->head, memory_order_release);
     return SHM_OK;
 }
 
-int shm_reserve(void *base, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
+int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
                 uint64_t *position_out) {
-    return reserve_record(base, mode, rows_capacity, nnz_capacity, 0, position_out);
+    return reserve_record(ring, mode, rows_capacity, nnz_capacity, 0, position_out);
 }
 
-void *shm_record_address(void *base, uint64_t position) {
-    return record_at(base, seg(base)->capacity, position);
+uint64_t shm_record_offset(const shm_ring *ring, uint64_t position) {
+    return SHM_HEADER_BYTES + (position & (ring->capacity - 1));
 }
 
-int shm_publish(void *base, uint64_t position, uint64_t rows, uint64_t nnz, uint64_t now_ns) {
-    struct shm_record_header *r = record_at(base, seg(base)->capacity, position);
-    if (r->tag != position) return SHM_E_BAD_POSITION;
+int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t nnz,
+                uint64_t now_ns) {
+    if (!ring_usable(ring)) return SHM_E_TRUNCATED;
+    if (position < ring->tail || position >= ring->head || position % SHM_RECORD_ALIGN)
+        return SHM_E_BAD_POSITION;
+    struct shm_record_header *r = ring_record(ring, position);
+    if (r->tag != position || r->mode != mode) return SHM_E_BAD_POSITION;
     if (atomic_load_explicit(&r->state, memory_order_relaxed) != SHM_STATE_STAGING)
         return SHM_E_BAD_STATE;
-    if (rows > r->rows_capacity || nnz > r->nnz_capacity) return SHM_E_OVERFLOW;
     r->rows = (uint32_t)rows;
     r->nnz = nnz;
     r->published_ns = now_ns;
     /* The commit word, written last: payload and header before it. */
     atomic_store_explicit(&r->state, SHM_STATE_WRITTEN, memory_order_release);
-    bump(base, SHM_COUNTER_PUBLISHED);
+    bump(ring->base, SHM_COUNTER_PUBLISHED);
     return SHM_OK;
 }
 
-int shm_discard(void *base, uint64_t position) {
-    struct shm_record_header *r = record_at(base, seg(base)->capacity, position);
-    if (r->tag != position) return SHM_E_BAD_POSITION;
-    uint32_t expected = SHM_STATE_STAGING;
-    if (!atomic_compare_exchange_strong_explicit(&r->state, &expected, SHM_STATE_DISCARDED,
-                                                 memory_order_acq_rel, memory_order_acquire))
-        return SHM_E_BAD_STATE;
-    bump(base, SHM_COUNTER_DISCARDED);
-    return SHM_OK;
+/* A record header a reader may have rewritten: its size is trusted only if
+ * it keeps the walk on record boundaries inside [tail, head). */
+static int record_size_ok(const shm_ring *ring, const struct shm_record_header *r, uint64_t pos,
+                          uint64_t head) {
+    uint64_t bytes = r->record_bytes;
+    return r->tag == pos && bytes >= SHM_RECORD_HEADER_BYTES && bytes % SHM_RECORD_ALIGN == 0 &&
+           bytes <= ring->capacity - (pos & (ring->capacity - 1)) && bytes <= head - pos;
 }
 
-int shm_reclaim(void *base, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_result *out) {
-    struct shm_segment_header *h = seg(base);
-    uint64_t capacity = h->capacity;
-    uint64_t head = atomic_load_explicit(&h->head, memory_order_relaxed);
-    uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
-    uint64_t start = tail;
+int shm_reclaim(shm_ring *ring, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_result *out) {
     memset(out, 0, sizeof *out);
+    if (!ring_usable(ring)) return SHM_OK;
+    uint64_t head = ring->head, tail = ring->tail, start = tail;
     while (tail < head) {
-        struct shm_record_header *r = record_at(base, capacity, tail);
+        struct shm_record_header *r = ring_record(ring, tail);
         uint32_t state = atomic_load_explicit(&r->state, memory_order_acquire);
         if (state == SHM_STATE_WRITTEN && lease_ns && now_ns >= r->published_ns &&
             now_ns - r->published_ns >= lease_ns) {
@@ -169,7 +251,7 @@ int shm_reclaim(void *base, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_resu
                                                         memory_order_acq_rel,
                                                         memory_order_acquire)) {
                 out->expired++;
-                bump(base, SHM_COUNTER_EXPIRED);
+                bump(ring->base, SHM_COUNTER_EXPIRED);
                 state = SHM_STATE_EXPIRED;
             } else {
                 state = expected; /* the reader released it first */
@@ -181,25 +263,29 @@ int shm_reclaim(void *base, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_resu
             out->blocked_state = state;
             break;
         }
-        /* Readers can write this page too: never trust a size that would
-         * move the tail off a record boundary or past the head. */
-        uint64_t bytes = r->record_bytes;
-        if (r->tag != tail || bytes < SHM_RECORD_HEADER_BYTES || bytes % SHM_RECORD_ALIGN ||
-            bytes > capacity - (tail & (capacity - 1)) || bytes > head - tail) {
+        if (!record_size_ok(ring, r, tail, head)) {
             out->blocked_position = tail;
             out->blocked_state = SHM_STATE_CORRUPT;
             break;
         }
-        tail += bytes;
+        tail += r->record_bytes;
     }
-    /* Release: everything above (the CASes included) happens before a
-     * reader can observe the new tail and conclude its record is gone. */
-    atomic_store_explicit(&h->tail, tail, memory_order_release);
+    if (tail != ring->tail) {
+        ring->tail = tail;
+        /* Release: the CASes above happen before a reader can observe the
+         * new tail. The full fence after it keeps every later store into the
+         * reclaimed range (next reserve, next copy) from becoming visible
+         * before the tail on weakly ordered CPUs. */
+        atomic_store_explicit(&seg(ring->base)->tail, tail, memory_order_release);
+        atomic_thread_fence(memory_order_seq_cst);
+    }
     out->head = head;
     out->tail = tail;
     out->advanced_bytes = tail - start;
     return SHM_OK;
 }
+
+/* -------------------------------------------------------------- reader */
 
 uint64_t shm_load_head(const void *base) {
     return atomic_load_explicit(&cseg(base)->head, memory_order_acquire);
@@ -211,8 +297,6 @@ uint64_t shm_load_counter(const void *base, uint32_t which) {
     if (which >= SHM_N_COUNTERS) return 0;
     return atomic_load_explicit(&cseg(base)->counters[which], memory_order_relaxed);
 }
-
-/* -------------------------------------------------------------- reader */
 
 int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out) {
     if (segment_bytes < SHM_HEADER_BYTES) return SHM_E_BAD_HEADER;
@@ -324,11 +408,79 @@ int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
 
 /* ------------------------------------------------------ RowQueue buffers */
 
-static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+int64_t shm_queue_slot(const shm_ring *ring, int64_t handle) {
+    if (handle < 0) return SHM_E_BAD_SLOT;
+    uint64_t h = (uint64_t)handle, slot = h & 0xffffffffull;
+    if (slot >= ring->n_queues || (h >> 48) != ring->handle_tag) return SHM_E_BAD_SLOT;
+    const shm_queue *q = &ring->queues[slot];
+    if (!q->mode || ((h >> SHM_HANDLE_SLOT_BITS) & HANDLE_GENERATION_MASK) !=
+                        (q->generation & HANDLE_GENERATION_MASK))
+        return SHM_E_BAD_SLOT;
+    return (int64_t)slot;
+}
 
-static void point_at_record(void *base, shm_queue *q, uint64_t position) {
-    struct shm_segment_header *h = seg(base);
-    char *record = (char *)record_at(base, h->capacity, position);
+int64_t shm_queue_open(shm_ring *ring, uint32_t mode, uint64_t initial_rows) {
+    if (mode != SHM_MODE_SELECTED && mode != SHM_MODE_SUPPORT) return SHM_E_MODE;
+    if (!ring->n_free) {
+        int rc = grow_table(ring);
+        if (rc) return rc;
+    }
+    uint64_t slot = ring->free_slots[--ring->n_free];
+    shm_queue *q = &ring->queues[slot];
+    uint32_t generation = q->generation;
+    memset(q, 0, sizeof *q);
+    q->generation = generation;
+    q->mode = mode;
+    q->next_rows = max_u64(initial_rows, 1);
+    return make_handle(ring, slot);
+}
+
+static void close_slot(shm_ring *ring, uint64_t slot) {
+    shm_queue *q = &ring->queues[slot];
+    drop_buffer(ring, q);
+    q->mode = 0;
+    q->pending_rows = q->pending_nnz = 0;
+    q->generation++;
+    ring->free_slots[ring->n_free++] = (uint32_t)slot;
+}
+
+int shm_queue_close(shm_ring *ring, int64_t handle) {
+    int64_t slot = shm_queue_slot(ring, handle);
+    if (slot < 0) return (int)slot;
+    close_slot(ring, (uint64_t)slot);
+    return SHM_OK;
+}
+
+int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t now_ns, uint64_t *given_back) {
+    int64_t slot = shm_queue_slot(ring, handle);
+    *given_back = 0;
+    if (slot < 0) return (int)slot;
+    if (ring_usable(ring)) {
+        /* Walk the live records; the owner word is only a hint (readers can
+         * write it), so a rewritten one at worst gives back the wrong chunk
+         * early (its reader then gets StaleChunkError, never other rows). */
+        uint64_t owner = (uint64_t)handle + 1, head = ring->head;
+        for (uint64_t pos = ring->tail; pos < head;) {
+            struct shm_record_header *r = ring_record(ring, pos);
+            if (!record_size_ok(ring, r, pos, head)) break;
+            uint32_t expected = SHM_STATE_WRITTEN;
+            if (r->owner == owner &&
+                atomic_compare_exchange_strong_explicit(&r->state, &expected, SHM_STATE_EXPIRED,
+                                                        memory_order_acq_rel,
+                                                        memory_order_acquire)) {
+                bump(ring->base, SHM_COUNTER_EXPIRED);
+                (*given_back)++;
+            }
+            pos += r->record_bytes;
+        }
+    }
+    (void)now_ns;
+    close_slot(ring, (uint64_t)slot);
+    return SHM_OK;
+}
+
+static void point_at_record(shm_ring *ring, shm_queue *q, uint64_t position) {
+    char *record = (char *)ring_record(ring, position);
     shm_layout layout;
     shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
     q->lengths = (int32_t *)(record + layout.lengths_offset);
@@ -345,35 +497,44 @@ static void copy_rows(const shm_queue *from, int32_t *lengths, int32_t *ids, flo
     memcpy(logprobs, from->logprobs, n_logprobs * sizeof(float));
 }
 
-static void discard_buffer(void *base, shm_queue *q) {
-    if (q->in_ring && q->rows_capacity) shm_discard(base, q->position);
-    q->in_ring = 0;
-    q->position = 0;
-}
-
-int shm_queue_restage(void *base, shm_queue *q, uint64_t slot, uint64_t rows_capacity,
-                      uint64_t nnz_capacity) {
-    if (!base || (!q->in_ring && q->rows_capacity)) return SHM_FULL;
+/* Moves the queue's rows into a new ring buffer of these capacities. */
+static int restage_in_ring(shm_ring *ring, uint64_t slot, uint64_t rows_capacity,
+                           uint64_t nnz_capacity) {
+    shm_queue *q = &ring->queues[slot];
     if (rows_capacity < q->rows || nnz_capacity < q->nnz) return SHM_E_OVERFLOW;
     uint64_t position;
-    int rc = reserve_record(base, q->mode, rows_capacity, nnz_capacity, slot + 1, &position);
+    int rc = reserve_record(ring, q->mode, rows_capacity, nnz_capacity,
+                            (uint64_t)make_handle(ring, slot) + 1, &position);
     if (rc) return rc;
     shm_queue old = *q;
     q->rows_capacity = rows_capacity;
     q->nnz_capacity = nnz_capacity;
-    point_at_record(base, q, position);
+    point_at_record(ring, q, position);
     if (old.rows_capacity) {
         copy_rows(&old, q->lengths, q->ids, q->logprobs);
-        discard_buffer(base, &old);
+        old.rows = old.nnz = 0;
+        drop_buffer(ring, &old);
     }
     return SHM_OK;
 }
 
-void shm_queue_move(void *base, shm_queue *q, int32_t *lengths, int32_t *ids, float *logprobs,
-                    uint64_t rows_capacity, uint64_t nnz_capacity) {
+/* Moves the queue's rows into private memory of these capacities. */
+static int stage_private(shm_ring *ring, uint64_t slot, uint64_t rows_capacity,
+                         uint64_t nnz_capacity) {
+    shm_queue *q = &ring->queues[slot];
+    if (rows_capacity < q->rows || nnz_capacity < q->nnz) return SHM_E_OVERFLOW;
+    shm_layout layout;
+    int rc = shm_record_layout(q->mode, rows_capacity, nnz_capacity, &layout);
+    if (rc) return rc;
+    char *block = malloc(layout.record_bytes - SHM_RECORD_HEADER_BYTES);
+    if (!block) return SHM_E_NO_MEMORY;
+    char *start = block - SHM_RECORD_HEADER_BYTES; /* offsets count from a record header */
+    int32_t *lengths = (int32_t *)(start + layout.lengths_offset);
+    int32_t *ids = (int32_t *)(start + layout.ids_offset);
+    float *logprobs = (float *)(start + layout.logprobs_offset);
     shm_queue old = *q;
     if (old.rows_capacity) copy_rows(&old, lengths, ids, logprobs);
-    if (base) discard_buffer(base, &old);
+    drop_buffer(ring, &old);
     q->lengths = lengths;
     q->ids = ids;
     q->logprobs = logprobs;
@@ -381,27 +542,25 @@ void shm_queue_move(void *base, shm_queue *q, int32_t *lengths, int32_t *ids, fl
     q->nnz_capacity = nnz_capacity;
     q->in_ring = 0;
     q->position = 0;
-}
-
-void shm_queue_drop(void *base, shm_queue *q) {
-    if (base) discard_buffer(base, q);
-    q->lengths = NULL;
-    q->ids = NULL;
-    q->logprobs = NULL;
-    q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
-    q->in_ring = 0;
-    q->position = 0;
+    return SHM_OK;
 }
 
 /* Doubling: each byte is copied O(1) times however long the queue runs. A
- * fresh buffer is sized from the last take (next_rows/next_nnz); the very
- * first one assumes rows as long as the one being appended. */
-void shm_queue_grown_capacities(const shm_queue *q, uint64_t n, uint64_t *rows_out,
-                                uint64_t *nnz_out) {
-    uint64_t need_rows = q->rows + 1, need_nnz = q->nnz + n;
+ * fresh buffer is sized from the last take (next_rows/next_nnz); before the
+ * first take it guesses rows as long as this step's, within a bound. */
+static void grown_capacities(const shm_ring *ring, const shm_queue *q, uint64_t *rows_out,
+                             uint64_t *nnz_out) {
+    uint64_t need_rows = q->rows + q->pending_rows, need_nnz = q->nnz + q->pending_nnz;
     if (!q->rows_capacity) {
-        *rows_out = max_u64(q->next_rows, need_rows);
-        *nnz_out = q->next_nnz ? max_u64(q->next_nnz, need_nnz) : max_u64(n, 1) * *rows_out;
+        uint64_t rows = max_u64(q->next_rows, need_rows), nnz;
+        if (q->next_nnz) {
+            nnz = max_u64(q->next_nnz, need_nnz);
+        } else {
+            uint64_t per_row = q->pending_rows ? (q->pending_nnz + q->pending_rows - 1) / q->pending_rows : 1;
+            nnz = max_u64(min_u64(max_u64(per_row, 1) * rows, ring->initial_nnz_cap), need_nnz);
+        }
+        *rows_out = rows;
+        *nnz_out = max_u64(nnz, 1);
         return;
     }
     *rows_out = need_rows > q->rows_capacity ? max_u64(2 * q->rows_capacity, need_rows)
@@ -410,73 +569,155 @@ void shm_queue_grown_capacities(const shm_queue *q, uint64_t n, uint64_t *rows_o
                                           : q->nnz_capacity;
 }
 
-static int grow(void *base, shm_queue *q, uint64_t slot, uint64_t n) {
+int shm_queue_grow(shm_ring *ring, uint64_t slot, int allow_ring) {
+    if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;
+    shm_queue *q = &ring->queues[slot];
     uint64_t rows_capacity, nnz_capacity;
-    shm_queue_grown_capacities(q, n, &rows_capacity, &nnz_capacity);
-    return shm_queue_restage(base, q, slot, rows_capacity, nnz_capacity);
+    grown_capacities(ring, q, &rows_capacity, &nnz_capacity);
+    int private_now = !q->in_ring && q->rows_capacity;
+    if (allow_ring && ring_usable(ring) && !private_now)
+        return restage_in_ring(ring, slot, rows_capacity, nnz_capacity);
+    return stage_private(ring, slot, rows_capacity, nnz_capacity);
 }
 
-int64_t shm_append_step(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
-                        uint64_t batch, const int32_t *lengths, const int32_t *ids,
-                        const float *logprobs, uint64_t row_stride, uint64_t ids_len,
-                        uint64_t logprobs_len, uint32_t mode, uint64_t max_row_length,
-                        uint64_t start_row, uint64_t *source_cursor, int64_t *bad_row) {
-    uint64_t cursor = *source_cursor;
-    for (uint64_t i = start_row; i < batch; i++) {
+int64_t shm_staging_owner(const shm_ring *ring, uint64_t position) {
+    if (!ring_usable(ring)) return -1;
+    /* The owner word is a hint a reader could have rewritten: believe it
+     * only if our own table agrees, else search the table. */
+    uint64_t owner = ring_record(ring, position)->owner;
+    uint64_t hint = owner ? (owner - 1) & 0xffffffffull : ring->n_queues;
+    if (hint < ring->n_queues) {
+        const shm_queue *q = &ring->queues[hint];
+        if (q->mode && q->in_ring && q->rows_capacity && q->position == position) return (int64_t)hint;
+    }
+    for (uint64_t slot = 0; slot < ring->n_queues; slot++) {
+        const shm_queue *q = &ring->queues[slot];
+        if (q->mode && q->in_ring && q->rows_capacity && q->position == position) return (int64_t)slot;
+    }
+    return -1;
+}
+
+int shm_queue_relocate(shm_ring *ring, uint64_t slot, int allow_ring) {
+    if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;
+    shm_queue *q = &ring->queues[slot];
+    if (!q->in_ring || !q->rows_capacity) return SHM_E_BAD_STATE;
+    if (allow_ring) return restage_in_ring(ring, slot, q->rows_capacity, q->nnz_capacity);
+    return stage_private(ring, slot, q->rows_capacity, q->nnz_capacity);
+}
+
+int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
+                        const int32_t *lengths, const int32_t *ids, const float *logprobs,
+                        const float *selected, uint64_t row_stride, uint64_t ids_len,
+                        uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
+                        uint64_t max_row_length, int64_t *bad_row) {
+    /* 1. Every handle names an open queue of this ring. */
+    for (uint64_t i = 0; i < batch; i++) {
+        int64_t slot = shm_queue_slot(ring, handles[i]);
+        if (slot < 0) {
+            *bad_row = (int64_t)i;
+            return SHM_E_BAD_SLOT;
+        }
+        ring->queues[slot].pending_rows = ring->queues[slot].pending_nnz = 0;
+    }
+    /* 2. Every row's length and source range, and each queue's total. */
+    uint64_t cursor = 0, n_support = 0, n_selected = 0;
+    for (uint64_t i = 0; i < batch; i++) {
         *bad_row = (int64_t)i;
-        int32_t slot = slots[i];
-        if (slot < 0 || (uint64_t)slot >= n_queues) return SHM_E_BAD_SLOT;
-        shm_queue *q = &queues[slot];
-        if (q->mode != mode) return q->mode ? SHM_E_MODE : SHM_E_BAD_SLOT;
+        shm_queue *q = &ring->queues[(uint64_t)handles[i] & 0xffffffffull];
         int32_t n = lengths[i];
         if (n < 0 || (uint64_t)n > max_row_length || (row_stride && (uint64_t)n > row_stride))
             return SHM_E_BAD_LENGTH;
         uint64_t source = row_stride ? i * row_stride : cursor;
         if (source + (uint64_t)n > ids_len) return SHM_E_SOURCE_OVERRUN;
-        if (mode == SHM_MODE_SUPPORT && source + (uint64_t)n > logprobs_len)
-            return SHM_E_SOURCE_OVERRUN;
-        if (mode == SHM_MODE_SELECTED && i >= logprobs_len) return SHM_E_SOURCE_OVERRUN;
-        if (q->rows + 1 > q->rows_capacity || q->nnz + (uint64_t)n > q->nnz_capacity) {
-            if (grow(base, q, (uint64_t)slot, (uint64_t)n) != SHM_OK) {
-                *source_cursor = cursor;
-                return (int64_t)i; /* the caller grows it (waiting, or privately) */
-            }
-        }
-        q->lengths[q->rows] = n;
-        memcpy(q->ids + q->nnz, ids + source, (size_t)n * sizeof(int32_t));
-        if (mode == SHM_MODE_SUPPORT) {
-            memcpy(q->logprobs + q->nnz, logprobs + source, (size_t)n * sizeof(float));
+        if (q->mode == SHM_MODE_SUPPORT) {
+            if (source + (uint64_t)n > logprobs_len) return SHM_E_SOURCE_OVERRUN;
+            n_support++;
         } else {
-            q->logprobs[q->rows] = logprobs[i];
+            if (i >= selected_len) return SHM_E_SOURCE_OVERRUN;
+            n_selected++;
         }
-        q->rows += 1;
-        q->nnz += (uint64_t)n;
+        q->pending_rows += 1;
+        q->pending_nnz += (uint64_t)n;
         cursor += (uint64_t)n;
     }
+    if (selected_is_logprobs && n_support && n_selected) {
+        *bad_row = -1;
+        return SHM_E_MIXED_NEEDS_SELECTED;
+    }
+    if (selected_is_logprobs && n_selected && selected_len != batch) {
+        *bad_row = -1; /* per-entry logprobs given to selected-mode rows */
+        return SHM_E_MODE;
+    }
+    /* 3. Room for every queue's rows; a queue the ring cannot serve right
+     * now goes back to the caller (which waits, or stages it privately). */
+    for (uint64_t i = 0; i < batch; i++) {
+        uint64_t slot = (uint64_t)handles[i] & 0xffffffffull;
+        shm_queue *q = &ring->queues[slot];
+        if (q->rows + q->pending_rows <= q->rows_capacity &&
+            q->nnz + q->pending_nnz <= q->nnz_capacity)
+            continue;
+        int private_now = !q->in_ring && q->rows_capacity;
+        int rc = shm_queue_grow(ring, slot, !private_now);
+        if (rc == SHM_OK) continue;
+        if (private_now || rc == SHM_E_NO_MEMORY || rc == SHM_E_OVERFLOW) {
+            *bad_row = (int64_t)i;
+            return rc;
+        }
+        *bad_row = -1;
+        return (int64_t)i;
+    }
+    /* 4. Copy: nothing can fail from here on. */
+    cursor = 0;
+    for (uint64_t i = 0; i < batch; i++) {
+        shm_queue *q = &ring->queues[(uint64_t)handles[i] & 0xffffffffull];
+        uint64_t n = (uint64_t)lengths[i];
+        uint64_t source = row_stride ? i * row_stride : cursor;
+        q->lengths[q->rows] = (int32_t)n;
+        memcpy(q->ids + q->nnz, ids + source, n * sizeof(int32_t));
+        if (q->mode == SHM_MODE_SUPPORT)
+            memcpy(q->logprobs + q->nnz, logprobs + source, n * sizeof(float));
+        else
+            q->logprobs[q->rows] = selected[i];
+        q->rows += 1;
+        q->nnz += n;
+        q->pending_rows = q->pending_nnz = 0;
+        cursor += n;
+    }
     *bad_row = -1;
-    *source_cursor = cursor;
     return (int64_t)batch;
 }
 
-int64_t shm_take_queues(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
-                        uint64_t count, uint64_t start, uint64_t now_ns, int final,
-                        uint8_t *kind_out, uint8_t *mode_out, uint64_t *position_out, uint64_t *bytes_out,
-                        uint32_t *rows_out, uint64_t *nnz_out) {
+int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
+                        uint64_t now_ns, int final, uint8_t *kind_out, uint8_t *mode_out,
+                        uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
+                        uint64_t *nnz_out) {
+    if (start == 0)
+        for (uint64_t i = 0; i < count; i++)
+            if (shm_queue_slot(ring, handles[i]) < 0) return SHM_E_BAD_SLOT;
     for (uint64_t i = start; i < count; i++) {
-        int32_t slot = slots[i];
-        if (slot < 0 || (uint64_t)slot >= n_queues || !queues[slot].mode) return SHM_E_BAD_SLOT;
-        shm_queue *q = &queues[slot];
+        uint64_t slot = (uint64_t)handles[i] & 0xffffffffull;
+        shm_queue *q = &ring->queues[slot];
         kind_out[i] = 0;
         mode_out[i] = (uint8_t)q->mode;
         position_out[i] = bytes_out[i] = nnz_out[i] = 0;
         rows_out[i] = 0;
         if (q->rows == 0) {
-            if (final) shm_queue_drop(base, q);
+            if (final) drop_buffer(ring, q);
             continue;
         }
         if (!q->in_ring) return (int64_t)i;
-        int rc = shm_publish(base, q->position, q->rows, q->nnz, now_ns);
-        if (rc) return rc;
+        /* On a truncated segment the rows may be gone: the ref still points
+         * at the ring, where its reader gets StaleChunkError (never zeros). */
+        if (!ring->dead) {
+            int rc = shm_publish(ring, q->position, q->mode, q->rows, q->nnz, now_ns);
+            if (rc) {
+                /* Someone rewrote our staging record's header: send the rows
+                 * inline rather than publish a record readers would reject. */
+                rc = stage_private(ring, slot, q->rows_capacity, q->nnz_capacity);
+                if (rc) return rc;
+                return (int64_t)i;
+            }
+        }
         shm_layout layout;
         shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
         kind_out[i] = 1;
@@ -495,17 +736,141 @@ int64_t shm_take_queues(void *base, shm_queue *queues, uint64_t n_queues, const 
         q->position = 0;
         /* Next emission's buffer now, while we are at it; if the ring has no
          * room the next append takes the slow path instead. */
-        if (!final) shm_queue_restage(base, q, (uint64_t)slot, q->next_rows, q->next_nnz);
+        if (!final && ring_usable(ring)) restage_in_ring(ring, slot, q->next_rows, q->next_nnz);
     }
     return (int64_t)count;
 }
 
-int64_t shm_staging_owner(void *base, uint64_t position) {
-    struct shm_record_header *r = record_at(base, seg(base)->capacity, position);
-    if (r->tag != position ||
-        atomic_load_explicit(&r->state, memory_order_acquire) != SHM_STATE_STAGING || !r->owner)
-        return -1;
-    return (int64_t)(r->owner - 1);
+int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t out_len) {
+    if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;
+    shm_queue *q = &ring->queues[slot];
+    if (q->in_ring || !q->rows_capacity) return SHM_E_BAD_STATE;
+    uint64_t n_logprobs = q->mode == SHM_MODE_SUPPORT ? q->nnz : q->rows;
+    if (out_len != 4 * (q->rows + q->nnz + n_logprobs)) return SHM_E_OVERFLOW;
+    memcpy(out, q->lengths, 4 * q->rows);
+    memcpy(out + 4 * q->rows, q->ids, 4 * q->nnz);
+    memcpy(out + 4 * (q->rows + q->nnz), q->logprobs, 4 * n_logprobs);
+    q->next_rows = q->rows + q->rows / 4 + 1;
+    q->next_nnz = q->nnz + q->nnz / 4 + 1;
+    drop_buffer(ring, q);
+    return SHM_OK;
+}
+
+/* ------------------------------------------------------ guarded mappings */
+
+#define GUARD_SLOTS 1024
+struct guard {
+    _Atomic uintptr_t start; /* 0: free */
+    _Atomic uintptr_t end;
+    _Atomic uint32_t truncated;
+};
+static struct guard guards[GUARD_SLOTS];
+static _Atomic int guards_used; /* slots at or past this index were never used */
+static pthread_mutex_t guards_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct sigaction previous_sigbus;
+
+static void on_sigbus(int signum, siginfo_t *info, void *context) {
+    /* Only faults (si_code > 0), never a SIGBUS sent with kill(). */
+    if (info && info->si_code > 0) {
+        uintptr_t address = (uintptr_t)info->si_addr;
+        int used = atomic_load_explicit(&guards_used, memory_order_acquire);
+        for (int i = 0; i < used; i++) {
+            uintptr_t start = atomic_load_explicit(&guards[i].start, memory_order_acquire);
+            uintptr_t end = atomic_load_explicit(&guards[i].end, memory_order_acquire);
+            if (!start || address < start || address >= end) continue;
+            /* Zero pages over the whole mapping (mmap is a plain system call,
+             * safe here); the faulting access then completes on them. */
+            void *replaced = mmap((void *)start, end - start, PROT_READ | PROT_WRITE,
+                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            if (replaced != MAP_FAILED) {
+                atomic_store_explicit(&guards[i].truncated, 1, memory_order_release);
+                return;
+            }
+            break;
+        }
+    }
+    /* Not ours: what would have happened without shmask. */
+    if ((previous_sigbus.sa_flags & SA_SIGINFO) && previous_sigbus.sa_sigaction) {
+        previous_sigbus.sa_sigaction(signum, info, context);
+        return;
+    }
+    if (previous_sigbus.sa_handler != SIG_DFL && previous_sigbus.sa_handler != SIG_IGN) {
+        previous_sigbus.sa_handler(signum);
+        return;
+    }
+    signal(SIGBUS, SIG_DFL);
+    raise(SIGBUS);
+}
+
+/* Installed at every mapping, so a handler installed after ours (for
+ * example faulthandler.enable()) gets chained rather than left in front. */
+static void install_sigbus_handler(void) {
+    struct sigaction current;
+    if (sigaction(SIGBUS, NULL, &current) != 0) return;
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus) return;
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_sigbus;
+    ours.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&ours.sa_mask);
+    previous_sigbus = current;
+    sigaction(SIGBUS, &ours, NULL);
+}
+
+void *shm_map(int fd, uint64_t bytes, int populate, int *errno_out) {
+    *errno_out = 0;
+    pthread_mutex_lock(&guards_lock);
+    int slot = -1;
+    for (int i = 0; i < GUARD_SLOTS && slot < 0; i++)
+        if (!atomic_load_explicit(&guards[i].start, memory_order_relaxed)) slot = i;
+    void *address = NULL;
+    if (slot < 0) {
+        *errno_out = EMFILE;
+    } else {
+        int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
+        void *mapped = mmap(NULL, bytes, PROT_READ | PROT_WRITE, flags, fd, 0);
+        if (mapped == MAP_FAILED) {
+            *errno_out = errno;
+        } else {
+            address = mapped;
+            atomic_store_explicit(&guards[slot].truncated, 0, memory_order_relaxed);
+            atomic_store_explicit(&guards[slot].end, (uintptr_t)mapped + bytes, memory_order_release);
+            atomic_store_explicit(&guards[slot].start, (uintptr_t)mapped, memory_order_release);
+            if (slot >= atomic_load_explicit(&guards_used, memory_order_relaxed))
+                atomic_store_explicit(&guards_used, slot + 1, memory_order_release);
+            install_sigbus_handler();
+        }
+    }
+    pthread_mutex_unlock(&guards_lock);
+    return address;
+}
+
+void shm_unmap(void *address) {
+    pthread_mutex_lock(&guards_lock);
+    int used = atomic_load_explicit(&guards_used, memory_order_relaxed);
+    for (int i = 0; i < used; i++) {
+        uintptr_t start = atomic_load_explicit(&guards[i].start, memory_order_relaxed);
+        if (start != (uintptr_t)address || !start) continue;
+        uintptr_t end = atomic_load_explicit(&guards[i].end, memory_order_relaxed);
+        munmap(address, end - start);
+        atomic_store_explicit(&guards[i].start, 0, memory_order_release);
+        break;
+    }
+    pthread_mutex_unlock(&guards_lock);
+}
+
+int shm_mapping_truncated(const void *address) {
+    int used = atomic_load_explicit(&guards_used, memory_order_acquire);
+    for (int i = 0; i < used; i++)
+        if (atomic_load_explicit(&guards[i].start, memory_order_acquire) == (uintptr_t)address)
+            return (int)atomic_load_explicit(&guards[i].truncated, memory_order_acquire);
+    return 0;
+}
+
+void shm_release_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
+                      const uint64_t *positions, uint64_t count, int32_t *results) {
+    for (uint64_t i = 0; i < count; i++)
+        results[i] = shm_release(base, mapped_bytes, capacity, positions[i]);
 }
 
 /* ------------------------------------------------------- response JSON */

@@ -62,36 +62,10 @@ typedef struct {
     uint64_t expired;
 } shm_info;
 
-/* One RowQueue's staging buffer: where its arrays are and how full. The
- * buffer is a STAGING record in the ring (in_ring) or private memory the
- * Python side owns (the ring had no room). */
-typedef struct {
-    int32_t *lengths;
-    int32_t *ids;
-    float *logprobs;
-    uint64_t rows;
-    uint64_t rows_capacity;
-    uint64_t nnz;
-    uint64_t nnz_capacity;
-    uint64_t position;  /* record position when in_ring */
-    uint64_t next_rows; /* capacity of the next buffer: the last take's size */
-    uint64_t next_nnz;  /* plus slack, so steady decoding never doubles */
-    uint32_t mode;      /* 0: slot closed */
-    uint32_t in_ring;
-} shm_queue;
-
 int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
                       shm_layout *out);
 
-/* Producer side. */
-int shm_init(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t epoch,
-             uint64_t pid, uint64_t start, uint64_t created_ns);
-int shm_reserve(void *base, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
-                uint64_t *position_out);
-int shm_publish(void *base, uint64_t position, uint64_t rows, uint64_t nnz, uint64_t now_ns);
-int shm_discard(void *base, uint64_t position);
-int shm_reclaim(void *base, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_result *out);
-void *shm_record_address(void *base, uint64_t position);
+/* Counters and positions as readers see them (`shmask ls`, tests). */
 uint64_t shm_load_head(const void *base);
 uint64_t shm_load_tail(const void *base);
 uint64_t shm_load_counter(const void *base, uint32_t which);
@@ -108,53 +82,122 @@ int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t p
 int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
                          uint64_t max_row_length);
 
-/* The per-step copy: row i of the step goes to queues[slots[i]].
- * ids/logprobs are [B, row_stride] when row_stride > 0, else flat CSR with
- * rows consecutive (*source_cursor carries the CSR offset across calls).
- * A queue that needs a larger buffer gets one in the ring (doubling) when
- * the ring has room right now. Returns B when every row landed; i in
- * [start_row, B) when queue slots[i] needs a buffer the ring cannot give
- * now (or is in private memory), so the caller grows it and calls again
- * from row i; or a negative error (*bad_row says which row). */
-int64_t shm_append_step(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
-                        uint64_t batch, const int32_t *lengths, const int32_t *ids,
-                        const float *logprobs, uint64_t row_stride, uint64_t ids_len,
-                        uint64_t logprobs_len, uint32_t mode, uint64_t max_row_length,
-                        uint64_t start_row, uint64_t *source_cursor, int64_t *bad_row);
+/* One RowQueue's staging buffer: where its arrays are and how full. The
+ * buffer is a STAGING record in the ring (in_ring) or memory this core
+ * malloc'd (the ring had no room). Only shmask_core.c writes these. */
+typedef struct {
+    int32_t *lengths;
+    int32_t *ids;
+    float *logprobs;
+    uint64_t rows;
+    uint64_t rows_capacity;
+    uint64_t nnz;
+    uint64_t nnz_capacity;
+    uint64_t position;     /* record position when in_ring */
+    uint64_t next_rows;    /* capacity of the next buffer: the last take's size */
+    uint64_t next_nnz;     /* plus slack, so steady decoding never doubles */
+    uint64_t pending_rows; /* this step's rows for the queue (validation pass) */
+    uint64_t pending_nnz;
+    uint32_t mode;         /* 0: slot closed */
+    uint32_t in_ring;
+    uint32_t generation;   /* bumped at every close: stale handles stop matching */
+    uint32_t pad;
+} shm_queue;
 
-/* Gives queue `slot` a ring buffer of these capacities, keeping its rows
- * (the old ring buffer is discarded). SHM_FULL / SHM_E_TOO_BIG when the ring
- * cannot; the queue is then unchanged. Not for queues in private memory. */
-int shm_queue_restage(void *base, shm_queue *queue, uint64_t slot, uint64_t rows_capacity,
-                      uint64_t nnz_capacity);
+/* The producer's private state: everything it created, kept in its own
+ * memory. Nothing here is ever re-read from shared memory, so a reader that
+ * rewrites the segment header cannot steer the producer's writes. */
+typedef struct {
+    void *base;            /* the mapping, or NULL (inline transport) */
+    uint64_t mapped_bytes;
+    uint64_t capacity;     /* data bytes, a power of two */
+    uint64_t head;         /* published to the header with release stores */
+    uint64_t tail;
+    shm_queue *queues;     /* the RowQueue table */
+    uint32_t *free_slots;  /* a stack of closed slots */
+    uint64_t n_queues;
+    uint64_t n_free;
+    uint64_t handle_tag;   /* random, 15 bits: another Writer's handles do not match */
+    uint64_t initial_nnz_cap; /* bound on a fresh buffer's guessed entries */
+    uint32_t dead;         /* the segment was truncated: stage privately from now on */
+    uint32_t pad;
+} shm_ring;
 
-/* The capacities a queue grows to so that one more row of n entries fits
- * (doubling; a fresh buffer is sized from the last take). */
-void shm_queue_grown_capacities(const shm_queue *queue, uint64_t n, uint64_t *rows_out,
-                                uint64_t *nnz_out);
+/* A queue handle: slot (bits 0-31), generation (32-47), ring tag (48-62). */
+#define SHM_HANDLE_SLOT_BITS 32
 
-/* Points a queue at the buffers the caller allocated (private memory) and
- * copies its rows there, discarding the ring buffer it had. */
-void shm_queue_move(void *base, shm_queue *queue, int32_t *lengths, int32_t *ids,
-                    float *logprobs, uint64_t rows_capacity, uint64_t nnz_capacity);
+int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t capacity,
+                  uint64_t epoch, uint64_t pid, uint64_t start, uint64_t created_ns,
+                  uint64_t handle_tag);
+void shm_ring_free(shm_ring *ring);
+void shm_ring_mark_dead(shm_ring *ring);
 
-/* Drops a queue's buffer and rows (the ring buffer is discarded). */
-void shm_queue_drop(void *base, shm_queue *queue);
+/* Opens a queue: its handle (>= 0), or a negative error. */
+int64_t shm_queue_open(shm_ring *ring, uint32_t mode, uint64_t initial_rows);
+/* The slot of a valid, open handle of this ring, or SHM_E_BAD_SLOT. */
+int64_t shm_queue_slot(const shm_ring *ring, int64_t handle);
+/* Drops the queue's unpublished rows and frees its slot. */
+int shm_queue_close(shm_ring *ring, int64_t handle);
+/* Close, and give back every chunk this queue published that no reader has
+ * released yet (WRITTEN -> EXPIRED); *given_back counts them. */
+int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t now_ns, uint64_t *given_back);
 
-/* One emission: publishes the ring buffers of queues[slots[start..count)]
- * in place and writes each chunk's kind (0 empty, 1 ring), mode, position,
- * record size, rows and nnz; then gives each queue a fresh ring buffer
- * sized for the next emission (or drops it when `final`). Returns count, or
- * i when queue slots[i] stages in private memory (the caller sends it
- * inline and calls again from i + 1), or a negative error. */
-int64_t shm_take_queues(void *base, shm_queue *queues, uint64_t n_queues, const int32_t *slots,
-                        uint64_t count, uint64_t start, uint64_t now_ns, int final,
-                        uint8_t *kind_out, uint8_t *mode_out, uint64_t *position_out, uint64_t *bytes_out,
-                        uint32_t *rows_out, uint64_t *nnz_out);
+/* The per-step copy, all or nothing. Row i goes to the queue of handles[i].
+ * ids is [B, row_stride] when row_stride > 0, else flat CSR. A support-mode
+ * row's logprobs sit beside its ids in `logprobs`; a selected-mode row's
+ * one value is selected[i] (when selected_is_logprobs, `selected` is the
+ * same array as `logprobs`, allowed only if no support row is in the step).
+ * Every row is validated before any is copied. Returns B when every row
+ * landed; i in [0, B) when the queue of row i needs a buffer the ring cannot
+ * give now (nothing copied: the caller calls shm_queue_grow and calls again);
+ * or a negative error (*bad_row says which row; nothing copied). */
+int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
+                        const int32_t *lengths, const int32_t *ids, const float *logprobs,
+                        const float *selected, uint64_t row_stride, uint64_t ids_len,
+                        uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
+                        uint64_t max_row_length, int64_t *bad_row);
 
-/* The queue slot that owns the STAGING record at `position` (for moving
- * a buffer that blocks the tail), or -1. The caller checks it. */
-int64_t shm_staging_owner(void *base, uint64_t position);
+/* Gives the queue of `slot` room for its pending rows (set by the last
+ * shm_append_step), keeping its rows: in the ring when allow_ring and there
+ * is room (SHM_FULL otherwise), else in private memory (SHM_E_NO_MEMORY). */
+int shm_queue_grow(shm_ring *ring, uint64_t slot, int allow_ring);
+
+/* The queue slot whose ring buffer is the STAGING record at `position`
+ * (checked against the producer's own table), or -1. */
+int64_t shm_staging_owner(const shm_ring *ring, uint64_t position);
+/* Moves that queue's buffer to the head of the ring (allow_ring) or to
+ * private memory, so it stops blocking reclaim. */
+int shm_queue_relocate(shm_ring *ring, uint64_t slot, int allow_ring);
+
+/* One emission: validates every handle, then publishes the ring buffers of
+ * handles[start..count) in place and writes each chunk's kind (0 empty,
+ * 1 ring), mode, position, record size, rows and nnz; then gives each queue
+ * a fresh ring buffer sized for the next emission (or drops it when
+ * `final`). Returns count, or i when queue i stages in private memory (the
+ * caller packs it with shm_queue_pack_private and calls again from i + 1),
+ * or a negative error. */
+int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
+                        uint64_t now_ns, int final, uint8_t *kind_out, uint8_t *mode_out,
+                        uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
+                        uint64_t *nnz_out);
+/* Copies a privately staged queue's rows (lengths | ids | logprobs) into
+ * out (exactly its payload size) and empties the queue. */
+int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t out_len);
+
+/* Guarded mappings. A segment file truncated by another process would kill
+ * any process touching its pages with SIGBUS; mappings made here are
+ * registered with a SIGBUS handler that replaces the whole mapping with
+ * zero pages instead and marks it truncated, so every later check of the
+ * ring fails cleanly (StaleChunkError) and the faulting load or store just
+ * completes on the zero pages. */
+void *shm_map(int fd, uint64_t bytes, int populate, int *errno_out);
+void shm_unmap(void *address);
+int shm_mapping_truncated(const void *address);
+
+/* Releases many records of one segment (a tokenizer dropping an aborted
+ * request's chunks without opening them): results[i] is shm_release's code. */
+void shm_release_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
+                      const uint64_t *positions, uint64_t count, int32_t *results);
 
 /* Response building: turns orjson's flat JSON array "[a,b,c,...]" of
  * numbers into one array per row, "[[a,b],[c],...]", split by `lengths`
@@ -167,5 +210,16 @@ int64_t shm_json_nest(const char *flat, uint64_t flat_len, const int32_t *length
 #define SHM_E_BAD_LENGTH -21
 #define SHM_E_SOURCE_OVERRUN -22
 #define SHM_E_MODE -23
+#define SHM_E_MIXED_NEEDS_SELECTED -24
+#define SHM_E_NO_MEMORY -25
+#define SHM_E_TRUNCATED -26
+
+int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
+                uint64_t *position_out);
+int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t nnz,
+                uint64_t now_ns);
+int shm_reclaim(shm_ring *ring, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_result *out);
+/* Offset of a record from the start of the mapping (producer's arithmetic). */
+uint64_t shm_record_offset(const shm_ring *ring, uint64_t position);
 
 #endif

@@ -40,7 +40,10 @@
  *   byte 32   u64 nnz              valid once WRITTEN (sum of lengths)
  *   byte 40   u64 nnz_capacity
  *   byte 48   u64 published_ns     CLOCK_MONOTONIC of the producer (leases)
- *   byte 56   u64 owner            producer's queue slot + 1 while STAGING
+ *   byte 56   u64 owner            the owning queue's handle + 1 (0: none); kept
+ *                                  after publish so an aborted queue's chunks
+ *                                  can be given back (the producer checks it
+ *                                  against its own table before acting on it)
  *   byte 64   int32 lengths[rows_capacity]            padded to 64
  *             int32 ids[nnz_capacity]                 padded to 64
  *             float logprobs[nnz_capacity | rows_capacity]
@@ -122,6 +125,22 @@ _Static_assert(offsetof(struct shm_segment_header, tail) == 128, "tail at byte 1
 _Static_assert(offsetof(struct shm_segment_header, counters) == 192, "counters at 192");
 _Static_assert(sizeof(struct shm_segment_header) <= SHM_HEADER_BYTES, "header fits a page");
 _Static_assert(sizeof(struct shm_record_header) == SHM_RECORD_HEADER_BYTES, "record header");
+_Static_assert(offsetof(struct shm_segment_header, layout_version) == 8, "version at 8");
+_Static_assert(offsetof(struct shm_segment_header, header_bytes) == 12, "header_bytes at 12");
+_Static_assert(offsetof(struct shm_segment_header, capacity) == 16, "capacity at 16");
+_Static_assert(offsetof(struct shm_segment_header, epoch) == 24, "epoch at 24");
+_Static_assert(offsetof(struct shm_segment_header, producer_pid) == 32, "pid at 32");
+_Static_assert(offsetof(struct shm_segment_header, producer_start) == 40, "start at 40");
+_Static_assert(offsetof(struct shm_segment_header, created_ns) == 48, "created_ns at 48");
+_Static_assert(offsetof(struct shm_record_header, tag) == 0, "tag at byte 0");
 _Static_assert(offsetof(struct shm_record_header, state) == 8, "state at byte 8");
+_Static_assert(offsetof(struct shm_record_header, mode) == 12, "mode at byte 12");
+_Static_assert(offsetof(struct shm_record_header, record_bytes) == 16, "record_bytes at 16");
+_Static_assert(offsetof(struct shm_record_header, rows) == 24, "rows at 24");
+_Static_assert(offsetof(struct shm_record_header, rows_capacity) == 28, "rows_capacity at 28");
+_Static_assert(offsetof(struct shm_record_header, nnz) == 32, "nnz at 32");
+_Static_assert(offsetof(struct shm_record_header, nnz_capacity) == 40, "nnz_capacity at 40");
+_Static_assert(offsetof(struct shm_record_header, published_ns) == 48, "published_ns at 48");
+_Static_assert(offsetof(struct shm_record_header, owner) == 56, "owner at 56");
 
 #endif

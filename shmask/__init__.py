@@ -17,6 +17,8 @@ Consumer (tokenizer)::
             ids, logprobs = chunk.to_lists()
 """
 
+import logging
+
 from .chunk import Chunk
 from .config import Config
 from .errors import (
@@ -33,6 +35,9 @@ from .refs import ChunkRef, RefBatch, msgpack_enc_hook, msgpack_ext_hook
 from .writer import RowQueue, Writer, WriterStats
 
 __version__ = "0.1.0"
+
+# The library convention: a NullHandler, and the host decides levels and handlers.
+logging.getLogger("shmask").addHandler(logging.NullHandler())
 
 __all__ = [
     "Chunk",

@@ -22,10 +22,16 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
     lib.SHM_E_BAD_LENGTHS: (InvalidRefError, "row lengths are negative, too long, or do not sum to nnz"),
     lib.SHM_E_BAD_STATE: (ShmaskError, "record is not in the state this call needs"),
     lib.SHM_E_OVERFLOW: (InvalidRefError, "sizes overflow"),
-    lib.SHM_E_BAD_SLOT: (InvalidRowsError, "queue slot is not an open RowQueue of this Writer"),
+    lib.SHM_E_BAD_SLOT: (InvalidRowsError, "not the handle of an open RowQueue of this Writer "
+                         "(closed, never opened, or another Writer's)"),
     lib.SHM_E_BAD_LENGTH: (InvalidRowsError, "row length is negative or longer than allowed"),
     lib.SHM_E_SOURCE_OVERRUN: (InvalidRowsError, "lengths run past the end of ids/logprobs"),
-    lib.SHM_E_MODE: (InvalidRowsError, "queue mode differs from the rows' mode"),
+    lib.SHM_E_MODE: (InvalidRowsError, "selected-mode rows take one logprob per row: pass "
+                     "logprobs of shape [B], or selected_logprobs= when the step mixes modes"),
+    lib.SHM_E_MIXED_NEEDS_SELECTED: (InvalidRowsError, "the step mixes selected- and support-mode "
+                                     "queues: pass selected_logprobs= ([B]) beside logprobs"),
+    lib.SHM_E_NO_MEMORY: (InvalidRowsError, "no memory for the queue's buffer"),
+    lib.SHM_E_TRUNCATED: (StaleChunkError, "the segment was truncated by another process"),
 }
 
 

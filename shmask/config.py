@@ -42,6 +42,8 @@ class Config:
     """Rows a new RowQueue buffer holds before it first doubles (the emission
     interval is a good value)."""
     log_level: str = "WARNING"
+    """Level of the `shmask` logger, applied by the CLI and the examples
+    (Config.apply_log_level); the library never sets it on its own."""
 
     def __post_init__(self) -> None:
         _check_choice("SHMASK_TRANSPORT", self.transport, TRANSPORTS)
@@ -54,7 +56,9 @@ class Config:
         _check_range("SHMASK_FULL_WAIT_MS", self.full_wait_ms, 0, 60_000)
         _check_range("SHMASK_LEASE_S", self.lease_s, 0.001, 86_400)
         _check_range("SHMASK_MAX_TOKENS", self.max_tokens, 1, 1 << 22)
-        _check_range("SHMASK_QUEUE_ROWS", self.queue_rows, 1, 1 << 20)
+        # A fresh buffer holds queue_rows rows of the step's length: a bound
+        # here keeps one setting from asking for gigabytes per request.
+        _check_range("SHMASK_QUEUE_ROWS", self.queue_rows, 1, 1 << 16)
         _check_choice("SHMASK_LOG_LEVEL", self.log_level, LOG_LEVELS)
 
     @property
@@ -74,9 +78,13 @@ class Config:
             raw = env[name].strip()
             values[field.name] = _parse(name, raw, type(getattr(cls, field.name)))
         values.update(overrides)
-        config = cls(**values)  # type: ignore[arg-type]
-        logging.getLogger("shmask").setLevel(config.log_level)
-        return config
+        return cls(**values)  # type: ignore[arg-type]
+
+    def apply_log_level(self) -> None:
+        """Set the `shmask` logger to SHMASK_LOG_LEVEL. For programs (the
+        CLI, the examples); the library itself never changes its host's
+        logging."""
+        logging.getLogger("shmask").setLevel(self.log_level)
 
 
 def _parse(name: str, raw: str, kind: type) -> object:

@@ -2,13 +2,15 @@
 
 Segments are attached lazily, by the name a ref carries, and validated
 before use; every field of a ref is bounds-checked by the native core
-before a byte of the record is touched.
+before a byte of the record is touched. Mappings are guarded against
+SIGBUS (see segment.py): a segment truncated under a reader reads as zero
+pages, which every check then rejects with StaleChunkError.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -27,7 +29,7 @@ from .refs import (
     RefBatch,
     payload_bytes,
 )
-from .segment import Segment, producer_alive
+from .segment import Segment, collect_garbage, segment_alive
 
 log = logging.getLogger("shmask")
 
@@ -36,16 +38,22 @@ class _Attached:
     """A segment this reader mapped, with the header values it validated once
     (later changes to the shared header cannot widen what it may read)."""
 
-    __slots__ = ("segment", "capacity", "epoch", "pid", "start", "view")
+    __slots__ = ("segment", "capacity", "epoch", "view")
 
-    def __init__(self, segment: Segment, capacity: int, epoch: int, pid: int, start: int) -> None:
+    def __init__(self, segment: Segment, capacity: int, epoch: int) -> None:
         self.segment = segment
         self.capacity = capacity
         self.epoch = epoch
-        self.pid = pid
-        self.start = start
-        self.view = np.frombuffer(segment.mapping, dtype=np.uint8)
+        self.view = np.frombuffer(segment.buffer, dtype=np.uint8)
         self.view.flags.writeable = False
+
+    def error(self, rc: int, context: str) -> None:
+        """Raise for a native error code, saying so when the reason is that
+        the segment file was truncated under us."""
+        if self.segment.truncated:
+            raise StaleChunkError(f"{context}: segment {self.segment.name!r} was truncated by "
+                                  "another process")
+        raise_for(rc, context)
 
 
 class Reader:
@@ -55,11 +63,58 @@ class Reader:
         self.config = config or Config.from_env()
         self._attached: dict[str, _Attached] = {}
         self._view = ffi.new("shm_view *")
+        if self.config.transport == "shm":
+            # Rings of producers that died (SIGKILL leaves them) go now.
+            collect_garbage(self.config.name_prefix)
 
     def open(self, ref: ChunkRef) -> Chunk:
         """The chunk's rows as read-only numpy views; release() when done."""
         if not isinstance(ref, ChunkRef):
             raise InvalidRefError(f"Reader.open takes a ChunkRef, got {type(ref).__name__}")
+        try:
+            return self._open(ref)
+        except (TypeError, OverflowError, ValueError) as exc:
+            if isinstance(exc, InvalidRefError):
+                raise
+            # A hand-built ref with fields of the wrong type or range.
+            raise InvalidRefError(f"malformed reference {ref!r}: {exc}") from None
+
+    def discard(self, ref: ChunkRef) -> None:
+        """Give a chunk back without opening it (the request was aborted and
+        its rows are not wanted). Inline and empty refs need nothing."""
+        if not isinstance(ref, ChunkRef):
+            raise InvalidRefError(f"Reader.discard takes a ChunkRef, got {type(ref).__name__}")
+        if ref.kind == KIND_SHM:
+            self.discard_batch(RefBatch.from_refs([ref]))
+
+    def discard_batch(self, batch: RefBatch | Iterable[ChunkRef]) -> int:
+        """Give back every ring chunk of a batch without opening any: one
+        native call per segment. Returns how many were given back; chunks
+        already released or reclaimed are skipped silently."""
+        if not isinstance(batch, RefBatch):
+            batch = RefBatch.from_refs(list(batch))
+        entries = batch.entries
+        shm = entries["kind"] == KIND_SHM
+        given_back = 0
+        for index in np.unique(entries["segment"][shm]):
+            name, epoch = batch.segments[int(index)]
+            try:
+                attached = self._attach(name)
+            except StaleChunkError:
+                continue  # the producer is gone, and its ring with it
+            if attached.epoch != epoch:
+                continue
+            positions = np.ascontiguousarray(
+                entries["position"][shm & (entries["segment"] == index)], dtype=np.uint64)
+            results = np.zeros(positions.size, np.int32)
+            segment = attached.segment
+            lib.shm_release_many(segment.base, segment.size, attached.capacity,
+                                 ffi.from_buffer("uint64_t[]", positions), positions.size,
+                                 ffi.from_buffer("int32_t[]", results))
+            given_back += int(np.count_nonzero(results == lib.SHM_OK))
+        return given_back
+
+    def _open(self, ref: ChunkRef) -> Chunk:
         if ref.kind == KIND_SHM:
             return self._open_shm(ref)
         if ref.kind == KIND_INLINE:
@@ -100,7 +155,7 @@ class Reader:
         rc = lib.shm_open_record(segment.base, segment.size, attached.capacity, ref.position,
                                  ref.record_bytes, ref.rows, ref.nnz, ref.mode, self._view)
         if rc:
-            raise_for(rc, f"open {ref!r}")
+            attached.error(rc, f"open {ref!r}")
         view = self._view
         rows, nnz = ref.rows, ref.nnz
         n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
@@ -108,11 +163,15 @@ class Reader:
         lengths = data[view.lengths_offset:view.lengths_offset + 4 * rows].view(np.int32)
         ids = data[view.ids_offset:view.ids_offset + 4 * nnz].view(np.int32)
         logprobs = data[view.logprobs_offset:view.logprobs_offset + 4 * n_logprobs].view(np.float32)
-        _check_lengths(lengths, nnz, self.config.max_tokens)
+        try:
+            _check_lengths(lengths, nnz, self.config.max_tokens)
+        except InvalidRefError:
+            record = _ShmRecord(attached, ref.position)
+            record.check()  # reclaimed or truncated meanwhile: say that instead
+            raise
         # Re-check after reading the lengths: a record reclaimed meanwhile
         # must not pass with someone else's lengths.
-        if lib.shm_check_record(segment.base, attached.capacity, ref.position):
-            raise StaleChunkError(f"{ref!r} was reclaimed while it was opened")
+        _ShmRecord(attached, ref.position).check()
         return Chunk(ref.mode, lengths, ids, logprobs, _ShmRecord(attached, ref.position))
 
     def _attach(self, name: str) -> _Attached:
@@ -125,11 +184,13 @@ class Reader:
             raise StaleChunkError(f"cannot read chunk: {exc}") from exc
         info = ffi.new("shm_info *")
         if lib.shm_read_info(segment.base, segment.size, info) != lib.SHM_OK:
+            truncated = segment.truncated
             segment.close()
+            if truncated:
+                raise StaleChunkError(f"segment {name!r} was truncated by another process")
             raise InvalidRefError(f"segment {name!r} has no valid shmask header")
         self._forget_dead_segments()
-        attached = _Attached(segment, int(info.capacity), int(info.epoch),
-                             int(info.producer_pid), int(info.producer_start))
+        attached = _Attached(segment, int(info.capacity), int(info.epoch))
         self._attached[name] = attached
         return attached
 
@@ -137,7 +198,7 @@ class Reader:
         # A new producer appeared: unmap the segments of producers that died,
         # so a long-lived tokenizer does not pin their memory forever.
         for name, attached in list(self._attached.items()):
-            if not producer_alive(attached.pid, attached.start):
+            if not segment_alive(name):
                 attached.segment.close()
                 del self._attached[name]
 
@@ -152,17 +213,18 @@ class _ShmRecord:
         self.position = position
 
     def check(self) -> None:
-        segment = self.attached.segment
-        if lib.shm_check_record(segment.base, self.attached.capacity, self.position):
-            raise StaleChunkError(
-                f"chunk at {segment.name}@{self.position} was reclaimed while it was read"
-            )
+        attached = self.attached
+        segment = attached.segment
+        # A truncated segment reads as zero pages, which fail this check too.
+        if lib.shm_check_record(segment.base, attached.capacity, self.position):
+            attached.error(lib.SHM_E_STALE, f"chunk at {segment.name}@{self.position}")
 
     def release(self) -> None:
-        segment = self.attached.segment
-        rc = lib.shm_release(segment.base, segment.size, self.attached.capacity, self.position)
+        attached = self.attached
+        segment = attached.segment
+        rc = lib.shm_release(segment.base, segment.size, attached.capacity, self.position)
         if rc:
-            raise_for(rc, f"release {segment.name}@{self.position}")
+            attached.error(rc, f"release {segment.name}@{self.position}")
 
 
 def _check_lengths(lengths: np.ndarray, nnz: int, max_tokens: int) -> None:

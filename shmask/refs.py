@@ -239,6 +239,11 @@ class RefBatch:
         return self._entries
 
     @property
+    def segments(self) -> list[tuple[str, int]]:
+        """(segment name, epoch) per segment index of the entries."""
+        return self._segments
+
+    @property
     def nbytes(self) -> int:
         return len(self._data)
 

@@ -1,22 +1,37 @@
 """POSIX shared-memory segments: create, attach, unlink, and clean up after
 producers that died.
 
-A segment is one producer's ring (layout in native/shmask_layout.h). Names
-are `/<prefix>-<uid>-<pid>-<16 random hex>`: unguessable, and the pid lets
-the janitor find segments whose producer is gone. posix_ipc is used rather
-than multiprocessing.shared_memory so that no process registers segments
-with Python's resource tracker (which would unlink them under a reader).
+A segment is one producer's ring (layout in native/shmask_layout.h), named
+`/<prefix>-<uid>-<pid>-<16 random hex>`: unguessable; the uid and pid are
+only for people reading `ls` (the janitor trusts neither).
+
+Liveness: the producer holds an exclusive flock(2) on the segment file from
+the moment it creates it until it closes or dies (the kernel drops the lock
+with the last descriptor, SIGKILL included). A segment whose lock can be
+taken has no producer, whatever its header says or which PID namespace its
+producer ran in; the janitor unlinks only while holding that lock, and a
+producer checks after locking that its name still points at its file, so a
+janitor racing a creation removes nothing the producer then uses.
+
+Mappings are made by the native core (`shm_map`), which guards them against
+SIGBUS: a segment file truncated by another process turns into zero pages
+and a StaleChunkError instead of killing the process.
+
+posix_ipc opens the objects (never multiprocessing.shared_memory, whose
+resource tracker would unlink segments under a reader).
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import logging
-import mmap
 import os
 import re
 import secrets
 import signal
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -30,10 +45,8 @@ from .errors import SegmentError
 log = logging.getLogger("shmask")
 
 SHM_DIR = "/dev/shm"
-# Map every page up front: otherwise the first touch of each 4 KiB page on
-# the hot path (a decode step's copy, a tokenizer's read) takes a page fault.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _NAME_PATTERN = re.compile(r"^/[A-Za-z0-9_]{1,32}-[0-9]{1,10}-[0-9]{1,10}-[0-9a-f]{16}$")
+_CREATE_ATTEMPTS = 8
 
 
 def is_valid_name(name: str) -> bool:
@@ -45,74 +58,78 @@ def new_name(prefix: str) -> str:
     return f"/{prefix}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name.lstrip("/"))
+
+
 def process_start_ticks(pid: int) -> int:
-    """Start time of `pid` in clock ticks since boot (0 when unknown); with
-    the pid it names a process even after pids wrap around."""
+    """Start time of `pid` in clock ticks since boot (0 when unknown); kept in
+    the header for `shmask ls`, not used to judge liveness."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            stat_line = f.read()
     except OSError:
         return 0
     # Field 22; the command name (field 2) may hold spaces, so split after ')'.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
 
 
-def producer_alive(pid: int, start_ticks: int) -> bool:
-    if pid <= 0:
-        return False
-    ticks = process_start_ticks(pid)
-    return ticks != 0 and (start_ticks == 0 or ticks == start_ticks)
+def _map(fd: int, size: int, name: str) -> object:
+    """A guarded shared mapping of the whole segment (cdata that unmaps
+    itself when the last view of it is gone)."""
+    error = ffi.new("int *")
+    address = lib.shm_map(fd, size, 1, error)
+    if address == ffi.NULL:
+        raise SegmentError(f"cannot map segment {name!r}: {os.strerror(error[0])}")
+    return ffi.gc(ffi.cast("char *", address), lib.shm_unmap, size=size)
 
 
 class Segment:
     """A mapped segment. The producer creates it; readers attach by name."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, owner_pid: int | None) -> None:
+    def __init__(self, name: str, base: object, size: int, owner_fd: int | None) -> None:
         self.name = name
-        self.mapping = mapping
-        self.size = len(mapping)
-        # The address the C core works on; held while the mapping lives.
-        self._pointer = ffi.from_buffer(mapping)
-        self.base = ffi.cast("void *", self._pointer)
-        self.owner_pid = owner_pid
+        self.size = size
+        # The C core's address of the mapping; the mapping lives as long as
+        # this cdata or any buffer made from it (numpy views included).
+        self.base = base
+        self.buffer = ffi.buffer(base, size)
+        self.owner_pid = os.getpid() if owner_fd is not None else None
+        # The producer's descriptor: it carries the lifetime lock.
+        self._owner_fd = owner_fd
         self.closed = False
 
     @classmethod
-    def create(cls, prefix: str, capacity: int, epoch: int) -> Segment:
-        name = new_name(prefix)
+    def create(cls, prefix: str, capacity: int) -> Segment:
+        """A new segment, locked and allocated; the caller initialises it."""
         size = int(lib.SHM_HEADER_BYTES) + capacity
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-        except posix_ipc.Error as exc:
-            raise SegmentError(f"cannot create shared memory {name!r}: {exc}") from exc
-        try:
+        for _ in range(_CREATE_ATTEMPTS):
+            name = new_name(prefix)
             try:
-                # Allocate every page now: a /dev/shm that is too small fails
-                # here, with a message, instead of SIGBUS on a later write.
-                os.posix_fallocate(shm.fd, 0, size)
-            except OSError as exc:
-                free = _shm_free_bytes()
-                raise SegmentError(
-                    f"cannot allocate {size / 2**20:.0f} MiB for ring {name!r} in {SHM_DIR} "
-                    f"({free / 2**20:.0f} MiB free): {exc.strerror}; lower SHMASK_RING_MB "
-                    "or enlarge /dev/shm (docker: --shm-size)"
-                ) from exc
-            mapping = mmap.mmap(shm.fd, size, flags=_MAP_FLAGS)
-        except BaseException:
-            _unlink_quietly(name)
-            raise
-        finally:
-            shm.close_fd()
-        segment = cls(name, mapping, owner_pid=os.getpid())
-        rc = lib.shm_init(
-            segment.base, size, capacity, epoch, os.getpid(),
-            process_start_ticks(os.getpid()), time.time_ns(),
-        )
-        if rc != lib.SHM_OK:
-            segment.close()
-            raise SegmentError(f"ring capacity {capacity} rejected by the native core ({rc})")
-        _LIVE.add(segment)
-        return segment
+                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+            except posix_ipc.ExistentialError:
+                continue  # the random name exists already: draw again
+            except posix_ipc.Error as exc:
+                raise SegmentError(f"cannot create shared memory {name!r}: {exc}") from exc
+            fd = shm.fd
+            try:
+                # Lock first, then check the name still points at our file: a
+                # janitor that took the lock before us may have unlinked it.
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not _same_file(fd, name):
+                    os.close(fd)
+                    continue
+                _allocate(fd, size, name)
+                base = _map(fd, size, name)
+            except BaseException:
+                _unlink_quietly(name)
+                os.close(fd)
+                raise
+            segment = cls(name, base, size, owner_fd=fd)
+            _LIVE.add(segment)
+            return segment
+        raise SegmentError(f"could not create a segment with prefix {prefix!r} in "
+                           f"{_CREATE_ATTEMPTS} attempts")
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -125,27 +142,45 @@ class Segment:
         except posix_ipc.Error as exc:
             raise SegmentError(f"cannot open segment {name!r}: {exc}") from exc
         try:
-            if shm.size < int(lib.SHM_HEADER_BYTES) + int(lib.SHM_MIN_CAPACITY):
-                raise SegmentError(f"segment {name!r} is too small ({shm.size} bytes)")
-            mapping = mmap.mmap(shm.fd, shm.size, flags=_MAP_FLAGS)
+            info = os.fstat(shm.fd)
+            if info.st_uid != os.geteuid():
+                raise SegmentError(f"segment {name!r} belongs to uid {info.st_uid}, not to us")
+            if info.st_size < int(lib.SHM_HEADER_BYTES) + int(lib.SHM_MIN_CAPACITY):
+                raise SegmentError(f"segment {name!r} is too small ({info.st_size} bytes)")
+            base = _map(shm.fd, info.st_size, name)
         finally:
             shm.close_fd()
-        return cls(name, mapping, owner_pid=None)
+        return cls(name, base, info.st_size, owner_fd=None)
+
+    @property
+    def truncated(self) -> bool:
+        """True once a SIGBUS showed that the file was cut short under us."""
+        return not self.closed and bool(lib.shm_mapping_truncated(self.base))
+
+    def file_intact(self) -> bool:
+        """The producer's check (one fstat) that nobody truncated its file."""
+        if self._owner_fd is None:
+            return True
+        try:
+            return os.fstat(self._owner_fd).st_size >= self.size
+        except OSError:
+            return False
 
     def close(self) -> None:
-        """Unmap; the producer also unlinks. Views handed out keep the pages
-        mapped until they are gone, so closing never invalidates them."""
+        """Drop our reference to the mapping; the producer also unlinks and
+        lets go of the lock. Views handed out keep the pages mapped until
+        they are gone, so closing never invalidates them."""
         if self.closed:
             return
         self.closed = True
         _LIVE.discard(self)
-        if self.owner_pid == os.getpid():
-            _unlink_quietly(self.name)
-        try:
-            ffi.release(self._pointer)
-            self.mapping.close()
-        except BufferError:
-            pass  # numpy views still export the mapping; it unmaps with them.
+        if self._owner_fd is not None:
+            if self.owner_pid == os.getpid():
+                _unlink_quietly(self.name)
+            os.close(self._owner_fd)
+            self._owner_fd = None
+        self.buffer = None
+        self.base = None
 
     def unlink_only(self) -> None:
         """Remove the name (used at exit and on SIGTERM: no unmapping there)."""
@@ -153,10 +188,33 @@ class Segment:
             _unlink_quietly(self.name)
 
 
+def _allocate(fd: int, size: int, name: str) -> None:
+    try:
+        # Allocate every page now: a /dev/shm that is too small fails here,
+        # with a message, instead of SIGBUS on a later write.
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = _shm_free_bytes()
+        raise SegmentError(
+            f"cannot allocate {size / 2**20:.0f} MiB for ring {name!r} in {SHM_DIR} "
+            f"({free / 2**20:.0f} MiB free): {exc.strerror}; lower SHMASK_RING_MB "
+            "or enlarge /dev/shm (docker: --shm-size)"
+        ) from exc
+
+
+def _same_file(fd: int, name: str) -> bool:
+    try:
+        by_name = os.stat(_path(name), follow_symlinks=False)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (by_name.st_dev, by_name.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def _unlink_quietly(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
+    except posix_ipc.Error:
         pass
 
 
@@ -175,12 +233,17 @@ class _LiveSegments:
 
     def __init__(self) -> None:
         self._segments: set[Segment] = set()
+        # A snapshot the SIGTERM handler reads without taking the lock: the
+        # handler runs between two bytecodes of the main thread, which may be
+        # inside add() or discard() holding it.
+        self._snapshot: tuple[Segment, ...] = ()
         self._lock = threading.Lock()
         self._hooked = False
 
     def add(self, segment: Segment) -> None:
         with self._lock:
             self._segments.add(segment)
+            self._snapshot = tuple(self._segments)
             if not self._hooked:
                 self._hooked = True
                 atexit.register(self.unlink_all)
@@ -189,11 +252,10 @@ class _LiveSegments:
     def discard(self, segment: Segment) -> None:
         with self._lock:
             self._segments.discard(segment)
+            self._snapshot = tuple(self._segments)
 
     def unlink_all(self) -> None:
-        with self._lock:
-            segments = list(self._segments)
-        for segment in segments:
+        for segment in self._snapshot:
             segment.unlink_only()
 
 
@@ -236,70 +298,112 @@ class SegmentInfo:
     expired: int
 
 
-def list_segments(prefix: str | None = None) -> Iterator[SegmentInfo]:
-    """Segments of this user in /dev/shm (optionally of one prefix)."""
+def _open_own(name: str) -> int | None:
+    """A read-only descriptor of segment file `name` if it is a regular file
+    that this user owns (by its owner, never by the uid in its name), else
+    None. Nothing about another user's file can make this raise."""
+    try:
+        fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _lock_held(fd: int) -> bool:
+    """True when some process (a producer) holds the segment's lifetime lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        return True  # cannot tell: treat as alive, never remove on a doubt
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def segment_alive(name: str) -> bool:
+    """True while the producer of segment `name` holds its lifetime lock."""
+    fd = _open_own(name)
+    if fd is None:
+        return False
+    try:
+        return _lock_held(fd)
+    finally:
+        os.close(fd)
+
+
+def _own_segment_names(prefix: str | None) -> Iterator[str]:
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
         return
-    uid = os.getuid()
     for entry in sorted(entries):
         name = "/" + entry
-        if not is_valid_name(name) or entry.split("-")[1] != str(uid):
+        if not is_valid_name(name):
             continue
         if prefix is not None and not entry.startswith(prefix + "-"):
             continue
-        info = _inspect(name)
-        if info is not None:
-            yield info
+        yield name
 
 
-def _inspect(name: str) -> SegmentInfo | None:
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except posix_ipc.Error:
-        return None
-    try:
-        size = shm.size
-        if size < int(lib.SHM_HEADER_BYTES):
-            return SegmentInfo(name, size, 0, False, 0, 0, 0, 0, 0, 0)
-        mapping = mmap.mmap(shm.fd, int(lib.SHM_HEADER_BYTES), prot=mmap.PROT_READ)
-    finally:
-        shm.close_fd()
-    try:
-        pointer = ffi.from_buffer(mapping)
-        try:
-            info = ffi.new("shm_info *")
-            if lib.shm_read_info(pointer, size, info) != lib.SHM_OK:
-                return SegmentInfo(name, size, 0, False, 0, 0, 0, 0, 0, 0)
-            pid = int(info.producer_pid)
-            return SegmentInfo(
-                name, size, pid, producer_alive(pid, int(info.producer_start)),
-                int(info.capacity), int(info.head), int(info.tail),
-                int(info.published), int(info.released), int(info.expired),
-            )
-        finally:
-            ffi.release(pointer)
-    finally:
-        mapping.close()
-
-
-def collect_garbage(prefix: str | None = None, min_age_s: float = 5.0) -> list[str]:
-    """Unlink segments whose producer is gone. Segments with no valid header
-    are removed only once older than `min_age_s` (they may be being made)."""
-    removed = []
-    now = time.time()
-    for info in list_segments(prefix):
-        if info.alive:
+def list_segments(prefix: str | None = None) -> Iterator[SegmentInfo]:
+    """This user's segments in /dev/shm (optionally of one prefix)."""
+    for name in _own_segment_names(prefix):
+        fd = _open_own(name)
+        if fd is None:
             continue
-        if info.producer_pid == 0:
+        try:
+            yield _inspect(name, fd)
+        finally:
+            os.close(fd)
+
+
+def _inspect(name: str, fd: int) -> SegmentInfo:
+    alive = _lock_held(fd)
+    size = os.fstat(fd).st_size
+    header = int(lib.SHM_HEADER_BYTES)
+    if size < header:
+        return SegmentInfo(name, size, 0, alive, 0, 0, 0, 0, 0, 0)
+    # pread, not mmap: a file truncated meanwhile gives a short read, not SIGBUS.
+    page = os.pread(fd, header, 0)
+    if len(page) < header:
+        return SegmentInfo(name, size, 0, alive, 0, 0, 0, 0, 0, 0)
+    info = ffi.new("shm_info *")
+    if lib.shm_read_info(ffi.from_buffer(page), size, info) != lib.SHM_OK:
+        return SegmentInfo(name, size, 0, alive, 0, 0, 0, 0, 0, 0)
+    return SegmentInfo(name, size, int(info.producer_pid), alive, int(info.capacity),
+                       int(info.head), int(info.tail), int(info.published), int(info.released),
+                       int(info.expired))
+
+
+def collect_garbage(prefix: str | None = None) -> list[str]:
+    """Unlink this user's segments whose producer is gone: those whose
+    lifetime lock we can take. The unlink happens while we hold the lock, so
+    a producer still creating its segment (it locks, then checks its name)
+    never keeps using a file we removed."""
+    removed = []
+    for name in _own_segment_names(prefix):
+        fd = _open_own(name)
+        if fd is None:
+            continue
+        try:
             try:
-                age = now - os.stat(os.path.join(SHM_DIR, info.name[1:])).st_mtime
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                continue
-            if age < min_age_s:
-                continue
-        _unlink_quietly(info.name)
-        removed.append(info.name)
-        log.info("removed segment %s of dead producer %d", info.name, info.producer_pid)
+                continue  # held: its producer is alive (or is being checked)
+            # The name may have been replaced since we opened it.
+            if _same_file(fd, name):
+                _unlink_quietly(name)
+                removed.append(name)
+                log.info("removed segment %s: its producer is gone", name)
+        finally:
+            os.close(fd)  # drops our lock
     return removed

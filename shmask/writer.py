@@ -3,17 +3,22 @@
 Rows are staged per request in RowQueue buffers that live in the ring
 itself; taking a queue publishes its buffer in place (no copy of the payload
 at emission) and returns a ChunkRef. When the ring cannot hold a buffer,
-even after reclaiming and waiting up to SHMASK_FULL_WAIT_MS, that queue
-stages in private memory and its chunk travels inline in the ref: slower,
-never wrong, never blocked forever.
+even after reclaiming and waiting up to SHMASK_FULL_WAIT_MS (once per call,
+however many queues need room), that queue stages in private memory and its
+chunk travels inline in the ref: slower, never wrong, never blocked forever.
+
+The ring's geometry, positions and the queue table live in a C struct
+(shm_ring) that only the native core writes; this module decides policy
+(when to wait, when to go inline, what to log).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +26,7 @@ import numpy as np
 from ._native import ffi, lib
 from ._native_errors import raise_for
 from .config import Config
-from .errors import InvalidRowsError, ShmaskError
+from .errors import InvalidRowsError, SegmentError, ShmaskError
 from .refs import (
     ENTRY_DTYPE,
     KIND_EMPTY,
@@ -33,12 +38,12 @@ from .refs import (
     mode_code,
     payload_bytes,
 )
-from .segment import Segment, collect_garbage
+from .segment import Segment, collect_garbage, process_start_ticks
 
 log = logging.getLogger("shmask")
 
-_INITIAL_SLOTS = 64
 _WARN_INTERVAL_S = 10.0
+_SLOT_MASK = 0xFFFFFFFF
 
 
 @dataclass
@@ -53,6 +58,25 @@ class WriterStats:
     full_waits: int = 0
     expired: int = 0
     staging_moves: int = 0
+    aborted_chunks: int = 0
+
+
+class _RateLimitedWarning:
+    """One log line per interval, with the count since the last line."""
+
+    def __init__(self, message: str, level: int = logging.WARNING) -> None:
+        self.message = message
+        self.level = level
+        self.pending = 0
+        self.last = -_WARN_INTERVAL_S
+
+    def add(self, count: int, *args: object) -> None:
+        self.pending += count
+        now = time.monotonic()
+        if now - self.last >= _WARN_INTERVAL_S:
+            log.log(self.level, self.message, self.pending, *args)
+            self.last = now
+            self.pending = 0
 
 
 class Writer:
@@ -66,33 +90,43 @@ class Writer:
         self.stats = WriterStats()
         self.segment: Segment | None = None
         self.epoch = secrets.randbits(63)
-        self._capacity = 0
-        self._base = ffi.NULL  # the ring's address; NULL under SHMASK_TRANSPORT=inline
+        self.closed = False
         self._max_row = self.config.max_tokens
         self._full_wait_s = self.config.full_wait_ms / 1000.0
         self._lease_ns = int(self.config.lease_s * 1e9)
-        self._last_warning = 0.0
-        self._last_corruption_report = -_WARN_INTERVAL_S
-        self._pending_warnings = 0
+        self._deadline: float | None = None  # one full-ring wait per public call
+        self._growing = -1  # the slot being grown: reclaim must not move it meanwhile
+        self._inline_warning = _RateLimitedWarning(
+            "ring full: %d chunk(s) sent inline since the last report "
+            "(raise SHMASK_RING_MB or release chunks sooner)")
+        self._expiry_warning = _RateLimitedWarning(
+            "reclaimed %d chunk(s) not released within SHMASK_LEASE_S=%s since the last report")
+        self._corruption_error = _RateLimitedWarning(
+            "%d time(s): a record header in ring %s was overwritten by another process; "
+            "reclaim stopped there (chunks go inline)", logging.ERROR)
+        # The ring struct (and the queue table it owns) is C memory; freed
+        # with the Writer even if close() is never called.
+        self._ring = ffi.gc(ffi.new("shm_ring *"), lib.shm_ring_free)
+        base, size, capacity = ffi.NULL, 0, 0
         if self.config.transport == "shm":
             collect_garbage(self.config.name_prefix)
-            self._capacity = self.config.ring_capacity_bytes
-            self.segment = Segment.create(self.config.name_prefix, self._capacity, self.epoch)
-            self._base = self.segment.base
-            self._view = np.frombuffer(self.segment.mapping, dtype=np.uint8)
-        # The RowQueue table lives in C memory; the copy loop reads it directly.
-        self._table = ffi.new("shm_queue[]", _INITIAL_SLOTS)
-        self._table_size = _INITIAL_SLOTS
-        self._free_slots = list(range(_INITIAL_SLOTS - 1, -1, -1))
-        self._private: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+            capacity = self.config.ring_capacity_bytes
+            self.segment = Segment.create(self.config.name_prefix, capacity)
+            base, size = self.segment.base, self.segment.size
+            self._view = np.frombuffer(self.segment.buffer, dtype=np.uint8)
+        rc = lib.shm_ring_init(self._ring, base, size, capacity, self.epoch, os.getpid(),
+                               process_start_ticks(os.getpid()), time.time_ns(),
+                               secrets.randbits(15))
+        if rc != lib.SHM_OK:
+            if self.segment is not None:
+                self.segment.close()
+            raise SegmentError(f"ring of {capacity} bytes rejected by the native core ({rc})")
         self._queues: dict[int, RowQueue] = {}
-        self._restaging = -1
-        self._source_cursor = ffi.new("uint64_t *")
         self._bad_row = ffi.new("int64_t *")
         self._position = ffi.new("uint64_t *")
+        self._given_back = ffi.new("uint64_t *")
         self._reclaim_result = ffi.new("shm_reclaim_result *")
         self._layout = ffi.new("shm_layout *")
-        self.closed = False
 
     # ------------------------------------------------------------ identity
     @property
@@ -103,7 +137,7 @@ class Writer:
     def publish(self, lengths: np.ndarray, ids: np.ndarray, logprobs: np.ndarray,
                 mode: str = "support") -> ChunkRef:
         """Publish one chunk (CSR rows of one request) by copying it in."""
-        self._check_open()
+        self._begin_call()
         code = mode_code(mode)
         lengths = _as_array(lengths, np.int32, "lengths")
         ids = _as_array(ids, np.int32, "ids")
@@ -137,35 +171,37 @@ class Writer:
 
     # ------------------------------------------------------------ RowQueues
     def open_queue(self, mode: str = "support") -> RowQueue:
-        """A queue for one request's rows; close it when the request ends."""
+        """A queue for one request's rows; close (or abort) it when the
+        request ends."""
         self._check_open()
         code = mode_code(mode)
-        if not self._free_slots:
-            self._grow_table()
-        slot = self._free_slots.pop()
-        entry = self._table[slot]
-        ffi.memmove(ffi.addressof(entry), b"\0" * ffi.sizeof("shm_queue"), ffi.sizeof("shm_queue"))
-        entry.mode = code
-        entry.next_rows = self.config.queue_rows
-        queue = RowQueue(self, slot, code)
-        self._queues[slot] = queue
+        handle = int(lib.shm_queue_open(self._ring, code, self.config.queue_rows))
+        if handle < 0:
+            raise_for(handle, "open_queue")
+        queue = RowQueue(self, handle, code)
+        self._queues[queue.slot] = queue
         return queue
 
     def append_step(self, queues: Sequence[RowQueue] | np.ndarray, lengths: np.ndarray,
-                    ids: np.ndarray, logprobs: np.ndarray) -> None:
-        """Append one decode step's rows: row i goes to queues[i].
+                    ids: np.ndarray, logprobs: np.ndarray,
+                    selected_logprobs: np.ndarray | None = None) -> None:
+        """Append one decode step's rows, all or nothing: row i goes to queues[i].
 
-        `queues` is a sequence of RowQueue or an int array of their slots (the
-        fast path: engines keep a request -> slot table). `ids` is [B, W]
-        padded (row i is ids[i, :lengths[i]]) or flat CSR (rows consecutive).
-        `logprobs` has the shape of `ids` (support mode) or [B] (selected).
+        `queues` is a sequence of RowQueue or an int64 array of their
+        `handle`s (the fast path: engines keep a request -> handle table). `ids`
+        is [B, W] padded (row i is ids[i, :lengths[i]]) or flat CSR. A
+        support-mode row's logprobs sit in `logprobs`, shaped like `ids`. A
+        selected-mode row's one value is `selected_logprobs[i]` ([B]); when
+        every row of the step is selected-mode, `logprobs` may be that [B]
+        array instead. A step may mix modes (then pass both). Every row is
+        checked before any is copied: a bad row raises and appends nothing.
         """
-        self._check_open()
-        slots = _slots_array(queues)
+        self._begin_call()
+        handles = self._handles(queues)
         lengths = _as_array(lengths, np.int32, "lengths")
         ids = _as_array(ids, np.int32, "ids")
         logprobs = _as_array(logprobs, np.float32, "logprobs")
-        batch = slots.size
+        batch = handles.size
         if lengths.shape != (batch,):
             raise InvalidRowsError(f"lengths has shape {lengths.shape}; expected ({batch},)")
         if batch == 0:
@@ -173,53 +209,50 @@ class Writer:
         if ids.ndim == 2:
             if ids.shape[0] != batch:
                 raise InvalidRowsError(f"ids has {ids.shape[0]} rows; expected {batch}")
-            row_stride = ids.shape[1]
-            if row_stride == 0:
-                row_stride = 1  # every length must then be 0; stride only bounds them
+            row_stride = max(ids.shape[1], 1)  # W == 0: every length must be 0
         elif ids.ndim == 1:
             row_stride = 0
         else:
             raise InvalidRowsError(f"ids must be [B, W] or flat CSR, got shape {ids.shape}")
-        first = self._queue_entry(int(slots[0]))
-        mode = first.mode if first is not None else 0
-        if mode == MODE_SUPPORT and logprobs.size != ids.size:
-            raise InvalidRowsError(
-                f"support mode: logprobs has {logprobs.size} values, ids has {ids.size}"
-            )
-        if mode != MODE_SUPPORT and logprobs.size != batch:
-            raise InvalidRowsError(f"selected mode: logprobs must be [{batch}], got {logprobs.shape}")
-        c_slots = ffi.from_buffer("int32_t[]", slots)
-        c_lengths = ffi.from_buffer("int32_t[]", lengths)
-        c_ids = ffi.from_buffer("int32_t[]", ids)
-        c_logprobs = ffi.from_buffer("float[]", logprobs)
-        self._source_cursor[0] = 0
-        row = 0
+        if selected_logprobs is None:
+            selected, selected_is_logprobs = logprobs, 1
+            if logprobs.shape not in (ids.shape, (batch,)):
+                raise InvalidRowsError(f"logprobs has shape {logprobs.shape}; expected the shape "
+                                       f"of ids {ids.shape} (support) or ({batch},) (selected)")
+        else:
+            selected, selected_is_logprobs = _as_array(
+                selected_logprobs, np.float32, "selected_logprobs"), 0
+            if selected.shape != (batch,):
+                raise InvalidRowsError(
+                    f"selected_logprobs has shape {selected.shape}; expected ({batch},)")
+            if logprobs.size and logprobs.shape != ids.shape:
+                raise InvalidRowsError(f"logprobs has shape {logprobs.shape}; expected the "
+                                       f"shape of ids {ids.shape}")
+        args = (ffi.from_buffer("int64_t[]", handles), batch,
+                ffi.from_buffer("int32_t[]", lengths), ffi.from_buffer("int32_t[]", ids),
+                ffi.from_buffer("float[]", logprobs), ffi.from_buffer("float[]", selected),
+                row_stride, ids.size, logprobs.size, selected.size, selected_is_logprobs,
+                self._max_row, self._bad_row)
         while True:
-            done = lib.shm_append_step(
-                self._base, self._table, self._table_size, c_slots, batch, c_lengths, c_ids,
-                c_logprobs, row_stride, ids.size, logprobs.size, mode, self._max_row, row,
-                self._source_cursor, self._bad_row,
-            )
+            done = lib.shm_append_step(self._ring, *args)
             if done == batch:
                 return
             if done < 0:
                 bad = int(self._bad_row[0])
-                raise_for(int(done), f"append_step row {bad} (slot {int(slots[bad])}, "
-                                     f"length {int(lengths[bad])})")
-            row = int(done)
-            self._grow_queue(int(slots[row]), int(lengths[row]))
+                where = (f"append_step row {bad} (handle {int(handles[bad])}, length "
+                         f"{int(lengths[bad])})" if bad >= 0 else "append_step")
+                raise_for(int(done), where)
+            self._grow_queue(int(handles[int(done)]) & _SLOT_MASK)
 
-    def take_batch(self, queues: Sequence[RowQueue], final: bool = False) -> RefBatch:
+    def take_batch(self, queues: Sequence[RowQueue] | np.ndarray,
+                   final: bool = False) -> RefBatch:
         """Take every queue (one emission): one RefBatch, entry i for queues[i].
 
         Ring buffers are published in place and each queue gets its next
         buffer, all in one native call; `final` drops the buffers instead
         (the requests ended)."""
-        self._check_open()
-        for queue in queues:
-            if queue.writer is not self or queue.closed:
-                raise ShmaskError(f"{queue!r} is closed or belongs to another Writer")
-        entries, inline_chunks = self._take_into_entries(_slots_array(queues), final)
+        self._begin_call()
+        entries, inline_chunks = self._take_into_entries(self._handles(queues), final)
         segments = [(self.segment_name, self.epoch)] if self.segment else []
         self.reclaim()
         return RefBatch.build(segments, entries, inline_chunks)
@@ -233,39 +266,34 @@ class Writer:
             return
         moved: set[int] = set()
         while True:
-            lib.shm_reclaim(self._base, time.monotonic_ns(), self._lease_ns, self._reclaim_result)
+            lib.shm_reclaim(self._ring, time.monotonic_ns(), self._lease_ns, self._reclaim_result)
             result = self._reclaim_result
             if result.expired:
                 self.stats.expired += int(result.expired)
-                log.warning("reclaimed %d chunk(s) not released within SHMASK_LEASE_S=%s",
-                            int(result.expired), self.config.lease_s)
+                self._expiry_warning.add(int(result.expired), self.config.lease_s)
             if result.blocked_state == lib.SHM_STATE_CORRUPT:
-                self._report_corruption(int(result.blocked_position))
+                self._corruption_error.add(1, self.segment_name)
             if not move_staging or result.blocked_state != lib.SHM_STATE_STAGING:
                 return
-            position = int(result.blocked_position)
-            slot = int(lib.shm_staging_owner(self._base, position))
-            if slot in moved or not self._move_staging(slot, position):
+            slot = int(lib.shm_staging_owner(self._ring, result.blocked_position))
+            if slot < 0 or slot in moved or slot == self._growing:
                 return
+            if lib.shm_queue_relocate(self._ring, slot, 1) != lib.SHM_OK:
+                if lib.shm_queue_relocate(self._ring, slot, 0) != lib.SHM_OK:
+                    return
             moved.add(slot)
-
-    def _report_corruption(self, position: int) -> None:
-        # Only a process that maps the ring writable can do this; the ring
-        # stops reclaiming there (chunks then go inline) rather than guess.
-        now = time.monotonic()
-        if now - self._last_corruption_report >= _WARN_INTERVAL_S:
-            log.error("ring %s: record header at position %d was overwritten; reclaim "
-                      "stopped there", self.segment_name, position)
-            self._last_corruption_report = now
+            self.stats.staging_moves += 1
 
     def close(self) -> None:
         """Close every queue and unlink the segment. Readers that still hold
         views keep their pages; new opens of this segment fail cleanly."""
         if self.closed:
             return
-        for queue in list(self._queues.values()):
-            queue.close()
         self.closed = True
+        for queue in self._queues.values():
+            queue.closed = True
+        self._queues.clear()
+        lib.shm_ring_free(self._ring)  # private buffers; the ring itself goes with the segment
         if self.segment is not None:
             self.segment.close()
 
@@ -279,60 +307,87 @@ class Writer:
         """(bytes in use between tail and head, ring capacity)."""
         if self.segment is None:
             return 0, 0
-        return int(lib.shm_load_head(self._base) - lib.shm_load_tail(self._base)), self._capacity
+        ring = self._ring
+        return int(ring.head - ring.tail), int(ring.capacity)
 
     # ------------------------------------------------------------ internals
     def _check_open(self) -> None:
         if self.closed:
             raise ShmaskError("Writer is closed")
 
-    def _queue_entry(self, slot: int):  # type: ignore[no-untyped-def]
-        if 0 <= slot < self._table_size and self._table[slot].mode:
-            return self._table[slot]
-        return None
+    def _begin_call(self) -> None:
+        """Start of a public call: a fresh full-ring budget, and a check (one
+        fstat) that nobody truncated the segment under us."""
+        self._check_open()
+        self._deadline = None
+        segment = self.segment
+        if segment is not None and not self._ring.dead and (
+                segment.truncated or not segment.file_intact()):
+            lib.shm_ring_mark_dead(self._ring)
+            log.error("ring %s was truncated by another process: chunks staged in it are "
+                      "lost (their readers get StaleChunkError); every chunk goes inline "
+                      "from now on", segment.name)
 
-    def _grow_table(self) -> None:
-        size = self._table_size * 2
-        table = ffi.new("shm_queue[]", size)
-        ffi.memmove(table, self._table, ffi.sizeof("shm_queue") * self._table_size)
-        self._free_slots.extend(range(size - 1, self._table_size - 1, -1))
-        self._table, self._table_size = table, size
+    def _handles(self, queues: Sequence[RowQueue] | np.ndarray) -> np.ndarray:
+        if isinstance(queues, np.ndarray):
+            if queues.dtype.kind not in "iu":
+                raise InvalidRowsError(f"queue handles must be an integer array, got {queues.dtype}")
+            return np.ascontiguousarray(queues, dtype=np.int64).ravel()
+        try:
+            return np.fromiter((q.handle for q in queues), dtype=np.int64, count=len(queues))
+        except (AttributeError, TypeError) as exc:
+            raise InvalidRowsError(f"queues must be RowQueues or an int64 array of their "
+                                   f"handles: {exc}") from None
 
     def _reserve(self, mode: int, rows_capacity: int, nnz_capacity: int) -> int | None:
         """A ring record for a one-shot chunk, or None (the chunk goes inline)."""
         position = self._position
         if self._wait_for_room(
-            lambda: lib.shm_reserve(self._base, mode, rows_capacity, nnz_capacity, position)
+            lambda: lib.shm_reserve(self._ring, mode, rows_capacity, nnz_capacity, position)
         ):
             return int(position[0])
         return None
 
-    def _wait_for_room(self, attempt) -> bool:  # type: ignore[no-untyped-def]
-        """Full-ring policy: try; reclaim and retry until SHMASK_FULL_WAIT_MS
-        has passed; False means the caller falls back to inline."""
+    def _wait_for_room(self, attempt: Callable[[], int]) -> bool:
+        """Full-ring policy: try; reclaim and retry until the call's deadline
+        (SHMASK_FULL_WAIT_MS after its first wait); False means the caller
+        falls back to private memory and inline."""
         rc = attempt()
         if rc == lib.SHM_OK:
             return True
         if rc != lib.SHM_FULL:
-            return False  # larger than the whole ring
+            return False  # larger than the whole ring, or no usable ring
         self.stats.full_waits += 1
-        deadline = time.monotonic() + self._full_wait_s
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._full_wait_s
         pause = 0.0001
         while True:
             self.reclaim(move_staging=True)
             if attempt() == lib.SHM_OK:
                 return True
-            remaining = deadline - time.monotonic()
+            remaining = self._deadline - time.monotonic()
             if remaining <= 0:
                 return False
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.005)
 
+    def _grow_queue(self, slot: int) -> None:
+        """Slow path of append_step: the ring had no room for this queue's
+        larger buffer right away. Wait for room, else stage privately."""
+        self._growing = slot
+        try:
+            if self._wait_for_room(lambda: lib.shm_queue_grow(self._ring, slot, 1)):
+                return
+        finally:
+            self._growing = -1
+        rc = lib.shm_queue_grow(self._ring, slot, 0)
+        if rc:
+            raise_for(rc, f"append_step: staging queue slot {slot} in private memory")
+
     def _record_arrays(self, position: int, mode: int, rows_capacity: int,
                        nnz_capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lib.shm_record_layout(mode, rows_capacity, nnz_capacity, self._layout)
-        start = int(ffi.cast("char *", lib.shm_record_address(self._base, position))
-                    - ffi.cast("char *", self._base))
+        start = int(lib.shm_record_offset(self._ring, position))
         layout = self._layout
         n_logprobs = nnz_capacity if mode == MODE_SUPPORT else rows_capacity
         view = self._view
@@ -342,7 +397,7 @@ class Writer:
         return lengths, ids, logprobs
 
     def _publish_record(self, position: int, mode: int, rows: int, nnz: int) -> ChunkRef:
-        rc = lib.shm_publish(self._base, position, rows, nnz, time.monotonic_ns())
+        rc = lib.shm_publish(self._ring, position, mode, rows, nnz, time.monotonic_ns())
         if rc:
             raise_for(rc, f"publish at position {position}")
         # The record's size comes from the producer's own numbers, never from
@@ -362,72 +417,13 @@ class Writer:
         self.stats.inline_chunks += 1
         self.stats.inline_bytes += len(payload)
         if self.config.transport == "shm":
-            self._warn_inline()
+            self._inline_warning.add(1)
         return ChunkRef(KIND_INLINE, mode, "", 0, 0, len(payload), rows, nnz,
                         memoryview(payload))
 
-    def _warn_inline(self) -> None:
-        # Bounded rate: one line per interval, with the count since the last.
-        self._pending_warnings += 1
-        now = time.monotonic()
-        if now - self._last_warning >= _WARN_INTERVAL_S:
-            log.warning("ring full: %d chunk(s) sent inline since the last report "
-                        "(raise SHMASK_RING_MB or release chunks sooner)", self._pending_warnings)
-            self._last_warning = now
-            self._pending_warnings = 0
-
-    # ---- queue buffers (the fast paths are in the native core)
-    def _grow_queue(self, slot: int, extra_nnz: int) -> None:
-        """Slow path of append_step: the ring had no room for this queue's
-        larger buffer right away. Wait for room, else stage privately."""
-        capacities = ffi.new("uint64_t[2]")
-        lib.shm_queue_grown_capacities(ffi.addressof(self._table[slot]), extra_nnz, capacities,
-                                       capacities + 1)
-        rows_capacity, nnz_capacity = int(capacities[0]), int(capacities[1])
-        self._restage(slot, rows_capacity, nnz_capacity, wait=True)
-
-    def _restage(self, slot: int, rows_capacity: int, nnz_capacity: int, wait: bool) -> None:
-        """Give queue `slot` a buffer of these capacities, keeping its rows: in
-        the ring if it has room (after the full-ring wait when `wait`), else
-        in private memory. A queue already in private memory stays there
-        until its next take (its chunk goes inline; the next starts afresh)."""
-        entry = self._table[slot]
-        staged_privately = not entry.in_ring and entry.rows_capacity
-        if self.segment is not None and not staged_privately:
-            self._restaging = slot  # reclaim must not move this queue meanwhile
-            try:
-                attempt = lambda: lib.shm_queue_restage(  # noqa: E731
-                    self._base, ffi.addressof(entry), slot, rows_capacity, nnz_capacity)
-                placed = self._wait_for_room(attempt) if wait else attempt() == lib.SHM_OK
-            finally:
-                self._restaging = -1
-            if placed:
-                self._private.pop(slot, None)
-                return
-        n_logprobs = nnz_capacity if entry.mode == MODE_SUPPORT else rows_capacity
-        arrays = (np.empty(rows_capacity, np.int32), np.empty(nnz_capacity, np.int32),
-                  np.empty(n_logprobs, np.float32))
-        lib.shm_queue_move(self._base, ffi.addressof(entry),
-                           *(ffi.cast(t, a.ctypes.data) for t, a in
-                             zip(("int32_t *", "int32_t *", "float *"), arrays, strict=True)),
-                           rows_capacity, nnz_capacity)
-        self._private[slot] = arrays  # after the copy: the old arrays may go now
-
-    def _move_staging(self, slot: int, position: int) -> bool:
-        """Move queue `slot`'s staging buffer (it blocks the ring's tail at
-        `position`) to the head if there is room, else to private memory."""
-        if slot == self._restaging or self._queue_entry(slot) is None:
-            return False
-        entry = self._table[slot]
-        if not entry.in_ring or entry.position != position:
-            return False  # the owner field (shared memory) disagrees with our table
-        self.stats.staging_moves += 1
-        self._restage(slot, int(entry.rows_capacity), int(entry.nnz_capacity), wait=False)
-        return True
-
-    def _take_into_entries(self, slots: np.ndarray,
+    def _take_into_entries(self, handles: np.ndarray,
                            final: bool) -> tuple[np.ndarray, list[bytes]]:
-        count = slots.size
+        count = handles.size
         kind = np.zeros(count, np.uint8)
         position = np.zeros(count, np.uint64)
         record_bytes = np.zeros(count, np.uint64)
@@ -438,19 +434,19 @@ class Writer:
         inline_offset = 0
         start = 0
         outputs = [ffi.from_buffer(ctype, array) for ctype, array in (
-            ("int32_t[]", slots), ("uint8_t[]", kind), ("uint8_t[]", mode),
+            ("int64_t[]", handles), ("uint8_t[]", kind), ("uint8_t[]", mode),
             ("uint64_t[]", position), ("uint64_t[]", record_bytes), ("uint32_t[]", rows),
             ("uint64_t[]", nnz))]
         now = time.monotonic_ns()
         while start < count:
-            done = lib.shm_take_queues(self._base, self._table, self._table_size, outputs[0], count,
-                                       start, now, int(final), *outputs[1:])
+            done = lib.shm_take_queues(self._ring, outputs[0], count, start, now, int(final),
+                                       *outputs[1:])
             if done < 0:
-                raise_for(int(done), "take")
+                raise_for(int(done), "take_batch")
             if done == count:
                 break
             i = int(done)  # a queue in private memory: its chunk goes inline
-            ref = self._take_private(int(slots[i]))
+            ref = self._take_private(int(handles[i]) & _SLOT_MASK)
             kind[i], mode[i], rows[i], nnz[i] = KIND_INLINE, ref.mode, ref.rows, ref.nnz
             assert ref.payload is not None
             position[i], record_bytes[i] = inline_offset, len(ref.payload)
@@ -469,33 +465,39 @@ class Writer:
         return entries, inline_chunks
 
     def _take_private(self, slot: int) -> ChunkRef:
-        entry = self._table[slot]
+        entry = self._ring.queues[slot]
         rows, nnz, mode = int(entry.rows), int(entry.nnz), int(entry.mode)
-        lengths, ids, logprobs = self._private.pop(slot)
-        n_logprobs = nnz if mode == MODE_SUPPORT else rows
-        payload = b"".join((lengths[:rows].tobytes(), ids[:nnz].tobytes(),
-                            logprobs[:n_logprobs].tobytes()))
-        entry.next_rows, entry.next_nnz = rows + rows // 4 + 1, nnz + nnz // 4 + 1
-        lib.shm_queue_drop(ffi.NULL, ffi.addressof(entry))
-        return self._inline_ref(mode, rows, nnz, payload)
+        payload = bytearray(int(payload_bytes(mode, rows, nnz)))
+        rc = lib.shm_queue_pack_private(self._ring, slot, ffi.from_buffer(payload), len(payload))
+        if rc:
+            raise_for(rc, f"take_batch: packing queue slot {slot}")
+        return self._inline_ref(mode, rows, nnz, bytes(payload))
 
-    def _close_queue(self, queue: RowQueue) -> None:
-        entry = self._table[queue.slot]
-        lib.shm_queue_drop(self._base, ffi.addressof(entry))
-        self._private.pop(queue.slot, None)
-        entry.mode = 0
+    def _close_queue(self, queue: RowQueue, abort: bool) -> int:
+        if self.closed:
+            return 0
         self._queues.pop(queue.slot, None)
-        self._free_slots.append(queue.slot)
+        if abort:
+            rc = lib.shm_queue_abort(self._ring, queue.handle, time.monotonic_ns(),
+                                     self._given_back)
+            given_back = int(self._given_back[0])
+            self.stats.aborted_chunks += given_back
+        else:
+            rc, given_back = lib.shm_queue_close(self._ring, queue.handle), 0
+        if rc:
+            raise_for(rc, f"closing {queue!r}")
+        return given_back
 
 
 class RowQueue:
     """One request's rows since its last take (scheduler side)."""
 
-    __slots__ = ("writer", "slot", "mode", "closed")
+    __slots__ = ("writer", "handle", "slot", "mode", "closed")
 
-    def __init__(self, writer: Writer, slot: int, mode: int) -> None:
+    def __init__(self, writer: Writer, handle: int, mode: int) -> None:
         self.writer = writer
-        self.slot = slot
+        self.handle = handle  # what append_step takes; stops matching once closed
+        self.slot = handle & _SLOT_MASK
         self.mode = mode
         self.closed = False
 
@@ -504,9 +506,13 @@ class RowQueue:
         ids = _as_array(ids, np.int32, "ids")
         if ids.ndim != 1:
             raise InvalidRowsError(f"a row's ids must be 1-D, got shape {ids.shape}")
-        logprobs_array = np.atleast_1d(_as_array(logprobs, np.float32, "logprobs"))
-        self.writer.append_step(np.array([self.slot], np.int32), np.array([ids.size], np.int32),
-                                ids, logprobs_array)
+        values = np.atleast_1d(_as_array(logprobs, np.float32, "logprobs"))
+        handles = np.array([self.handle], np.int64)
+        lengths = np.array([ids.size], np.int32)
+        if self.mode == MODE_SUPPORT:
+            self.writer.append_step(handles, lengths, ids, values)
+        else:
+            self.writer.append_step(handles, lengths, ids, np.zeros(0, np.float32), values)
 
     def take(self, final: bool = False) -> ChunkRef:
         """Publish the rows appended since the last take, in place."""
@@ -514,13 +520,24 @@ class RowQueue:
 
     @property
     def rows(self) -> int:
-        return int(self.writer._table[self.slot].rows)
+        if self.closed:
+            return 0
+        return int(self.writer._ring.queues[self.slot].rows)
 
     def close(self) -> None:
         """Drop unpublished rows and free the slot (the request ended)."""
         if not self.closed:
             self.closed = True
-            self.writer._close_queue(self)
+            self.writer._close_queue(self, abort=False)
+
+    def abort(self) -> int:
+        """The request was aborted: drop unpublished rows, free the slot, and
+        give back every chunk it published that no reader has released yet
+        (a late reader gets StaleChunkError). Returns how many were given back."""
+        if self.closed:
+            return 0
+        self.closed = True
+        return self.writer._close_queue(self, abort=True)
 
     def __repr__(self) -> str:
         return f"RowQueue(slot={self.slot}, rows={self.rows if not self.closed else 'closed'})"
@@ -532,11 +549,3 @@ def _as_array(value: object, dtype: type, name: str) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise InvalidRowsError(f"{name} cannot be read as {np.dtype(dtype).name}: {exc}") from None
     return array
-
-
-def _slots_array(queues: Sequence[RowQueue] | np.ndarray) -> np.ndarray:
-    if isinstance(queues, np.ndarray):
-        if queues.dtype.kind not in "iu":
-            raise InvalidRowsError(f"slots must be an integer array, got {queues.dtype}")
-        return np.ascontiguousarray(queues, dtype=np.int32).ravel()
-    return np.fromiter((q.slot for q in queues), dtype=np.int32, count=len(queues))

@@ -28,11 +28,14 @@ def test_wrap_around_with_random_sizes(writer, reader):
             ref, *want = held.pop(0)
             with reader.open(ref) as chunk:
                 assert_chunk_equal(chunk, *want)
-    head, tail = writer.ring_usage()
-    assert head <= capacity
+    used, ring_capacity = writer.ring_usage()
+    assert ring_capacity == capacity
+    assert sum(ref.record_bytes for ref, *_ in held) <= used <= capacity
     for ref, *want in held:
         with reader.open(ref) as chunk:
             assert_chunk_equal(chunk, *want)
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0, "every record was released: the ring must be empty"
     assert writer.stats.inline_chunks == 0
 
 
@@ -213,7 +216,7 @@ def test_corrupted_record_size_stops_reclaim_instead_of_jumping(writer, reader, 
     refs = [writer.publish(*random_chunk(rng, 4, 10)) for _ in range(3)]
     for ref in refs:
         reader.open(ref).release()
-    scribble = np.frombuffer(reader._attach(refs[0].segment).segment.mapping, np.uint64)
+    scribble = np.frombuffer(reader._attach(refs[0].segment).segment.buffer, np.uint64)
     scribble[(4096 + refs[1].position) // 8 + 2] = 12345  # record_bytes of the second record
     writer.reclaim()
     used, _ = writer.ring_usage()

@@ -44,7 +44,7 @@ def test_queue_round_trip_padded_and_csr(writer, reader, mode):
                      if mode == "support" else logprobs)
         else:
             ids_in, lp_in = ids, logprobs
-        slots = np.array([q.slot for q in queues], np.int32) if step % 3 else queues
+        slots = np.array([q.handle for q in queues], np.int64) if step % 3 else queues
         writer.append_step(slots, lengths, ids_in, lp_in)
         for i, n in enumerate(lengths):
             expected[i].append((ids[i, :n].copy(),

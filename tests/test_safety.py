@@ -1,0 +1,414 @@
+"""Regression tests for the lifecycle and safety defects of issue 7, each
+with the reproduction that showed it: real processes, real /dev/shm."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import assert_chunk_equal, random_chunk
+
+import shmask
+from shmask.refs import KIND_SHM, ChunkRef
+from shmask.segment import _LIVE, collect_garbage, list_segments, segment_alive
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CI runs as root)")
+
+
+def _path(name: str) -> str:
+    return "/dev/shm/" + name.lstrip("/")
+
+
+def _plant(prefix: str, uid_in_name: int, owner: int | None = None, lock: bool = False,
+           size: int = 0) -> tuple[str, int]:
+    """A file with a segment's name; optionally owned by someone else or
+    locked like a producer's. Returns (name, fd)."""
+    name = f"/{prefix}-{uid_in_name}-1-{secrets.token_hex(8)}"
+    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    if size:
+        os.ftruncate(fd, size)
+    if owner is not None:
+        os.fchown(fd, owner, owner)
+    if lock:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    old = time.time() - 3600  # old enough for any age-based rule to fire
+    os.utime(_path(name), (old, old))
+    return name, fd
+
+
+def _run(code: str, prefix: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    script = "import os, sys, time, numpy as np, shmask\n" + textwrap.dedent(code)
+    env = dict(os.environ, SHMASK_NAME_PREFIX=prefix)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+# ------------------------------------------------- 1. the janitor's proof
+
+
+def test_gc_never_removes_a_segment_whose_lock_is_held(prefix):
+    """A ring still being created (no header yet, old mtime) is alive as long
+    as its creator holds the lock; the same file unlocked is garbage."""
+    name, fd = _plant(prefix, os.getuid(), lock=True, size=8192)
+    try:
+        assert segment_alive(name)
+        assert name not in collect_garbage(prefix)
+        shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)).close()  # janitor too
+        assert os.path.exists(_path(name))
+    finally:
+        os.close(fd)  # the "producer" dies: its lock goes with its descriptor
+    assert not segment_alive(name)
+    assert collect_garbage(prefix) == [name]
+    assert not os.path.exists(_path(name))
+
+
+def test_reader_start_removes_rings_of_sigkilled_producers(prefix):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import time, shmask
+            w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix={prefix!r}))
+            print(w.segment_name, flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    name = proc.stdout.readline().strip()
+    assert os.path.exists(_path(name)) and segment_alive(name)
+    shmask.Reader(shmask.Config(name_prefix=prefix)).close()
+    assert os.path.exists(_path(name)), "a live producer's ring must survive a Reader start"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    shmask.Reader(shmask.Config(name_prefix=prefix)).close()
+    assert not os.path.exists(_path(name)), "a Reader start must remove a SIGKILLed ring"
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_producer_in_another_pid_namespace_survives_gc(prefix):
+    proc = subprocess.Popen(
+        ["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", textwrap.dedent(f"""
+            import time, shmask
+            w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix={prefix!r}))
+            print(w.segment_name, flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        name = proc.stdout.readline().strip()
+        assert name, "the namespaced producer did not start"
+        assert collect_garbage(prefix) == []
+        shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)).close()
+        assert os.path.exists(_path(name)), "a live producer in another PID namespace was removed"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while segment_alive(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert collect_garbage(prefix) == [name]
+
+
+@needs_root
+def test_files_of_other_users_are_never_touched_nor_fatal(prefix):
+    """A file owned by another uid, under a name claiming ours (or uid 0):
+    our Writer, Reader, ls and gc neither fail nor remove it."""
+    planted = [_plant(prefix, os.getuid(), owner=NOBODY, size=8192),
+               _plant(prefix, 0, owner=NOBODY, size=8192)]
+    try:
+        for name, fd in planted:
+            os.close(fd)
+        assert collect_garbage(prefix) == []
+        assert all(info.name not in {n for n, _ in planted} for info in list_segments(prefix))
+        with shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)) as writer:
+            ref = writer.publish(np.array([1], np.int32), np.array([7], np.int32),
+                                 np.array([-0.5], np.float32))
+            with shmask.Reader(shmask.Config(name_prefix=prefix)) as reader:
+                with reader.open(ref) as chunk:
+                    assert chunk.ids.tolist() == [7]
+        for name, _ in planted:
+            assert os.path.exists(_path(name)), f"{name} of another user was removed"
+        with pytest.raises(shmask.StaleChunkError, match="belongs to uid"):
+            shmask.Reader(shmask.Config(name_prefix=prefix)).open(
+                ChunkRef(KIND_SHM, 2, planted[0][0], 1, 0, 64, 0, 0, None))
+    finally:
+        for name, _ in planted:
+            os.unlink(_path(name))
+
+
+# ---------------------------------------------------------------- 3. SIGBUS
+
+
+def test_truncated_segment_does_not_kill_reader_or_producer(prefix):
+    """os.truncate of the ring under a held chunk: to_lists raises, opens
+    raise, the producer carries on inline; nobody dies of SIGBUS."""
+    result = _run(f"""
+        from shmask.errors import ShmaskError
+        config = shmask.Config(ring_mb=1, name_prefix={prefix!r}, full_wait_ms=5)
+        writer, reader = shmask.Writer(config), shmask.Reader(config)
+        rng = np.random.default_rng(0)
+        queues = [writer.open_queue("support") for _ in range(4)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        def step():
+            lengths = rng.integers(1, 50, 4).astype(np.int32)
+            ids = rng.integers(0, 1000, int(lengths.sum())).astype(np.int32)
+            writer.append_step(handles, lengths, ids, np.zeros(ids.size, np.float32))
+        for _ in range(5):
+            step()
+        batch = writer.take_batch(queues)
+        held = reader.open(batch[0])
+        for _ in range(5):
+            step()
+        os.truncate("/dev/shm" + writer.segment_name, 0)
+        try:
+            held.to_lists()
+            print("to_lists returned rows")
+        except ShmaskError as exc:
+            print("held:", type(exc).__name__)
+        try:
+            reader.open(batch[1])
+            print("open returned rows")
+        except ShmaskError as exc:
+            print("open:", type(exc).__name__)
+        for _ in range(5):
+            step()                        # the producer touches the cut pages
+        after = writer.take_batch(queues)
+        for _ in range(3):
+            step()
+        final = writer.take_batch(queues)
+        inline = [ref.inline for ref in final]
+        with shmask.Reader(config) as other:
+            rows = [other.open(ref).rows for ref in final]
+        print("inline after truncation:", all(inline), rows)
+        writer.close()
+        print("survived")
+    """, prefix)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    out = result.stdout
+    assert "survived" in out
+    assert "held: StaleChunkError" in out
+    assert "open: StaleChunkError" in out
+    assert "inline after truncation: True [3, 3, 3, 3]" in out
+
+
+# ---------------------------------------- 4. producer geometry is its own
+
+
+def test_rewritten_header_cannot_steer_the_producer(writer, reader):
+    """A reader maps the ring writable; a capacity rewritten in the header
+    must not change where the producer writes."""
+    rng = np.random.default_rng(4)
+    first = writer.publish(*random_chunk(rng, 3, 10))
+    reader.open(first).release()
+    header = np.frombuffer(reader._attach(first.segment).segment.buffer, np.uint64)
+    header[2] = 1 << 40  # capacity, byte 16
+    moved, capacity = 0, writer.config.ring_capacity_bytes
+    while moved < 3 * capacity:  # wrap around several times
+        want = random_chunk(rng, int(rng.integers(1, 20)), 200, vocab=5000)
+        ref = writer.publish(*want)
+        moved += ref.record_bytes
+        with reader.open(ref) as chunk:
+            assert_chunk_equal(chunk, *want)
+    assert writer.stats.inline_chunks == 0
+
+
+# ---------------------------------------------- 5. one wait per call at most
+
+
+def test_full_ring_waits_once_per_call_not_once_per_queue(prefix):
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=100)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        rng = np.random.default_rng(5)
+        held = []
+        while True:  # fill the ring with chunks nobody releases
+            ref = writer.publish(*random_chunk(rng, 8, 200, vocab=5000))
+            if ref.inline:
+                break
+            held.append(ref)
+        queues = [writer.open_queue("support") for _ in range(32)]
+        lengths = np.full(32, 100, np.int32)
+        ids = np.arange(3200, dtype=np.int32) % 5000
+        start = time.monotonic()
+        writer.append_step(queues, lengths, ids, np.zeros(ids.size, np.float32))
+        elapsed = time.monotonic() - start
+        # 32 waits of 100 ms would be 3.2 s; one wait is 0.1 s (x3 for noise).
+        assert elapsed < 0.3, f"append_step over 32 queues on a full ring took {elapsed:.2f} s"
+        batch = writer.take_batch(queues)
+        for i, ref in enumerate(batch):
+            assert ref.inline
+            with reader.open(ref) as chunk:
+                np.testing.assert_array_equal(chunk.ids, ids[100 * i:100 * (i + 1)])
+        reader.discard_batch(held)
+
+
+# ----------------------------------------- 6. atomic, validated, mixed steps
+
+
+def test_append_step_is_all_or_nothing(writer):
+    queues = [writer.open_queue("support") for _ in range(3)]
+    lengths = np.array([2, 2, 9000], np.int32)  # row 2 exceeds SHMASK_MAX_TOKENS
+    ids = np.zeros(9004, np.int32)
+    with pytest.raises(shmask.InvalidRowsError, match="row 2"):
+        writer.append_step(queues, lengths, ids, np.zeros(9004, np.float32))
+    assert [q.rows for q in queues] == [0, 0, 0], "rows 0-1 must not be committed"
+
+
+def test_closed_unknown_and_foreign_handles_are_rejected(config, writer):
+    live, closed = writer.open_queue("support"), writer.open_queue("support")
+    closed.close()
+    reopened = writer.open_queue("support")  # likely the same slot, new generation
+    other = shmask.Writer(config)
+    try:
+        foreign = other.open_queue("support")
+        for bad in (closed.handle, 12345, foreign.handle, -1):
+            handles = np.array([live.handle, bad], np.int64)
+            with pytest.raises(shmask.InvalidRowsError, match="not the handle of an open RowQueue"):
+                writer.append_step(handles, np.array([1, 1], np.int32), np.array([5, 6], np.int32),
+                                   np.array([0.0, 0.0], np.float32))
+            assert live.rows == 0 and reopened.rows == 0
+        with pytest.raises(shmask.InvalidRowsError):
+            writer.append_step(np.array([5, 6], np.int32), np.array([1, 1], np.int32),
+                               np.array([5, 6], np.int32), np.zeros(2, np.float32))
+        assert foreign.rows == 0
+    finally:
+        other.close()
+
+
+def test_one_step_mixes_selected_and_support_requests(writer, reader):
+    support, selected = writer.open_queue("support"), writer.open_queue("selected")
+    queues = [support, selected, support]
+    lengths = np.array([2, 3, 1], np.int32)
+    ids = np.array([10, 11, 20, 21, 22, 30], np.int32)
+    logprobs = np.array([-1, -2, 9, 9, 9, -3], np.float32)  # 9: not read (selected row)
+    picked = np.array([9, -0.25, 9], np.float32)  # selected row's value at index 1
+    with pytest.raises(shmask.InvalidRowsError, match="selected_logprobs"):
+        writer.append_step(queues, lengths, ids, logprobs)
+    writer.append_step(queues, lengths, ids, logprobs, selected_logprobs=picked)
+    batch = writer.take_batch([support, selected])
+    with reader.open(batch[0]) as chunk:
+        assert chunk.to_lists() == ([[10, 11], [30]], [[-1.0, -2.0], [-3.0]])
+    with reader.open(batch[1]) as chunk:
+        assert chunk.to_lists() == ([[20, 21, 22]], [-0.25])
+
+
+def test_selected_rows_refuse_per_entry_logprobs(writer):
+    queue = writer.open_queue("selected")
+    with pytest.raises(shmask.InvalidRowsError, match=r"shape \[B\]"):
+        writer.append_step([queue, queue], np.array([2, 1], np.int32),
+                           np.array([1, 2, 3], np.int32), np.zeros(3, np.float32))
+    assert queue.rows == 0
+
+
+# ------------------------------------------------------ 7. aborted requests
+
+
+def test_tokenizer_discards_without_opening(writer, reader):
+    rng = np.random.default_rng(7)
+    refs = [writer.publish(*random_chunk(rng, 4, 30)) for _ in range(20)]
+    assert writer.ring_usage()[0] > 0
+    assert reader.discard_batch(shmask.RefBatch.from_refs(refs)) == 20
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0
+    assert reader.discard_batch(refs) == 0, "a second discard gives nothing back"
+    with pytest.raises(shmask.ShmaskError):
+        reader.open(refs[0])
+
+
+def test_producer_abort_gives_back_published_chunks(writer, reader):
+    keep, aborted = writer.open_queue("support"), writer.open_queue("support")
+    refs = []
+    for step in range(3):
+        writer.append_step([keep, aborted], np.array([1, 2], np.int32),
+                           np.array([step, 7, 8], np.int32), np.zeros(3, np.float32))
+        refs.append(writer.take_batch([keep, aborted]))
+    writer.append_step([aborted], np.array([1], np.int32), np.array([9], np.int32),
+                       np.zeros(1, np.float32))
+    assert aborted.abort() == 3
+    assert writer.stats.aborted_chunks == 3
+    for batch in refs:
+        with pytest.raises(shmask.StaleChunkError):
+            reader.open(batch[1])
+        with reader.open(batch[0]) as chunk:  # the other request is untouched
+            assert chunk.rows == 1
+    writer.reclaim()
+    assert keep.rows == 0 and aborted.closed
+
+
+# --------------------------------------------------------- 8. smaller ones
+
+
+def test_lease_expiry_warning_is_rate_limited(prefix, caplog):
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=0.001)
+    caplog.set_level(logging.WARNING, logger="shmask")
+    with shmask.Writer(config) as writer:
+        rng = np.random.default_rng(8)
+        for _ in range(200):
+            writer.publish(*random_chunk(rng, 2, 5))
+            time.sleep(0.002)
+            writer.reclaim()
+        assert writer.stats.expired >= 150
+    lines = [r for r in caplog.records if "SHMASK_LEASE_S" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, f"{len(lines)} warning lines for {writer.stats.expired} expiries"
+
+
+def test_queue_rows_is_bounded():
+    with pytest.raises(shmask.ConfigError, match="SHMASK_QUEUE_ROWS"):
+        shmask.Config.from_env({"SHMASK_QUEUE_ROWS": "1048576"})
+
+
+def test_first_buffer_guess_is_bounded(prefix):
+    """The largest accepted SHMASK_QUEUE_ROWS with max-length rows asks for
+    a bounded first buffer, not rows x length entries."""
+    config = shmask.Config(ring_mb=64, name_prefix=prefix, queue_rows=1 << 16)
+    with shmask.Writer(config) as writer:
+        queue = writer.open_queue("support")
+        n = config.max_tokens
+        writer.append_step([queue], np.array([n], np.int32), np.zeros(n, np.int32),
+                           np.zeros(n, np.float32))
+        used, capacity = writer.ring_usage()
+        assert used <= capacity // 8, f"first buffer took {used} of {capacity} bytes"
+        assert not queue.take().inline, "the first buffer must fit the ring, not go private"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("position", "12"), ("position", -64), ("position", 1 << 70), ("rows", 2.5),
+    ("nnz", None), ("record_bytes", -1), ("epoch", 1 << 80),
+])
+def test_hand_built_refs_of_wrong_types_raise_invalid_ref(writer, reader, field, value):
+    ref = writer.publish(np.array([1], np.int32), np.array([3], np.int32),
+                         np.array([0.0], np.float32))
+    forged = ChunkRef(ref.kind, ref.mode, ref.segment, ref.epoch, ref.position,
+                      ref.record_bytes, ref.rows, ref.nnz, None)
+    setattr(forged, field, value)
+    with pytest.raises((shmask.InvalidRefError, shmask.StaleChunkError)):
+        reader.open(forged)
+    reader.open(ref).release()
+
+
+def test_building_a_config_leaves_logger_levels_alone():
+    logger = logging.getLogger("shmask")
+    before = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        shmask.Config.from_env({"SHMASK_LOG_LEVEL": "ERROR"})
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(before)
+
+
+def test_sigterm_cleanup_does_not_take_the_registry_lock():
+    """The SIGTERM handler runs between two bytecodes of the main thread,
+    which may hold the registry's lock: cleanup must not wait for it."""
+    done = threading.Event()
+    with _LIVE._lock:
+        worker = threading.Thread(target=lambda: (_LIVE.unlink_all(), done.set()), daemon=True)
+        worker.start()
+        assert done.wait(5), "unlink_all blocked on the registry lock"
