@@ -10,7 +10,7 @@ import time
 import msgspec
 import numpy as np
 import zmq
-from workload import expected_chunk
+from workload import configure, expected_chunk
 
 import shmask
 
@@ -30,7 +30,7 @@ def main() -> None:
     results = context.socket(zmq.PUSH)
     results.connect(args.results)
     decoder, encoder = msgspec.msgpack.Decoder(), msgspec.msgpack.Encoder()
-    reader = shmask.Reader()
+    reader = shmask.Reader(configure())
     chunks = rows = mismatches = payload = inline = 0
     open_s = build_s = 0.0
     per_emission = []

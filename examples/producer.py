@@ -13,7 +13,7 @@ import time
 import msgspec
 import numpy as np
 import zmq
-from workload import request_lengths, step_rows
+from workload import configure, request_lengths, step_rows
 
 import shmask
 
@@ -38,7 +38,7 @@ def main() -> None:
     results.connect(args.results)
     encoder = msgspec.msgpack.Encoder()
 
-    writer = shmask.Writer()
+    writer = shmask.Writer(configure())
     requests = np.arange(args.requests, dtype=np.int64)
     lengths_of_request = request_lengths(requests, args.tokens)
     queues = [writer.open_queue(args.mode) for _ in requests]

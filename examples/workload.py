@@ -9,7 +9,11 @@ row, and negative float32 logprobs (or one logprob per row, selected mode).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+import shmask
 
 VOCAB = 151_936
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -70,3 +74,13 @@ def expected_chunk(seed: int, top_k: int, request: int, start: int, rows: int, m
     else:
         logprobs = -offset
     return lengths, ids, logprobs.astype(np.float32)
+
+
+def configure() -> shmask.Config:
+    """What a program embedding shmask does once at start: read SHMASK_*,
+    route the library's log records somewhere, and apply SHMASK_LOG_LEVEL
+    (the library itself never touches logging)."""
+    config = shmask.Config.from_env()
+    logging.basicConfig(format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
+    config.apply_log_level()
+    return config

@@ -19,6 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--prefix", default=None, help="only segments of this name prefix")
     sub.add_parser("doctor", help="check /dev/shm, limits, the native core and config")
     args = parser.parse_args(argv)
+    from .config import Config
+    from .errors import ConfigError
+
+    try:
+        Config.from_env().apply_log_level()  # a program may set levels; the library never does
+    except ConfigError:
+        pass  # `doctor` reports it
     console = Console()
     return {"ls": _ls, "gc": _gc, "doctor": _doctor}[args.command](console, args)
 

@@ -69,14 +69,15 @@ class Reader:
 
     def open(self, ref: ChunkRef) -> Chunk:
         """The chunk's rows as read-only numpy views; release() when done."""
-        if not isinstance(ref, ChunkRef):
-            raise InvalidRefError(f"Reader.open takes a ChunkRef, got {type(ref).__name__}")
         try:
-            return self._open(ref)
-        except (TypeError, OverflowError, ValueError) as exc:
-            if isinstance(exc, InvalidRefError):
-                raise
-            # A hand-built ref with fields of the wrong type or range.
+            if ref.kind == KIND_SHM:
+                return self._open_shm(ref)
+            return self._open_other(ref)
+        except (TypeError, OverflowError, AttributeError) as exc:
+            # A hand-built ref with fields of the wrong type or range, or no ref.
+            if not isinstance(ref, ChunkRef):
+                raise InvalidRefError(
+                    f"Reader.open takes a ChunkRef, got {type(ref).__name__}") from None
             raise InvalidRefError(f"malformed reference {ref!r}: {exc}") from None
 
     def discard(self, ref: ChunkRef) -> None:
@@ -114,9 +115,9 @@ class Reader:
             given_back += int(np.count_nonzero(results == lib.SHM_OK))
         return given_back
 
-    def _open(self, ref: ChunkRef) -> Chunk:
-        if ref.kind == KIND_SHM:
-            return self._open_shm(ref)
+    def _open_other(self, ref: ChunkRef) -> Chunk:
+        if not isinstance(ref, ChunkRef):
+            raise InvalidRefError(f"Reader.open takes a ChunkRef, got {type(ref).__name__}")
         if ref.kind == KIND_INLINE:
             return _open_inline(ref, self.config.max_tokens)
         if ref.kind == KIND_EMPTY:
@@ -125,11 +126,6 @@ class Reader:
             return Chunk.empty(ref.mode if ref.mode in (MODE_SELECTED, MODE_SUPPORT)
                                else MODE_SUPPORT)
         raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2")
-
-    def open_batch(self, batch: RefBatch) -> Iterator[Chunk]:
-        """Open every ref of a batch, in order."""
-        for ref in batch:
-            yield self.open(ref)
 
     def close(self) -> None:
         """Forget every segment (views handed out stay valid until dropped)."""
@@ -163,16 +159,16 @@ class Reader:
         lengths = data[view.lengths_offset:view.lengths_offset + 4 * rows].view(np.int32)
         ids = data[view.ids_offset:view.ids_offset + 4 * nnz].view(np.int32)
         logprobs = data[view.logprobs_offset:view.logprobs_offset + 4 * n_logprobs].view(np.float32)
+        record = _ShmRecord(attached, ref.position)
         try:
             _check_lengths(lengths, nnz, self.config.max_tokens)
         except InvalidRefError:
-            record = _ShmRecord(attached, ref.position)
             record.check()  # reclaimed or truncated meanwhile: say that instead
             raise
         # Re-check after reading the lengths: a record reclaimed meanwhile
         # must not pass with someone else's lengths.
-        _ShmRecord(attached, ref.position).check()
-        return Chunk(ref.mode, lengths, ids, logprobs, _ShmRecord(attached, ref.position))
+        record.check()
+        return Chunk(ref.mode, lengths, ids, logprobs, record)
 
     def _attach(self, name: str) -> _Attached:
         attached = self._attached.get(name)

@@ -55,6 +55,10 @@ class WriterStats:
     payload_bytes: int = 0
     inline_chunks: int = 0
     inline_bytes: int = 0
+    inline_configured: int = 0  # SHMASK_TRANSPORT=inline: every chunk, by choice
+    inline_ring_full: int = 0  # no room after the full-ring wait
+    inline_oversize: int = 0  # larger than the whole ring
+    inline_ring_lost: int = 0  # the segment was truncated by another process
     full_waits: int = 0
     expired: int = 0
     staging_moves: int = 0
@@ -70,13 +74,16 @@ class _RateLimitedWarning:
         self.pending = 0
         self.last = -_WARN_INTERVAL_S
 
-    def add(self, count: int, *args: object) -> None:
+    def add(self, count: int, *args: object) -> bool:
+        """Count `count` events; True when this call wrote the line."""
         self.pending += count
         now = time.monotonic()
-        if now - self.last >= _WARN_INTERVAL_S:
-            log.log(self.level, self.message, self.pending, *args)
-            self.last = now
-            self.pending = 0
+        if now - self.last < _WARN_INTERVAL_S:
+            return False
+        log.log(self.level, self.message, self.pending, *args)
+        self.last = now
+        self.pending = 0
+        return True
 
 
 class Writer:
@@ -97,8 +104,9 @@ class Writer:
         self._deadline: float | None = None  # one full-ring wait per public call
         self._growing = -1  # the slot being grown: reclaim must not move it meanwhile
         self._inline_warning = _RateLimitedWarning(
-            "ring full: %d chunk(s) sent inline since the last report "
-            "(raise SHMASK_RING_MB or release chunks sooner)")
+            "%d chunk(s) sent inline instead of through the ring since the last report "
+            "(%s; raise SHMASK_RING_MB or release chunks sooner)")
+        self._inline_pending: dict[str, int] = {}
         self._expiry_warning = _RateLimitedWarning(
             "reclaimed %d chunk(s) not released within SHMASK_LEASE_S=%s since the last report")
         self._corruption_error = _RateLimitedWarning(
@@ -162,7 +170,7 @@ class Writer:
         position = self._reserve(code, rows, nnz) if self.segment else None
         if position is None:
             payload = lengths.tobytes() + ids.tobytes() + logprobs.tobytes()
-            return self._inline_ref(code, rows, nnz, payload)
+            return self._inline_ref(code, rows, nnz, payload, self._inline_reason(code, rows, nnz))
         dest_lengths, dest_ids, dest_logprobs = self._record_arrays(position, code, rows, nnz)
         dest_lengths[:] = lengths
         dest_ids[:] = ids
@@ -196,7 +204,7 @@ class Writer:
         array instead. A step may mix modes (then pass both). Every row is
         checked before any is copied: a bad row raises and appends nothing.
         """
-        self._begin_call()
+        self._begin_call(check_segment=False)  # the SIGBUS guard covers the copy
         handles = self._handles(queues)
         lengths = _as_array(lengths, np.int32, "lengths")
         ids = _as_array(ids, np.int32, "ids")
@@ -315,13 +323,15 @@ class Writer:
         if self.closed:
             raise ShmaskError("Writer is closed")
 
-    def _begin_call(self) -> None:
-        """Start of a public call: a fresh full-ring budget, and a check (one
-        fstat) that nobody truncated the segment under us."""
-        self._check_open()
+    def _begin_call(self, check_segment: bool = True) -> None:
+        """Start of a public call: a fresh full-ring budget, and (once per
+        emission, not per step) a check with one fstat that nobody truncated
+        the segment under us."""
+        if self.closed:
+            raise ShmaskError("Writer is closed")
         self._deadline = None
         segment = self.segment
-        if segment is not None and not self._ring.dead and (
+        if check_segment and segment is not None and not self._ring.dead and (
                 segment.truncated or not segment.file_intact()):
             lib.shm_ring_mark_dead(self._ring)
             log.error("ring %s was truncated by another process: chunks staged in it are "
@@ -412,12 +422,26 @@ class Writer:
         self.stats.rows += rows
         self.stats.payload_bytes += int(payload_bytes(mode, rows, nnz))
 
-    def _inline_ref(self, mode: int, rows: int, nnz: int, payload: bytes) -> ChunkRef:
+    def _inline_reason(self, mode: int, rows_capacity: int, nnz_capacity: int) -> str:
+        """Why a chunk of these capacities is not in the ring."""
+        if self.segment is None:
+            return "configured"
+        if self._ring.dead:
+            return "ring_lost"
+        lib.shm_record_layout(mode, rows_capacity, nnz_capacity, self._layout)
+        return "oversize" if self._layout.record_bytes > self._ring.capacity else "ring_full"
+
+    def _inline_ref(self, mode: int, rows: int, nnz: int, payload: bytes,
+                    reason: str) -> ChunkRef:
         self._count(rows, nnz, mode)
         self.stats.inline_chunks += 1
         self.stats.inline_bytes += len(payload)
-        if self.config.transport == "shm":
-            self._inline_warning.add(1)
+        setattr(self.stats, "inline_" + reason, getattr(self.stats, "inline_" + reason) + 1)
+        if reason != "configured":  # chosen inline is not worth a warning
+            self._inline_pending[reason] = self._inline_pending.get(reason, 0) + 1
+            if self._inline_warning.add(1, ", ".join(
+                    f"{n} {r.replace('_', ' ')}" for r, n in sorted(self._inline_pending.items()))):
+                self._inline_pending.clear()
         return ChunkRef(KIND_INLINE, mode, "", 0, 0, len(payload), rows, nnz,
                         memoryview(payload))
 
@@ -467,11 +491,12 @@ class Writer:
     def _take_private(self, slot: int) -> ChunkRef:
         entry = self._ring.queues[slot]
         rows, nnz, mode = int(entry.rows), int(entry.nnz), int(entry.mode)
+        reason = self._inline_reason(mode, int(entry.rows_capacity), int(entry.nnz_capacity))
         payload = bytearray(int(payload_bytes(mode, rows, nnz)))
         rc = lib.shm_queue_pack_private(self._ring, slot, ffi.from_buffer(payload), len(payload))
         if rc:
             raise_for(rc, f"take_batch: packing queue slot {slot}")
-        return self._inline_ref(mode, rows, nnz, bytes(payload))
+        return self._inline_ref(mode, rows, nnz, bytes(payload), reason)
 
     def _close_queue(self, queue: RowQueue, abort: bool) -> int:
         if self.closed:

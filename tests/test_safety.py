@@ -412,3 +412,30 @@ def test_sigterm_cleanup_does_not_take_the_registry_lock():
         worker = threading.Thread(target=lambda: (_LIVE.unlink_all(), done.set()), daemon=True)
         worker.start()
         assert done.wait(5), "unlink_all blocked on the registry lock"
+
+
+def test_inline_warning_counts_every_chunk_and_its_reason(prefix, caplog):
+    """One line per interval, counting every inline chunk since the last,
+    split by reason; a chunk inline by configuration is not warned about."""
+    caplog.set_level(logging.WARNING, logger="shmask")
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=1)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        rng = np.random.default_rng(9)
+        held = []
+        while len(held) < 3 or not held[-1].inline:
+            held.append(writer.publish(*random_chunk(rng, 8, 200, vocab=5000)))
+        for _ in range(5):  # more ring-full chunks within the same interval
+            held.append(writer.publish(*random_chunk(rng, 8, 200, vocab=5000)))
+        big = 300_000  # more entries than a 1 MiB ring holds
+        held.append(writer.publish(np.array([big // 100] * 100, np.int32),
+                                   np.zeros(big, np.int32), np.zeros(big, np.float32)))
+        stats = writer.stats
+        assert stats.inline_chunks == stats.inline_ring_full + stats.inline_oversize
+        assert stats.inline_oversize == 1 and stats.inline_ring_full >= 6
+        reader.discard_batch(held)
+    lines = [r.getMessage() for r in caplog.records if "sent inline" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("1 chunk(s)"), lines
+    with shmask.Writer(shmask.Config(transport="inline")) as writer:
+        writer.publish(np.array([1], np.int32), np.array([2], np.int32), np.zeros(1, np.float32))
+        assert writer.stats.inline_configured == 1
+    assert len([r for r in caplog.records if "sent inline" in r.getMessage()]) == 1
