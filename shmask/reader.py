@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
+from . import metrics
 from ._native import ffi, lib
 from ._native_errors import raise_for
 from .chunk import Chunk
 from .config import Config
-from .errors import InvalidRefError, SegmentError, StaleChunkError
+from .errors import InvalidRefError, SegmentError, ShmaskError, StaleChunkError
 from .refs import (
     KIND_EMPTY,
     KIND_INLINE,
@@ -56,11 +58,26 @@ class _Attached:
         raise_for(rc, context)
 
 
+@dataclass
+class ReaderStats:
+    """Counters of one Reader (`Reader.stats`)."""
+
+    opens: int = 0
+    stale: int = 0  # opens that raised StaleChunkError
+    invalid: int = 0  # opens that raised another ShmaskError (malformed, released)
+    discards: int = 0  # chunks given back unopened
+
+
+_SYNC_EVERY_OPENS = 256  # metrics are handed over in batches, not per open
+
+
 class Reader:
     """Opens ChunkRefs. One Reader per process (or thread) is enough."""
 
     def __init__(self, config: Config | None = None) -> None:
         self.config = config or Config.from_env()
+        self.stats = ReaderStats()
+        self._synced = ReaderStats()
         self._attached: dict[str, _Attached] = {}
         self._view = ffi.new("shm_view *")
         if self.config.transport == "shm":
@@ -70,15 +87,30 @@ class Reader:
     def open(self, ref: ChunkRef) -> Chunk:
         """The chunk's rows as read-only numpy views; release() when done."""
         try:
-            if ref.kind == KIND_SHM:
-                return self._open_shm(ref)
-            return self._open_other(ref)
+            chunk = self._open_shm(ref) if ref.kind == KIND_SHM else self._open_other(ref)
+        except StaleChunkError:
+            self.stats.stale += 1
+            raise
+        except ShmaskError:  # InvalidRefError, DoubleReleaseError
+            self.stats.invalid += 1
+            raise
         except (TypeError, OverflowError, AttributeError) as exc:
             # A hand-built ref with fields of the wrong type or range, or no ref.
+            self.stats.invalid += 1
             if not isinstance(ref, ChunkRef):
                 raise InvalidRefError(
                     f"Reader.open takes a ChunkRef, got {type(ref).__name__}") from None
             raise InvalidRefError(f"malformed reference {ref!r}: {exc}") from None
+        stats = self.stats
+        stats.opens += 1
+        if stats.opens % _SYNC_EVERY_OPENS == 0 and metrics.enabled():
+            metrics.sync(stats, self._synced)
+        return chunk
+
+    def sync_metrics(self) -> None:
+        """Hand the counters to prometheus_client now (also done every 256
+        opens, at every discard and at close)."""
+        metrics.sync(self.stats, self._synced)
 
     def discard(self, ref: ChunkRef) -> None:
         """Give a chunk back without opening it (the request was aborted and
@@ -113,6 +145,9 @@ class Reader:
                                  ffi.from_buffer("uint64_t[]", positions), positions.size,
                                  ffi.from_buffer("int32_t[]", results))
             given_back += int(np.count_nonzero(results == lib.SHM_OK))
+        self.stats.discards += given_back
+        if metrics.enabled():
+            metrics.sync(self.stats, self._synced)
         return given_back
 
     def _open_other(self, ref: ChunkRef) -> Chunk:
@@ -129,6 +164,8 @@ class Reader:
 
     def close(self) -> None:
         """Forget every segment (views handed out stay valid until dropped)."""
+        if metrics.enabled():
+            metrics.sync(self.stats, self._synced)
         for attached in self._attached.values():
             attached.segment.close()
         self._attached.clear()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import metrics
 from ._native import ffi, lib
 from ._native_errors import raise_for
 from .config import Config
@@ -95,6 +96,7 @@ class Writer:
     def __init__(self, config: Config | None = None) -> None:
         self.config = config or Config.from_env()
         self.stats = WriterStats()
+        self._synced = WriterStats()  # what the metrics were last told
         self.segment: Segment | None = None
         self.epoch = secrets.randbits(63)
         self.closed = False
@@ -170,12 +172,16 @@ class Writer:
         position = self._reserve(code, rows, nnz) if self.segment else None
         if position is None:
             payload = lengths.tobytes() + ids.tobytes() + logprobs.tobytes()
-            return self._inline_ref(code, rows, nnz, payload, self._inline_reason(code, rows, nnz))
-        dest_lengths, dest_ids, dest_logprobs = self._record_arrays(position, code, rows, nnz)
-        dest_lengths[:] = lengths
-        dest_ids[:] = ids
-        dest_logprobs[:] = logprobs
-        return self._publish_record(position, code, rows, nnz)
+            ref = self._inline_ref(code, rows, nnz, payload, self._inline_reason(code, rows, nnz))
+        else:
+            dest_lengths, dest_ids, dest_logprobs = self._record_arrays(position, code, rows, nnz)
+            dest_lengths[:] = lengths
+            dest_ids[:] = ids
+            dest_logprobs[:] = logprobs
+            ref = self._publish_record(position, code, rows, nnz)
+        if metrics.enabled():
+            metrics.sync(self.stats, self._synced, self.ring_usage())
+        return ref
 
     # ------------------------------------------------------------ RowQueues
     def open_queue(self, mode: str = "support") -> RowQueue:
@@ -263,6 +269,8 @@ class Writer:
         entries, inline_chunks = self._take_into_entries(self._handles(queues), final)
         segments = [(self.segment_name, self.epoch)] if self.segment else []
         self.reclaim()
+        if metrics.enabled():  # once per emission: nothing per step or per row
+            metrics.sync(self.stats, self._synced, self.ring_usage())
         return RefBatch.build(segments, entries, inline_chunks)
 
     # ------------------------------------------------------------ lifecycle
