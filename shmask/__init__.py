@@ -26,12 +26,14 @@ from .errors import (
     DoubleReleaseError,
     InvalidRefError,
     InvalidRowsError,
+    RemoteChunkError,
     SegmentError,
     ShmaskError,
     StaleChunkError,
 )
-from .reader import Reader
+from .reader import Reader, ReaderStats
 from .refs import ChunkRef, RefBatch, msgpack_enc_hook, msgpack_ext_hook
+from .segment import host_id
 from .writer import RowQueue, Writer, WriterStats
 
 __version__ = "0.1.0"
@@ -48,13 +50,16 @@ __all__ = [
     "InvalidRefError",
     "InvalidRowsError",
     "Reader",
+    "ReaderStats",
     "RefBatch",
+    "RemoteChunkError",
     "RowQueue",
     "SegmentError",
     "ShmaskError",
     "StaleChunkError",
     "Writer",
     "WriterStats",
+    "host_id",
     "msgpack_enc_hook",
     "msgpack_ext_hook",
 ]

@@ -27,3 +27,8 @@ class DoubleReleaseError(ShmaskError):
 
 class InvalidRowsError(ShmaskError, ValueError):
     """Rows handed to a Writer or RowQueue have the wrong shape, dtype or values."""
+
+
+class RemoteChunkError(ShmaskError):
+    """The chunk lives in the shared memory of another host (or of a
+    container with its own /dev/shm): it must be forwarded inline."""

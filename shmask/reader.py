@@ -20,7 +20,7 @@ from ._native import ffi, lib
 from ._native_errors import raise_for
 from .chunk import Chunk
 from .config import Config
-from .errors import InvalidRefError, SegmentError, ShmaskError, StaleChunkError
+from .errors import InvalidRefError, RemoteChunkError, SegmentError, ShmaskError, StaleChunkError
 from .refs import (
     KIND_EMPTY,
     KIND_INLINE,
@@ -31,7 +31,7 @@ from .refs import (
     RefBatch,
     payload_bytes,
 )
-from .segment import Segment, collect_garbage, segment_alive
+from .segment import Segment, collect_garbage, host_id, segment_alive
 
 log = logging.getLogger("shmask")
 
@@ -130,7 +130,9 @@ class Reader:
         shm = entries["kind"] == KIND_SHM
         given_back = 0
         for index in np.unique(entries["segment"][shm]):
-            name, epoch = batch.segments[int(index)]
+            name, epoch, host = batch.segments[int(index)]
+            if host and host != host_id():
+                continue  # another host's ring: its own hop gives it back
             try:
                 attached = self._attach(name)
             except StaleChunkError:
@@ -178,6 +180,12 @@ class Reader:
 
     # ------------------------------------------------------------ internals
     def _open_shm(self, ref: ChunkRef) -> Chunk:
+        if ref.host and ref.host != host_id():
+            raise RemoteChunkError(
+                f"{ref!r} lives in the shared memory of another host (or of a container with "
+                "its own /dev/shm): the hop that forwards it here must send it inline "
+                "(RefBatch.for_host(<this reader's shmask.host_id()>, reader) or "
+                "RefBatch.to_inline(reader)), or run the producer with SHMASK_TRANSPORT=inline")
         attached = self._attach(ref.segment)
         if ref.epoch != attached.epoch:
             raise StaleChunkError(

@@ -5,11 +5,11 @@ so pickling it, msgpacking it or sending it as a zmq frame costs O(1) Python
 objects however many requests it holds. Wire format (little-endian):
 
     offset 0   4s   magic b"SMRB"
-           4   u16  version (1)
+           4   u16  version (2)
            6   u16  n_segments
            8   u32  n_entries
           12   u32  inline_bytes
-          16   segment table: n_segments x (u64 epoch, u8 name_len, name)
+          16   segment table: n_segments x (u64 epoch, u64 host, u8 name_len, name)
                padded with zeros to a multiple of 8
                entries: n_entries x ENTRY_DTYPE (40 bytes)
                inline area: inline_bytes (packed chunks of entries of kind INLINE)
@@ -30,9 +30,9 @@ import numpy as np
 from .errors import InvalidRefError
 
 MAGIC = b"SMRB"
-VERSION = 1
+VERSION = 2  # 2: each segment says which host (boot + /dev/shm mount) holds it
 _HEADER = struct.Struct("<4sHHII")
-_SEGMENT = struct.Struct("<QB")
+_SEGMENT = struct.Struct("<QQB")
 MAX_NAME_BYTES = 64
 MSGPACK_EXT_CODE = 83  # msgspec/msgpack extension type carrying RefBatch bytes
 
@@ -77,10 +77,11 @@ class ChunkRef:
     """A reference to one chunk (consecutive rows of one request)."""
 
     __slots__ = ("kind", "mode", "segment", "epoch", "position", "record_bytes", "rows", "nnz",
-                 "payload")
+                 "payload", "host")
 
     def __init__(self, kind: int, mode: int, segment: str, epoch: int, position: int,
-                 record_bytes: int, rows: int, nnz: int, payload: memoryview | None) -> None:
+                 record_bytes: int, rows: int, nnz: int, payload: memoryview | None,
+                 host: int = 0) -> None:
         self.kind = kind
         self.mode = mode
         self.segment = segment
@@ -90,6 +91,7 @@ class ChunkRef:
         self.rows = rows
         self.nnz = nnz
         self.payload = payload
+        self.host = host  # shmask.host_id() of the ring's host; 0: unknown (assumed local)
 
     @property
     def inline(self) -> bool:
@@ -122,7 +124,7 @@ class RefBatch:
 
     __slots__ = ("_data", "_segments", "_entries", "_inline")
 
-    def __init__(self, data: bytes, segments: list[tuple[str, int]], entries: np.ndarray,
+    def __init__(self, data: bytes, segments: list[tuple[str, int, int]], entries: np.ndarray,
                  inline: memoryview) -> None:
         self._data = data
         self._segments = segments
@@ -131,14 +133,16 @@ class RefBatch:
 
     # ------------------------------------------------------------ building
     @classmethod
-    def build(cls, segments: Sequence[tuple[str, int]], entries: np.ndarray,
+    def build(cls, segments: Sequence[tuple[str, int] | tuple[str, int, int]], entries: np.ndarray,
               inline_chunks: Sequence[bytes | memoryview] = ()) -> RefBatch:
         """Pack entries (ENTRY_DTYPE; inline entries' `position` is the offset
-        into the concatenation of `inline_chunks`)."""
+        into the concatenation of `inline_chunks`). A segment is (name,
+        epoch) or (name, epoch, host); host 0 means unknown."""
         table = bytearray()
-        for name, epoch in segments:
+        for segment in segments:
+            name, epoch, host = (*segment, 0)[:3]
             encoded = name.encode()
-            table += _SEGMENT.pack(epoch, len(encoded)) + encoded
+            table += _SEGMENT.pack(epoch, host, len(encoded)) + encoded
         table += b"\0" * (-(_HEADER.size + len(table)) % 8)
         inline_bytes = sum(len(c) for c in inline_chunks)
         if inline_bytes >= 1 << 32:
@@ -153,7 +157,7 @@ class RefBatch:
 
     @classmethod
     def from_refs(cls, refs: Sequence[ChunkRef]) -> RefBatch:
-        segments: dict[tuple[str, int], int] = {}
+        segments: dict[tuple[str, int, int], int] = {}
         entries = np.zeros(len(refs), dtype=ENTRY_DTYPE)
         chunks: list[memoryview] = []
         offset = 0
@@ -162,7 +166,7 @@ class RefBatch:
             entry["kind"], entry["mode"] = ref.kind, ref.mode
             entry["rows"], entry["nnz"] = ref.rows, ref.nnz
             if ref.kind == KIND_SHM:
-                key = (ref.segment, ref.epoch)
+                key = (ref.segment, ref.epoch, ref.host)
                 entry["segment"] = segments.setdefault(key, len(segments))
                 entry["position"], entry["record_bytes"] = ref.position, ref.record_bytes
             elif ref.kind == KIND_INLINE:
@@ -188,7 +192,7 @@ class RefBatch:
         for _ in range(n_segments):
             if offset + _SEGMENT.size > len(data):
                 raise InvalidRefError("reference batch truncated in its segment table")
-            epoch, name_len = _SEGMENT.unpack_from(data, offset)
+            epoch, host, name_len = _SEGMENT.unpack_from(data, offset)
             offset += _SEGMENT.size
             if name_len > MAX_NAME_BYTES or offset + name_len > len(data):
                 raise InvalidRefError(f"segment name of {name_len} bytes is invalid")
@@ -196,7 +200,7 @@ class RefBatch:
                 name = data[offset:offset + name_len].decode("ascii")
             except UnicodeDecodeError:
                 raise InvalidRefError("segment name is not ASCII") from None
-            segments.append((name, epoch))
+            segments.append((name, epoch, host))
             offset += name_len
         offset += -offset % 8
         entries_end = offset + n_entries * ENTRY_DTYPE.itemsize
@@ -226,12 +230,12 @@ class RefBatch:
 
     def _ref(self, kind: int, mode: int, segment_index: int, rows: int, position: int,
              record_bytes: int, nnz: int, _reserved: int) -> ChunkRef:
-        segment, epoch, payload = "", 0, None
+        segment, epoch, host, payload = "", 0, 0, None
         if kind == KIND_SHM:
-            segment, epoch = self._segments[segment_index]
+            segment, epoch, host = self._segments[segment_index]
         elif kind == KIND_INLINE:
             payload = self._inline[position:position + record_bytes]
-        return ChunkRef(kind, mode, segment, epoch, position, record_bytes, rows, nnz, payload)
+        return ChunkRef(kind, mode, segment, epoch, position, record_bytes, rows, nnz, payload, host)
 
     @property
     def entries(self) -> np.ndarray:
@@ -239,9 +243,51 @@ class RefBatch:
         return self._entries
 
     @property
-    def segments(self) -> list[tuple[str, int]]:
-        """(segment name, epoch) per segment index of the entries."""
+    def segments(self) -> list[tuple[str, int, int]]:
+        """(segment name, epoch, host) per segment index of the entries."""
         return self._segments
+
+    @property
+    def hosts(self) -> set[int]:
+        """The hosts (shmask.host_id()) whose rings this batch points into."""
+        shm = self._entries["kind"] == KIND_SHM
+        return {self._segments[int(i)][2] for i in np.unique(self._entries["segment"][shm])}
+
+    def to_inline(self, reader: Any) -> RefBatch:
+        """This batch with every ring chunk copied into the batch itself and
+        given back to the ring: for a consumer that cannot see this host's
+        /dev/shm (another host, a container with its own). `reader` is the
+        forwarding hop's shmask.Reader."""
+        return self._inline_where(reader, lambda host: True)
+
+    def for_host(self, host: int, reader: Any) -> RefBatch:
+        """This batch as a consumer on `host` (its shmask.host_id()) can read
+        it: unchanged when every ring lives there, else with the chunks of
+        other hosts' rings carried inline (see to_inline)."""
+        if all(ring_host == host for ring_host in self.hosts):
+            return self
+        return self._inline_where(reader, lambda ring_host: ring_host != host)
+
+    def _inline_where(self, reader: Any, inline_host: Any) -> RefBatch:
+        entries = self._entries.copy()
+        chunks: list[bytes | memoryview] = []
+        offset = 0
+        for i, ref in enumerate(self):
+            if ref.kind == KIND_SHM and inline_host(ref.host):
+                with reader.open(ref) as chunk:
+                    payload = b"".join((chunk.lengths.tobytes(), chunk.ids.tobytes(),
+                                        chunk.logprobs.tobytes()))
+                    chunk.check()  # copied before any reclaim
+                entries[i]["kind"], entries[i]["segment"] = KIND_INLINE, 0
+            elif ref.kind == KIND_INLINE:
+                assert ref.payload is not None
+                payload = ref.payload
+            else:
+                continue
+            entries[i]["position"], entries[i]["record_bytes"] = offset, len(payload)
+            chunks.append(payload)
+            offset += len(payload)
+        return RefBatch.build(self._segments, entries, chunks)
 
     @property
     def nbytes(self) -> int:

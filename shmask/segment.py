@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -56,6 +57,32 @@ def is_valid_name(name: str) -> bool:
 
 def new_name(prefix: str) -> str:
     return f"/{prefix}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+_host_id: tuple[int, int] | None = None  # (pid, id): recomputed after a fork
+
+
+def host_id() -> int:
+    """Which /dev/shm this process sees: a 63-bit hash of the boot id and of
+    the /dev/shm mount's device. Two processes with the same host id can
+    read each other's rings; refs carry the producer's, so a reader
+    elsewhere (another host, a container with a private /dev/shm) is told
+    so instead of failing to find the ring."""
+    global _host_id
+    pid = os.getpid()
+    if _host_id is None or _host_id[0] != pid:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = b"unknown-boot"
+        try:
+            device = os.stat(SHM_DIR).st_dev
+        except OSError:
+            device = 0
+        digest = hashlib.blake2b(boot + b"/" + str(device).encode(), digest_size=8).digest()
+        _host_id = (pid, (int.from_bytes(digest, "little") >> 1) or 1)
+    return _host_id[1]
 
 
 def _path(name: str) -> str:

@@ -39,7 +39,7 @@ from .refs import (
     mode_code,
     payload_bytes,
 )
-from .segment import Segment, collect_garbage, process_start_ticks
+from .segment import Segment, collect_garbage, host_id, process_start_ticks
 
 log = logging.getLogger("shmask")
 
@@ -267,7 +267,7 @@ class Writer:
         (the requests ended)."""
         self._begin_call()
         entries, inline_chunks = self._take_into_entries(self._handles(queues), final)
-        segments = [(self.segment_name, self.epoch)] if self.segment else []
+        segments = [(self.segment_name, self.epoch, host_id())] if self.segment else []
         self.reclaim()
         if metrics.enabled():  # once per emission: nothing per step or per row
             metrics.sync(self.stats, self._synced, self.ring_usage())
@@ -423,7 +423,7 @@ class Writer:
         lib.shm_record_layout(mode, rows, nnz, self._layout)
         self._count(rows, nnz, mode)
         return ChunkRef(KIND_SHM, mode, self.segment_name, self.epoch, position,
-                        int(self._layout.record_bytes), rows, nnz, None)
+                        int(self._layout.record_bytes), rows, nnz, None, host_id())
 
     def _count(self, rows: int, nnz: int, mode: int) -> None:
         self.stats.chunks += 1
