@@ -207,8 +207,10 @@ class Writer:
         support-mode row's logprobs sit in `logprobs`, shaped like `ids`. A
         selected-mode row's one value is `selected_logprobs[i]` ([B]); when
         every row of the step is selected-mode, `logprobs` may be that [B]
-        array instead. A step may mix modes (then pass both). Every row is
-        checked before any is copied: a bad row raises and appends nothing.
+        array instead. A step may mix modes (then pass both). A queue may
+        appear several times in one step (speculative decoding): its rows are
+        appended in step order. Every row is checked before any is copied: a
+        bad row raises and appends nothing.
         """
         self._begin_call(check_segment=False)  # the SIGBUS guard covers the copy
         handles = self._handles(queues)

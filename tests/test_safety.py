@@ -439,3 +439,18 @@ def test_inline_warning_counts_every_chunk_and_its_reason(prefix, caplog):
         writer.publish(np.array([1], np.int32), np.array([2], np.int32), np.zeros(1, np.float32))
         assert writer.stats.inline_configured == 1
     assert len([r for r in caplog.records if "sent inline" in r.getMessage()]) == 1
+
+
+def test_a_queue_repeated_in_one_step_gets_its_rows_in_order(writer, reader):
+    """Speculative decoding appends several positions of one request per step."""
+    a, b = writer.open_queue("support"), writer.open_queue("support")
+    handles = np.array([a.handle, b.handle, a.handle, a.handle], np.int64)
+    lengths = np.array([1, 2, 2, 1], np.int32)
+    ids = np.array([1, 20, 21, 2, 3, 4], np.int32)
+    writer.append_step(handles, lengths, ids, ids.astype(np.float32))
+    writer.append_step(handles[:1], lengths[:1], np.array([5], np.int32), np.zeros(1, np.float32))
+    batch = writer.take_batch([a, b])
+    with reader.open(batch[0]) as chunk:
+        assert chunk.to_lists()[0] == [[1], [2, 3], [4], [5]]
+    with reader.open(batch[1]) as chunk:
+        assert chunk.to_lists()[0] == [[20, 21]]
