@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import console, print_table
+from _common import print_table
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -24,6 +24,12 @@ What each stage's time includes (median over the measured emissions):
                 with its thread CPU clock; the scheduler's run after the stop). "no build"
                 also takes out building and freeing the response lists (thread CPU clock)
   bytes         payload frames sent on both hops
+`python benchmarks/transport.py --sglang` runs SGLang 0.5.23 as released
+(`sglang`: its SamplingMaskRows/SamplingMaskChunk through its own msgpack
+encoder, responses by to_lists + orjson) beside shmask.adapters.sglang
+(`sglang-shm`: the patched SGLang's per-request appends; `sglang-shm-step`:
+the vectorised per-step path; responses by response_meta_info) at 256 x 50 x
+1000 support, then response bytes from the same rows both ways.
 Every emission is verified: the tokenizer's CRC of the rows it holds must equal
 the CRC of the pool rows the scheduler emitted.
 
@@ -47,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import zmq
 from _common import (
     BATCH,
@@ -354,8 +361,159 @@ class Shmask(Transport):
             self.reader.close()
 
 
+class SglangReleased(Transport):
+    """Peer: SGLang 0.5.23 as released. Its SamplingMaskRows per request,
+    appended per step as its batch result processor does (one call per
+    request), one SamplingMaskChunk per request taken per emission, the list
+    sent through SGLang's real msgpack encoder/decoder (its default IPC;
+    msgpack_utils.enc_hook/ext_hook carry every array as an ext), and the
+    response built as its tokenizer manager does: to_lists, then orjson."""
+
+    name = "sglang"
+
+    def setup(self, role: str) -> None:
+        import msgspec
+        from sglang.srt.sampling.sampling_mask import SamplingMaskChunk, SamplingMaskRows
+        from sglang.srt.utils import msgpack_utils
+
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=msgpack_utils.enc_hook)
+        self.decoder = msgspec.msgpack.Decoder(list[SamplingMaskChunk | None],
+                                               dec_hook=msgpack_utils.dec_hook,
+                                               ext_hook=msgpack_utils.ext_hook)
+        if role == "scheduler":
+            self.rows = [SamplingMaskRows() for _ in range(self.batch)]
+
+    def append(self, lengths: np.ndarray, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        support = self.support
+        for r, rows in enumerate(self.rows):
+            n = int(lengths[r])
+            rows.append(ids[r, :n], logprobs[r, :n] if support else logprobs[r:r + 1])
+
+    def emit(self, final: bool = False) -> list[Any]:
+        return [self.encoder.encode([rows.take() for rows in self.rows])]
+
+    def forward(self, frames: list[Any]) -> list[Any]:
+        return [self.encoder.encode(self.decoder.decode(frames[0]))]
+
+    def hold(self, frames: list[Any]) -> Any:
+        return self.decoder.decode(frames[0])
+
+    def build(self, rows: Any) -> Any:
+        return [_sglang_response(chunk.to_lists(support_logprobs=self.support)) for chunk in rows]
+
+    def crc(self, rows: Any) -> int:
+        crc = 0
+        for chunk in rows:
+            crc = rows_crc(chunk.lengths, chunk.token_ids, chunk.logprobs, crc)
+        return crc
+
+
+def _sglang_response(lists: tuple[list[Any], list[Any]]) -> bytes:
+    masks, logprobs = lists
+    return orjson.dumps({"output_token_sampling_mask": masks,
+                         "output_token_sampling_logprobs": logprobs,
+                         "output_token_sampling_mask_length": len(masks)})
+
+
+class SglangShm(Transport):
+    """shmask.adapters.sglang, as the patched SGLang runs it: the same
+    per-request append calls (staged, then one Writer.append_step), one
+    take_all per emission, the list of reference chunks through SGLang's
+    real msgpack encoder/decoder, responses from response_meta_info."""
+
+    name = "sglang-shm"
+    per_request_append = True
+
+    def setup(self, role: str) -> None:
+        import msgspec
+        from sglang.srt.utils import msgpack_utils
+
+        from shmask.adapters import sglang as adapter
+
+        self.adapter = adapter
+        config = shmask.Config(ring_mb=self.spec["ring_mb"], name_prefix=SEGMENT_PREFIX,
+                               full_wait_ms=50, lease_s=600)
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=msgpack_utils.enc_hook)
+        self.decoder = msgspec.msgpack.Decoder(list[adapter.SamplingMaskChunk | None],
+                                               dec_hook=msgpack_utils.dec_hook,
+                                               ext_hook=msgpack_utils.ext_hook)
+        if role == "scheduler":
+            self.writer = shmask.Writer(config)
+            adapter.configure(writer=self.writer)
+            mode = "support" if self.support else "selected"
+            self.rows = [adapter.SamplingMaskRows(mode, self.writer) for _ in range(self.batch)]
+            self.handles = np.array([r.handle for r in self.rows], np.int64)
+        elif role == "tokenizer":
+            self.reader = shmask.Reader(config)
+            adapter.configure(reader=self.reader)
+
+    def append(self, lengths: np.ndarray, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        if self.per_request_append:
+            support = self.support
+            for r, rows in enumerate(self.rows):
+                n = int(lengths[r])
+                rows.append(ids[r, :n], logprobs[r, :n] if support else logprobs[r:r + 1])
+        elif self.support:
+            self.adapter.append_step(self.rows, lengths, ids, np.zeros(self.batch, np.float32),
+                                     logprobs)
+        else:
+            self.adapter.append_step(self.rows, lengths, ids, logprobs)
+
+    def emit(self, final: bool = False) -> list[Any]:
+        return [self.encoder.encode(self.adapter.take_all(self.rows))]
+
+    def forward(self, frames: list[Any]) -> list[Any]:
+        return [self.encoder.encode(self.decoder.decode(frames[0]))]
+
+    def hold(self, frames: list[Any]) -> Any:
+        chunks = self.decoder.decode(frames[0])
+        for chunk in chunks:
+            chunk.open()  # the tokenizer holds the rows: numpy views of the ring
+        return chunks
+
+    def build(self, rows: Any) -> Any:
+        responses = []
+        for chunk in rows:
+            accumulated = self.adapter.SamplingMaskJSON(self.support)
+            accumulated.extend(chunk.open())  # the views; released after the checksum
+            responses.append(orjson.dumps(self.adapter.response_meta_info(accumulated)))
+        return responses
+
+    def crc(self, rows: Any) -> int:
+        crc = 0
+        for chunk in rows:
+            crc = rows_crc(chunk.lengths, chunk.token_ids, chunk.logprobs, crc)
+        return crc
+
+    def release(self, rows: Any) -> None:
+        for chunk in rows:
+            chunk.release()
+
+    def stats(self) -> dict[str, Any]:
+        if not hasattr(self, "writer"):
+            return {}
+        return {"inline_chunks": self.writer.stats.inline_chunks}
+
+    def close(self) -> None:
+        if hasattr(self, "rows"):
+            for rows in self.rows:
+                rows.close()
+        for name in ("writer", "reader"):
+            if hasattr(self, name):
+                getattr(self, name).close()
+
+
+class SglangShmStep(SglangShm):
+    """The adapter with the vectorised per-step path (adapter.append_step on
+    the step's [B, W] host arrays, one native call per step)."""
+
+    name = "sglang-shm-step"
+    per_request_append = False
+
+
 TRANSPORT_CLASSES: dict[str, type[Transport]] = {
-    cls.name: cls for cls in (Off, Floor, Lists, Arrays, Oob, Shmask)
+    cls.name: cls for cls in (Off, Floor, Lists, Arrays, Oob, Shmask, SglangReleased, SglangShm,
+                              SglangShmStep)
 }
 
 
@@ -672,9 +830,141 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+SGLANG_TRANSPORTS = ("sglang", "sglang-shm", "sglang-shm-step", "shmask")  # shmask: reference
+
+
+def run_sglang(batch: int = BATCH, tokens: int = EMIT_TOKENS, width: int = 1000,
+               warmup: int = 2, measured: int = 3) -> list[dict[str, Any]]:
+    """SGLang as released beside shmask's SGLang adapter (support mode), plus
+    response bytes built both ways from the same rows. Needs sglang 0.5.23
+    installed (make test-compat installs it)."""
+    from _common import console
+
+    rows = []
+    for name in SGLANG_TRANSPORTS:
+        spec = {"transport": name, "mode": "support", "batch": batch, "tokens": tokens,
+                "width": width, "warmup": warmup + (1 if name != "sglang" else 0),  # lap the ring
+                "measured": measured, "seed": width,
+                "ring_mb": ring_mb_for(batch, tokens, width, copies=2)}
+        summary = summarize(spec, [samples(spec, run_pipeline(spec))])
+        summary["response_ms"] = summary["latency_ms"] + summary["build_ms"]
+        rows.append(summary)
+        console().log(f"sglang: {name}: scheduler {summary['scheduler_ms']:.2f} ms, "
+                      f"detok {summary['detokenizer_ms']:.2f} ms, mismatches {summary['mismatches']}")
+    print_table(
+        f"SGLang as released vs shmask.adapters.sglang - {batch} requests x {tokens} tokens x "
+        f"support {width}, support mode (median per emission)",
+        ("transport", "emissions", "append ms/step", "scheduler ms", "detok ms", "tokenizer ms",
+         "build ms", "latency ms", "to response bytes ms", "CPU ms", "MB sent", "mismatches"),
+        [(r["transport"], r["emissions"], r["append_ms"], r["scheduler_ms"], r["detokenizer_ms"],
+          r["tokenizer_ms"], r["build_ms"], r["latency_ms"], r["response_ms"], r["cpu_ms"],
+          r["mb_sent"], r["mismatches"]) for r in rows])
+    return rows
+
+
+def response_speed(batch: int = BATCH, tokens: int = EMIT_TOKENS, width: int = 1000,
+                   repeats: int = 3) -> dict[str, float]:
+    """One emission's response bytes from the same rows (in one process):
+    SGLang's chunk.to_lists + orjson of the meta_info fields, against
+    response_meta_info (orjson Fragments built natively from the rows)."""
+    from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
+
+    from shmask.adapters import sglang as adapter
+
+    pool = make_pool(batch, width, "support", seed=width)
+    times: dict[str, list[float]] = {"sglang to_lists + orjson": [], "response_meta_info": []}
+    for mode in ("support", "selected"):
+        support = mode == "support"
+        with shmask.Writer(shmask.Config(ring_mb=ring_mb_for(batch, tokens, width, 2),
+                                         name_prefix=SEGMENT_PREFIX)) as writer:
+            queues = [writer.open_queue(mode) for _ in range(batch)]
+            for step in range(tokens):
+                lengths, ids, logprobs = pool.step(step)
+                writer.append_step(queues, lengths, ids, logprobs if support else logprobs[:, 0])
+            reader = shmask.Reader()
+            chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+            theirs = [SamplingMaskChunk(lengths=c.lengths.copy(), token_ids=c.ids.copy(),
+                                        logprobs=c.logprobs.copy()) for c in chunks]
+            for _ in range(repeats):
+                started = now()
+                expected = [_sglang_response(c.to_lists(support_logprobs=support)) for c in theirs]
+                times["sglang to_lists + orjson"].append(now() - started)
+                started = now()
+                got = [orjson.dumps(adapter.response_meta_info([c], support_logprobs=support))
+                       for c in chunks]
+                times["response_meta_info"].append(now() - started)
+                assert got == expected, "response bytes differ"
+            for c in chunks:
+                c.release()
+            reader.close()
+        result = {name: median_ms(values) for name, values in times.items()}
+        print_table(f"Response bytes of one emission ({batch} x {tokens} x {width}, {mode} mode, "
+                    "byte-identical, median of " f"{repeats})", ("path", "ms"),
+                    [(k, v) for k, v in result.items()]
+                    + [("speedup", result["sglang to_lists + orjson"]
+                        / result["response_meta_info"])])
+        times = {name: [] for name in times}
+    return result
+
+
+def streaming_speed(requests: int = 16, emissions: int = 10, tokens: int = EMIT_TOKENS,
+                    width: int = 1000) -> dict[str, float]:
+    """Cumulative streaming (SGLang's default for stream=True): every emission
+    answers with the whole accumulation. SGLang extends its lists and orjson
+    re-writes all of them each time; SamplingMaskJSON writes each emission's
+    rows once and joins. Total over `emissions` emissions, support mode."""
+    from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
+
+    from shmask.adapters import sglang as adapter
+
+    pool = make_pool(requests, width, "support", seed=width)
+    totals = {"sglang lists + orjson": 0.0, "SamplingMaskJSON + response_meta_info": 0.0}
+    theirs_state = [([], []) for _ in range(requests)]
+    ours_state = [adapter.SamplingMaskJSON(True) for _ in range(requests)]
+    with shmask.Writer(shmask.Config(ring_mb=ring_mb_for(requests, tokens, width, 2),
+                                     name_prefix=SEGMENT_PREFIX)) as writer:
+        queues = [writer.open_queue("support") for _ in range(requests)]
+        reader = shmask.Reader()
+        for emission in range(emissions):
+            for step in range(tokens):
+                writer.append_step(queues, *pool.step(emission * tokens + step))
+            chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+            theirs = [SamplingMaskChunk(lengths=c.lengths.copy(), token_ids=c.ids.copy(),
+                                        logprobs=c.logprobs.copy()) for c in chunks]
+            started = now()
+            expected = []
+            for chunk, (masks, logprobs) in zip(theirs, theirs_state, strict=True):
+                new_masks, new_logprobs = chunk.to_lists(support_logprobs=True)
+                masks.extend(new_masks)
+                logprobs.extend(new_logprobs)
+                expected.append(_sglang_response((masks, logprobs)))
+            totals["sglang lists + orjson"] += now() - started
+            started = now()
+            got = []
+            for chunk, accumulated in zip(chunks, ours_state, strict=True):
+                accumulated.extend(chunk)
+                got.append(orjson.dumps(adapter.response_meta_info(accumulated)))
+            totals["SamplingMaskJSON + response_meta_info"] += now() - started
+            assert got == expected, "response bytes differ"
+            for c in chunks:
+                c.release()
+        reader.close()
+    result = {name: 1000.0 * value for name, value in totals.items()}
+    print_table(f"Cumulative streaming responses: {requests} requests x {emissions} emissions x "
+                f"{tokens} tokens x support {width} (byte-identical, total ms)", ("path", "ms"),
+                [*result.items(), ("speedup", result["sglang lists + orjson"]
+                                   / result["SamplingMaskJSON + response_meta_info"])])
+    return result
+
+
 def main() -> None:
     if len(sys.argv) >= 4 and sys.argv[1] == "child":
         ROLES[sys.argv[2]](json.loads(sys.argv[3]))
+        return
+    if "--sglang" in sys.argv:
+        run_sglang()
+        response_speed()
+        streaming_speed()
         return
     run(quick="--quick" in sys.argv)
 

@@ -9,19 +9,12 @@ ascending order, so copying ``ids[:offsets[B]]`` moves only realized rows.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
-
-if not torch.cuda.is_available():
-    # Tests and CPU users run the kernels in Triton's interpreter. It must be
-    # chosen before triton is first imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 
 class Status(IntEnum):

@@ -132,6 +132,12 @@ _Static_assert(offsetof(struct shm_segment_header, epoch) == 24, "epoch at 24");
 _Static_assert(offsetof(struct shm_segment_header, producer_pid) == 32, "pid at 32");
 _Static_assert(offsetof(struct shm_segment_header, producer_start) == 40, "start at 40");
 _Static_assert(offsetof(struct shm_segment_header, created_ns) == 48, "created_ns at 48");
+_Static_assert(offsetof(struct shm_segment_header, pad0) == 56, "pad0 at 56");
+_Static_assert(offsetof(struct shm_segment_header, pad1) == 72, "pad1 at 72");
+_Static_assert(offsetof(struct shm_segment_header, pad2) == 136, "pad2 at 136");
+_Static_assert(sizeof(((struct shm_segment_header *)0)->counters) == 8 * SHM_N_COUNTERS,
+               "counters: 8 u64 at 192..255");
+_Static_assert(sizeof(struct shm_segment_header) == 256, "segment header fields end at 256");
 _Static_assert(offsetof(struct shm_record_header, tag) == 0, "tag at byte 0");
 _Static_assert(offsetof(struct shm_record_header, state) == 8, "state at byte 8");
 _Static_assert(offsetof(struct shm_record_header, mode) == 12, "mode at byte 12");

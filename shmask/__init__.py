@@ -5,7 +5,7 @@ Producer (scheduler)::
 
     writer = shmask.Writer()                      # one ring per producer
     queue = writer.open_queue("support")          # one per request
-    writer.append_step(slots, lengths, ids, logprobs)   # every decode step
+    writer.append_step(handles, lengths, ids, logprobs) # every decode step (int64 handles)
     batch = writer.take_batch(queues)             # every emission: a RefBatch
     socket.send(batch.to_bytes())
 
@@ -17,9 +17,10 @@ Consumer (tokenizer)::
             ids, logprobs = chunk.to_lists()
 """
 
+import importlib
 import logging
+from typing import TYPE_CHECKING
 
-from .chunk import Chunk
 from .config import Config
 from .errors import (
     ConfigError,
@@ -31,10 +32,40 @@ from .errors import (
     ShmaskError,
     StaleChunkError,
 )
-from .reader import Reader, ReaderStats
 from .refs import ChunkRef, RefBatch, msgpack_enc_hook, msgpack_ext_hook
-from .segment import host_id
-from .writer import RowQueue, Writer, WriterStats
+
+# The transport's classes load the compiled core (shmask._native), so they are
+# imported on first use: shmask.kernels, shmask.config and shmask.refs work
+# where the core is not built (a GPU box that only runs the kernels).
+_LAZY = {
+    "Chunk": ".chunk",
+    "Reader": ".reader",
+    "ReaderStats": ".reader",
+    "host_id": ".segment",
+    "RowQueue": ".writer",
+    "Writer": ".writer",
+    "WriterStats": ".writer",
+}
+
+if TYPE_CHECKING:
+    from .chunk import Chunk
+    from .reader import Reader, ReaderStats
+    from .segment import host_id
+    from .writer import RowQueue, Writer, WriterStats
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

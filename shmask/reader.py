@@ -164,6 +164,11 @@ class Reader:
                                else MODE_SUPPORT)
         raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2")
 
+    def open_batch(self, batch: RefBatch) -> Iterator[Chunk]:
+        """Open every ref of a batch, in order."""
+        for ref in batch:
+            yield self.open(ref)
+
     def close(self) -> None:
         """Forget every segment (views handed out stay valid until dropped)."""
         if metrics.enabled():

@@ -253,6 +253,26 @@ class RefBatch:
         shm = self._entries["kind"] == KIND_SHM
         return {self._segments[int(i)][2] for i in np.unique(self._entries["segment"][shm])}
 
+    def split(self) -> list[bytes]:
+        """Each entry as its own one-entry batch (what `self[i].to_bytes()`
+        gives), built with a few numpy copies instead of one batch per entry:
+        for engines that carry one reference per request."""
+        data = self._data
+        count = len(self._entries)
+        entries_at = len(data) - len(self._inline) - count * ENTRY_DTYPE.itemsize
+        magic, version, n_segments, _, _ = _HEADER.unpack_from(data)
+        prefix = _HEADER.pack(magic, version, n_segments, 1, 0) + data[_HEADER.size:entries_at]
+        size = len(prefix) + ENTRY_DTYPE.itemsize
+        out = np.empty((count, size), np.uint8)
+        out[:, :len(prefix)] = np.frombuffer(prefix, np.uint8)
+        out[:, len(prefix):] = np.frombuffer(data, np.uint8, count * ENTRY_DTYPE.itemsize,
+                                             entries_at).reshape(count, ENTRY_DTYPE.itemsize)
+        blob = out.tobytes()
+        refs = [blob[i * size:(i + 1) * size] for i in range(count)]
+        for i in np.flatnonzero(self._entries["kind"] == KIND_INLINE).tolist():
+            refs[i] = self[i].to_bytes()  # an inline entry carries its payload
+        return refs
+
     def to_inline(self, reader: Any) -> RefBatch:
         """This batch with every ring chunk copied into the batch itself and
         given back to the ring: for a consumer that cannot see this host's
@@ -272,6 +292,7 @@ class RefBatch:
         entries = self._entries.copy()
         chunks: list[bytes | memoryview] = []
         offset = 0
+        payload: bytes | memoryview
         for i, ref in enumerate(self):
             if ref.kind == KIND_SHM and inline_host(ref.host):
                 with reader.open(ref) as chunk:

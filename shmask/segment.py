@@ -34,14 +34,17 @@ import secrets
 import signal
 import stat
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import posix_ipc
 
 from ._native import ffi, lib
 from .errors import SegmentError
+
+if TYPE_CHECKING:
+    from ._native import CData
 
 log = logging.getLogger("shmask")
 
@@ -101,7 +104,7 @@ def process_start_ticks(pid: int) -> int:
     return int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
 
 
-def _map(fd: int, size: int, name: str) -> object:
+def _map(fd: int, size: int, name: str) -> CData:
     """A guarded shared mapping of the whole segment (cdata that unmaps
     itself when the last view of it is gone)."""
     error = ffi.new("int *")
@@ -111,10 +114,25 @@ def _map(fd: int, size: int, name: str) -> object:
     return ffi.gc(ffi.cast("char *", address), lib.shm_unmap, size=size)
 
 
+def _map_separately(lock_fd: int, size: int, name: str) -> CData:
+    """Map the segment through a second open file description. A mapping
+    keeps its description alive, and a flock belongs to a description: were
+    the lock's own one mapped, a forked child (which inherits mappings) would
+    hold the producer's lock for as long as it lives."""
+    fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (os.fstat(lock_fd).st_ino,
+                                                         os.fstat(lock_fd).st_dev):
+            raise SegmentError(f"segment {name!r} was replaced while it was being created")
+        return _map(fd, size, name)
+    finally:
+        os.close(fd)
+
+
 class Segment:
     """A mapped segment. The producer creates it; readers attach by name."""
 
-    def __init__(self, name: str, base: object, size: int, owner_fd: int | None) -> None:
+    def __init__(self, name: str, base: CData, size: int, owner_fd: int | None) -> None:
         self.name = name
         self.size = size
         # The C core's address of the mapping; the mapping lives as long as
@@ -147,7 +165,7 @@ class Segment:
                     os.close(fd)
                     continue
                 _allocate(fd, size, name)
-                base = _map(fd, size, name)
+                base = _map_separately(fd, size, name)
             except BaseException:
                 _unlink_quietly(name)
                 os.close(fd)
@@ -206,8 +224,8 @@ class Segment:
                 _unlink_quietly(self.name)
             os.close(self._owner_fd)
             self._owner_fd = None
-        self.buffer = None
-        self.base = None
+        self.buffer = None  # type: ignore[assignment]
+        self.base = None  # type: ignore[assignment]
 
     def unlink_only(self) -> None:
         """Remove the name (used at exit and on SIGTERM: no unmapping there)."""
@@ -285,8 +303,24 @@ class _LiveSegments:
         for segment in self._snapshot:
             segment.unlink_only()
 
+    def forget_in_child(self) -> None:
+        """After fork: the child is not the producer. Closing its copy of
+        the descriptor leaves the lock with the parent alone, so a SIGKILLed
+        producer's ring becomes collectable even while a forked child lives."""
+        for segment in self._snapshot:
+            if segment._owner_fd is not None:
+                try:
+                    os.close(segment._owner_fd)
+                except OSError:
+                    pass
+                segment._owner_fd = None
+        self._segments.clear()
+        self._snapshot = ()
+        self._lock = threading.Lock()  # the parent's may have been held at the fork
+
 
 _LIVE = _LiveSegments()
+os.register_at_fork(after_in_child=_LIVE.forget_in_child)
 
 
 def _chain_sigterm(cleanup) -> None:  # type: ignore[no-untyped-def]

@@ -580,7 +580,7 @@ class RowQueue:
 
 def _as_array(value: object, dtype: type, name: str) -> np.ndarray:
     try:
-        array = np.ascontiguousarray(value, dtype=dtype)
+        array: np.ndarray = np.ascontiguousarray(value, dtype=dtype)
     except (TypeError, ValueError) as exc:
         raise InvalidRowsError(f"{name} cannot be read as {np.dtype(dtype).name}: {exc}") from None
     return array

@@ -150,3 +150,18 @@ def test_forged_segment_names_are_refused(reader):
         batch = shmask.RefBatch.build([(name, 1)], entries)
         with pytest.raises(shmask.ShmaskError):
             reader.open(batch[0])
+
+
+def test_split_gives_each_entry_as_its_own_batch(writer):
+    queues = [writer.open_queue("support") for _ in range(3)]
+    writer.append_step(queues, np.array([1, 0, 2], np.int32), np.array([4, 5, 6], np.int32),
+                       np.zeros(3, np.float32))
+    batch = writer.take_batch(queues)
+    inline = shmask.RefBatch.from_refs([batch[0], writer.publish(
+        np.array([1], np.int32), np.array([9], np.int32), np.zeros(1, np.float32))])
+    for whole in (batch, inline.to_inline(shmask.Reader(writer.config))):
+        parts = whole.split()
+        assert len(parts) == len(whole)
+        for i, part in enumerate(parts):
+            assert part == whole[i].to_bytes()
+            assert shmask.ChunkRef.from_bytes(part).rows == whole[i].rows

@@ -124,7 +124,7 @@ def test_files_of_other_users_are_never_touched_nor_fatal(prefix):
     planted = [_plant(prefix, os.getuid(), owner=NOBODY, size=8192),
                _plant(prefix, 0, owner=NOBODY, size=8192)]
     try:
-        for name, fd in planted:
+        for _name, fd in planted:
             os.close(fd)
         assert collect_garbage(prefix) == []
         assert all(info.name not in {n for n, _ in planted} for info in list_segments(prefix))
@@ -454,3 +454,30 @@ def test_a_queue_repeated_in_one_step_gets_its_rows_in_order(writer, reader):
         assert chunk.to_lists()[0] == [[1], [2, 3], [4], [5]]
     with reader.open(batch[1]) as chunk:
         assert chunk.to_lists()[0] == [[20, 21]]
+
+
+def test_forked_child_does_not_keep_a_dead_producers_ring(prefix):
+    """The child of a fork is not the producer: once the producer is
+    SIGKILLed its ring is collectable though the child lives on."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time, shmask
+        w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix={prefix!r}))
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+        print(w.segment_name, child, flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    name, child = proc.stdout.readline().split()
+    try:
+        assert segment_alive(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        os.kill(int(child), 0)  # the child is still running
+        assert collect_garbage(prefix) == [name]
+    finally:
+        try:
+            os.kill(int(child), signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,220 @@
+# Types of the compiled core, shmask._native (cffi API mode, built from
+# native/build.py: shmask_core.h plus the constants and enums of
+# shmask_layout.h). tests/test_constants.py checks that every name the core
+# exports is declared here and that the values the Python side also writes
+# down agree with the core's.
+#
+# Pointers and buffers are cffi cdata (`CData`). The structs the package
+# allocates with ffi.new("<struct> *") have their own classes here, so field
+# reads are typed as well.
+
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, overload
+
+class CData:
+    """A cffi cdata object: a pointer, an array or a struct."""
+
+    def __getitem__(self, index: int | slice, /) -> Any: ...
+    def __setitem__(self, index: int | slice, value: Any, /) -> None: ...
+    def __add__(self, offset: int, /) -> CData: ...
+    def __sub__(self, other: int, /) -> CData: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def __int__(self) -> int: ...
+    def __len__(self) -> int: ...
+
+_C = TypeVar("_C", bound=CData)
+
+class ShmLayout(CData):
+    lengths_offset: int
+    ids_offset: int
+    logprobs_offset: int
+    record_bytes: int
+
+class ShmView(CData):
+    record_offset: int
+    lengths_offset: int
+    ids_offset: int
+    logprobs_offset: int
+
+class ShmReclaimResult(CData):
+    head: int
+    tail: int
+    advanced_bytes: int
+    expired: int
+    blocked_position: int
+    blocked_state: int
+    pad: int
+
+class ShmInfo(CData):
+    capacity: int
+    epoch: int
+    producer_pid: int
+    producer_start: int
+    created_ns: int
+    head: int
+    tail: int
+    published: int
+    released: int
+    expired: int
+
+class ShmRing(CData):
+    base: CData
+    mapped_bytes: int
+    capacity: int
+    head: int
+    tail: int
+    n_queues: int
+    n_free: int
+    handle_tag: int
+    initial_nnz_cap: int
+    dead: int
+    queues: Any  # shm_queue[n_queues]
+    free_slots: Any
+
+class IntPointer(CData):
+    def __getitem__(self, index: int | slice, /) -> Any: ...  # an int for an int index
+
+class _NativeFFI:
+    NULL: CData
+    error: type[Exception]
+    def cast(self, cdecl: str, source: CData | int, /) -> CData: ...
+    def buffer(self, cdata: CData, size: int = -1, /) -> memoryview: ...
+    def gc(self, cdata: _C, destructor: Callable[[Any], object] | None, size: int = 0) -> _C: ...
+    def sizeof(self, cdecl: str | CData, /) -> int: ...
+    def offsetof(self, cdecl: str, *fields_or_indexes: str | int) -> int: ...
+    def typeof(self, cdecl: str | CData, /) -> Any: ...
+    def string(self, cdata: CData, maxlen: int = -1) -> bytes: ...
+    def memmove(self, dest: Any, src: Any, n: int) -> None: ...
+    @overload
+    def new(self, cdecl: Literal["shm_layout *"], init: Any = None) -> ShmLayout: ...
+    @overload
+    def new(self, cdecl: Literal["shm_view *"], init: Any = None) -> ShmView: ...
+    @overload
+    def new(self, cdecl: Literal["shm_reclaim_result *"], init: Any = None) -> ShmReclaimResult: ...
+    @overload
+    def new(self, cdecl: Literal["shm_info *"], init: Any = None) -> ShmInfo: ...
+    @overload
+    def new(self, cdecl: Literal["shm_ring *"], init: Any = None) -> ShmRing: ...
+    @overload
+    def new(
+        self, cdecl: Literal["int *", "int64_t *", "uint64_t *", "int32_t *", "uint32_t *"], init: Any = None
+    ) -> IntPointer: ...
+    @overload
+    def new(self, cdecl: str, init: Any = None) -> CData: ...
+    # numpy arrays, bytes, bytearray, mmap: anything with the buffer protocol
+    # (typeshed's Buffer protocol does not list ndarray before Python 3.12).
+    @overload
+    def from_buffer(self, cdecl: str, python_buffer: Any, require_writable: bool = False) -> CData: ...
+    @overload
+    def from_buffer(self, python_buffer: Any, require_writable: bool = False) -> CData: ...
+
+ffi: _NativeFFI
+
+class _Lib:
+    # shmask_core.h: return codes
+    SHM_OK: int
+    SHM_FULL: int
+    SHM_E_TOO_BIG: int
+    SHM_E_BAD_HEADER: int
+    SHM_E_BAD_POSITION: int
+    SHM_E_BAD_RECORD: int
+    SHM_E_STALE: int
+    SHM_E_DOUBLE_RELEASE: int
+    SHM_E_NOT_WRITTEN: int
+    SHM_E_BAD_LENGTHS: int
+    SHM_E_BAD_STATE: int
+    SHM_E_OVERFLOW: int
+    SHM_E_BAD_SLOT: int
+    SHM_E_BAD_LENGTH: int
+    SHM_E_SOURCE_OVERRUN: int
+    SHM_E_MODE: int
+    SHM_E_MIXED_NEEDS_SELECTED: int
+    SHM_E_NO_MEMORY: int
+    SHM_E_TRUNCATED: int
+    SHM_HANDLE_SLOT_BITS: int
+    # shmask_layout.h (through native/build.py's LAYOUT_CDEF)
+    SHM_HEADER_BYTES: int
+    SHM_RECORD_ALIGN: int
+    SHM_RECORD_HEADER_BYTES: int
+    SHM_MIN_CAPACITY: int
+    SHM_LAYOUT_VERSION: int
+    SHM_STATE_FREE: int
+    SHM_STATE_STAGING: int
+    SHM_STATE_WRITTEN: int
+    SHM_STATE_RELEASED: int
+    SHM_STATE_PADDING: int
+    SHM_STATE_EXPIRED: int
+    SHM_STATE_DISCARDED: int
+    SHM_STATE_CORRUPT: int
+    SHM_MODE_SELECTED: int
+    SHM_MODE_SUPPORT: int
+    SHM_COUNTER_PUBLISHED: int
+    SHM_COUNTER_RELEASED: int
+    SHM_COUNTER_EXPIRED: int
+    SHM_COUNTER_PADDING: int
+    SHM_COUNTER_DISCARDED: int
+
+    def shm_record_layout(
+        self, mode: int, rows_capacity: int, nnz_capacity: int, out: ShmLayout, /
+    ) -> int: ...
+    def shm_load_head(self, base: CData, /) -> int: ...
+    def shm_load_tail(self, base: CData, /) -> int: ...
+    def shm_load_counter(self, base: CData, which: int, /) -> int: ...
+    def shm_read_info(self, base: CData, segment_bytes: int, out: ShmInfo, /) -> int: ...
+    def shm_open_record(
+        self, base: CData, mapped_bytes: int, capacity: int, position: int, record_bytes: int,
+        rows: int, nnz: int, mode: int, out: ShmView, /,
+    ) -> int: ...
+    def shm_check_record(self, base: CData, capacity: int, position: int, /) -> int: ...
+    def shm_release(self, base: CData, mapped_bytes: int, capacity: int, position: int, /) -> int: ...
+    def shm_validate_lengths(self, lengths: CData, rows: int, nnz: int, max_row_length: int, /) -> int: ...
+    def shm_ring_init(
+        self, ring: CData, base: CData, mapped_bytes: int, capacity: int, epoch: int, pid: int,
+        start: int, created_ns: int, handle_tag: int, /,
+    ) -> int: ...
+    def shm_ring_free(self, ring: CData, /) -> None: ...
+    def shm_ring_mark_dead(self, ring: CData, /) -> None: ...
+    def shm_queue_open(self, ring: CData, mode: int, initial_rows: int, /) -> int: ...
+    def shm_queue_slot(self, ring: CData, handle: int, /) -> int: ...
+    def shm_queue_close(self, ring: CData, handle: int, /) -> int: ...
+    def shm_queue_abort(self, ring: CData, handle: int, now_ns: int, given_back: IntPointer, /) -> int: ...
+    def shm_append_step(
+        self, ring: CData, handles: CData, batch: int, lengths: CData, ids: CData, logprobs: CData,
+        selected: CData, row_stride: int, ids_len: int, logprobs_len: int, selected_len: int,
+        selected_is_logprobs: int, max_row_length: int, bad_row: IntPointer, /,
+    ) -> int: ...
+    def shm_queue_grow(self, ring: CData, slot: int, allow_ring: int, /) -> int: ...
+    def shm_staging_owner(self, ring: CData, position: int, /) -> int: ...
+    def shm_queue_relocate(self, ring: CData, slot: int, allow_ring: int, /) -> int: ...
+    def shm_take_queues(
+        self, ring: CData, handles: CData, count: int, start: int, now_ns: int, final: int,
+        kind_out: CData, mode_out: CData, position_out: CData, bytes_out: CData, rows_out: CData,
+        nnz_out: CData, /,
+    ) -> int: ...
+    def shm_queue_pack_private(self, ring: CData, slot: int, out: CData, out_len: int, /) -> int: ...
+    def shm_map(self, fd: int, bytes: int, populate: int, errno_out: IntPointer, /) -> CData: ...
+    def shm_unmap(self, address: CData, /) -> None: ...
+    def shm_mapping_truncated(self, address: CData, /) -> int: ...
+    def shm_release_many(
+        self, base: CData, mapped_bytes: int, capacity: int, positions: CData, count: int,
+        results: CData, /,
+    ) -> None: ...
+    def shm_json_nest(
+        self, flat: CData | bytes, flat_len: int, lengths: CData, rows: int, out: CData,
+        out_capacity: int, /,
+    ) -> int: ...
+    def shm_reserve(
+        self, ring: CData, mode: int, rows_capacity: int, nnz_capacity: int, position_out: IntPointer, /
+    ) -> int: ...
+    def shm_publish(
+        self, ring: CData, position: int, mode: int, rows: int, nnz: int, now_ns: int, /
+    ) -> int: ...
+    def shm_reclaim(
+        self, ring: CData, now_ns: int, lease_ns: int, out: ShmReclaimResult, /
+    ) -> int: ...
+    def shm_record_offset(self, ring: CData, position: int, /) -> int: ...
+
+lib: _Lib

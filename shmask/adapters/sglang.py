@@ -1,0 +1,611 @@
+"""shmask under SGLang's sampling-mask types (SGLang 0.5.23,
+``sglang/srt/sampling/sampling_mask.py``).
+
+SGLang's scheduler keeps one ``SamplingMaskRows`` per request
+(``append`` per generated token, ``take`` per emission); the emission carries
+one ``SamplingMaskChunk`` per request in ``output_token_sampling_mask`` of
+``BatchTokenIDOutput`` / ``BatchStrOutput`` (msgspec Structs, sent by msgpack
+or pickle), the detokenizer forwards the list, the multi-tokenizer router
+splits it by index, and the tokenizer manager calls
+``chunk.to_lists(support_logprobs=...)`` and accumulates the lists into
+``meta_info``. This module provides types with the same names, methods and
+semantics whose rows live in a shmask ring:
+
+- ``SamplingMaskRows``: ``append`` / ``view`` / ``take`` as SGLang's, staged
+  per writer and copied into the ring by one ``Writer.append_step`` (a
+  request's rows keep their order); ``append_step`` is the vectorised per-step
+  path a batch result processor calls with its [R, W] host arrays and
+  statuses; ``take_all`` takes a whole emission in one native call.
+- ``SamplingMaskChunk``: a msgspec Struct (``gc=False``: never GC-tracked)
+  holding only the encoded ``ChunkRef`` (~100 bytes). msgspec encodes it
+  natively, so SGLang's enc_hook/ext_hook pass it untouched and its typed
+  decoder rebuilds it; pickle (any protocol) carries only the ref bytes.
+  ``lengths`` / ``token_ids`` / ``logprobs`` open the rows lazily, as numpy
+  views of the ring, through one process-wide ``shmask.Reader``.
+- ``response_meta_info``: the three meta_info fields as ``orjson.Fragment``s
+  (plus the count), byte-identical under orjson to what SGLang builds from
+  its lists, without a Python object per row or value.
+
+Lifetime (the ring record of a chunk): ``to_lists`` builds the lists and then
+releases the record (SGLang calls it once per chunk); ``release()`` gives it
+back without reading (an aborted request whose chunk arrives after its state
+was deleted); a chunk never released is reclaimed by the producer after
+``SHMASK_LEASE_S`` (logged). Views from ``lengths`` / ``token_ids`` /
+``logprobs`` are valid until the release.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import orjson
+
+from ..chunk import Chunk
+from ..errors import ShmaskError
+from ..reader import Reader
+from ..refs import ChunkRef, RefBatch
+from ..writer import RowQueue, Writer
+
+__all__ = [
+    "SamplingMaskChunk",
+    "SamplingMaskJSON",
+    "SamplingMaskRows",
+    "append_step",
+    "configure",
+    "default_reader",
+    "default_writer",
+    "flush",
+    "release_chunk",
+    "response_meta_info",
+    "split_refs",
+    "take_all",
+]
+
+MASK_FIELD = "output_token_sampling_mask"
+LOGPROBS_FIELD = "output_token_sampling_logprobs"
+LENGTH_FIELD = "output_token_sampling_mask_length"
+STATUS_OK = 0  # sglang.srt.layers.logits_processor.SamplingMaskStatus.OK
+
+# -------------------------------------------------------- process-wide ends
+_ends: dict[str, Any] = {"writer": None, "reader": None}
+
+
+def configure(writer: Writer | None = None, reader: Reader | None = None) -> None:
+    """Use this Writer (scheduler) / Reader (tokenizer) instead of the
+    default ones made from SHMASK_* on first use."""
+    if writer is not None:
+        _ends["writer"] = writer
+    if reader is not None:
+        _ends["reader"] = reader
+
+
+def default_writer() -> Writer:
+    """The scheduler process's Writer (one ring per process, i.e. per rank)."""
+    writer = _ends["writer"]
+    if writer is None or writer.closed:
+        writer = _ends["writer"] = Writer()
+    return writer
+
+
+def default_reader() -> Reader:
+    """The process's Reader: tokenizer processes open every chunk through it."""
+    reader = _ends["reader"]
+    if reader is None:
+        reader = _ends["reader"] = Reader()
+    return reader
+
+
+# ---------------------------------------------------------------- the chunk
+_RELEASED = False  # SamplingMaskChunk.rows_ after release
+
+
+class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """One request's sampling masks in one emission, as a shmask reference.
+
+    Used exactly like SGLang's own chunk: ``lengths`` (int32 [rows]),
+    ``token_ids`` (int32, row after row), ``logprobs`` (float32, per entry in
+    support mode, per row in selected mode), ``to_lists(support_logprobs)``.
+    ``gc=False``: the object is never tracked by the cyclic GC, so a batch of
+    chunks adds nothing to GC pauses (it holds bytes and, once opened, a
+    shmask Chunk; neither refers back to it, so no cycle can form).
+    """
+
+    ref: bytes
+    # None: not opened; a shmask Chunk: opened; False: released. Trailing
+    # default, so msgpack (omit_defaults) and pickle (__reduce__) carry only ref.
+    rows_: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SamplingMaskChunk, (self.ref,))
+
+    # ------------------------------------------------------------ views
+    def _open(self) -> Chunk:
+        rows = self.rows_
+        if rows is None:
+            rows = self.rows_ = default_reader().open(ChunkRef.from_bytes(self.ref))
+        elif rows is _RELEASED:
+            raise ShmaskError("sampling-mask chunk was released (to_lists releases it)")
+        return rows
+
+    def open(self) -> Chunk:
+        """The rows as a shmask Chunk (numpy views, valid until release())."""
+        return self._open()
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._open().lengths
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._open().ids
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self._open().logprobs
+
+    @property
+    def support_logprobs(self) -> bool:
+        """True when the rows carry one logprob per support entry."""
+        return ChunkRef.from_bytes(self.ref).mode_name == "support"
+
+    # ------------------------------------------------------- responses
+    def to_lists(self, support_logprobs: bool) -> tuple[list[list[int]], list[Any]]:
+        """(token ids per row, logprobs per row (support) or per token), as
+        SGLang's chunk returns them; then the ring record is released."""
+        rows = self._open()
+        try:
+            _check_mode(rows, support_logprobs)
+            return rows.to_lists()
+        finally:
+            self.release()
+
+    def to_json_parts(self, support_logprobs: bool) -> tuple[bytes, bytes, int]:
+        """(ids rows, logprobs, row count) as the JSON arrays SGLang's lists
+        would be written as, built from the rows; then the record is released."""
+        rows = self._open()
+        try:
+            _check_mode(rows, support_logprobs)
+            return _json_parts(rows)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give the ring record back (opened or not). Idempotent."""
+        rows = self.rows_
+        if rows is _RELEASED:
+            return
+        self.rows_ = _RELEASED
+        if rows is None:
+            default_reader().discard(ChunkRef.from_bytes(self.ref))
+        else:
+            rows.release()
+
+    def __repr__(self) -> str:
+        state = {None: "unread", _RELEASED: "released"}.get(self.rows_, "open")  # type: ignore[arg-type]
+        return f"SamplingMaskChunk({ChunkRef.from_bytes(self.ref)!r}, {state})"
+
+
+def release_chunk(chunk: Any) -> None:
+    """Release a chunk nobody will read (its request's state is gone); None
+    and SGLang's own chunks need nothing."""
+    if isinstance(chunk, SamplingMaskChunk):
+        chunk.release()
+
+
+def _check_mode(rows: Chunk, support_logprobs: bool) -> None:
+    # The request's mode decides how SGLang reads the lists; a mismatch would
+    # silently mis-shape them, so it is an error here.
+    if rows.rows and rows.support_mode != bool(support_logprobs):
+        raise ShmaskError(f"chunk holds {rows.mode_name}-mode rows; the request asked for "
+                          f"support_logprobs={bool(support_logprobs)}")
+
+
+class SamplingMaskArrays(msgspec.Struct, array_like=True, gc=False):
+    """Copies of a queue's rows (what ``SamplingMaskRows.view`` returns)."""
+
+    lengths: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+
+    def to_lists(self, support_logprobs: bool) -> tuple[list[list[int]], list[Any]]:
+        chunk = Chunk(2 if support_logprobs else 1, self.lengths, self.token_ids, self.logprobs,
+                      None)
+        return chunk.to_lists()
+
+
+# ------------------------------------------------------ scheduler: staging
+class _Staging:
+    """Rows appended one at a time (SGLang's per-request ``append``), staged in
+    flat buffers until one ``Writer.append_step`` copies them into the ring.
+
+    Staging keeps SGLang's own commit decisions (only rows it appends are
+    sent) while the ring sees one native call per decode step, not one per
+    row: a second row for a request already staged means a new step began,
+    so the staged step is flushed first (speculative decoding, which appends
+    several rows per request and step, flushes more often; order is kept)."""
+
+    __slots__ = ("writer", "handles", "staged", "lengths", "selected", "ids", "logprobs", "nnz")
+
+    def __init__(self, writer: Writer) -> None:
+        self.writer = writer
+        self.handles: list[int] = []
+        self.staged: set[int] = set()
+        self.lengths: list[int] = []
+        self.selected: list[float] = []
+        self.ids = np.empty(1 << 16, np.int32)
+        self.logprobs = np.empty(1 << 16, np.float32)  # support rows; aligned with ids
+        self.nnz = 0
+
+    def add(self, handle: int, support: bool, token_ids: Any, logprobs: Any) -> None:
+        if handle in self.staged:
+            self.flush()
+        ids = np.asarray(token_ids)
+        n = ids.shape[0]
+        end = self.nnz + n
+        if end > self.ids.size:
+            self._grow(end)
+        self.ids[self.nnz:end] = ids
+        if support:
+            self.logprobs[self.nnz:end] = logprobs
+            self.selected.append(0.0)
+        else:
+            # SGLang hands a selected row's value as a 1-element array.
+            self.selected.append(float(np.asarray(logprobs).reshape(-1)[0]))
+        self.handles.append(handle)
+        self.staged.add(handle)
+        self.lengths.append(n)
+        self.nnz = end
+
+    def _grow(self, end: int) -> None:
+        size = max(end, 2 * self.ids.size)
+        for name in ("ids", "logprobs"):
+            old = getattr(self, name)
+            grown = np.empty(size, old.dtype)
+            grown[:self.nnz] = old[:self.nnz]
+            setattr(self, name, grown)
+
+    def flush(self) -> None:
+        if not self.handles:
+            return
+        nnz = self.nnz
+        handles = np.array(self.handles, np.int64)
+        lengths = np.array(self.lengths, np.int32)
+        selected = np.array(self.selected, np.float32)
+        self.handles, self.lengths, self.selected, self.nnz = [], [], [], 0
+        self.staged.clear()
+        ids, logprobs = self.ids[:nnz], self.logprobs[:nnz]
+        try:
+            self.writer.append_step(handles, lengths, ids, logprobs, selected)
+        except ShmaskError:
+            # append_step is all or nothing: one bad row (too long, a closed
+            # queue) must not cost the other requests theirs. Row by row,
+            # then report the first failure.
+            self._rows_one_by_one(handles, lengths, ids, logprobs, selected)
+
+    def _rows_one_by_one(self, handles: np.ndarray, lengths: np.ndarray, ids: np.ndarray,
+                         logprobs: np.ndarray, selected: np.ndarray) -> None:
+        first_error: ShmaskError | None = None
+        start = 0
+        for i in range(handles.size):
+            stop = start + int(lengths[i])
+            try:
+                self.writer.append_step(handles[i:i + 1], lengths[i:i + 1], ids[start:stop],
+                                        logprobs[start:stop], selected[i:i + 1])
+            except ShmaskError as exc:
+                first_error = first_error or exc
+            start = stop
+        if first_error is not None:
+            raise first_error
+
+
+_staging: weakref.WeakKeyDictionary[Writer, _Staging] = weakref.WeakKeyDictionary()
+
+
+def _staging_of(writer: Writer) -> _Staging:
+    staging = _staging.get(writer)
+    if staging is None:
+        staging = _staging[writer] = _Staging(writer)
+    return staging
+
+
+def flush(writer: Writer | None = None) -> None:
+    """Copy every staged row into the ring now (take, view and append_step do it)."""
+    staging = _staging.get(writer or default_writer())
+    if staging is not None:
+        staging.flush()
+
+
+# -------------------------------------------------------- scheduler: rows
+class SamplingMaskRows:
+    """One request's rows until they are streamed (SGLang's SamplingMaskRows).
+
+    ``mode`` is the request's ``sampling_logprobs_mode`` ("selected", the
+    SGLang default, or "support"). The queue is closed when the object goes
+    (or by ``close()``), dropping rows never taken; ``abort()`` also gives
+    back the chunks it published that no reader has released.
+    """
+
+    __slots__ = ("queue", "support", "writer", "__weakref__")
+
+    def __init__(self, mode: str | None = "selected", writer: Writer | None = None) -> None:
+        self.writer = writer or default_writer()
+        mode = mode or "selected"
+        self.queue: RowQueue = self.writer.open_queue(mode)
+        self.support = mode == "support"
+
+    @property
+    def handle(self) -> int:
+        return int(getattr(self.queue, "handle", self.queue.slot))
+
+    def append(self, token_ids: np.ndarray, logprobs: np.ndarray) -> None:
+        """Queue one token's int32 support and its logprobs (float32 [len] in
+        support mode, one value in selected mode)."""
+        _staging_of(self.writer).add(self.handle, self.support, token_ids, logprobs)
+
+    def view(self) -> SamplingMaskArrays:
+        """The queued rows, left queued (copies: the ring's staging buffer is
+        the producer's, so the rows are published, read back and re-queued)."""
+        chunk = self.take()
+        rows = chunk._open()
+        try:
+            arrays = SamplingMaskArrays(rows.lengths.copy(), rows.ids.copy(), rows.logprobs.copy())
+        finally:
+            chunk.release()
+        if arrays.lengths.size:
+            _requeue(self, arrays)
+        return arrays
+
+    def take(self) -> SamplingMaskChunk:
+        """Hand off the queued rows (published in place), leaving the queue empty."""
+        chunk = take_all([self])[0]  # type: ignore[index]
+        assert chunk is not None
+        return chunk
+
+    def close(self) -> None:
+        """The request ended: drop rows never taken and free the queue."""
+        if not self.queue.closed and not self.writer.closed:
+            flush(self.writer)
+            self.queue.close()
+
+    def abort(self) -> int:
+        """The request was aborted: drop its rows and give back its chunks
+        that no reader released. Returns how many were given back."""
+        if self.queue.closed or self.writer.closed:
+            return 0
+        flush(self.writer)
+        return int(self.queue.abort())
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown or a closed ring: nothing to free
+            pass
+
+    def __repr__(self) -> str:
+        return f"SamplingMaskRows({'support' if self.support else 'selected'}, {self.queue!r})"
+
+
+def _requeue(rows: SamplingMaskRows, arrays: SamplingMaskArrays) -> None:
+    # view() published the rows to read them; put them back in the queue so
+    # that the next take still carries them.
+    count = arrays.lengths.size
+    handles = np.full(count, rows.handle, np.int64)
+    if rows.support:
+        rows.writer.append_step(handles, arrays.lengths, arrays.token_ids, arrays.logprobs)
+    else:
+        rows.writer.append_step(handles, arrays.lengths, arrays.token_ids,
+                                np.zeros(arrays.token_ids.size, np.float32), arrays.logprobs)
+
+
+def take_all(items: Sequence[SamplingMaskRows | None] | None, final: bool = False,
+             writer: Writer | None = None) -> list[SamplingMaskChunk | None] | None:
+    """Take many requests' rows in one native call: one chunk per rows
+    object, None where the item is None (requests without masks); None for
+    None (a batch without masks). This is what an output streamer calls once
+    per emission instead of one take() per request."""
+    if items is None:
+        return None
+    writer = writer or (next((r.writer for r in items if r is not None), None)
+                        or default_writer())
+    flush(writer)
+    present = [i for i, r in enumerate(items) if r is not None]
+    out: list[SamplingMaskChunk | None] = [None] * len(items)
+    if not present:
+        return out
+    queues = [items[i].queue for i in present]  # type: ignore[union-attr]
+    refs = split_refs(writer.take_batch(queues, final))
+    for i, ref in zip(present, refs, strict=True):
+        out[i] = SamplingMaskChunk(ref)
+    return out
+
+
+
+
+def split_refs(batch: RefBatch) -> list[bytes]:
+    """Each entry of a batch as its own one-entry batch (``ChunkRef.to_bytes()``
+    of it): the wire format is refs.py's alone."""
+    return batch.split()
+
+
+def append_step(rows: Sequence[SamplingMaskRows] | np.ndarray, lengths: np.ndarray,
+                token_ids: np.ndarray, selected_logprobs: np.ndarray,
+                support_logprobs: np.ndarray | None = None, statuses: np.ndarray | None = None,
+                support: np.ndarray | None = None, writer: Writer | None = None) -> None:
+    """One decode step for the opted-in requests, one native call.
+
+    The arguments are SGLang's ``SamplingMaskOutput`` on the host: row r of
+    ``token_ids`` [R, W] / ``lengths`` [R] / ``selected_logprobs`` [R] /
+    ``statuses`` [R] belongs to ``rows[r]``; ``support_logprobs`` [S, W] holds
+    the support-mode rows only, in order. ``rows`` may instead be an int64
+    array of queue handles, with ``support`` [R] bool saying which rows are
+    support mode. Rows whose status is not OK are never written (SGLang
+    aborts those requests and never commits the token).
+    """
+    if isinstance(rows, np.ndarray):
+        handles = np.ascontiguousarray(rows, np.int64)
+        is_support = (np.zeros(handles.size, bool) if support is None
+                      else np.asarray(support, bool))
+        writer = writer or default_writer()
+    else:
+        handles = np.fromiter((r.handle for r in rows), np.int64, len(rows))
+        is_support = np.fromiter((r.support for r in rows), bool, len(rows))
+        writer = writer or (rows[0].writer if len(rows) else default_writer())
+    if not handles.size:
+        return
+    flush(writer)  # rows appended one by one before this step come first
+    lengths = np.asarray(lengths)
+    token_ids = np.asarray(token_ids)
+    selected = np.asarray(selected_logprobs, np.float32).reshape(-1)
+    if is_support.any():
+        if support_logprobs is None:
+            raise ShmaskError("support-mode rows need support_logprobs")
+        if is_support.all():
+            logprobs = np.asarray(support_logprobs)
+        else:
+            logprobs = np.zeros(token_ids.shape, np.float32)
+            logprobs[is_support] = support_logprobs
+    else:
+        logprobs = np.zeros(token_ids.shape if token_ids.ndim == 2 else 0, np.float32)
+    if statuses is not None:
+        ok = np.asarray(statuses) == STATUS_OK
+        if not ok.all():
+            handles, lengths, token_ids = handles[ok], lengths[ok], token_ids[ok]
+            selected = selected[ok]
+            logprobs = logprobs[ok] if logprobs.shape[:1] == ok.shape else logprobs
+            if not handles.size:
+                return
+    writer.append_step(handles, lengths, token_ids, logprobs, selected)
+
+
+# --------------------------------------------------------- tokenizer: JSON
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _json_parts(rows: Chunk) -> tuple[bytes, bytes, int]:
+    """(ids rows, logprobs, row count) as JSON arrays, e.g. b"[[1,2],[3]]" and
+    b"[[-0.5,-1.25],[-2.0]]" (support) or b"[-0.5,-2.0]" (selected).
+
+    orjson writes straight from the numpy rows: float32 widened to float64,
+    so each number is written exactly as orjson writes ``float()`` of the
+    float32, the value SGLang's ``tolist()`` lists hold. Rows of one length
+    (the common case) go as one 2-D array; others as one view per row."""
+    count = rows.rows
+    if not count:
+        return b"[]", b"[]", 0
+    lengths, ids = rows.lengths, rows.ids
+    logprobs = rows.logprobs.astype(np.float64)
+    width = int(lengths[0])
+    if width and ids.size == width * count and not (lengths - width).any():
+        ids_json = orjson.dumps(ids.reshape(count, width), option=_NUMPY)
+        nested = logprobs.reshape(count, width) if rows.support_mode else None
+    else:
+        bounds = rows.offsets.tolist()
+        spans = list(zip(bounds, bounds[1:], strict=False))
+        ids_json = orjson.dumps([ids[a:b] for a, b in spans], option=_NUMPY)
+        nested = [logprobs[a:b] for a, b in spans] if rows.support_mode else None
+    logprobs_json = orjson.dumps(logprobs if nested is None else nested, option=_NUMPY)
+    rows.check()  # the record was not reclaimed while we read it
+    return ids_json, logprobs_json, count
+
+
+class SamplingMaskJSON:
+    """A request's accumulated sampling masks as JSON pieces (the tokenizer
+    manager's ``state.output_token_sampling_mask`` / ``_logprobs`` lists,
+    without the lists). ``extend(chunk)`` per emission releases the chunk at
+    once, so no ring record is held for the life of a request."""
+
+    __slots__ = ("support", "_ids", "_logprobs", "_rows", "_total")
+
+    def __init__(self, support_logprobs: bool) -> None:
+        self.support = bool(support_logprobs)
+        self._ids: list[bytes] = []  # one JSON array per emission, as written
+        self._logprobs: list[bytes] = []
+        self._rows: list[int] = []
+        self._total = 0
+
+    def extend(self, chunk: SamplingMaskChunk | Chunk) -> None:
+        if isinstance(chunk, SamplingMaskChunk):
+            ids, logprobs, count = chunk.to_json_parts(self.support)
+        else:
+            _check_mode(chunk, self.support)
+            ids, logprobs, count = _json_parts(chunk)
+        if count:
+            # Kept as written (with brackets); joined through memoryviews
+            # without them, so the bytes are copied once, into the response.
+            self._ids.append(ids)
+            self._logprobs.append(logprobs)
+            self._rows.append(count)
+            self._total += count
+
+    def __len__(self) -> int:
+        return self._total
+
+    def fields(self, start: int = 0) -> dict[str, Any]:
+        """The three meta_info fields for rows [start:] (``start`` is the
+        incremental-streaming offset SGLang slices with); the length field is
+        the total, as SGLang's is."""
+        ids, logprobs = self._from(start)
+        return {MASK_FIELD: orjson.Fragment(ids), LOGPROBS_FIELD: orjson.Fragment(logprobs),
+                LENGTH_FIELD: self._total}
+
+    def _from(self, start: int) -> tuple[bytes, bytes]:
+        start = min(max(start, 0), self._total)
+        piece, skip = 0, start
+        while piece < len(self._rows) and skip >= self._rows[piece]:
+            skip -= self._rows[piece]
+            piece += 1
+        ids, logprobs = self._ids[piece:], self._logprobs[piece:]
+        if len(ids) == 1 and not skip:
+            return ids[0], logprobs[0]  # one emission: its arrays are the fields
+        ids = [memoryview(p)[1:-1] for p in ids]  # contents, without the brackets
+        logprobs = [memoryview(p)[1:-1] for p in logprobs]
+        if skip:  # an offset inside one emission's rows: cut that piece at the row
+            ids[0] = _drop_rows(ids[0], skip, nested=True)
+            logprobs[0] = _drop_rows(logprobs[0], skip, nested=self.support)
+        return _array(ids), _array(logprobs)
+
+
+def _array(pieces: list[memoryview]) -> bytes:
+    # One copy of every piece, straight into the response bytes.
+    parts: list[bytes | memoryview] = [b"["]
+    for piece in pieces:
+        parts += (piece, b",")
+    parts[-1] = b"]" if pieces else b"[]"
+    return b"".join(parts)
+
+
+def _drop_rows(piece: memoryview, count: int, nested: bool) -> memoryview:
+    # Rows of a nested piece end at "]" (rows hold only numbers); a flat
+    # piece's values are separated by ",". Either way the row boundaries are
+    # found with one vectorised scan.
+    marks = np.flatnonzero(np.frombuffer(piece, np.uint8) == (ord("]") if nested else ord(",")))
+    cut = int(marks[count - 1]) + (2 if nested else 1)  # past "]," or ","
+    return piece[cut:]
+
+
+def response_meta_info(source: SamplingMaskJSON | SamplingMaskChunk | Chunk
+                       | Iterable[SamplingMaskChunk | Chunk], *, start: int = 0,
+                       support_logprobs: bool | None = None) -> dict[str, Any]:
+    """The three sampling-mask fields of a response's meta_info:
+    ``output_token_sampling_mask`` and ``output_token_sampling_logprobs`` as
+    ``orjson.Fragment``s and ``output_token_sampling_mask_length`` (an int),
+    in SGLang's key order, so that ``orjson.dumps`` of the meta_info is
+    byte-identical to SGLang's from its lists.
+
+    ``source`` is a request's ``SamplingMaskJSON`` (streaming: extend it per
+    emission, call this per response; ``start`` is SGLang's incremental
+    offset), or its chunk(s) (whole response; they are released), which then
+    needs ``support_logprobs``."""
+    if not isinstance(source, SamplingMaskJSON):
+        if support_logprobs is None:
+            raise TypeError("response_meta_info(chunks) needs support_logprobs=")
+        accumulated = SamplingMaskJSON(support_logprobs)
+        chunks = [source] if isinstance(source, SamplingMaskChunk | Chunk) else source
+        for chunk in chunks:
+            accumulated.extend(chunk)
+        source = accumulated
+    return source.fields(start)

@@ -1,0 +1,353 @@
+"""shmask inside vLLM (0.33): sampling masks through shared memory, references
+through vLLM's own msgpack IPC, with its default (secure) settings.
+
+vLLM's engine core sends each request's mask for a step as
+`EngineCoreOutput.new_sampling_mask: SamplingMaskLists` (CSR token ids: a
+flat `token_ids` array, `offsets` when the step has several positions), and
+the frontend's output processor turns the masks it collected into
+`SamplingMask(token_ids=[... to_nested_list() ...])`.
+
+With this adapter the scheduler writes the step's rows once into a shmask
+ring (`publish_step`: one native append and one native take for the whole
+batch) and each request's `new_sampling_mask` carries only its reference:
+
+    SamplingMaskLists(token_ids=<uint8 array: the ChunkRef bytes>,
+                      offsets=None,
+                      cu_num_generated_tokens=None, or [0, n] when the
+                      scheduler kept n < the chunk's rows)
+
+A uint8 ndarray is a type vLLM's MsgpackEncoder serialises natively (dtype
+string, shape, raw bytes; below VLLM_MSGPACK_ZERO_COPY_THRESHOLD it rides
+inside the message), so the reference passes its encoder and decoder with
+VLLM_ALLOW_INSECURE_SERIALIZATION unset, and no field of vLLM's structs
+changes. Real token ids are never uint8 (every vocabulary is larger than
+256), so the dtype tells a reference from a mask, and the bytes must still
+parse as a shmask reference batch of one.
+
+The frontend calls `resolve_outputs` on each message's outputs before vLLM
+looks at their masks: it opens the chunk, copies the kept rows into a plain
+SamplingMaskLists (exactly what vLLM's own `slice_request` would have sent)
+and releases the ring record at once. The copy is deliberate: vLLM keeps a
+request's masks until its next delta or its end, which can outlive a lease,
+and a released record lets the ring recycle on the next step.
+
+docs/integrations/vllm.md has the patch that wires both calls into vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..config import Config
+from ..errors import InvalidRefError, InvalidRowsError
+from ..reader import Reader
+from ..refs import ENTRY_DTYPE, KIND_INLINE, KIND_SHM, ChunkRef, RefBatch
+from ..writer import RowQueue, Writer
+
+REF_DTYPE = np.dtype(np.uint8)
+# vLLM masks can be far wider than a top-k support (temperature-only sampling
+# keeps the whole vocabulary), so unless SHMASK_MAX_TOKENS says otherwise the
+# adapter accepts rows up to 2**18 ids, above every released vocabulary.
+VLLM_MAX_TOKENS = 1 << 18
+# vLLM emits every step: a queue holds one row, or k + 1 with speculative
+# decoding, so a fresh buffer sized for 64 rows would waste ring space.
+VLLM_QUEUE_ROWS = 4
+_ENTRY_BYTES = ENTRY_DTYPE.itemsize
+
+
+class _MaskLists(NamedTuple):
+    """Field-for-field stand-in for vllm.v1.outputs.SamplingMaskLists, used
+    only where vLLM is not installed (the CPU tests of this adapter)."""
+
+    token_ids: np.ndarray
+    offsets: np.ndarray | None = None
+    cu_num_generated_tokens: list[int] | None = None
+
+    def to_nested_list(self) -> list[list[int]]:
+        ids = self.token_ids.tolist()
+        if self.offsets is None:
+            return [ids]
+        bounds = self.offsets.tolist()
+        return [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def mask_type() -> type:
+    """vLLM's SamplingMaskLists when vLLM is importable, else the stand-in."""
+    try:
+        from vllm.v1.outputs import SamplingMaskLists
+    except ImportError:
+        return _MaskLists
+    return SamplingMaskLists
+
+
+def adapter_config(environ: dict[str, str] | None = None) -> Config:
+    """Config.from_env with vLLM's defaults for the settings left unset."""
+    env = os.environ if environ is None else environ
+    overrides: dict[str, Any] = {}
+    if "SHMASK_MAX_TOKENS" not in env:
+        overrides["max_tokens"] = VLLM_MAX_TOKENS
+    if "SHMASK_QUEUE_ROWS" not in env:
+        overrides["queue_rows"] = VLLM_QUEUE_ROWS
+    return Config.from_env(env, **overrides)
+
+
+def is_ref(mask: Any) -> bool:
+    """True if `mask` (a SamplingMaskLists) carries a shmask reference."""
+    token_ids = getattr(mask, "token_ids", None)
+    return isinstance(token_ids, np.ndarray) and token_ids.dtype == REF_DTYPE
+
+
+# ------------------------------------------------------------- producer
+
+class MaskPublisher:
+    """The engine core's side (the scheduler process): one per process.
+
+    Requests map to a pool of RowQueues by their index in the step's batch;
+    every queue is taken every step, so a queue is empty again before the
+    next step hands it to whichever request sits at that index.
+    """
+
+    def __init__(self, writer: Writer | None = None, mask_lists: type | None = None) -> None:
+        self.writer = writer if writer is not None else Writer(adapter_config())
+        self._own_writer = writer is None
+        self._mask_lists = mask_lists or mask_type()
+        # Unclaimed chunks (requests the scheduler did not emit this step)
+        # are given back through a reader, as a frontend would.
+        self._reader = Reader(self.writer.config)
+        self._queues: list[RowQueue] = []
+        self._handles = np.zeros(0, np.int64)
+        self._zeros = np.zeros(0, np.float32)
+        self._last: StepMasks | None = None
+
+    def publish_step(self, masks: Any) -> StepMasks | None:
+        """Write one step's masks (vLLM's batch SamplingMaskLists) into the
+        ring. The result answers `slice_request(req_index, num_positions)`
+        like the SamplingMaskLists it replaces. None passes through."""
+        self.finish_step()
+        if masks is None:
+            return None
+        token_ids = np.asarray(masks.token_ids)
+        if masks.offsets is None:  # one position of one request
+            offsets = np.array([0, token_ids.size], np.int64)
+        else:
+            offsets = np.asarray(masks.offsets, np.int64)
+        rows = offsets.size - 1
+        cu = masks.cu_num_generated_tokens
+        if cu is None:
+            rows_per_request: np.ndarray = np.ones(rows, np.int64)
+        else:
+            rows_per_request = np.diff(np.asarray(cu, np.int64))
+            if rows_per_request.sum() != rows or np.any(rows_per_request < 0):
+                raise InvalidRowsError(f"cu_num_generated_tokens {cu} does not cover {rows} rows")
+        requests = rows_per_request.size
+        self._grow(requests, rows)
+        handles = self._handles[:requests]
+        if rows:
+            row_handles = handles if cu is None else np.repeat(handles, rows_per_request)
+            # vLLM masks have no values: selected mode with a zero per row
+            # costs 4 bytes a row and keeps the ring's record format.
+            self.writer.append_step(row_handles, np.diff(offsets).astype(np.int32),
+                                    token_ids[offsets[0]:offsets[-1]], self._zeros[:rows])
+        batch = self.writer.take_batch(handles)
+        self._last = StepMasks(batch, rows_per_request, self._mask_lists)
+        return self._last
+
+    def finish_step(self) -> int:
+        """Give back the last step's chunks that no request claimed (called by
+        the next publish_step and by close). Returns how many."""
+        last, self._last = self._last, None
+        return last._discard_unclaimed(self._reader) if last is not None else 0
+
+    def close(self) -> None:
+        self.finish_step()
+        self._reader.close()
+        for queue in self._queues:
+            queue.close()
+        self._queues.clear()
+        if self._own_writer:
+            self.writer.close()
+
+    def _grow(self, requests: int, rows: int) -> None:
+        while len(self._queues) < requests:
+            self._queues.append(self.writer.open_queue("selected"))
+        if self._handles.size < requests:
+            self._handles = np.array([q.handle for q in self._queues], np.int64)
+        if self._zeros.size < rows:
+            self._zeros = np.zeros(max(rows, 2 * self._zeros.size), np.float32)
+
+
+class StepMasks:
+    """One step's masks in the ring; what the scheduler slices per request."""
+
+    __slots__ = ("batch", "_rows", "_kinds", "_claimed", "_prefix", "_entries", "_mask_lists")
+
+    def __init__(self, batch: RefBatch, rows_per_request: np.ndarray, mask_lists: type) -> None:
+        self.batch = batch
+        self._rows = rows_per_request.tolist()
+        entries = batch.entries
+        self._kinds = entries["kind"].tolist()
+        self._claimed = np.zeros(len(batch), bool)
+        self._mask_lists = mask_lists
+        # A request's reference is a batch of one: the batch's header (one
+        # entry, no inline bytes) and segment table, then its 40-byte entry.
+        # Build that prefix once with the core's own builder, so each request
+        # costs one bytes concatenation instead of a RefBatch round trip.
+        self._entries = entries.tobytes()
+        ring = np.flatnonzero(entries["kind"] == KIND_SHM)
+        self._prefix = b""
+        if ring.size:
+            one = batch.select(ring[:1]).to_bytes()
+            self._prefix = one[:-_ENTRY_BYTES]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def slice_request(self, req_idx: int, num_positions: int) -> Any:
+        """Request `req_idx`'s mask for its first `num_positions` positions,
+        as a SamplingMaskLists carrying the chunk's reference."""
+        if not 0 <= req_idx < len(self._rows):
+            raise IndexError(f"request index {req_idx} outside this step's {len(self._rows)}")
+        rows = self._rows[req_idx]
+        if not 0 < num_positions <= rows:
+            raise InvalidRowsError(
+                f"request {req_idx} has {rows} mask rows this step; asked for {num_positions}")
+        if self._claimed[req_idx]:
+            # Two references to one chunk would release it twice.
+            raise InvalidRowsError(f"request {req_idx}'s mask was sliced already this step")
+        self._claimed[req_idx] = True
+        if self._kinds[req_idx] == KIND_SHM:
+            start = req_idx * _ENTRY_BYTES
+            data = self._prefix + self._entries[start:start + _ENTRY_BYTES]
+        else:  # inline (the ring was full): the payload rides in the reference
+            data = self.batch[req_idx].to_bytes()
+        kept = None if num_positions == rows else [0, num_positions]
+        return self._mask_lists(np.frombuffer(data, REF_DTYPE), None, kept)
+
+    def _discard_unclaimed(self, reader: Reader) -> int:
+        kinds = np.asarray(self._kinds, np.uint8)
+        unclaimed = np.flatnonzero(~self._claimed & (kinds == KIND_SHM))
+        if unclaimed.size == 0:
+            return 0
+        return reader.discard_batch(self.batch.select(unclaimed))
+
+
+# ------------------------------------------------------------- consumer
+
+class MaskResolver:
+    """The frontend's side (the output processor's process)."""
+
+    def __init__(self, reader: Reader | None = None, mask_lists: type | None = None) -> None:
+        self.reader = reader if reader is not None else Reader(adapter_config())
+        self._mask_lists = mask_lists or mask_type()
+
+    def resolve(self, mask: Any) -> Any:
+        """The SamplingMaskLists vLLM would have sent: token ids copied out of
+        the ring (int32), offsets when there are several positions. A mask
+        that is not a reference (or None) is returned as it is."""
+        if not is_ref(mask):
+            return mask
+        return self._resolve(ChunkRef.from_bytes(_ref_bytes(mask)), mask.cu_num_generated_tokens)
+
+    def resolve_output(self, output: Any) -> None:
+        """Resolve `output.new_sampling_mask` in place (an EngineCoreOutput)."""
+        if is_ref(output.new_sampling_mask):
+            output.new_sampling_mask = self.resolve(output.new_sampling_mask)
+
+    def resolve_outputs(self, outputs: Sequence[Any]) -> None:
+        """resolve_output for every EngineCoreOutput of one message, parsing
+        the references of one producer as one batch.
+
+        Each reference is a batch of one, and validating a batch costs the
+        same for one entry as for hundreds (measured: 17 us of the ~27 us a
+        lone resolve takes). References that share the leader's header and
+        segment table differ only in their 40-byte entry, so their entries
+        are joined and validated once by RefBatch.build; any other reference
+        (inline, another engine's ring) is resolved on its own."""
+        pending = [o for o in outputs if is_ref(o.new_sampling_mask)]
+        if not pending:
+            return
+        datas = [_ref_bytes(o.new_sampling_mask) for o in pending]
+        leader = RefBatch.from_bytes(datas[0])
+        prefix = datas[0][:-_ENTRY_BYTES]
+        # Only a canonical batch of one ring entry (no inline area) has its
+        # entry as its last 40 bytes: rebuild the leader to make sure.
+        canonical = (len(leader) == 1 and leader.entries["kind"][0] == KIND_SHM
+                     and RefBatch.build(leader.segments, leader.entries).to_bytes() == datas[0])
+        grouped: list[int] = []
+        for i, data in enumerate(datas):
+            if canonical and len(data) == len(datas[0]) and data[:-_ENTRY_BYTES] == prefix:
+                grouped.append(i)
+            else:
+                output = pending[i]
+                output.new_sampling_mask = self._resolve(
+                    ChunkRef.from_bytes(data), output.new_sampling_mask.cu_num_generated_tokens)
+        if not grouped:
+            return
+        entries = np.frombuffer(b"".join(datas[i][-_ENTRY_BYTES:] for i in grouped), ENTRY_DTYPE)
+        batch = RefBatch.build(leader.segments, entries)
+        for i, ref in zip(grouped, batch, strict=True):
+            output = pending[i]
+            output.new_sampling_mask = self._resolve(
+                ref, output.new_sampling_mask.cu_num_generated_tokens)
+
+    def _resolve(self, ref: ChunkRef, kept: Sequence[int] | None) -> Any:
+        if ref.kind not in (KIND_SHM, KIND_INLINE):
+            raise InvalidRefError(f"{ref!r} carries no rows")
+        with self.reader.open(ref) as chunk:
+            positions = chunk.rows if kept is None else _kept_positions(kept)
+            if not 0 < positions <= chunk.rows:
+                raise InvalidRefError(f"mask reference keeps {positions} of {chunk.rows} rows")
+            offsets = chunk.offsets
+            token_ids = chunk.ids[:int(offsets[positions])].copy()
+            out_offsets = None if positions == 1 else offsets[:positions + 1].copy()
+            chunk.check()  # the copy is good only if the record was not reclaimed under it
+        return self._mask_lists(token_ids, out_offsets)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _ref_bytes(mask: Any) -> bytes:
+    token_ids = mask.token_ids
+    if token_ids.ndim != 1:
+        raise InvalidRefError(f"a mask reference is 1-D, got shape {token_ids.shape}")
+    return token_ids.tobytes()
+
+
+def _kept_positions(kept: Sequence[int]) -> int:
+    if len(kept) != 2 or kept[0] != 0:
+        raise InvalidRefError(f"mask reference cu_num_generated_tokens {kept!r}: expected [0, n]")
+    return int(kept[1])
+
+
+# ------------------------------------------------ process-wide entry points
+# What the vLLM patch calls: one publisher per engine-core process, one
+# resolver per frontend process, created on first use.
+_publisher: MaskPublisher | None = None
+_resolver: MaskResolver | None = None
+
+
+def publish_step(masks: Any) -> StepMasks | None:
+    """Engine core: this step's masks into the ring (None passes through)."""
+    global _publisher
+    if masks is None and _publisher is None:
+        return None
+    if _publisher is None:
+        _publisher = MaskPublisher()
+    return _publisher.publish_step(masks)
+
+
+def resolve_outputs(outputs: Sequence[Any]) -> None:
+    """Frontend: replace every reference in the outputs' `new_sampling_mask`
+    by the mask it stands for (EngineCoreOutputs.outputs, before vLLM reads
+    them)."""
+    global _resolver
+    if _resolver is None:
+        if not any(is_ref(o.new_sampling_mask) for o in outputs):
+            return  # shmask off on the engine side: create nothing here
+        _resolver = MaskResolver()
+    _resolver.resolve_outputs(outputs)

@@ -1,0 +1,428 @@
+"""shmask.adapters.sglang against the released SGLang 0.5.23 modules.
+
+At import this module applies docs/integrations/sglang.patch to a copy of
+the installed package (a symlink tree; only the patched files are real
+copies) and imports SGLang from that copy, so every test here runs against
+the code a maintainer would ship. SGLang's *released* chunk and rows classes
+(which the patch rebinds) are loaded straight from the installed
+sampling_mask.py, which imports nothing of SGLang.
+
+Rows go through a real shmask Writer/Reader over real shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib.util
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec.inspect as mi
+import numpy as np
+import orjson
+import pytest
+import torch
+
+import shmask
+from shmask.adapters import sglang as adapter
+
+REPO = Path(__file__).resolve().parents[2]
+PATCH = REPO / "docs" / "integrations" / "sglang.patch"
+SITE = Path(importlib.util.find_spec("sglang").origin).parents[1]  # site-packages, not imported
+PATCHED_FILES = re.findall(r"^\+\+\+ b/(\S+)", PATCH.read_text(), re.MULTILINE)
+
+
+def _patched_copy() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="shmask-sglang-"))
+    subprocess.run(["cp", "-rs", str(SITE / "sglang"), str(root / "sglang")], check=True)
+    for name in PATCHED_FILES:  # real files, so patching never writes through a link
+        (root / name).unlink()
+        shutil.copy(SITE / name, root / name)
+    subprocess.run(["patch", "-s", "-p1", "-d", str(root), "-i", str(PATCH)], check=True)
+    return root
+
+
+# Import SGLang from the patched copy (nothing in tests/compat imports sglang
+# before this module; drop it anyway so the patched files are the ones used).
+for _name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+    del sys.modules[_name]
+PATCHED_ROOT = _patched_copy()
+sys.path.insert(0, str(PATCHED_ROOT))
+
+from sglang.srt.managers import io_struct, multi_tokenizer_mixin, tokenizer_manager  # noqa: E402
+from sglang.srt.managers.scheduler_components import output_streamer  # noqa: E402
+from sglang.srt.managers.scheduler_components.batch_result_processor import (  # noqa: E402
+    SchedulerBatchResultProcessor,
+)
+from sglang.srt.sampling import sampling_mask  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "sglang_released_sampling_mask", SITE / "sglang/srt/sampling/sampling_mask.py")
+released = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(released)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_patched_copy():
+    yield
+    shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def ends(writer, reader, monkeypatch):
+    monkeypatch.setitem(adapter._ends, "writer", writer)
+    monkeypatch.setitem(adapter._ends, "reader", reader)
+    return writer, reader
+
+
+# ------------------------------------------------------------------ patch
+def test_patch_applies_to_the_installed_package_and_stays_small():
+    done = subprocess.run(["patch", "--dry-run", "-p1", "-d", str(SITE), "-i", str(PATCH)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FAILED" not in done.stdout and "fuzz" not in done.stdout.lower(), done.stdout
+    changed = [line for line in PATCH.read_text().splitlines()
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) < 30, len(changed)
+
+
+def test_patched_modules_are_the_ones_imported_and_use_the_adapter():
+    for module in (io_struct, output_streamer, tokenizer_manager, sampling_mask):
+        assert str(PATCHED_ROOT) in module.__file__
+    assert sampling_mask.SamplingMaskChunk is adapter.SamplingMaskChunk
+    assert sampling_mask.SamplingMaskRows is adapter.SamplingMaskRows
+    assert io_struct.SamplingMaskChunk is adapter.SamplingMaskChunk
+    assert output_streamer.take_all is adapter.take_all
+    # Released classes are still SGLang's own (the comparison below needs them).
+    assert released.SamplingMaskChunk is not adapter.SamplingMaskChunk
+
+
+# ------------------------------------------------------- one seeded stream
+B, W, STEPS, EMISSIONS = 6, 9, 4, 3
+MODES = ["selected", None, "support", "support", "selected", "support"]  # None: no masks
+
+
+def _sampler_output(rng, step: int):
+    """A SamplingMaskOutput as the sampler hands it over (torch tensors), for
+    the opted-in requests: supports with distinct ids that hold the sampled
+    token, as test_sampling_mask.py requires of real responses."""
+    opted = [i for i, m in enumerate(MODES) if m is not None]
+    n = len(opted)
+    lengths = rng.integers(0, W + 1, n)
+    lengths[0] = W  # a full-width row (ties past top_k keep rows long)
+    token_ids = np.zeros((n, W), np.int32)
+    for r in range(n):
+        token_ids[r, :lengths[r]] = rng.choice(151_936, lengths[r], replace=False)
+    support_rows = [r for r, i in enumerate(opted) if MODES[i] == "support"]
+    support = (rng.standard_normal((len(support_rows), W)) - 3).astype(np.float32)
+    if step == 1:
+        support[0, :3] = [-np.inf, np.float32(1e-45), -0.0]  # floats JSON writes specially
+    statuses = np.zeros(n, np.int64)
+    if step == 2:
+        statuses[1] = 1  # OVERFLOW: SGLang aborts this request's token; no row
+    return SimpleNamespace(
+        token_ids=torch.from_numpy(token_ids), lengths=torch.from_numpy(lengths),
+        selected_logprobs=torch.from_numpy((rng.standard_normal(n) - 1).astype(np.float32)),
+        support_logprobs=torch.from_numpy(support), statuses=torch.from_numpy(statuses),
+        num_accept_tokens=None)
+
+
+def _run_stream(seed: int, rows_factory):
+    """Steps through SGLang's real batch result processor (materialize, then
+    add_sampling_mask_return_values for committed rows, as its decode loop
+    does); one take per request and emission. Returns chunks per emission."""
+    rng = np.random.default_rng(seed)
+    reqs = [SimpleNamespace(return_sampling_mask=m is not None, sampling_logprobs_mode=m,
+                            sampling_mask_rows=rows_factory(m) if m else None,
+                            output_ids=[], finished_len=None) for m in MODES]
+    processor = SchedulerBatchResultProcessor.__new__(SchedulerBatchResultProcessor)
+    emissions = []
+    for _ in range(EMISSIONS):
+        for step in range(STEPS):
+            host = SimpleNamespace(sampling_mask_output=_sampler_output(rng, step))
+            SchedulerBatchResultProcessor.materialize_sampling_mask_output(reqs, host)
+            for i, req in enumerate(reqs):
+                if req.return_sampling_mask and host.next_token_sampling_mask_status[i] == 0:
+                    processor.add_sampling_mask_return_values(i, req, host)
+        emissions.append([req.sampling_mask_rows for req in reqs])
+        if rows_factory is adapter.SamplingMaskRows:
+            emissions[-1] = adapter.take_all(emissions[-1])  # what the patched streamer does
+        else:
+            emissions[-1] = [r.take() if r is not None else None for r in emissions[-1]]
+    return emissions
+
+
+def _released_rows(mode):
+    return released.SamplingMaskRows()
+
+
+def test_to_lists_byte_identical_to_sglang_chunks():
+    ours, theirs = _run_stream(11, adapter.SamplingMaskRows), _run_stream(11, _released_rows)
+    rows_seen = 0
+    for ours_batch, theirs_batch in zip(ours, theirs, strict=True):
+        for mode, mine, sglang_chunk in zip(MODES, ours_batch, theirs_batch, strict=True):
+            if mode is None:
+                assert mine is None and sglang_chunk is None
+                continue
+            np.testing.assert_array_equal(mine.lengths, sglang_chunk.lengths)
+            np.testing.assert_array_equal(mine.token_ids, sglang_chunk.token_ids)
+            np.testing.assert_array_equal(mine.logprobs.view(np.uint32),
+                                          sglang_chunk.logprobs.view(np.uint32))
+            expected = sglang_chunk.to_lists(support_logprobs=mode == "support")
+            got = mine.to_lists(support_logprobs=mode == "support")
+            assert got == expected
+            assert orjson.dumps(got) == orjson.dumps(expected)
+            rows_seen += len(got[0])
+    assert rows_seen > 50
+
+
+def new_state():
+    return tokenizer_manager.ReqState(out_list=[], finished=False, event=None, obj=None,
+                                      time_stats=None)
+
+
+def _sglang_meta(state, chunk, support, kind, rid="r"):
+    """meta_info as TokenizerManager._handle_batch_output builds it for one
+    emission (its ReqState lists, extend, len) and, for incremental
+    streaming, its real _slice_streaming_output_meta_info."""
+    meta = {"id": rid, "finish_reason": None, "prompt_tokens": 5}
+    masks, logprobs = chunk.to_lists(support_logprobs=support)
+    state.output_token_sampling_mask.extend(masks)
+    state.output_token_sampling_logprobs.extend(logprobs)
+    meta["output_token_sampling_mask"] = state.output_token_sampling_mask
+    meta["output_token_sampling_logprobs"] = state.output_token_sampling_logprobs
+    meta["output_token_sampling_mask_length"] = len(state.output_token_sampling_mask)
+    meta["completion_tokens"] = len(state.output_token_sampling_mask)
+    if kind == "incremental":
+        tokenizer_manager._slice_streaming_output_meta_info(meta, state.last_output_offset)
+        state.last_output_offset = len(state.output_token_sampling_mask)
+    return meta
+
+
+@pytest.mark.parametrize("kind", ["non-streaming", "streaming", "incremental"])
+def test_meta_info_orjson_byte_identical(kind):
+    ours, theirs = _run_stream(12, adapter.SamplingMaskRows), _run_stream(12, _released_rows)
+    for i, mode in enumerate(MODES):
+        if mode is None:
+            continue
+        support = mode == "support"
+        state = new_state()
+        accumulated = adapter.SamplingMaskJSON(support)
+        offset = 0
+        for e in range(EMISSIONS):
+            expected = orjson.dumps(_sglang_meta(state, theirs[e][i], support, kind))
+            meta = {"id": "r", "finish_reason": None, "prompt_tokens": 5}
+            accumulated.extend(ours[e][i])
+            meta.update(adapter.response_meta_info(
+                accumulated, start=offset if kind == "incremental" else 0))
+            meta["completion_tokens"] = len(accumulated)
+            offset = len(accumulated)
+            if kind != "non-streaming" or e == EMISSIONS - 1:  # non-streaming: only the end
+                assert orjson.dumps(meta) == expected, (kind, mode, e)
+        # test_sampling_mask.py: the count equals the tokens, one support per token
+        assert json_len(orjson.dumps(meta)) == len(accumulated) == len(
+            state.output_token_sampling_mask)
+
+
+def json_len(data: bytes) -> int:
+    return orjson.loads(data)["output_token_sampling_mask_length"]
+
+
+def test_coalesced_incremental_chunks_match():
+    """Two queued incremental outputs coalesced by SGLang's own helper equal
+    one response built from the offset of the first."""
+    ours, theirs = _run_stream(13, adapter.SamplingMaskRows), _run_stream(13, _released_rows)
+    i, support = 2, True
+    state = new_state()
+    outs = [{"meta_info": _sglang_meta(state, theirs[e][i], support, "incremental")}
+            for e in range(EMISSIONS)]
+    coalesced = tokenizer_manager.TokenizerManager._coalesce_streaming_chunks(
+        None, outs[1:], "r", set())
+    accumulated = adapter.SamplingMaskJSON(support)
+    accumulated.extend(ours[0][i])
+    start = len(accumulated)
+    for e in range(1, EMISSIONS):
+        accumulated.extend(ours[e][i])
+    meta = {"id": "r", "finish_reason": None, "prompt_tokens": 5,
+            **adapter.response_meta_info(accumulated, start=start),
+            "completion_tokens": len(accumulated)}
+    assert orjson.dumps(meta) == orjson.dumps(coalesced["meta_info"])
+
+
+# ------------------------------------------------------------- IPC structs
+def _filler(t, count: int):
+    if isinstance(t, mi.UnionType) and any(isinstance(x, mi.NoneType) for x in t.types):
+        return None
+    if isinstance(t, mi.ListType):
+        return [_filler(t.item_type, 1) for _ in range(count)]
+    if isinstance(t, mi.StrType):
+        return "x"
+    if isinstance(t, mi.IntType):
+        return 3
+    if isinstance(t, mi.BoolType):
+        return False
+    if isinstance(t, mi.CustomType) and t.cls is array:
+        return array("i", [1, 2])
+    if isinstance(t, mi.DictType):
+        return {}
+    raise AssertionError(f"no filler for {t}")
+
+
+def _batch(cls, rids, masks):
+    values = {f.name: _filler(f.type, len(rids)) for f in mi.type_info(cls).fields if f.required}
+    values.update(rids=rids, output_token_sampling_mask=masks)
+    if "output_ids" in values:
+        values["output_ids"] = [array("i", [i]) for i in range(len(rids))]
+    return cls(**values)
+
+
+def _emission(rng, modes):
+    rows = [adapter.SamplingMaskRows(m) if m else None for m in modes]
+    expected = []
+    for r in rows:
+        masks, values = [], []
+        for _ in range(3):
+            if r is None:
+                continue
+            n = int(rng.integers(1, 8))
+            ids = rng.choice(1000, n, replace=False).astype(np.int32)
+            lp = (rng.standard_normal(n if r.support else 1) - 2).astype(np.float32)
+            r.append(ids, lp)
+            masks.append(ids.tolist())
+            values.append(lp.tolist() if r.support else lp.tolist()[0])
+        expected.append((masks, values) if r is not None else None)
+    return rows, adapter.take_all(rows), expected
+
+
+def _check(chunks, expected, modes):
+    for chunk, exp, mode in zip(chunks, expected, modes, strict=True):
+        if mode is None:
+            assert chunk is None
+        else:
+            assert isinstance(chunk, adapter.SamplingMaskChunk)
+            assert chunk.to_lists(support_logprobs=mode == "support") == exp
+
+
+@pytest.mark.parametrize("cls", ["BatchTokenIDOutput", "BatchStrOutput"])
+@pytest.mark.parametrize("carrier", ["msgpack", "pickle"])
+def test_io_structs_round_trip_and_multi_tokenizer_split(cls, carrier):
+    cls = getattr(io_struct, cls)
+    modes = ["support", None, "selected", "support", "selected"]
+    rows, chunks, expected = _emission(np.random.default_rng(21), modes)
+    batch = _batch(cls, [f"rid{i}" for i in range(len(modes))], chunks)
+
+    def hop(obj):
+        if carrier == "msgpack":
+            return io_struct._msgpack_decoder.decode(io_struct._msgpack_encoder.encode(obj))
+        return pickle.loads(pickle.dumps(obj, protocol=5))
+
+    wire = io_struct._msgpack_encoder.encode(batch)
+    assert len(wire) < 2000, "references only: rows stay in shared memory"
+    forwarded = hop(hop(batch))  # scheduler -> detokenizer -> tokenizer router
+    assert type(forwarded) is cls
+    carried = forwarded.output_token_sampling_mask
+    assert not any(gc.is_tracked(c) for c in carried if c is not None)
+    # Multi-tokenizer routing: one output per request, then a subset.
+    singles = [hop(multi_tokenizer_mixin._handle_output_by_index(forwarded, i))
+               for i in range(len(modes))]
+    for i, single in enumerate(singles):
+        assert single.rids == [f"rid{i}"]
+        assert len(single.output_token_sampling_mask) == 1
+    subset = hop(multi_tokenizer_mixin._handle_output_by_indices(forwarded, [3, 0]))
+    assert subset.rids == ["rid3", "rid0"]
+    # Each tokenizer reads (and releases) its requests' rows.
+    _check([s.output_token_sampling_mask[0] for s in singles], expected, modes)
+    for r in rows:
+        if r is not None:
+            r.close()
+
+
+def test_deleted_state_chunk_is_released(writer, monkeypatch):
+    """The patched tokenizer manager releases the chunk of a request whose
+    state is gone (aborted); the ring gets the record back at once."""
+    rows, chunks, _ = _emission(np.random.default_rng(22), ["support"])
+    out = hop_msgpack(_batch(io_struct.BatchTokenIDOutput, ["gone"], chunks))
+    manager = tokenizer_manager.TokenizerManager.__new__(tokenizer_manager.TokenizerManager)
+    manager.rid_to_state = {}
+    # The one runtime setting the method reads before its loop (a launched
+    # server publishes it; this test builds no server).
+    monkeypatch.setattr(tokenizer_manager, "get_serving",
+                        lambda: SimpleNamespace(batch_notify_size=16))
+    asyncio.run(manager._handle_batch_output(out))
+    rows[0].close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0
+    with pytest.raises(shmask.StaleChunkError):
+        shmask.Reader().open(shmask.ChunkRef.from_bytes(chunks[0].ref))
+
+
+def hop_msgpack(obj):
+    return io_struct._msgpack_decoder.decode(io_struct._msgpack_encoder.encode(obj))
+
+
+# ---------------------------------- ported from SGLang's sampling-mask tests
+def test_materialize_only_requested_rows_and_statuses():
+    """test_spec_sampling_mask.test_materialize_one_support_per_position /
+    test_sampling_mask.test_*_only_materializes_requested_rows: requests not
+    opted in carry None, a non-OK status carries no row, through the
+    adapter's rows and the IPC struct."""
+    output = SimpleNamespace(
+        token_ids=torch.tensor([[5, 6], [7, 0], [8, 0]], dtype=torch.int32),
+        lengths=torch.tensor([2, 1, 1]),
+        selected_logprobs=torch.tensor([-0.5, 0.0, -0.25]),
+        support_logprobs=None,
+        statuses=torch.tensor([0, 0, 1]),  # the third: OVERFLOW
+        num_accept_tokens=None)
+    modes = ["selected", None, "selected", "selected"]
+    reqs = [SimpleNamespace(return_sampling_mask=m is not None, sampling_logprobs_mode=m,
+                            sampling_mask_rows=adapter.SamplingMaskRows(m) if m else None)
+            for m in modes]
+    host = SimpleNamespace(sampling_mask_output=output)
+    SchedulerBatchResultProcessor.materialize_sampling_mask_output(reqs, host)
+    processor = SchedulerBatchResultProcessor.__new__(SchedulerBatchResultProcessor)
+    for i, req in enumerate(reqs):
+        if req.return_sampling_mask and host.next_token_sampling_mask_status[i] == 0:
+            processor.add_sampling_mask_return_values(i, req, host)
+    chunks = hop_msgpack(_batch(io_struct.BatchStrOutput, ["a", "b", "c", "d"],
+                                adapter.take_all([r.sampling_mask_rows for r in reqs])))
+    masks = chunks.output_token_sampling_mask
+    assert masks[1] is None
+    assert masks[0].to_lists(False) == ([[5, 6]], [-0.5])
+    assert masks[2].to_lists(False) == ([[7]], [0.0])
+    assert masks[3].to_lists(False) == ([], [])  # OVERFLOW: never materialised
+
+
+def test_speculative_rows_follow_accepted_tokens():
+    """test_spec_sampling_mask.test_mixed_selected_and_support_modes_follow_verify_positions:
+    one row per accepted draft token, mixed modes in one batch."""
+    output = SimpleNamespace(
+        token_ids=torch.tensor([[[0, 1], [1, 0]], [[0, 1], [0, 0]]], dtype=torch.int32),
+        lengths=torch.tensor([[2, 1], [2, 0]]),
+        selected_logprobs=torch.tensor([[np.log(0.75), 0.0], [np.log(0.75), 0.0]]),
+        support_logprobs=torch.tensor([[[np.log(0.75), np.log(0.25)], [0.0, 0.0]]]),
+        statuses=torch.tensor([[0, 0], [0, 0]]),
+        num_accept_tokens=torch.tensor([2, 1]))
+    modes = ["selected", None, "support"]
+    reqs = [SimpleNamespace(return_sampling_mask=m is not None, sampling_logprobs_mode=m,
+                            sampling_mask_rows=adapter.SamplingMaskRows(m) if m else None,
+                            output_ids=[0, 1] if m == "selected" else [0], finished_len=None)
+            for m in modes]
+    host = SimpleNamespace(sampling_mask_output=output)
+    SchedulerBatchResultProcessor.materialize_sampling_mask_output(reqs, host)
+    processor = SchedulerBatchResultProcessor.__new__(SchedulerBatchResultProcessor)
+    processor.add_sampling_mask_return_values(0, reqs[0], host, accept_len=2)
+    processor.add_sampling_mask_return_values(2, reqs[2], host, accept_len=1)
+    masks, logprobs = reqs[0].sampling_mask_rows.take().to_lists(False)
+    assert masks == [[0, 1], [1]]
+    assert logprobs == [float(np.float32(np.log(0.75))), 0.0]
+    masks, logprobs = reqs[2].sampling_mask_rows.take().to_lists(True)
+    assert masks == [[0, 1]]
+    assert logprobs == [[float(np.float32(np.log(0.75))), float(np.float32(np.log(0.25)))]]

@@ -1,0 +1,293 @@
+"""shmask.adapters.sglang without SGLang installed: real Writer/Reader over
+real shared memory; SGLang's behaviour is modelled by plain lists built the
+way its tokenizer manager builds them (tolist per row, extend per emission).
+tests/compat checks the same against the released SGLang modules."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+
+import msgspec
+import numpy as np
+import orjson
+import pytest
+
+import shmask
+from shmask.adapters import sglang as adapter
+
+
+@pytest.fixture(autouse=True)
+def ends(writer, reader, monkeypatch):
+    monkeypatch.setitem(adapter._ends, "writer", writer)
+    monkeypatch.setitem(adapter._ends, "reader", reader)
+    return writer, reader
+
+
+def random_row(rng, support: bool, max_len: int = 12):
+    n = int(rng.integers(0, max_len + 1))
+    ids = np.sort(rng.choice(151_936, n, replace=False)).astype(np.int32)
+    logprobs = (rng.standard_normal(n if support else 1) - 4).astype(np.float32)
+    return ids, logprobs
+
+
+def lists_meta(masks, logprobs, start=0):
+    """meta_info as SGLang's tokenizer manager fills it (then slices it for
+    incremental streaming)."""
+    return {adapter.MASK_FIELD: masks[start:], adapter.LOGPROBS_FIELD: logprobs[start:],
+            adapter.LENGTH_FIELD: len(masks)}
+
+
+def drive(rng, modes, emissions=3, steps=4):
+    """Append rows per request and step, take per emission; returns the
+    chunks per emission and the lists SGLang would hold per request."""
+    rows = [adapter.SamplingMaskRows(mode) for mode in modes]
+    expected = [([], []) for _ in modes]
+    per_emission = []
+    for _ in range(emissions):
+        for _ in range(steps):
+            for r, mode in zip(rows, modes, strict=True):
+                ids, logprobs = random_row(rng, mode == "support")
+                r.append(ids, logprobs)
+                masks, values = expected[rows.index(r)]
+                masks.append(ids.tolist())
+                values.append(logprobs.tolist() if mode == "support" else logprobs.tolist()[0])
+        per_emission.append(adapter.take_all(rows))
+    return rows, per_emission, expected
+
+
+def test_rows_take_to_lists_mixed_modes(writer):
+    rng = np.random.default_rng(0)
+    modes = ["selected", "support", "support", "selected", None]
+    rows, per_emission, expected = drive(rng, modes)
+    for i, mode in enumerate(modes):
+        masks, values = [], []
+        for chunks in per_emission:
+            m, v = chunks[i].to_lists(support_logprobs=mode == "support")
+            masks.extend(m)
+            values.extend(v)
+        assert masks == expected[i][0]
+        assert values == expected[i][1]
+    for r in rows:
+        r.close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] < 64 * len(rows) * 2, "to_lists must release every record"
+
+
+def test_numpy_fields_match_sglang_layout():
+    rng = np.random.default_rng(1)
+    rows, per_emission, expected = drive(rng, ["support", "selected"], emissions=1)
+    support, selected = per_emission[0]
+    assert support.lengths.dtype == np.int32 and support.token_ids.dtype == np.int32
+    assert support.logprobs.dtype == np.float32
+    assert support.lengths.tolist() == [len(m) for m in expected[0][0]]
+    assert support.logprobs.size == support.token_ids.size  # one value per entry
+    assert selected.logprobs.size == selected.lengths.size  # one value per row
+    assert support.support_logprobs and not selected.support_logprobs
+    for chunk in (support, selected):
+        chunk.release()
+        chunk.release()  # idempotent: SGLang paths may drop a chunk twice
+        with pytest.raises(shmask.ShmaskError):
+            _ = chunk.lengths
+
+
+def test_wrong_mode_is_an_error_not_misshaped_lists():
+    rows, per_emission, _ = drive(np.random.default_rng(2), ["support"], emissions=1)
+    with pytest.raises(shmask.ShmaskError, match="support"):
+        per_emission[0][0].to_lists(support_logprobs=False)
+
+
+def test_view_leaves_rows_queued():
+    rng = np.random.default_rng(3)
+    for mode in ("support", "selected"):
+        r = adapter.SamplingMaskRows(mode)
+        ids, logprobs = random_row(rng, mode == "support")
+        r.append(ids, logprobs)
+        first = r.view()
+        assert first.token_ids.tolist() == ids.tolist()
+        second = r.view()
+        np.testing.assert_array_equal(second.logprobs, first.logprobs)
+        masks, values = r.take().to_lists(mode == "support")
+        assert masks == [ids.tolist()]
+        assert values == ([logprobs.tolist()] if mode == "support" else logprobs.tolist())
+        r.close()
+
+
+def test_pickle_and_msgpack_carry_only_the_reference():
+    rows, per_emission, expected = drive(np.random.default_rng(4), ["support", "selected"])
+    chunks = per_emission[0]
+    pickled = pickle.dumps(chunks, protocol=5)
+    assert len(pickled) < 400, "two chunks must pickle to a few hundred bytes, rows stay in shm"
+    packed = msgspec.msgpack.encode(chunks)
+    assert len(packed) < 300
+    back = msgspec.msgpack.decode(packed, type=list[adapter.SamplingMaskChunk])
+    assert [c.ref for c in back] == [c.ref for c in chunks]
+    again = pickle.loads(pickled)
+    assert again[0].to_lists(True)[0] == expected[0][0][:4]
+    # An opened chunk pickles as its reference, never its views.
+    opened = per_emission[1][1]
+    _ = opened.lengths
+    assert pickle.loads(pickle.dumps(opened, protocol=5)).rows_ is None
+    opened.release()
+
+
+def test_chunks_are_not_gc_tracked():
+    rows = [adapter.SamplingMaskRows("support") for _ in range(64)]
+    for r in rows:
+        r.append(np.arange(5, dtype=np.int32), np.zeros(5, np.float32))
+    chunks = adapter.take_all(rows)
+    gc.collect()
+    before = len(gc.get_objects())
+    decoded = [msgspec.msgpack.decode(msgspec.msgpack.encode(chunks),
+                                      type=list[adapter.SamplingMaskChunk])
+               for _ in range(4)]
+    unpickled = [pickle.loads(pickle.dumps(chunks, protocol=5)) for _ in range(4)]
+    after = len(gc.get_objects())
+    # 8 lists of 64 chunks: the lists are tracked, the 512 chunks are not.
+    assert after - before <= 8 + 8, after - before
+    assert not any(gc.is_tracked(c) for batch in decoded + unpickled for c in batch)
+    # Still untracked once opened (it then holds a shmask Chunk, which is).
+    for c in decoded[0]:
+        assert c.lengths.tolist() == [5]
+        assert not gc.is_tracked(c)
+        c.release()
+
+
+def test_append_step_statuses_and_mixed_modes():
+    rng = np.random.default_rng(5)
+    modes = ["support", "selected", "support", "selected"]
+    rows = [adapter.SamplingMaskRows(m) for m in modes]
+    width = 6
+    expected = [([], []) for _ in rows]
+    for step in range(5):
+        lengths = rng.integers(0, width + 1, len(rows)).astype(np.int32)
+        ids = rng.integers(0, 1000, (len(rows), width)).astype(np.int32)
+        selected = rng.standard_normal(len(rows)).astype(np.float32)
+        support = rng.standard_normal((2, width)).astype(np.float32)  # the support rows only
+        statuses = np.zeros(len(rows), np.int64)
+        if step == 3:
+            statuses[1] = 1  # OVERFLOW: SGLang aborts the request, the row is never committed
+        adapter.append_step(rows, lengths, ids, selected, support, statuses)
+        s = 0
+        for i, mode in enumerate(modes):
+            if statuses[i] == 0:
+                n = int(lengths[i])
+                expected[i][0].append(ids[i, :n].tolist())
+                expected[i][1].append(support[s, :n].tolist() if mode == "support"
+                                      else float(selected[i]))
+            s += mode == "support"
+    for i, chunk in enumerate(adapter.take_all(rows)):
+        assert chunk.to_lists(modes[i] == "support") == expected[i]
+    assert len(expected[1][0]) == 4  # the non-OK row was left out
+
+
+def test_take_all_keeps_none_for_requests_without_masks():
+    rows = [adapter.SamplingMaskRows("selected"), None, adapter.SamplingMaskRows("support")]
+    rows[0].append(np.array([3], np.int32), np.array([-0.5], np.float32))
+    chunks = adapter.take_all(rows)
+    assert chunks[1] is None
+    assert chunks[0].to_lists(False) == ([[3]], [-0.5])
+    assert chunks[2].to_lists(True) == ([], [])
+
+
+def ref_fields(ref):
+    return (ref.kind, ref.mode, ref.segment, ref.epoch, ref.position, ref.record_bytes, ref.rows,
+            ref.nnz, None if ref.payload is None else bytes(ref.payload))
+
+
+def test_split_refs_equals_each_entry(writer):
+    queues = [writer.open_queue("support") for _ in range(5)]
+    for i, q in enumerate(queues[:4]):
+        q.append(np.arange(i + 1, dtype=np.int32), np.ones(i + 1, np.float32))
+    batch = writer.take_batch(queues)
+    split = [shmask.ChunkRef.from_bytes(b) for b in adapter.split_refs(batch)]
+    # Same references (an empty one may carry the segment table: harmless)
+    assert [ref_fields(r) for r in split] == [ref_fields(r) for r in batch]
+    assert split[4].kind == 0 and split[0].kind == 1
+    shmask.Reader().discard_batch(batch)
+
+
+def test_split_refs_inline_fallback(prefix):
+    inline = shmask.Writer(shmask.Config(transport="inline", name_prefix=prefix))
+    queues = [inline.open_queue("selected") for _ in range(3)]
+    queues[1].append(np.array([7, 8], np.int32), np.array([-1.0], np.float32))
+    batch = inline.take_batch(queues)
+    refs = adapter.split_refs(batch)
+    assert refs == [batch[i].to_bytes() for i in range(3)]
+    assert adapter.SamplingMaskChunk(refs[1]).to_lists(False) == ([[7, 8]], [-1.0])
+    inline.close()
+
+
+def test_release_without_reading_and_abort_give_records_back(writer):
+    rows = adapter.SamplingMaskRows("support")
+    rows.append(np.arange(100, dtype=np.int32), np.zeros(100, np.float32))
+    chunk = rows.take()
+    chunk.release()  # never opened: discarded by reference
+    rows.append(np.arange(100, dtype=np.int32), np.zeros(100, np.float32))
+    unread = rows.take()
+    assert rows.abort() == 1  # the chunk no reader released
+    with pytest.raises(shmask.StaleChunkError):
+        unread.to_lists(True)
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0
+
+
+def meta_bytes(meta):
+    return orjson.dumps({"id": "r", "finish_reason": None, **meta, "completion_tokens": 3})
+
+
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_response_meta_info_byte_identical(mode):
+    rng = np.random.default_rng(6)
+    support = mode == "support"
+    rows = adapter.SamplingMaskRows(mode)
+    acc = adapter.SamplingMaskJSON(support)
+    masks, values = [], []
+    assert meta_bytes(adapter.response_meta_info(acc)) == meta_bytes(lists_meta(masks, values))
+    special = np.array([-np.inf, np.nan, -0.0, 1e-45, -3.4028235e38, 0.1], np.float32)
+    for emission in range(4):
+        for step in range(3):
+            ids, logprobs = random_row(rng, support, max_len=6)
+            if emission == 1:
+                logprobs = (special[:ids.size] if support else special[step:step + 1]).copy()
+                ids = ids[:logprobs.size] if support else ids
+            rows.append(ids, logprobs)
+            masks.append(ids.tolist())
+            values.append(logprobs.tolist() if support else logprobs.tolist()[0])
+        acc.extend(rows.take())
+        # cumulative streaming / non-streaming: the whole accumulation
+        assert meta_bytes(adapter.response_meta_info(acc)) == meta_bytes(lists_meta(masks, values))
+        # incremental streaming: every offset, on and inside emission boundaries
+        for start in range(len(masks) + 1):
+            assert (meta_bytes(adapter.response_meta_info(acc, start=start))
+                    == meta_bytes(lists_meta(masks, values, start))), start
+    rows.close()
+
+
+def test_response_meta_info_from_chunks():
+    rng = np.random.default_rng(7)
+    rows, per_emission, expected = drive(rng, ["selected", "support"], emissions=2)
+    for i, support in enumerate((False, True)):
+        meta = adapter.response_meta_info([e[i] for e in per_emission], support_logprobs=support)
+        assert orjson.dumps(meta) == orjson.dumps(lists_meta(*expected[i]))
+        assert isinstance(meta[adapter.MASK_FIELD], orjson.Fragment)
+    with pytest.raises(TypeError):
+        adapter.response_meta_info([])
+
+
+def test_staging_flushes_per_step_and_isolates_a_bad_row(writer, config):
+    rows = [adapter.SamplingMaskRows("support") for _ in range(3)]
+    staging = adapter._staging_of(writer)
+    for r in rows:
+        r.append(np.array([1, 2], np.int32), np.zeros(2, np.float32))
+    assert len(staging.handles) == 3
+    rows[0].append(np.array([3], np.int32), np.zeros(1, np.float32))  # the next step
+    assert len(staging.handles) == 1, "a second row of a staged request flushes the step"
+    too_long = config.max_tokens + 1
+    rows[1].append(np.arange(too_long, dtype=np.int32), np.zeros(too_long, np.float32))
+    with pytest.raises(shmask.InvalidRowsError):
+        adapter.flush(writer)
+    chunks = adapter.take_all(rows)
+    assert chunks[0].to_lists(True)[0] == [[1, 2], [3]]
+    assert chunks[1].to_lists(True)[0] == [[1, 2]]  # the refused row only is missing
+    assert chunks[2].to_lists(True)[0] == [[1, 2]]

@@ -1,0 +1,99 @@
+"""Values the Python side writes down that the C core also defines: they
+must agree, and shmask/_native.pyi must declare every name the core
+exports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shmask
+from shmask import _native, refs, writer
+from shmask._native import ffi, lib
+from shmask._native_errors import _MESSAGES
+from shmask.cli import HEADER_BYTES_FALLBACK
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_modes():
+    assert refs.MODE_SELECTED == lib.SHM_MODE_SELECTED
+    assert refs.MODE_SUPPORT == lib.SHM_MODE_SUPPORT
+    assert refs.MODES == {"selected": lib.SHM_MODE_SELECTED, "support": lib.SHM_MODE_SUPPORT}
+
+
+def test_handle_slot_mask():
+    assert writer._SLOT_MASK == (1 << lib.SHM_HANDLE_SLOT_BITS) - 1
+
+
+def test_header_bytes_the_cli_assumes():
+    assert HEADER_BYTES_FALLBACK == lib.SHM_HEADER_BYTES
+
+
+def test_states_and_layout_constants():
+    """The layout header's values, as docs/wire-format.md and the tests use them."""
+    assert (lib.SHM_STATE_FREE, lib.SHM_STATE_STAGING, lib.SHM_STATE_WRITTEN, lib.SHM_STATE_RELEASED,
+            lib.SHM_STATE_PADDING, lib.SHM_STATE_EXPIRED, lib.SHM_STATE_DISCARDED,
+            lib.SHM_STATE_CORRUPT) == (0, 1, 2, 3, 4, 5, 6, 255)
+    assert lib.SHM_RECORD_HEADER_BYTES == ffi.sizeof("uint64_t") * 8
+    assert lib.SHM_RECORD_ALIGN == 64 and lib.SHM_HEADER_BYTES == 4096
+    assert lib.SHM_MIN_CAPACITY <= lib.SHM_HEADER_BYTES  # segment.attach's size floor
+    assert lib.SHM_LAYOUT_VERSION == 1
+
+
+def test_record_layout_matches_python_payload_size():
+    """refs.payload_bytes (inline chunks) and the core's record layout size
+    the same three arrays."""
+    layout = ffi.new("shm_layout *")
+    for mode in (refs.MODE_SELECTED, refs.MODE_SUPPORT):
+        for rows, nnz in ((1, 1), (3, 17), (64, 1000)):
+            assert lib.shm_record_layout(mode, rows, nnz, layout) == lib.SHM_OK
+            payload = int(refs.payload_bytes(mode, rows, nnz))
+            align = lib.SHM_RECORD_ALIGN
+            assert layout.lengths_offset == lib.SHM_RECORD_HEADER_BYTES
+            assert layout.record_bytes % align == 0
+            assert payload <= layout.record_bytes - lib.SHM_RECORD_HEADER_BYTES < payload + 3 * align
+            logprobs = nnz if mode == refs.MODE_SUPPORT else rows
+            assert layout.logprobs_offset + 4 * logprobs <= layout.record_bytes
+
+
+def test_every_error_code_has_a_message():
+    codes = {name: getattr(lib, name) for name in dir(lib) if name.startswith("SHM_E_")}
+    assert codes, "no SHM_E_* in the core"
+    missing = sorted(name for name, value in codes.items() if value not in _MESSAGES)
+    assert not missing, f"_native_errors has no message for {missing}"
+
+
+def _stub_names() -> tuple[set[str], set[str]]:
+    tree = ast.parse((ROOT / "shmask" / "_native.pyi").read_text())
+    lib_class = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "_Lib")
+    constants = {n.target.id for n in lib_class.body
+                 if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    functions = {n.name for n in lib_class.body if isinstance(n, ast.FunctionDef)}
+    return constants, functions
+
+
+def test_stub_declares_the_whole_core():
+    constants, functions = _stub_names()
+    exported = set(dir(lib))
+    declared = constants | functions
+    assert exported == declared, (f"in the core, not in _native.pyi: {sorted(exported - declared)}; "
+                                  f"in _native.pyi, not in the core: {sorted(declared - exported)}")
+    for name in functions:
+        assert callable(getattr(lib, name)), name
+    for name in constants:
+        assert isinstance(getattr(lib, name), int), name
+
+
+def test_stub_function_arity():
+    tree = ast.parse((ROOT / "shmask" / "_native.pyi").read_text())
+    lib_class = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "_Lib")
+    for node in lib_class.body:
+        if isinstance(node, ast.FunctionDef):
+            stub_args = len(node.args.posonlyargs) + len(node.args.args) - 1  # minus self
+            c_args = len(ffi.typeof(getattr(lib, node.name)).args)
+            assert stub_args == c_args, f"{node.name}: {stub_args} in the stub, {c_args} in C"
+
+
+def test_native_module_is_what_the_package_uses():
+    assert shmask.__version__ and _native.ffi is ffi

@@ -1,0 +1,173 @@
+"""Packaging: one version source, extras that match the imports, the
+kernels' import behaviour, and (SHMASK_PACKAGE_CHECK=1, `make package-check`)
+the sdist and the abi3 manylinux wheel each installed into a clean venv."""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+
+import shmask
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _python(code: str, env: dict[str, str] | None = None, cwd: Path = ROOT,
+            python: str = sys.executable) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=env if env is not None else dict(os.environ))
+
+
+def test_one_version_source():
+    project = PYPROJECT["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "shmask.__version__"}
+    assert "version=" not in (ROOT / "setup.py").read_text()
+    assert importlib.metadata.version("shmask") == shmask.__version__
+
+
+def test_metadata_is_complete():
+    project = PYPROJECT["project"]
+    for key in ("license", "urls", "classifiers", "readme", "requires-python", "description"):
+        assert project.get(key), key
+    assert "setup_requires" not in (ROOT / "setup.py").read_text()
+    assert "cffi>=1.15" in PYPROJECT["build-system"]["requires"]
+
+
+def test_extras_match_imports():
+    deps = " ".join(PYPROJECT["project"]["dependencies"])
+    for optional in ("pyzmq", "msgspec", "rich", "torch", "triton", "prometheus"):
+        assert optional not in deps
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert not any("==" in spec for spec in extras["kernels"]), "no torch pin in the extra"
+    assert {"cli", "examples", "kernels", "server", "metrics", "test"} <= set(extras)
+    for needed in ("pyzmq", "msgspec", "rich", "httpx", "mypy", "ruff"):
+        assert any(spec.startswith(needed) for spec in extras["test"]), needed
+    # `import shmask` and the CLI pull in none of the optional packages
+    result = _python("import sys, shmask, shmask.cli; "
+                     "print(sorted(m for m in ('zmq', 'msgspec', 'rich', 'torch', 'triton', "
+                     "'prometheus_client') if m in sys.modules))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_kernels_without_torch_name_the_extra():
+    result = _python("import sys; sys.modules['torch'] = None; import shmask.kernels")
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr and "pip install 'shmask[kernels]'" in result.stderr
+
+
+def test_kernels_import_without_the_native_core():
+    code = ("import sys; sys.modules['shmask._native'] = None; import shmask.kernels; "
+            "print(shmask.kernels.compact.__name__)")
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert "compact" in result.stdout
+
+
+def test_kernels_leave_the_environment_alone():
+    """Without TRITON_INTERPRET and without CUDA the kernels still run (in
+    Triton's interpreter), and os.environ is what it was before."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = """
+import os, torch
+before = dict(os.environ)
+import shmask.kernels as k
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+if not torch.cuda.is_available():
+    x = torch.randn(3, 200)
+    x[x < 0.5] = float('-inf')
+    got, want = k.compact(x, max_tokens=200), k.reference_compact(x, max_tokens=200)
+    assert torch.equal(got.ids[: int(got.offsets[-1])], want.ids[: int(want.offsets[-1])])
+assert dict(os.environ) == before
+print("ok")
+"""
+    result = _python(code, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
+# ------------------------------------------------------------- distributions
+
+ROUND_TRIP = """
+import numpy as np, shmask, subprocess, sys
+writer, reader = shmask.Writer(), shmask.Reader()
+queue = writer.open_queue("support")
+handles = np.array([queue.handle], np.int64)
+ids = np.array([[1, 5, 9]], np.int32)
+writer.append_step(handles, np.array([3], np.int32), ids, np.log(np.full((1, 3), 1 / 3, np.float32)))
+batch = shmask.RefBatch.from_bytes(writer.take_batch([queue]).to_bytes())
+with reader.open(batch[0]) as chunk:
+    assert chunk.ids.tolist() == [1, 5, 9], chunk.ids
+queue.close(); writer.close(); reader.close()
+print(shmask.__version__, shmask.__file__)
+"""
+
+package_check = pytest.mark.skipif(os.environ.get("SHMASK_PACKAGE_CHECK") != "1",
+                                   reason="make package-check (builds and installs the distributions)")
+
+
+def _dist(pattern: str) -> Path:
+    found = sorted(glob.glob(str(ROOT / "dist" / pattern)))
+    assert len(found) == 1, f"expected one dist/{pattern} (make sdist wheel), got {found}"
+    return Path(found[0])
+
+
+@package_check
+def test_sdist_holds_the_native_sources():
+    with tarfile.open(_dist("shmask-*.tar.gz")) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    for needed in ("native/build.py", "native/shmask_core.c", "native/shmask_core.h",
+                   "native/shmask_layout.h", "setup.py", "pyproject.toml", "shmask/_native.pyi",
+                   "kernels/__init__.py"):
+        assert needed in names, needed
+    assert not any(name.endswith(".so") for name in names)
+
+
+@package_check
+def test_wheel_is_abi3_manylinux():
+    wheel = _dist("shmask-*.whl").name
+    assert re.fullmatch(r"shmask-[0-9.]+-cp310-abi3-(manylinux\S*_x86_64\.)*manylinux_\d+_\d+_x86_64\.whl",
+                        wheel), wheel
+    print(f"\nwheel: {wheel}")
+
+
+@package_check
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["sdist", "wheel"])
+def test_installs_into_a_clean_venv(kind, tmp_path, prefix):
+    artifact = _dist("shmask-*.tar.gz" if kind == "sdist" else "shmask-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    started = time.perf_counter()
+    install = subprocess.run([python, "-m", "pip", "install", "-q", str(artifact)],
+                             capture_output=True, text=True, timeout=540)
+    took = time.perf_counter() - started
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    print(f"\n{kind}: pip install {took:.1f} s")
+    env = {"PATH": os.environ.get("PATH", ""), "SHMASK_NAME_PREFIX": prefix, "SHMASK_RING_MB": "4"}
+    result = _python(ROUND_TRIP, env=env, cwd=tmp_path, python=python)  # not the checkout's shmask
+    assert result.returncode == 0, result.stderr[-3000:]
+    version, location = result.stdout.split()
+    assert version == shmask.__version__ and str(venv) in location
+    for args in (["--version"], ["doctor", "--json"], []):
+        cli = subprocess.run([python, "-m", "shmask", *args], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path, env=env)
+        assert cli.returncode == 0, (args, cli.stdout, cli.stderr)
+    # the optional packages stayed out
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=freeze"], capture_output=True,
+                            text=True, timeout=60).stdout.lower()
+    for optional in ("pyzmq", "msgspec", "rich", "torch"):
+        assert f"\n{optional}==" not in "\n" + listed, optional
