@@ -49,7 +49,7 @@ int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capaci
     if (mode != SHM_MODE_SELECTED && mode != SHM_MODE_SUPPORT) return SHM_E_BAD_RECORD;
     /* Capacities come from untrusted headers too: keep every product far
      * from overflow (2^40 entries is far beyond any ring). */
-    if (rows_capacity > (1ull << 32) || nnz_capacity > (1ull << 40)) return SHM_E_OVERFLOW;
+    if (rows_capacity >= (1ull << 32) || nnz_capacity > (1ull << 40)) return SHM_E_OVERFLOW;
     uint64_t lengths = SHM_RECORD_HEADER_BYTES;
     uint64_t ids = lengths + align64(4 * rows_capacity);
     uint64_t logprobs = ids + align64(4 * nnz_capacity);
@@ -83,7 +83,8 @@ static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 static inline uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static inline int ring_usable(const shm_ring *ring) { return ring->base && !ring->dead; }
 
-#define HANDLE_GENERATION_MASK 0xffffull
+#define HANDLE_GENERATION_MASK 0xffffffull
+#define HANDLE_SLOT_MASK ((1ull << SHM_HANDLE_SLOT_BITS) - 1)
 #define HANDLE_TAG_MASK 0x7fffull
 #define INITIAL_SLOTS 64u
 
@@ -92,9 +93,10 @@ static int64_t make_handle(const shm_ring *ring, uint64_t slot) {
     return (int64_t)(slot | generation << SHM_HANDLE_SLOT_BITS | ring->handle_tag << 48);
 }
 
+/* Called only when no slot is free, so the FIFO is empty and restarts at 0. */
 static int grow_table(shm_ring *ring) {
     uint64_t old = ring->n_queues, size = old ? 2 * old : INITIAL_SLOTS;
-    if (size > (1ull << 31)) return SHM_E_NO_MEMORY;
+    if (size > HANDLE_SLOT_MASK + 1) return SHM_E_NO_MEMORY;
     shm_queue *queues = realloc(ring->queues, size * sizeof *queues);
     if (!queues) return SHM_E_NO_MEMORY;
     ring->queues = queues;
@@ -102,7 +104,8 @@ static int grow_table(shm_ring *ring) {
     if (!free_slots) return SHM_E_NO_MEMORY;
     ring->free_slots = free_slots;
     memset(queues + old, 0, (size - old) * sizeof *queues);
-    for (uint64_t slot = size; slot-- > old;) ring->free_slots[ring->n_free++] = (uint32_t)slot;
+    ring->free_head = 0;
+    for (uint64_t slot = old; slot < size; slot++) ring->free_slots[ring->n_free++] = (uint32_t)slot;
     ring->n_queues = size;
     return SHM_OK;
 }
@@ -204,6 +207,20 @@ static int reserve_record(shm_ring *ring, uint32_t mode, uint64_t rows_capacity,
 int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
                 uint64_t *position_out) {
     return reserve_record(ring, mode, rows_capacity, nnz_capacity, 0, position_out);
+}
+
+int shm_discard_record(shm_ring *ring, uint64_t position) {
+    if (!ring_usable(ring)) return SHM_OK;
+    if (position < ring->tail || position >= ring->head || position % SHM_RECORD_ALIGN)
+        return SHM_E_BAD_POSITION;
+    struct shm_record_header *r = ring_record(ring, position);
+    uint32_t expected = SHM_STATE_STAGING;
+    if (r->tag != position ||
+        !atomic_compare_exchange_strong_explicit(&r->state, &expected, SHM_STATE_DISCARDED,
+                                                 memory_order_acq_rel, memory_order_acquire))
+        return SHM_E_BAD_STATE;
+    bump(ring->base, SHM_COUNTER_DISCARDED);
+    return SHM_OK;
 }
 
 uint64_t shm_record_offset(const shm_ring *ring, uint64_t position) {
@@ -410,7 +427,7 @@ int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
 
 int64_t shm_queue_slot(const shm_ring *ring, int64_t handle) {
     if (handle < 0) return SHM_E_BAD_SLOT;
-    uint64_t h = (uint64_t)handle, slot = h & 0xffffffffull;
+    uint64_t h = (uint64_t)handle, slot = h & HANDLE_SLOT_MASK;
     if (slot >= ring->n_queues || (h >> 48) != ring->handle_tag) return SHM_E_BAD_SLOT;
     const shm_queue *q = &ring->queues[slot];
     if (!q->mode || ((h >> SHM_HANDLE_SLOT_BITS) & HANDLE_GENERATION_MASK) !=
@@ -425,7 +442,9 @@ int64_t shm_queue_open(shm_ring *ring, uint32_t mode, uint64_t initial_rows) {
         int rc = grow_table(ring);
         if (rc) return rc;
     }
-    uint64_t slot = ring->free_slots[--ring->n_free];
+    uint64_t slot = ring->free_slots[ring->free_head];
+    ring->free_head = (ring->free_head + 1) % ring->n_queues;
+    ring->n_free--;
     shm_queue *q = &ring->queues[slot];
     uint32_t generation = q->generation;
     memset(q, 0, sizeof *q);
@@ -439,9 +458,11 @@ static void close_slot(shm_ring *ring, uint64_t slot) {
     shm_queue *q = &ring->queues[slot];
     drop_buffer(ring, q);
     q->mode = 0;
+    q->lost = 0;
     q->pending_rows = q->pending_nnz = 0;
     q->generation++;
-    ring->free_slots[ring->n_free++] = (uint32_t)slot;
+    ring->free_slots[(ring->free_head + ring->n_free) % ring->n_queues] = (uint32_t)slot;
+    ring->n_free++;
 }
 
 int shm_queue_close(shm_ring *ring, int64_t handle) {
@@ -533,7 +554,16 @@ static int stage_private(shm_ring *ring, uint64_t slot, uint64_t rows_capacity,
     int32_t *ids = (int32_t *)(start + layout.ids_offset);
     float *logprobs = (float *)(start + layout.logprobs_offset);
     shm_queue old = *q;
-    if (old.rows_capacity) copy_rows(&old, lengths, ids, logprobs);
+    if (old.rows_capacity && !q->lost) {
+        copy_rows(&old, lengths, ids, logprobs);
+        /* Rows read from a segment truncated under us (before or during the
+         * copy: the SIGBUS guard marks it) may be zero pages: never pass them
+         * on as rows. */
+        if (old.in_ring && (ring->dead || shm_mapping_truncated(ring->base))) {
+            q->lost = 1;
+            q->lost_position = old.position;
+        }
+    }
     drop_buffer(ring, &old);
     q->lengths = lengths;
     q->ids = ids;
@@ -585,7 +615,7 @@ int64_t shm_staging_owner(const shm_ring *ring, uint64_t position) {
     /* The owner word is a hint a reader could have rewritten: believe it
      * only if our own table agrees, else search the table. */
     uint64_t owner = ring_record(ring, position)->owner;
-    uint64_t hint = owner ? (owner - 1) & 0xffffffffull : ring->n_queues;
+    uint64_t hint = owner ? (owner - 1) & HANDLE_SLOT_MASK : ring->n_queues;
     if (hint < ring->n_queues) {
         const shm_queue *q = &ring->queues[hint];
         if (q->mode && q->in_ring && q->rows_capacity && q->position == position) return (int64_t)hint;
@@ -623,7 +653,7 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
     uint64_t cursor = 0, n_support = 0, n_selected = 0;
     for (uint64_t i = 0; i < batch; i++) {
         *bad_row = (int64_t)i;
-        shm_queue *q = &ring->queues[(uint64_t)handles[i] & 0xffffffffull];
+        shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
         int32_t n = lengths[i];
         if (n < 0 || (uint64_t)n > max_row_length || (row_stride && (uint64_t)n > row_stride))
             return SHM_E_BAD_LENGTH;
@@ -651,7 +681,7 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
     /* 3. Room for every queue's rows; a queue the ring cannot serve right
      * now goes back to the caller (which waits, or stages it privately). */
     for (uint64_t i = 0; i < batch; i++) {
-        uint64_t slot = (uint64_t)handles[i] & 0xffffffffull;
+        uint64_t slot = (uint64_t)handles[i] & HANDLE_SLOT_MASK;
         shm_queue *q = &ring->queues[slot];
         if (q->rows + q->pending_rows <= q->rows_capacity &&
             q->nnz + q->pending_nnz <= q->nnz_capacity)
@@ -669,7 +699,7 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
     /* 4. Copy: nothing can fail from here on. */
     cursor = 0;
     for (uint64_t i = 0; i < batch; i++) {
-        shm_queue *q = &ring->queues[(uint64_t)handles[i] & 0xffffffffull];
+        shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
         uint64_t n = (uint64_t)lengths[i];
         uint64_t source = row_stride ? i * row_stride : cursor;
         q->lengths[q->rows] = (int32_t)n;
@@ -695,7 +725,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         for (uint64_t i = 0; i < count; i++)
             if (shm_queue_slot(ring, handles[i]) < 0) return SHM_E_BAD_SLOT;
     for (uint64_t i = start; i < count; i++) {
-        uint64_t slot = (uint64_t)handles[i] & 0xffffffffull;
+        uint64_t slot = (uint64_t)handles[i] & HANDLE_SLOT_MASK;
         shm_queue *q = &ring->queues[slot];
         kind_out[i] = 0;
         mode_out[i] = (uint8_t)q->mode;
@@ -703,6 +733,19 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         rows_out[i] = 0;
         if (q->rows == 0) {
             if (final) drop_buffer(ring, q);
+            continue;
+        }
+        if (q->lost) {
+            /* A ref to where the rows were: its reader gets StaleChunkError. */
+            shm_layout layout;
+            shm_record_layout(q->mode, q->rows, q->nnz, &layout);
+            kind_out[i] = 1;
+            position_out[i] = q->lost_position;
+            bytes_out[i] = layout.record_bytes;
+            rows_out[i] = (uint32_t)q->rows;
+            nnz_out[i] = q->nnz;
+            drop_buffer(ring, q);
+            q->lost = 0;
             continue;
         }
         if (!q->in_ring) return (int64_t)i;
@@ -744,7 +787,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
 int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t out_len) {
     if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;
     shm_queue *q = &ring->queues[slot];
-    if (q->in_ring || !q->rows_capacity) return SHM_E_BAD_STATE;
+    if (q->in_ring || !q->rows_capacity || q->lost) return SHM_E_BAD_STATE;
     uint64_t n_logprobs = q->mode == SHM_MODE_SUPPORT ? q->nnz : q->rows;
     if (out_len != 4 * (q->rows + q->nnz + n_logprobs)) return SHM_E_OVERFLOW;
     memcpy(out, q->lengths, 4 * q->rows);
@@ -768,6 +811,11 @@ static struct guard guards[GUARD_SLOTS];
 static _Atomic int guards_used; /* slots at or past this index were never used */
 static pthread_mutex_t guards_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct sigaction previous_sigbus;
+/* Set once a foreign fault was handed to the previous handler. A handler
+ * that re-raises after putting its own predecessor back (faulthandler does,
+ * and its predecessor may be us) must not bounce the signal forever: the
+ * second time round the process dies, as it would have without shmask. */
+static volatile sig_atomic_t sigbus_chained;
 
 static void on_sigbus(int signum, siginfo_t *info, void *context) {
     /* Only faults (si_code > 0), never a SIGBUS sent with kill(). */
@@ -790,6 +838,12 @@ static void on_sigbus(int signum, siginfo_t *info, void *context) {
         }
     }
     /* Not ours: what would have happened without shmask. */
+    if (sigbus_chained) {
+        signal(SIGBUS, SIG_DFL);
+        raise(SIGBUS);
+        return;
+    }
+    sigbus_chained = 1;
     if ((previous_sigbus.sa_flags & SA_SIGINFO) && previous_sigbus.sa_sigaction) {
         previous_sigbus.sa_sigaction(signum, info, context);
         return;
@@ -852,8 +906,10 @@ void shm_unmap(void *address) {
         uintptr_t start = atomic_load_explicit(&guards[i].start, memory_order_relaxed);
         if (start != (uintptr_t)address || !start) continue;
         uintptr_t end = atomic_load_explicit(&guards[i].end, memory_order_relaxed);
-        munmap(address, end - start);
+        /* Forget it first: once unmapped, the range may be mapped again by
+         * someone else, whose faults are not ours to paper over. */
         atomic_store_explicit(&guards[i].start, 0, memory_order_release);
+        munmap(address, end - start);
         break;
     }
     pthread_mutex_unlock(&guards_lock);

@@ -98,10 +98,13 @@ typedef struct {
     uint64_t next_nnz;     /* plus slack, so steady decoding never doubles */
     uint64_t pending_rows; /* this step's rows for the queue (validation pass) */
     uint64_t pending_nnz;
+    uint64_t lost_position; /* where the rows were when the ring was lost (lost) */
     uint32_t mode;         /* 0: slot closed */
     uint32_t in_ring;
     uint32_t generation;   /* bumped at every close: stale handles stop matching */
-    uint32_t pad;
+    uint32_t lost;         /* rows were in a segment truncated under us: never
+                            * copied out (they may be zero pages); the take sends
+                            * a ring ref that readers reject as stale */
 } shm_queue;
 
 /* The producer's private state: everything it created, kept in its own
@@ -114,17 +117,19 @@ typedef struct {
     uint64_t head;         /* published to the header with release stores */
     uint64_t tail;
     shm_queue *queues;     /* the RowQueue table */
-    uint32_t *free_slots;  /* a stack of closed slots */
-    uint64_t n_queues;
+    uint32_t *free_slots;  /* closed slots, oldest first (a FIFO spreads reuse, */
+    uint64_t n_queues;     /* so a slot's generation wraps as late as possible) */
     uint64_t n_free;
+    uint64_t free_head;
     uint64_t handle_tag;   /* random, 15 bits: another Writer's handles do not match */
     uint64_t initial_nnz_cap; /* bound on a fresh buffer's guessed entries */
     uint32_t dead;         /* the segment was truncated: stage privately from now on */
     uint32_t pad;
 } shm_ring;
 
-/* A queue handle: slot (bits 0-31), generation (32-47), ring tag (48-62). */
-#define SHM_HANDLE_SLOT_BITS 32
+/* A queue handle: slot (bits 0-23), generation (24-47), ring tag (48-62).
+ * A stale handle matches again only after 2^24 reopenings of its slot. */
+#define SHM_HANDLE_SLOT_BITS 24
 
 int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t capacity,
                   uint64_t epoch, uint64_t pid, uint64_t start, uint64_t created_ns,
@@ -216,6 +221,8 @@ int64_t shm_json_nest(const char *flat, uint64_t flat_len, const int32_t *length
 
 int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
                 uint64_t *position_out);
+/* Gives back a reserved record that will not be published (STAGING -> DISCARDED). */
+int shm_discard_record(shm_ring *ring, uint64_t position);
 int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t nnz,
                 uint64_t now_ns);
 int shm_reclaim(shm_ring *ring, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_result *out);

@@ -68,6 +68,7 @@ class ShmRing(CData):
     tail: int
     n_queues: int
     n_free: int
+    free_head: int
     handle_tag: int
     initial_nnz_cap: int
     dead: int
@@ -209,6 +210,7 @@ class _Lib:
     def shm_reserve(
         self, ring: CData, mode: int, rows_capacity: int, nnz_capacity: int, position_out: IntPointer, /
     ) -> int: ...
+    def shm_discard_record(self, ring: CData, position: int, /) -> int: ...
     def shm_publish(
         self, ring: CData, position: int, mode: int, rows: int, nnz: int, now_ns: int, /
     ) -> int: ...

@@ -40,10 +40,16 @@ class _Attached:
     """A segment this reader mapped, with the header values it validated once
     (later changes to the shared header cannot widen what it may read)."""
 
-    __slots__ = ("segment", "capacity", "epoch", "view")
+    __slots__ = ("segment", "name", "base", "size", "capacity", "epoch", "view")
 
     def __init__(self, segment: Segment, capacity: int, epoch: int) -> None:
         self.segment = segment
+        self.name = segment.name
+        # Our own reference to the mapping: chunks opened here keep it (and
+        # can be checked and released) even after the Reader forgets the
+        # segment or is closed.
+        self.base = segment.base
+        self.size = segment.size
         self.capacity = capacity
         self.epoch = epoch
         self.view = np.frombuffer(segment.buffer, dtype=np.uint8)
@@ -52,8 +58,8 @@ class _Attached:
     def error(self, rc: int, context: str) -> None:
         """Raise for a native error code, saying so when the reason is that
         the segment file was truncated under us."""
-        if self.segment.truncated:
-            raise StaleChunkError(f"{context}: segment {self.segment.name!r} was truncated by "
+        if lib.shm_mapping_truncated(self.base):
+            raise StaleChunkError(f"{context}: segment {self.name!r} was truncated by "
                                   "another process")
         raise_for(rc, context)
 
@@ -94,7 +100,7 @@ class Reader:
         except ShmaskError:  # InvalidRefError, DoubleReleaseError
             self.stats.invalid += 1
             raise
-        except (TypeError, OverflowError, AttributeError) as exc:
+        except (TypeError, OverflowError, AttributeError, ValueError) as exc:
             # A hand-built ref with fields of the wrong type or range, or no ref.
             self.stats.invalid += 1
             if not isinstance(ref, ChunkRef):
@@ -118,14 +124,19 @@ class Reader:
         if not isinstance(ref, ChunkRef):
             raise InvalidRefError(f"Reader.discard takes a ChunkRef, got {type(ref).__name__}")
         if ref.kind == KIND_SHM:
-            self.discard_batch(RefBatch.from_refs([ref]))
+            self.discard_batch([ref])
 
     def discard_batch(self, batch: RefBatch | Iterable[ChunkRef]) -> int:
         """Give back every ring chunk of a batch without opening any: one
         native call per segment. Returns how many were given back; chunks
         already released or reclaimed are skipped silently."""
         if not isinstance(batch, RefBatch):
-            batch = RefBatch.from_refs(list(batch))
+            try:
+                batch = RefBatch.from_refs(list(batch))
+            except (TypeError, ValueError, OverflowError, AttributeError) as exc:
+                if isinstance(exc, InvalidRefError):
+                    raise
+                raise InvalidRefError(f"discard_batch: malformed reference: {exc}") from None
         entries = batch.entries
         shm = entries["kind"] == KIND_SHM
         given_back = 0
@@ -142,8 +153,7 @@ class Reader:
             positions = np.ascontiguousarray(
                 entries["position"][shm & (entries["segment"] == index)], dtype=np.uint64)
             results = np.zeros(positions.size, np.int32)
-            segment = attached.segment
-            lib.shm_release_many(segment.base, segment.size, attached.capacity,
+            lib.shm_release_many(attached.base, attached.size, attached.capacity,
                                  ffi.from_buffer("uint64_t[]", positions), positions.size,
                                  ffi.from_buffer("int32_t[]", results))
             given_back += int(np.count_nonzero(results == lib.SHM_OK))
@@ -197,8 +207,7 @@ class Reader:
                 f"ref epoch {ref.epoch} does not match segment {ref.segment!r} "
                 f"(epoch {attached.epoch}): the segment was recreated"
             )
-        segment = attached.segment
-        rc = lib.shm_open_record(segment.base, segment.size, attached.capacity, ref.position,
+        rc = lib.shm_open_record(attached.base, attached.size, attached.capacity, ref.position,
                                  ref.record_bytes, ref.rows, ref.nnz, ref.mode, self._view)
         if rc:
             attached.error(rc, f"open {ref!r}")
@@ -260,17 +269,15 @@ class _ShmRecord:
 
     def check(self) -> None:
         attached = self.attached
-        segment = attached.segment
         # A truncated segment reads as zero pages, which fail this check too.
-        if lib.shm_check_record(segment.base, attached.capacity, self.position):
-            attached.error(lib.SHM_E_STALE, f"chunk at {segment.name}@{self.position}")
+        if lib.shm_check_record(attached.base, attached.capacity, self.position):
+            attached.error(lib.SHM_E_STALE, f"chunk at {attached.name}@{self.position}")
 
     def release(self) -> None:
         attached = self.attached
-        segment = attached.segment
-        rc = lib.shm_release(segment.base, segment.size, attached.capacity, self.position)
+        rc = lib.shm_release(attached.base, attached.size, attached.capacity, self.position)
         if rc:
-            attached.error(rc, f"release {segment.name}@{self.position}")
+            attached.error(rc, f"release {attached.name}@{self.position}")
 
 
 def _check_lengths(lengths: np.ndarray, nnz: int, max_tokens: int) -> None:

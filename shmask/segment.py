@@ -284,15 +284,20 @@ class _LiveSegments:
         self._snapshot: tuple[Segment, ...] = ()
         self._lock = threading.Lock()
         self._hooked = False
+        self._atexit = False
 
     def add(self, segment: Segment) -> None:
         with self._lock:
             self._segments.add(segment)
             self._snapshot = tuple(self._segments)
-            if not self._hooked:
-                self._hooked = True
+            if not self._atexit:
+                self._atexit = True
                 atexit.register(self.unlink_all)
-                _chain_sigterm(self.unlink_all)
+            if not self._hooked:
+                # Only the main thread can set a signal handler: a Writer
+                # built on another thread leaves it to the next one built
+                # on the main thread.
+                self._hooked = _chain_sigterm(self.unlink_all)
 
     def discard(self, segment: Segment) -> None:
         with self._lock:
@@ -323,14 +328,15 @@ _LIVE = _LiveSegments()
 os.register_at_fork(after_in_child=_LIVE.forget_in_child)
 
 
-def _chain_sigterm(cleanup) -> None:  # type: ignore[no-untyped-def]
+def _chain_sigterm(cleanup) -> bool:  # type: ignore[no-untyped-def]
     """Unlink on SIGTERM, then do what the process would have done anyway:
-    call the handler that was installed, or die of the signal."""
+    call the handler that was installed, or die of the signal. False when
+    this thread cannot install it (not the main thread)."""
     if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread
+        return False  # signal handlers can only be set from the main thread
     previous = signal.getsignal(signal.SIGTERM)
     if previous is signal.SIG_IGN:
-        return
+        return True  # the process ignores SIGTERM: nothing to clean up on it
 
     def on_sigterm(signum, frame):  # type: ignore[no-untyped-def]
         cleanup()
@@ -341,6 +347,7 @@ def _chain_sigterm(cleanup) -> None:  # type: ignore[no-untyped-def]
             os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    return True
 
 
 # ---------------------------------------------------------------- janitor

@@ -44,7 +44,7 @@ from .segment import Segment, collect_garbage, host_id, process_start_ticks
 log = logging.getLogger("shmask")
 
 _WARN_INTERVAL_S = 10.0
-_SLOT_MASK = 0xFFFFFFFF
+_SLOT_MASK = (1 << lib.SHM_HANDLE_SLOT_BITS) - 1  # a handle's low bits: its queue slot
 
 
 @dataclass
@@ -174,11 +174,27 @@ class Writer:
             payload = lengths.tobytes() + ids.tobytes() + logprobs.tobytes()
             ref = self._inline_ref(code, rows, nnz, payload, self._inline_reason(code, rows, nnz))
         else:
-            dest_lengths, dest_ids, dest_logprobs = self._record_arrays(position, code, rows, nnz)
-            dest_lengths[:] = lengths
-            dest_ids[:] = ids
-            dest_logprobs[:] = logprobs
-            ref = self._publish_record(position, code, rows, nnz)
+            try:
+                dest_lengths, dest_ids, dest_logprobs = self._record_arrays(position, code, rows,
+                                                                            nnz)
+                dest_lengths[:] = lengths
+                dest_ids[:] = ids
+                dest_logprobs[:] = logprobs
+            except BaseException:
+                # (KeyboardInterrupt included) a record left STAGING would
+                # block reclaim for good.
+                lib.shm_discard_record(self._ring, position)
+                raise
+            try:
+                if self.segment is not None and self.segment.truncated:
+                    raise SegmentError("truncated during the copy")  # the guard saw a fault
+                ref = self._publish_record(position, code, rows, nnz)
+            except ShmaskError:
+                self._check_segment()
+                if not self._ring.dead:
+                    raise
+                payload = lengths.tobytes() + ids.tobytes() + logprobs.tobytes()
+                ref = self._inline_ref(code, rows, nnz, payload, "ring_lost")
         if metrics.enabled():
             metrics.sync(self.stats, self._synced, self.ring_usage())
         return ref
@@ -340,8 +356,12 @@ class Writer:
         if self.closed:
             raise ShmaskError("Writer is closed")
         self._deadline = None
+        if check_segment:
+            self._check_segment()
+
+    def _check_segment(self) -> None:
         segment = self.segment
-        if check_segment and segment is not None and not self._ring.dead and (
+        if segment is not None and not self._ring.dead and (
                 segment.truncated or not segment.file_intact()):
             lib.shm_ring_mark_dead(self._ring)
             log.error("ring %s was truncated by another process: chunks staged in it are "
@@ -579,8 +599,23 @@ class RowQueue:
 
 
 def _as_array(value: object, dtype: type, name: str) -> np.ndarray:
+    """`value` as a contiguous array of `dtype`, refusing casts that would
+    change values silently (int64 ids past int32, float ids)."""
+    if isinstance(value, np.ndarray) and value.dtype == dtype:
+        return np.ascontiguousarray(value)  # the hot path: nothing to check
     try:
-        array: np.ndarray = np.ascontiguousarray(value, dtype=dtype)
+        source = np.asarray(value)
+        target = np.dtype(dtype)
+        if target.kind == "i":
+            if source.dtype.kind not in "iub":
+                raise InvalidRowsError(f"{name} must be integers, got {source.dtype}")
+            limits = np.iinfo(target)
+            if source.size and (source.min() < limits.min or source.max() > limits.max):
+                raise InvalidRowsError(
+                    f"{name} has values outside {target.name} ({limits.min}..{limits.max})")
+        array: np.ndarray = np.ascontiguousarray(source, dtype=dtype)
     except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRowsError):
+            raise
         raise InvalidRowsError(f"{name} cannot be read as {np.dtype(dtype).name}: {exc}") from None
     return array

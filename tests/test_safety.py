@@ -481,3 +481,136 @@ def test_forked_child_does_not_keep_a_dead_producers_ring(prefix):
             os.kill(int(child), signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# ----------------------------------------------- found in review, each proven
+
+
+def test_held_chunk_outlives_the_readers_view_of_its_segment(prefix):
+    """A tokenizer still holding a chunk when the reader forgets the segment
+    (its producer died and a new one appeared, or Reader.close()) can still
+    read, check and release it."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix)
+    first, reader = shmask.Writer(config), shmask.Reader(config)
+    queue = first.open_queue("support")
+    queue.append(np.array([1, 2, 3], np.int32), np.array([-0.1, -0.2, -0.3], np.float32))
+    chunk = reader.open(queue.take())
+    first.close()
+    with shmask.Writer(config) as second:
+        other = second.open_queue("support")
+        other.append(np.array([7], np.int32), np.array([-0.7], np.float32))
+        reader.open(other.take()).release()  # attaching it forgets the dead segment
+        assert chunk.to_lists()[0] == [[1, 2, 3]]
+        chunk.release()
+        held = reader.open(second.publish(np.array([1], np.int32), np.array([5], np.int32),
+                                          np.zeros(1, np.float32)))
+        reader.close()
+        assert held.to_lists()[0] == [[5]]
+        held.release()
+
+
+def test_a_foreign_sigbus_still_kills_after_faulthandler_wraps_ours(prefix, tmp_path):
+    """faulthandler re-raises after putting its predecessor (us) back: the
+    signal must not bounce between the two forever."""
+    result = _run(f"""
+        import faulthandler, mmap
+        config = shmask.Config(ring_mb=1, name_prefix={prefix!r})
+        first = shmask.Writer(config)
+        faulthandler.enable()
+        second = shmask.Writer(config)
+        path = {str(tmp_path / "file")!r}
+        with open(path, "wb") as f:
+            f.write(b"x" * 8192)
+        fd = os.open(path, os.O_RDWR)
+        m = mmap.mmap(fd, 8192)
+        os.ftruncate(fd, 0)
+        m[4096]  # a real fault outside shmask's mappings
+        print("survived a foreign SIGBUS?!")
+    """, prefix, timeout=60)
+    assert result.returncode == -signal.SIGBUS, (result.returncode, result.stdout[-500:])
+    assert result.stderr.count("Bus error") <= 2, "the signal bounced between handlers"
+
+
+def test_a_stale_handle_stays_stale_through_many_reopenings(writer):
+    old = writer.open_queue("support")
+    stale = old.handle
+    old.close()
+    for _ in range((1 << 16) - 1):  # a 16-bit generation wraps here (close bumped it once)
+        writer.open_queue("support").close()
+    victim = writer.open_queue("support")
+    with pytest.raises(shmask.InvalidRowsError):
+        writer.append_step(np.array([stale], np.int64), np.array([1], np.int32),
+                           np.array([11], np.int32), np.zeros(1, np.float32))
+    assert victim.rows == 0
+
+
+def test_rows_of_a_truncated_ring_never_travel_as_zeros(prefix):
+    result = _run(f"""
+        config = shmask.Config(ring_mb=1, name_prefix={prefix!r}, full_wait_ms=1)
+        writer, reader = shmask.Writer(config), shmask.Reader(config)
+        lossy, other = writer.open_queue("selected"), writer.open_queue("selected")
+        for value in (-1.0, -2.0):
+            lossy.append(np.array([5], np.int32), value)
+        other.append(np.array([6], np.int32), -9.0)
+        os.truncate("/dev/shm" + writer.segment_name, 0)
+        writer.take_batch([other])           # notices: the ring is dead
+        for value in (-3.0, -4.0, -5.0):     # grows the queue out of the dead ring
+            for _ in range(40):
+                lossy.append(np.array([7], np.int32), value)
+        try:
+            chunk = reader.open(lossy.take())
+            print("rows:", chunk.to_lists())
+        except shmask.StaleChunkError:
+            print("stale")
+        lossy.append(np.array([8], np.int32), -6.0)   # later chunks are whole, inline
+        ref = lossy.take()
+        print("after:", ref.inline, reader.open(ref).to_lists())
+    """, prefix)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "stale" in result.stdout and "rows:" not in result.stdout, result.stdout
+    assert "after: True ([[8]], [-6.0])" in result.stdout
+
+
+@pytest.mark.parametrize("bad", [np.array([2**31 + 5], np.int64), np.array([-(2**31) - 1]),
+                                 np.array([1.5])])
+def test_ids_that_do_not_fit_int32_are_refused(writer, bad):
+    queue = writer.open_queue("support")
+    with pytest.raises(shmask.InvalidRowsError, match="ids"):
+        writer.append_step([queue], np.array([1]), bad, np.zeros(1, np.float32))
+    with pytest.raises(shmask.InvalidRowsError, match="lengths"):
+        writer.append_step([queue], np.array([2**32 + 1], np.int64), np.array([3]),
+                           np.zeros(1, np.float32))
+    assert queue.rows == 0
+
+
+@pytest.mark.parametrize("field, value", [("position", -1), ("position", 1 << 64),
+                                          ("segment", None), ("rows", "x")])
+def test_discarding_malformed_refs_raises_invalid_ref(writer, reader, field, value):
+    ref = writer.publish(np.array([1], np.int32), np.array([3], np.int32),
+                         np.zeros(1, np.float32))
+    forged = ChunkRef(ref.kind, ref.mode, ref.segment, ref.epoch, ref.position,
+                      ref.record_bytes, ref.rows, ref.nnz, None)
+    setattr(forged, field, value)
+    with pytest.raises(shmask.InvalidRefError):
+        reader.discard(forged)
+    with pytest.raises(shmask.InvalidRefError):
+        reader.discard_batch([forged, 1])
+    reader.discard(ref)
+
+
+def test_sigterm_unlinks_when_the_first_writer_was_built_off_the_main_thread(prefix):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import threading, time, shmask
+        config = shmask.Config(ring_mb=1, name_prefix={prefix!r})
+        made = []
+        worker = threading.Thread(target=lambda: made.append(shmask.Writer(config)))
+        worker.start(); worker.join()
+        main = shmask.Writer(config)
+        print(made[0].segment_name, main.segment_name, flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    names = proc.stdout.readline().split()
+    assert len(names) == 2 and all(os.path.exists(_path(n)) for n in names)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert not any(os.path.exists(_path(n)) for n in names)
