@@ -31,7 +31,7 @@ from .refs import (
     RefBatch,
     payload_bytes,
 )
-from .segment import Segment, collect_garbage, host_id, segment_alive
+from .segment import Segment, collect_garbage, host_id, is_valid_name, segment_alive
 
 log = logging.getLogger("shmask")
 
@@ -168,8 +168,8 @@ class Reader:
         if ref.kind == KIND_INLINE:
             return _open_inline(ref, self.config.max_tokens)
         if ref.kind == KIND_EMPTY:
-            if ref.rows or ref.nnz:
-                raise InvalidRefError(f"empty reference with rows={ref.rows} nnz={ref.nnz}")
+            if type(ref.rows) is not int or type(ref.nnz) is not int or ref.rows or ref.nnz:
+                raise InvalidRefError(f"empty reference with rows={ref.rows!r} nnz={ref.nnz!r}")
             return Chunk.empty(ref.mode if ref.mode in (MODE_SELECTED, MODE_SUPPORT)
                                else MODE_SUPPORT)
         raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2")
@@ -203,6 +203,8 @@ class Reader:
                 "RefBatch.to_inline(reader)), or run the producer with SHMASK_TRANSPORT=inline")
         attached = self._attach(ref.segment)
         if ref.epoch != attached.epoch:
+            if type(ref.epoch) is not int:
+                raise InvalidRefError(f"reference epoch {ref.epoch!r} is not an integer")
             raise StaleChunkError(
                 f"ref epoch {ref.epoch} does not match segment {ref.segment!r} "
                 f"(epoch {attached.epoch}): the segment was recreated"
@@ -233,6 +235,8 @@ class Reader:
         attached = self._attached.get(name)
         if attached is not None:
             return attached
+        if not is_valid_name(name):
+            raise InvalidRefError(f"{name!r} is not a shmask segment name")
         try:
             segment = Segment.attach(name)
         except SegmentError as exc:

@@ -99,7 +99,8 @@ class ChunkRef:
 
     @property
     def mode_name(self) -> str:
-        return MODE_NAMES.get(self.mode, "?")
+        # A hand-built ref may hold anything here; its repr must not raise.
+        return MODE_NAMES.get(self.mode, "?") if type(self.mode) is int else "?"
 
     def to_bytes(self) -> bytes:
         return RefBatch.from_refs([self]).to_bytes()
