@@ -609,7 +609,7 @@ def _as_array(value: object, dtype: type, name: str) -> np.ndarray:
         if target.kind == "i":
             if source.dtype.kind not in "iub":
                 raise InvalidRowsError(f"{name} must be integers, got {source.dtype}")
-            limits = np.iinfo(target)
+            limits = np.iinfo(target)  # type: ignore[type-var]  # target is an integer dtype here
             if source.size and (source.min() < limits.min or source.max() > limits.max):
                 raise InvalidRowsError(
                     f"{name} has values outside {target.name} ({limits.min}..{limits.max})")
