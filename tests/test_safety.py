@@ -432,13 +432,21 @@ def test_inline_warning_counts_every_chunk_and_its_reason(prefix, caplog):
         stats = writer.stats
         assert stats.inline_chunks == stats.inline_ring_full + stats.inline_oversize
         assert stats.inline_oversize == 1 and stats.inline_ring_full >= 6
+        lines = [r.getMessage() for r in caplog.records if "sent inline" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("1 chunk(s)"), lines
+        writer._inline_warning.last = -1e9  # as if the interval had passed
+        held.append(writer.publish(*random_chunk(rng, 8, 200, vocab=5000)))
+        assert held[-1].inline
         reader.discard_batch(held)
     lines = [r.getMessage() for r in caplog.records if "sent inline" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("1 chunk(s)"), lines
+    # The second line counts every chunk since the first, by reason.
+    since = stats.inline_chunks - 1
+    assert len(lines) == 2 and lines[1].startswith(f"{since} chunk(s)"), lines
+    assert f"{stats.inline_ring_full - 1} ring full" in lines[1] and "1 oversize" in lines[1]
     with shmask.Writer(shmask.Config(transport="inline")) as writer:
         writer.publish(np.array([1], np.int32), np.array([2], np.int32), np.zeros(1, np.float32))
         assert writer.stats.inline_configured == 1
-    assert len([r for r in caplog.records if "sent inline" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "sent inline" in r.getMessage()]) == 2
 
 
 def test_a_queue_repeated_in_one_step_gets_its_rows_in_order(writer, reader):
