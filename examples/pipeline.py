@@ -79,6 +79,7 @@ def main() -> int:
         decoder = msgspec.msgpack.Decoder()
         deadline = time.monotonic() + args.timeout
         expected_reports = args.tokenizers + 2
+        told_exit = False
         try:
             with Progress("[progress.description]{task.description}", BarColumn(),
                           MofNCompleteColumn(), TimeElapsedColumn(), console=console,
@@ -97,7 +98,11 @@ def main() -> int:
                         progress.advance(task, report["rows"])
                     else:
                         stats.setdefault(report["stage"], []).append(report)
-                        if len(stats.get("tokenizer", ())) == args.tokenizers:
+                        if not told_exit and len(stats.get("tokenizer", ())) == args.tokenizers:
+                            # Once: the producer exits on it, and a second send
+                            # to a PUSH socket with no peer left blocks forever
+                            # (reports can arrive in any order).
+                            told_exit = True
                             control.send(b"exit")  # the producer may unlink its ring now
             wall = time.perf_counter() - started
             for process in processes:

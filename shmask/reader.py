@@ -294,6 +294,8 @@ def _check_lengths(lengths: np.ndarray, nnz: int, max_tokens: int) -> None:
 def _open_inline(ref: ChunkRef, max_tokens: int) -> Chunk:
     payload = ref.payload
     rows, nnz = ref.rows, ref.nnz
+    if type(ref.mode) is not int or ref.mode not in (MODE_SELECTED, MODE_SUPPORT):
+        raise InvalidRefError(f"inline reference mode {ref.mode!r} is invalid: accepted 1, 2")
     size = int(payload_bytes(ref.mode, rows, nnz))
     if payload is None or len(payload) != size:
         raise InvalidRefError(f"inline {ref!r} carries {0 if payload is None else len(payload)} "

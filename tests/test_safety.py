@@ -622,3 +622,14 @@ def test_sigterm_unlinks_when_the_first_writer_was_built_off_the_main_thread(pre
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
     assert not any(os.path.exists(_path(n)) for n in names)
+
+
+@pytest.mark.parametrize("mode", [1.5, float("nan"), "text", None])
+def test_inline_refs_with_a_mode_of_the_wrong_type_are_refused(prefix, mode):
+    with shmask.Writer(shmask.Config(transport="inline")) as writer:
+        ref = writer.publish(np.array([1], np.int32), np.array([3], np.int32),
+                             np.zeros(1, np.float32), mode="selected")
+    forged = ChunkRef(ref.kind, mode, ref.segment, ref.epoch, ref.position, ref.record_bytes,
+                      ref.rows, ref.nnz, ref.payload)
+    with pytest.raises(shmask.InvalidRefError, match="mode"):
+        shmask.Reader(shmask.Config(transport="inline")).open(forged)
