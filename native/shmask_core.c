@@ -425,7 +425,9 @@ int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
 
 /* ------------------------------------------------------ RowQueue buffers */
 
-int64_t shm_queue_slot(const shm_ring *ring, int64_t handle) {
+/* static inline: called per row on the step path, where an exported
+ * function would go through the PLT (-fPIC) on every call. */
+static inline int64_t queue_slot(const shm_ring *ring, int64_t handle) {
     if (handle < 0) return SHM_E_BAD_SLOT;
     uint64_t h = (uint64_t)handle, slot = h & HANDLE_SLOT_MASK;
     if (slot >= ring->n_queues || (h >> 48) != ring->handle_tag) return SHM_E_BAD_SLOT;
@@ -435,6 +437,8 @@ int64_t shm_queue_slot(const shm_ring *ring, int64_t handle) {
         return SHM_E_BAD_SLOT;
     return (int64_t)slot;
 }
+
+int64_t shm_queue_slot(const shm_ring *ring, int64_t handle) { return queue_slot(ring, handle); }
 
 int64_t shm_queue_open(shm_ring *ring, uint32_t mode, uint64_t initial_rows) {
     if (mode != SHM_MODE_SELECTED && mode != SHM_MODE_SUPPORT) return SHM_E_MODE;
@@ -640,20 +644,20 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
                         const float *selected, uint64_t row_stride, uint64_t ids_len,
                         uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
                         uint64_t max_row_length, int64_t *bad_row) {
-    /* 1. Every handle names an open queue of this ring. */
-    for (uint64_t i = 0; i < batch; i++) {
-        int64_t slot = shm_queue_slot(ring, handles[i]);
-        if (slot < 0) {
-            *bad_row = (int64_t)i;
-            return SHM_E_BAD_SLOT;
-        }
-        ring->queues[slot].pending_rows = ring->queues[slot].pending_nnz = 0;
-    }
-    /* 2. Every row's length and source range, and each queue's total. */
-    uint64_t cursor = 0, n_support = 0, n_selected = 0;
+    /* 1. Every handle names an open queue of this ring; every row's length
+     * and source range; each queue's total for the step (a queue's pending
+     * counts restart at its first row of this step: step_serial). */
+    uint64_t cursor = 0, n_support = 0, n_selected = 0, serial = ++ring->step_serial;
+    int need_room = 0;
     for (uint64_t i = 0; i < batch; i++) {
         *bad_row = (int64_t)i;
-        shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
+        int64_t slot = queue_slot(ring, handles[i]);
+        if (slot < 0) return SHM_E_BAD_SLOT;
+        shm_queue *q = &ring->queues[slot];
+        if (q->pending_serial != serial) {
+            q->pending_serial = serial;
+            q->pending_rows = q->pending_nnz = 0;
+        }
         int32_t n = lengths[i];
         if (n < 0 || (uint64_t)n > max_row_length || (row_stride && (uint64_t)n > row_stride))
             return SHM_E_BAD_LENGTH;
@@ -669,6 +673,9 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         q->pending_rows += 1;
         q->pending_nnz += (uint64_t)n;
         cursor += (uint64_t)n;
+        /* Totals only grow, so a queue short of room is caught at its last row. */
+        need_room |= q->rows + q->pending_rows > q->rows_capacity ||
+                     q->nnz + q->pending_nnz > q->nnz_capacity;
     }
     if (selected_is_logprobs && n_support && n_selected) {
         *bad_row = -1;
@@ -678,9 +685,9 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         *bad_row = -1; /* per-entry logprobs given to selected-mode rows */
         return SHM_E_MODE;
     }
-    /* 3. Room for every queue's rows; a queue the ring cannot serve right
+    /* 2. Room for every queue's rows; a queue the ring cannot serve right
      * now goes back to the caller (which waits, or stages it privately). */
-    for (uint64_t i = 0; i < batch; i++) {
+    for (uint64_t i = 0; need_room && i < batch; i++) {
         uint64_t slot = (uint64_t)handles[i] & HANDLE_SLOT_MASK;
         shm_queue *q = &ring->queues[slot];
         if (q->rows + q->pending_rows <= q->rows_capacity &&
@@ -696,7 +703,7 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         *bad_row = -1;
         return (int64_t)i;
     }
-    /* 4. Copy: nothing can fail from here on. */
+    /* 3. Copy: nothing can fail from here on. */
     cursor = 0;
     for (uint64_t i = 0; i < batch; i++) {
         shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
@@ -710,7 +717,6 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
             q->logprobs[q->rows] = selected[i];
         q->rows += 1;
         q->nnz += n;
-        q->pending_rows = q->pending_nnz = 0;
         cursor += n;
     }
     *bad_row = -1;
@@ -723,7 +729,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
                         uint64_t *nnz_out) {
     if (start == 0)
         for (uint64_t i = 0; i < count; i++)
-            if (shm_queue_slot(ring, handles[i]) < 0) return SHM_E_BAD_SLOT;
+            if (queue_slot(ring, handles[i]) < 0) return SHM_E_BAD_SLOT;
     for (uint64_t i = start; i < count; i++) {
         uint64_t slot = (uint64_t)handles[i] & HANDLE_SLOT_MASK;
         shm_queue *q = &ring->queues[slot];
@@ -734,6 +740,14 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         if (q->rows == 0) {
             if (final) drop_buffer(ring, q);
             continue;
+        }
+        if (q->in_ring && !ring->dead &&
+            shm_publish(ring, q->position, q->mode, q->rows, q->nnz, now_ns) != SHM_OK) {
+            /* Someone rewrote our staging record's header (or cut the file):
+             * move the rows out and send them inline rather than publish a
+             * record readers would reject; cut rows become lost below. */
+            int rc = stage_private(ring, slot, q->rows_capacity, q->nnz_capacity);
+            if (rc) return rc;
         }
         if (q->lost) {
             /* A ref to where the rows were: its reader gets StaleChunkError. */
@@ -748,19 +762,9 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
             q->lost = 0;
             continue;
         }
-        if (!q->in_ring) return (int64_t)i;
         /* On a truncated segment the rows may be gone: the ref still points
          * at the ring, where its reader gets StaleChunkError (never zeros). */
-        if (!ring->dead) {
-            int rc = shm_publish(ring, q->position, q->mode, q->rows, q->nnz, now_ns);
-            if (rc) {
-                /* Someone rewrote our staging record's header: send the rows
-                 * inline rather than publish a record readers would reject. */
-                rc = stage_private(ring, slot, q->rows_capacity, q->nnz_capacity);
-                if (rc) return rc;
-                return (int64_t)i;
-            }
-        }
+        if (!q->in_ring) return (int64_t)i;
         shm_layout layout;
         shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
         kind_out[i] = 1;

@@ -86,22 +86,25 @@ int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
  * buffer is a STAGING record in the ring (in_ring) or memory this core
  * malloc'd (the ring had no room). Only shmask_core.c writes these. */
 typedef struct {
+    /* first cache line: all the per-step copy touches */
     int32_t *lengths;
     int32_t *ids;
     float *logprobs;
     uint64_t rows;
-    uint64_t rows_capacity;
     uint64_t nnz;
+    uint32_t mode;         /* 0: slot closed */
+    uint32_t generation;   /* bumped at every close: stale handles stop matching */
+    uint64_t rows_capacity;
     uint64_t nnz_capacity;
+    /* second line: the step's validation */
+    uint64_t pending_rows; /* this step's rows for the queue (validation pass) */
+    uint64_t pending_nnz;
+    uint64_t pending_serial; /* the step the pending counts belong to */
     uint64_t position;     /* record position when in_ring */
     uint64_t next_rows;    /* capacity of the next buffer: the last take's size */
     uint64_t next_nnz;     /* plus slack, so steady decoding never doubles */
-    uint64_t pending_rows; /* this step's rows for the queue (validation pass) */
-    uint64_t pending_nnz;
     uint64_t lost_position; /* where the rows were when the ring was lost (lost) */
-    uint32_t mode;         /* 0: slot closed */
     uint32_t in_ring;
-    uint32_t generation;   /* bumped at every close: stale handles stop matching */
     uint32_t lost;         /* rows were in a segment truncated under us: never
                             * copied out (they may be zero pages); the take sends
                             * a ring ref that readers reject as stale */
@@ -123,6 +126,7 @@ typedef struct {
     uint64_t free_head;
     uint64_t handle_tag;   /* random, 15 bits: another Writer's handles do not match */
     uint64_t initial_nnz_cap; /* bound on a fresh buffer's guessed entries */
+    uint64_t step_serial;  /* counts append_step validations (pending_serial) */
     uint32_t dead;         /* the segment was truncated: stage privately from now on */
     uint32_t pad;
 } shm_ring;

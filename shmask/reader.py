@@ -74,7 +74,7 @@ class ReaderStats:
     discards: int = 0  # chunks given back unopened
 
 
-_SYNC_EVERY_OPENS = 256  # metrics are handed over in batches, not per open
+_SYNC_MASK = 255  # metrics are handed over every 256 opens, not per open
 
 
 class Reader:
@@ -82,8 +82,11 @@ class Reader:
 
     def __init__(self, config: Config | None = None) -> None:
         self.config = config or Config.from_env()
-        self.stats = ReaderStats()
+        # Plain int attributes: the cheapest count on the open path (stats
+        # builds the ReaderStats view on demand).
+        self._opens = self._stale = self._invalid = self._discards = 0
         self._synced = ReaderStats()
+        self._host = host_id()  # which /dev/shm this process sees
         self._attached: dict[str, _Attached] = {}
         self._view = ffi.new("shm_view *")
         if self.config.transport == "shm":
@@ -95,23 +98,27 @@ class Reader:
         try:
             chunk = self._open_shm(ref) if ref.kind == KIND_SHM else self._open_other(ref)
         except StaleChunkError:
-            self.stats.stale += 1
+            self._stale += 1
             raise
         except ShmaskError:  # InvalidRefError, DoubleReleaseError
-            self.stats.invalid += 1
+            self._invalid += 1
             raise
         except (TypeError, OverflowError, AttributeError, ValueError) as exc:
             # A hand-built ref with fields of the wrong type or range, or no ref.
-            self.stats.invalid += 1
+            self._invalid += 1
             if not isinstance(ref, ChunkRef):
                 raise InvalidRefError(
                     f"Reader.open takes a ChunkRef, got {type(ref).__name__}") from None
             raise InvalidRefError(f"malformed reference {ref!r}: {exc}") from None
-        stats = self.stats
-        stats.opens += 1
-        if stats.opens % _SYNC_EVERY_OPENS == 0 and metrics.enabled():
-            metrics.sync(stats, self._synced)
+        self._opens += 1
+        if not self._opens & _SYNC_MASK and metrics.enabled():
+            metrics.sync(self.stats, self._synced)
         return chunk
+
+    @property
+    def stats(self) -> ReaderStats:
+        """Counters of this Reader since it was built."""
+        return ReaderStats(self._opens, self._stale, self._invalid, self._discards)
 
     def sync_metrics(self) -> None:
         """Hand the counters to prometheus_client now (also done every 256
@@ -142,7 +149,7 @@ class Reader:
         given_back = 0
         for index in np.unique(entries["segment"][shm]):
             name, epoch, host = batch.segments[int(index)]
-            if host and host != host_id():
+            if host and host != self._host:
                 continue  # another host's ring: its own hop gives it back
             try:
                 attached = self._attach(name)
@@ -157,7 +164,7 @@ class Reader:
                                  ffi.from_buffer("uint64_t[]", positions), positions.size,
                                  ffi.from_buffer("int32_t[]", results))
             given_back += int(np.count_nonzero(results == lib.SHM_OK))
-        self.stats.discards += given_back
+        self._discards += given_back
         if metrics.enabled():
             metrics.sync(self.stats, self._synced)
         return given_back
@@ -195,7 +202,7 @@ class Reader:
 
     # ------------------------------------------------------------ internals
     def _open_shm(self, ref: ChunkRef) -> Chunk:
-        if ref.host and ref.host != host_id():
+        if ref.host and ref.host != self._host:
             raise RemoteChunkError(
                 f"{ref!r} lives in the shared memory of another host (or of a container with "
                 "its own /dev/shm): the hop that forwards it here must send it inline "
@@ -228,7 +235,8 @@ class Reader:
             raise
         # Re-check after reading the lengths: a record reclaimed meanwhile
         # must not pass with someone else's lengths.
-        record.check()
+        if lib.shm_check_record(attached.base, attached.capacity, ref.position):
+            record.check()  # raises, naming the reason
         return Chunk(ref.mode, lengths, ids, logprobs, record)
 
     def _attach(self, name: str) -> _Attached:

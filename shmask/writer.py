@@ -228,7 +228,9 @@ class Writer:
         appended in step order. Every row is checked before any is copied: a
         bad row raises and appends nothing.
         """
-        self._begin_call(check_segment=False)  # the SIGBUS guard covers the copy
+        if self.closed:  # _begin_call, inlined: this runs every decode step
+            raise ShmaskError("Writer is closed")
+        self._deadline = None  # the SIGBUS guard covers the copy: no fstat here
         handles = self._handles(queues)
         lengths = _as_array(lengths, np.int32, "lengths")
         ids = _as_array(ids, np.int32, "ids")
@@ -260,9 +262,10 @@ class Writer:
             if logprobs.size and logprobs.shape != ids.shape:
                 raise InvalidRowsError(f"logprobs has shape {logprobs.shape}; expected the "
                                        f"shape of ids {ids.shape}")
+        c_logprobs = ffi.from_buffer("float[]", logprobs)
         args = (ffi.from_buffer("int64_t[]", handles), batch,
                 ffi.from_buffer("int32_t[]", lengths), ffi.from_buffer("int32_t[]", ids),
-                ffi.from_buffer("float[]", logprobs), ffi.from_buffer("float[]", selected),
+                c_logprobs, c_logprobs if selected_is_logprobs else ffi.from_buffer("float[]", selected),
                 row_stride, ids.size, logprobs.size, selected.size, selected_is_logprobs,
                 self._max_row, self._bad_row)
         while True:
