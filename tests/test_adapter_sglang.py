@@ -284,10 +284,67 @@ def test_staging_flushes_per_step_and_isolates_a_bad_row(writer, config):
     rows[0].append(np.array([3], np.int32), np.zeros(1, np.float32))  # the next step
     assert len(staging.handles) == 1, "a second row of a staged request flushes the step"
     too_long = config.max_tokens + 1
-    rows[1].append(np.arange(too_long, dtype=np.int32), np.zeros(too_long, np.float32))
-    with pytest.raises(shmask.InvalidRowsError):
-        adapter.flush(writer)
+    with pytest.raises(shmask.InvalidRowsError, match="SHMASK_MAX_TOKENS"):  # its own append
+        rows[1].append(np.arange(too_long, dtype=np.int32), np.zeros(too_long, np.float32))
+    for bad_ids, bad_logprobs in ((np.array([2**31 + 5]), np.zeros(1)),    # past int32
+                                  (np.array([1.5, 2.5]), np.zeros(2)),      # not integers
+                                  (np.array([1, 2]), np.zeros(3))):         # lengths differ
+        with pytest.raises(shmask.InvalidRowsError):
+            rows[2].append(bad_ids, bad_logprobs)
     chunks = adapter.take_all(rows)
     assert chunks[0].to_lists(True)[0] == [[1, 2], [3]]
     assert chunks[1].to_lists(True)[0] == [[1, 2]]  # the refused row only is missing
     assert chunks[2].to_lists(True)[0] == [[1, 2]]
+
+
+def test_a_row_refused_at_flush_is_raised_by_its_own_request_only(writer):
+    a, b = adapter.SamplingMaskRows("support"), adapter.SamplingMaskRows("support")
+    a.append(np.array([1], np.int32), np.zeros(1, np.float32))
+    b.append(np.array([2], np.int32), np.zeros(1, np.float32))
+    b.queue.close()  # behind the adapter's back: the flush cannot write b's row
+    a.append(np.array([3], np.int32), np.zeros(1, np.float32))  # flushes; must not raise
+    assert a.take().to_lists(True)[0] == [[1], [3]]
+    with pytest.raises(shmask.InvalidRowsError):
+        b.take()
+
+
+def test_a_collected_request_during_a_flush_writes_nothing_twice(writer):
+    """The cyclic GC may finalize a rows object inside a flush."""
+    class Request:  # an engine request caught in a reference cycle
+        def __init__(self) -> None:
+            self.rows = adapter.SamplingMaskRows("support")
+            self.me = self
+
+    a, b = adapter.SamplingMaskRows("support"), adapter.SamplingMaskRows("support")
+    a.append(np.array([1, 2], np.int32), np.zeros(2, np.float32))
+    b.append(np.array([3], np.int32), np.zeros(1, np.float32))
+    staging = adapter._staging_of(writer)
+    gc.collect()
+    gc.disable()
+    try:
+        junk = Request()
+        junk.rows.append(np.array([9], np.int32), np.zeros(1, np.float32))
+        del junk
+        gc.set_threshold(1)
+        gc.enable()
+        staging.flush()  # an allocation inside may run the pass that finalizes junk
+    finally:
+        gc.set_threshold(700)
+        gc.enable()
+    gc.collect()
+    first, second = adapter.take_all([a, b])
+    assert first.to_lists(True)[0] == [[1, 2]]
+    assert second.to_lists(True)[0] == [[3]]
+    assert not staging.closing, "the collected request's queue is closed after the flush"
+
+
+@pytest.mark.parametrize("forged_state", [{"x": 1}, 7, False, "open"])
+def test_a_received_chunk_always_starts_unread(writer, forged_state):
+    """rows_ is the receiver's own state: a sender cannot set it."""
+    rows = adapter.SamplingMaskRows("support")
+    rows.append(np.array([4, 5], np.int32), np.zeros(2, np.float32))
+    chunk = rows.take()
+    wire = msgspec.msgpack.encode([chunk.ref, forged_state])
+    received = msgspec.msgpack.decode(wire, type=adapter.SamplingMaskChunk)
+    assert received.rows_ is None
+    assert received.to_lists(True)[0] == [[4, 5]]

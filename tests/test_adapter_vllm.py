@@ -83,3 +83,39 @@ def test_adapter_defaults():
 
 def test_no_vllm_needed():
     assert "vllm" not in sys.modules
+
+
+class _Output:
+    """The two fields of vLLM's EngineCoreOutput the resolver touches."""
+
+    def __init__(self, request_id: str, mask) -> None:
+        self.request_id = request_id
+        self.new_sampling_mask = mask
+
+
+def test_a_step_the_ring_refuses_goes_out_as_vllms_own_masks(prefix):
+    """A mask row shmask refuses must not take the engine core down: the
+    step's masks travel as vLLM's own object instead."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=4)
+    with shmask.Writer(config) as writer:
+        publisher = shmask_vllm.MaskPublisher(writer, mask_lists=Masks)
+        wide = batch([np.arange(10)])  # a row wider than SHMASK_MAX_TOKENS
+        assert publisher.publish_step(wide) is wide
+        step = publisher.publish_step(batch([[1, 2, 3], [4]]))
+        assert shmask_vllm.is_ref(step.slice_request(0, 1))
+        publisher.close()
+
+
+def test_vllm_default_takes_whole_vocabulary_rows():
+    assert shmask_vllm.VLLM_MAX_TOKENS >= 262_208  # Gemma 3's vocabulary
+
+
+def test_one_bad_reference_costs_only_its_own_output(pair, reader):
+    publisher, resolver = pair
+    step = publisher.publish_step(batch([[1], [2, 3], [4]]))
+    outputs = [_Output(f"r{i}", step.slice_request(i, 1)) for i in range(3)]
+    reader.discard(shmask.ChunkRef.from_bytes(outputs[0].new_sampling_mask.token_ids.tobytes()))
+    resolver.resolve_outputs(outputs)
+    assert outputs[0].new_sampling_mask is None  # given back already: dropped, logged
+    assert outputs[1].new_sampling_mask.token_ids.tolist() == [2, 3]
+    assert outputs[2].new_sampling_mask.token_ids.tolist() == [4]

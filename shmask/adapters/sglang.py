@@ -36,6 +36,7 @@ was deleted); a chunk never released is reclaimed by the producer after
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -45,10 +46,12 @@ import numpy as np
 import orjson
 
 from ..chunk import Chunk
-from ..errors import ShmaskError
+from ..errors import InvalidRefError, InvalidRowsError, ShmaskError
 from ..reader import Reader
 from ..refs import ChunkRef, RefBatch
-from ..writer import RowQueue, Writer
+from ..writer import RowQueue, Writer, _as_array
+
+log = logging.getLogger("shmask")
 
 __all__ = [
     "SamplingMaskChunk",
@@ -119,6 +122,11 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
     # default, so msgpack (omit_defaults) and pickle (__reduce__) carry only ref.
     rows_: Any = None
 
+    def __post_init__(self) -> None:
+        # rows_ is this process's state, never the sender's: a decoded chunk
+        # (msgpack fills array_like fields by position) always starts unread.
+        self.rows_ = None
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (SamplingMaskChunk, (self.ref,))
 
@@ -129,6 +137,8 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
             rows = self.rows_ = default_reader().open(ChunkRef.from_bytes(self.ref))
         elif rows is _RELEASED:
             raise ShmaskError("sampling-mask chunk was released (to_lists releases it)")
+        elif not isinstance(rows, Chunk):
+            raise InvalidRefError(f"sampling-mask chunk in an invalid state: {rows!r}")
         return rows
 
     def open(self) -> Chunk:
@@ -181,8 +191,10 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
         self.rows_ = _RELEASED
         if rows is None:
             default_reader().discard(ChunkRef.from_bytes(self.ref))
-        else:
+        elif isinstance(rows, Chunk):
             rows.release()
+        else:
+            raise InvalidRefError(f"sampling-mask chunk in an invalid state: {rows!r}")
 
     def __repr__(self) -> str:
         state = {None: "unread", _RELEASED: "released"}.get(self.rows_, "open")  # type: ignore[arg-type]
@@ -228,7 +240,8 @@ class _Staging:
     so the staged step is flushed first (speculative decoding, which appends
     several rows per request and step, flushes more often; order is kept)."""
 
-    __slots__ = ("writer", "handles", "staged", "lengths", "selected", "ids", "logprobs", "nnz")
+    __slots__ = ("writer", "handles", "staged", "lengths", "selected", "ids", "logprobs", "nnz",
+                 "failed", "closing", "flushing")
 
     def __init__(self, writer: Writer) -> None:
         self.writer = writer
@@ -239,22 +252,43 @@ class _Staging:
         self.ids = np.empty(1 << 16, np.int32)
         self.logprobs = np.empty(1 << 16, np.float32)  # support rows; aligned with ids
         self.nnz = 0
+        # A row refused at flush time, kept for its own request's next call
+        # (never raised from another request's append).
+        self.failed: dict[int, ShmaskError] = {}
+        # Queues whose rows objects were collected: closed after the next
+        # flush. __del__ may run inside a flush (the cyclic GC), so it only
+        # appends here and never touches the staging or the Writer.
+        self.closing: list[RowQueue] = []
+        self.flushing = False
 
     def add(self, handle: int, support: bool, token_ids: Any, logprobs: Any) -> None:
+        failed = self.failed.pop(handle, None)
+        if failed is not None:
+            raise failed
+        # Checked here, before staging, so that a bad row is refused by its
+        # own request's append (the flush then cannot fail on it).
+        ids = _as_array(token_ids, np.int32, "token_ids")
+        n = ids.shape[0] if ids.ndim == 1 else -1
+        if n < 0 or n > self.writer.config.max_tokens:
+            raise InvalidRowsError(f"a row's token_ids must be 1-D with at most "
+                                   f"{self.writer.config.max_tokens} entries (SHMASK_MAX_TOKENS), "
+                                   f"got shape {ids.shape}")
+        values = _as_array(logprobs, np.float32, "logprobs").reshape(-1)
+        if values.size != (n if support else 1):
+            raise InvalidRowsError(f"logprobs has {values.size} values; a "
+                                   f"{'support' if support else 'selected'}-mode row of {n} "
+                                   f"ids needs {n if support else 1}")
         if handle in self.staged:
             self.flush()
-        ids = np.asarray(token_ids)
-        n = ids.shape[0]
         end = self.nnz + n
         if end > self.ids.size:
             self._grow(end)
         self.ids[self.nnz:end] = ids
         if support:
-            self.logprobs[self.nnz:end] = logprobs
+            self.logprobs[self.nnz:end] = values
             self.selected.append(0.0)
         else:
-            # SGLang hands a selected row's value as a 1-element array.
-            self.selected.append(float(np.asarray(logprobs).reshape(-1)[0]))
+            self.selected.append(float(values[0]))
         self.handles.append(handle)
         self.staged.add(handle)
         self.lengths.append(n)
@@ -269,26 +303,37 @@ class _Staging:
             setattr(self, name, grown)
 
     def flush(self) -> None:
-        if not self.handles:
-            return
-        nnz = self.nnz
-        handles = np.array(self.handles, np.int64)
-        lengths = np.array(self.lengths, np.int32)
-        selected = np.array(self.selected, np.float32)
-        self.handles, self.lengths, self.selected, self.nnz = [], [], [], 0
-        self.staged.clear()
-        ids, logprobs = self.ids[:nnz], self.logprobs[:nnz]
+        """Write the staged rows (one append_step), then close the queues of
+        collected rows objects. Never raises for one request's bad row: that
+        request's next append or take does."""
+        if self.flushing:
+            return  # re-entered (a finalizer during the flush): the outer one writes
+        self.flushing = True
         try:
-            self.writer.append_step(handles, lengths, ids, logprobs, selected)
-        except ShmaskError:
-            # append_step is all or nothing: one bad row (too long, a closed
-            # queue) must not cost the other requests theirs. Row by row,
-            # then report the first failure.
-            self._rows_one_by_one(handles, lengths, ids, logprobs, selected)
+            if self.handles:
+                nnz = self.nnz
+                handles = np.array(self.handles, np.int64)
+                lengths = np.array(self.lengths, np.int32)
+                selected = np.array(self.selected, np.float32)
+                self.handles, self.lengths, self.selected, self.nnz = [], [], [], 0
+                self.staged.clear()
+                ids, logprobs = self.ids[:nnz], self.logprobs[:nnz]
+                try:
+                    self.writer.append_step(handles, lengths, ids, logprobs, selected)
+                except ShmaskError:
+                    # append_step is all or nothing: one bad row must not cost
+                    # the other requests theirs. Row by row, each failure kept
+                    # for its own request.
+                    self._rows_one_by_one(handles, lengths, ids, logprobs, selected)
+            while self.closing:
+                queue = self.closing.pop()
+                if not queue.closed and not self.writer.closed:
+                    queue.close()
+        finally:
+            self.flushing = False
 
     def _rows_one_by_one(self, handles: np.ndarray, lengths: np.ndarray, ids: np.ndarray,
                          logprobs: np.ndarray, selected: np.ndarray) -> None:
-        first_error: ShmaskError | None = None
         start = 0
         for i in range(handles.size):
             stop = start + int(lengths[i])
@@ -296,10 +341,14 @@ class _Staging:
                 self.writer.append_step(handles[i:i + 1], lengths[i:i + 1], ids[start:stop],
                                         logprobs[start:stop], selected[i:i + 1])
             except ShmaskError as exc:
-                first_error = first_error or exc
+                log.error("sampling-mask row refused for queue handle %d: %s", int(handles[i]), exc)
+                self.failed.setdefault(int(handles[i]), exc)
             start = stop
-        if first_error is not None:
-            raise first_error
+
+    def raise_failure(self, handle: int) -> None:
+        failed = self.failed.pop(handle, None)
+        if failed is not None:
+            raise failed
 
 
 _staging: weakref.WeakKeyDictionary[Writer, _Staging] = weakref.WeakKeyDictionary()
@@ -360,7 +409,11 @@ class SamplingMaskRows:
         return arrays
 
     def take(self) -> SamplingMaskChunk:
-        """Hand off the queued rows (published in place), leaving the queue empty."""
+        """Hand off the queued rows (published in place), leaving the queue empty.
+        Raises here if one of this request's rows was refused at a flush."""
+        staging = _staging_of(self.writer)
+        staging.flush()
+        staging.raise_failure(self.handle)
         chunk = take_all([self])[0]  # type: ignore[index]
         assert chunk is not None
         return chunk
@@ -380,9 +433,13 @@ class SamplingMaskRows:
         return int(self.queue.abort())
 
     def __del__(self) -> None:
+        # Runs wherever the last reference goes, the cyclic GC included, which
+        # can be inside a flush: only hand the queue over to be closed after
+        # the next flush (touching the staging here could write rows twice).
         try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown or a closed ring: nothing to free
+            if not self.queue.closed and not self.writer.closed:
+                _staging_of(self.writer).closing.append(self.queue)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to free
             pass
 
     def __repr__(self) -> str:

@@ -36,6 +36,7 @@ docs/integrations/vllm.md has the patch that wires both calls into vLLM.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -43,16 +44,19 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..config import Config
-from ..errors import InvalidRefError, InvalidRowsError
+from ..errors import InvalidRefError, InvalidRowsError, ShmaskError
 from ..reader import Reader
 from ..refs import ENTRY_DTYPE, KIND_INLINE, KIND_SHM, ChunkRef, RefBatch
 from ..writer import RowQueue, Writer
 
+log = logging.getLogger("shmask")
+
 REF_DTYPE = np.dtype(np.uint8)
 # vLLM masks can be far wider than a top-k support (temperature-only sampling
-# keeps the whole vocabulary), so unless SHMASK_MAX_TOKENS says otherwise the
-# adapter accepts rows up to 2**18 ids, above every released vocabulary.
-VLLM_MAX_TOKENS = 1 << 18
+# keeps the whole vocabulary: Gemma 3's is 262,208), so unless
+# SHMASK_MAX_TOKENS says otherwise the adapter accepts rows up to the largest
+# length shmask allows (2**22 ids).
+VLLM_MAX_TOKENS = 1 << 22
 # vLLM emits every step: a queue holds one row, or k + 1 with speculative
 # decoding, so a fresh buffer sized for 64 rows would waste ring space.
 VLLM_QUEUE_ROWS = 4
@@ -146,15 +150,29 @@ class MaskPublisher:
         requests = rows_per_request.size
         self._grow(requests, rows)
         handles = self._handles[:requests]
-        if rows:
-            row_handles = handles if cu is None else np.repeat(handles, rows_per_request)
-            # vLLM masks have no values: selected mode with a zero per row
-            # costs 4 bytes a row and keeps the ring's record format.
-            self.writer.append_step(row_handles, np.diff(offsets).astype(np.int32),
-                                    token_ids[offsets[0]:offsets[-1]], self._zeros[:rows])
-        batch = self.writer.take_batch(handles)
+        try:
+            if rows:
+                row_handles = handles if cu is None else np.repeat(handles, rows_per_request)
+                # vLLM masks have no values: selected mode with a zero per row
+                # costs 4 bytes a row and keeps the ring's record format.
+                self.writer.append_step(row_handles, np.diff(offsets).astype(np.int32),
+                                        token_ids[offsets[0]:offsets[-1]], self._zeros[:rows])
+            batch = self.writer.take_batch(handles)
+        except ShmaskError as exc:
+            # Never take the engine core down for a mask: this step's masks
+            # travel as vLLM's own object (the frontend passes them through).
+            log.error("sampling masks of this step sent without shmask: %s", exc)
+            self._reset_queues()
+            return masks
         self._last = StepMasks(batch, rows_per_request, self._mask_lists)
         return self._last
+
+    def _reset_queues(self) -> None:
+        # Whatever a failed step left staged must not leak into the next one.
+        for queue in self._queues:
+            queue.close()
+        self._queues.clear()
+        self._handles = np.zeros(0, np.int64)
 
     def finish_step(self) -> int:
         """Give back the last step's chunks that no request claimed (called by
@@ -270,8 +288,14 @@ class MaskResolver:
         pending = [o for o in outputs if is_ref(o.new_sampling_mask)]
         if not pending:
             return
-        datas = [_ref_bytes(o.new_sampling_mask) for o in pending]
-        leader = RefBatch.from_bytes(datas[0])
+        try:
+            datas = [_ref_bytes(o.new_sampling_mask) for o in pending]
+            leader = RefBatch.from_bytes(datas[0])
+        except ShmaskError:
+            for output in pending:  # one at a time, each failure its own
+                self._resolve_into(output, lambda o=output: ChunkRef.from_bytes(
+                    _ref_bytes(o.new_sampling_mask)))
+            return
         prefix = datas[0][:-_ENTRY_BYTES]
         # Only a canonical batch of one ring entry (no inline area) has its
         # entry as its last 40 bytes: rebuild the leader to make sure.
@@ -282,17 +306,25 @@ class MaskResolver:
             if canonical and len(data) == len(datas[0]) and data[:-_ENTRY_BYTES] == prefix:
                 grouped.append(i)
             else:
-                output = pending[i]
-                output.new_sampling_mask = self._resolve(
-                    ChunkRef.from_bytes(data), output.new_sampling_mask.cu_num_generated_tokens)
+                self._resolve_into(pending[i], lambda data=data: ChunkRef.from_bytes(data))
         if not grouped:
             return
         entries = np.frombuffer(b"".join(datas[i][-_ENTRY_BYTES:] for i in grouped), ENTRY_DTYPE)
         batch = RefBatch.build(leader.segments, entries)
         for i, ref in zip(grouped, batch, strict=True):
-            output = pending[i]
+            self._resolve_into(pending[i], lambda ref=ref: ref)
+
+    def _resolve_into(self, output: Any, ref: Any) -> None:
+        """One output's mask, resolved in place; a bad or late reference
+        costs that output its mask (None, logged), never the others theirs
+        nor the output handler its loop."""
+        try:
             output.new_sampling_mask = self._resolve(
-                ref, output.new_sampling_mask.cu_num_generated_tokens)
+                ref(), output.new_sampling_mask.cu_num_generated_tokens)
+        except ShmaskError as exc:
+            log.error("sampling mask of request %s dropped: %s",
+                      getattr(output, "request_id", "?"), exc)
+            output.new_sampling_mask = None
 
     def _resolve(self, ref: ChunkRef, kept: Sequence[int] | None) -> Any:
         if ref.kind not in (KIND_SHM, KIND_INLINE):

@@ -2,9 +2,9 @@
 hands them to the scheduler, and one step through the real IPC path.
 
 vLLM 0.33 imports on this CPU machine with the packages of
-requirements-deps.txt alone: no module is stubbed for it (the guide says so,
-and test_vllm_patch checks that every vllm module these tests load is the
-installed file).
+requirements-deps.txt alone: no module is stubbed for it (the guide says so;
+test_vllm_patch imports the patched modules from a copy of the installed
+package).
 """
 
 from __future__ import annotations
