@@ -179,9 +179,14 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
+        try:
+            body = orjson.loads(await request.body() or b"{}")
+        except orjson.JSONDecodeError as exc:
+            raise HTTPException(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise HTTPException(400, "the body must be a JSON object")
         rid = body.get("rid")
-        if not isinstance(rid, int) or not 0 <= rid < len(manager.states):
+        if type(rid) is not int or not 0 <= rid < len(manager.states):
             raise HTTPException(400, f"rid must be an int in [0, {len(manager.states)})")
         state = manager.states[rid]
         if body.get("stream"):

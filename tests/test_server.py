@@ -120,3 +120,5 @@ def test_streaming(server, incremental):
 def test_bad_request(server):
     url, _ = server
     assert httpx.post(url + "/generate", json={"rid": REQUESTS}).status_code == 400
+    for body in (b"not json", b"[1, 2]", b'{"rid": true}', b'{"rid": "3"}'):
+        assert httpx.post(url + "/generate", content=body).status_code == 400, body
