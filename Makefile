@@ -34,7 +34,7 @@ test-compat: $(COMPAT_STAMP)
 
 # The whole fault matrix (the short version runs inside `make test`).
 faults: $(STAMP)
-	SHMASK_FAULTS_FULL=1 $(PY) -m pytest -q tests/faults
+	SHMASK_FAULTS_FULL=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/faults
 
 serve: $(STAMP)
 	$(PY) examples/server.py
