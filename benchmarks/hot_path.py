@@ -29,8 +29,8 @@ import json, sys, time
 import numpy as np
 import shmask
 
-width, emissions = int(sys.argv[1]), int(sys.argv[2])
-batch, tokens, warm = 256, 50, 2
+width, emissions, tokens = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+batch, warm = 256, 2
 rng = np.random.default_rng(width)
 pool = [(np.full(batch, width, np.int32),
          rng.integers(0, 151936, (batch, width)).astype(np.int32),
@@ -79,9 +79,10 @@ def build_baseline(revision: str, where: Path) -> Path:
     return tree
 
 
-def run_child(tree: Path, width: int, emissions: int) -> dict[str, float]:
+def run_child(tree: Path, width: int, emissions: int, tokens: int) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(emissions)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, str(width), str(emissions), str(tokens)],
+                         env=env,
                          check=True, capture_output=True, text=True, cwd=tree)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -92,6 +93,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--emissions", type=int, default=6)
     parser.add_argument("--widths", default="20,1000")
+    parser.add_argument("--tokens", type=int, default=50,
+                        help="decode steps per emission (1: takes on warm caches)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         baseline = build_baseline(args.baseline, Path(tmp))
@@ -100,8 +103,10 @@ def main() -> int:
             for width in (int(w) for w in args.widths.split(",")):
                 results: dict[str, list[dict[str, float]]] = {"baseline": [], "this tree": []}
                 for _ in range(args.rounds):
-                    results["baseline"].append(run_child(baseline, width, args.emissions))
-                    results["this tree"].append(run_child(REPO, width, args.emissions))
+                    results["baseline"].append(run_child(baseline, width, args.emissions,
+                                                         args.tokens))
+                    results["this tree"].append(run_child(REPO, width, args.emissions,
+                                                          args.tokens))
                 for metric, label in (("append_us", "append_step per step"),
                                       ("take_us", "take_batch per emission"),
                                       ("open_us", "open + release per ref")):
@@ -113,7 +118,8 @@ def main() -> int:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                             str(baseline)], capture_output=True)
     print_table(f"Hot path: this tree against {args.baseline} (us, medians of "
-                f"{args.rounds} alternating rounds; 256 requests x 50-token emissions)",
+                f"{args.rounds} alternating rounds; 256 requests x {args.tokens}-token "
+                f"emissions)",
                 ("measure", "baseline", "this tree", "ratio"), rows)
     return 0
 
