@@ -723,6 +723,16 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
     return (int64_t)batch;
 }
 
+/* Entry i of a take's output: a ring chunk of queue q's rows at `position`. */
+static void put_ring_ref(uint64_t i, uint64_t position, uint64_t record_bytes, const shm_queue *q,
+                         uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
+                         uint64_t *nnz_out) {
+    position_out[i] = position;
+    bytes_out[i] = record_bytes;
+    rows_out[i] = (uint32_t)q->rows;
+    nnz_out[i] = q->nnz;
+}
+
 int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
                         uint64_t now_ns, int final, uint8_t *kind_out, uint8_t *mode_out,
                         uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
@@ -754,10 +764,8 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
             shm_layout layout;
             shm_record_layout(q->mode, q->rows, q->nnz, &layout);
             kind_out[i] = 1;
-            position_out[i] = q->lost_position;
-            bytes_out[i] = layout.record_bytes;
-            rows_out[i] = (uint32_t)q->rows;
-            nnz_out[i] = q->nnz;
+            put_ring_ref(i, q->lost_position, layout.record_bytes, q, position_out, bytes_out,
+                         rows_out, nnz_out);
             drop_buffer(ring, q);
             q->lost = 0;
             continue;
@@ -768,10 +776,8 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         shm_layout layout;
         shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
         kind_out[i] = 1;
-        position_out[i] = q->position;
-        bytes_out[i] = layout.record_bytes;
-        rows_out[i] = (uint32_t)q->rows;
-        nnz_out[i] = q->nnz;
+        put_ring_ref(i, q->position, layout.record_bytes, q, position_out, bytes_out, rows_out,
+                     nnz_out);
         q->next_rows = q->rows + q->rows / 4 + 1;
         q->next_nnz = q->nnz + q->nnz / 4 + 1;
         /* The published record is the reader's now: forget it, don't discard. */
