@@ -45,6 +45,7 @@ log = logging.getLogger("shmask")
 
 _WARN_INTERVAL_S = 10.0
 _SLOT_MASK = (1 << lib.SHM_HANDLE_SLOT_BITS) - 1  # a handle's low bits: its queue slot
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass
@@ -262,14 +263,16 @@ class Writer:
             if logprobs.size and logprobs.shape != ids.shape:
                 raise InvalidRowsError(f"logprobs has shape {logprobs.shape}; expected the "
                                        f"shape of ids {ids.shape}")
+        c_handles = ffi.from_buffer("int64_t[]", handles)
+        c_lengths = ffi.from_buffer("int32_t[]", lengths)
+        c_ids = ffi.from_buffer("int32_t[]", ids)
         c_logprobs = ffi.from_buffer("float[]", logprobs)
-        args = (ffi.from_buffer("int64_t[]", handles), batch,
-                ffi.from_buffer("int32_t[]", lengths), ffi.from_buffer("int32_t[]", ids),
-                c_logprobs, c_logprobs if selected_is_logprobs else ffi.from_buffer("float[]", selected),
-                row_stride, ids.size, logprobs.size, selected.size, selected_is_logprobs,
-                self._max_row, self._bad_row)
+        c_selected = c_logprobs if selected_is_logprobs else ffi.from_buffer("float[]", selected)
         while True:
-            done = lib.shm_append_step(self._ring, *args)
+            done = lib.shm_append_step(self._ring, c_handles, batch, c_lengths, c_ids, c_logprobs,
+                                       c_selected, row_stride, ids.size, logprobs.size,
+                                       selected.size, selected_is_logprobs, self._max_row,
+                                       self._bad_row)
             if done == batch:
                 return
             if done < 0:
@@ -373,6 +376,8 @@ class Writer:
 
     def _handles(self, queues: Sequence[RowQueue] | np.ndarray) -> np.ndarray:
         if isinstance(queues, np.ndarray):
+            if queues.dtype is _INT64 and queues.ndim == 1 and queues.flags.c_contiguous:
+                return queues  # the engine's own handle array: nothing to convert
             if queues.dtype.kind not in "iu":
                 raise InvalidRowsError(f"queue handles must be an integer array, got {queues.dtype}")
             return np.ascontiguousarray(queues, dtype=np.int64).ravel()
