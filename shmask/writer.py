@@ -106,6 +106,7 @@ class Writer:
         self._lease_ns = int(self.config.lease_s * 1e9)
         self._deadline: float | None = None  # one full-ring wait per public call
         self._growing = -1  # the slot being grown: reclaim must not move it meanwhile
+        self._next_fstat = 0.0  # when _check_segment may fstat the segment again
         self._inline_warning = _RateLimitedWarning(
             "%d chunk(s) sent inline instead of through the ring since the last report "
             "(%s; raise SHMASK_RING_MB or release chunks sooner)")
@@ -191,7 +192,7 @@ class Writer:
                     raise SegmentError("truncated during the copy")  # the guard saw a fault
                 ref = self._publish_record(position, code, rows, nnz)
             except ShmaskError:
-                self._check_segment()
+                self._check_segment(force=True)
                 if not self._ring.dead:
                     raise
                 payload = lengths.tobytes() + ids.tobytes() + logprobs.tobytes()
@@ -365,14 +366,25 @@ class Writer:
         if check_segment:
             self._check_segment()
 
-    def _check_segment(self) -> None:
+    def _check_segment(self, force: bool = False) -> None:
+        """Notice a segment truncated by another process: at once when a
+        SIGBUS marked our mapping, else by an fstat at most once a second (it
+        costs ~20 us on a 1 GiB tmpfs file, too much for every emission; the
+        SIGBUS guard keeps every access safe meanwhile)."""
         segment = self.segment
-        if segment is not None and not self._ring.dead and (
-                segment.truncated or not segment.file_intact()):
-            lib.shm_ring_mark_dead(self._ring)
-            log.error("ring %s was truncated by another process: chunks staged in it are "
-                      "lost (their readers get StaleChunkError); every chunk goes inline "
-                      "from now on", segment.name)
+        if segment is None or self._ring.dead:
+            return
+        if not segment.truncated:
+            now = time.monotonic()
+            if now < self._next_fstat and not force:
+                return
+            self._next_fstat = now + 1.0
+            if segment.file_intact():
+                return
+        lib.shm_ring_mark_dead(self._ring)
+        log.error("ring %s was truncated by another process: chunks staged in it are lost "
+                  "(their readers get StaleChunkError); every chunk goes inline from now on",
+                  segment.name)
 
     def _handles(self, queues: Sequence[RowQueue] | np.ndarray) -> np.ndarray:
         if isinstance(queues, np.ndarray):
