@@ -322,9 +322,9 @@ int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out) {
     if (h->layout_version != SHM_LAYOUT_VERSION || h->header_bytes != SHM_HEADER_BYTES)
         return SHM_E_BAD_HEADER;
     uint64_t capacity = h->capacity;
-    if (!is_power_of_two(capacity) || capacity < SHM_MIN_CAPACITY ||
-        capacity > segment_bytes - SHM_HEADER_BYTES)
-        return SHM_E_BAD_HEADER;
+    if (!is_power_of_two(capacity) || capacity < SHM_MIN_CAPACITY) return SHM_E_BAD_HEADER;
+    /* A sound header over a file shorter than its ring: cut by someone. */
+    if (capacity > segment_bytes - SHM_HEADER_BYTES) return SHM_E_TRUNCATED;
     out->capacity = capacity;
     out->epoch = h->epoch;
     out->producer_pid = h->producer_pid;

@@ -250,8 +250,9 @@ class Reader:
         except SegmentError as exc:
             raise StaleChunkError(f"cannot read chunk: {exc}") from exc
         info = ffi.new("shm_info *")
-        if lib.shm_read_info(segment.base, segment.size, info) != lib.SHM_OK:
-            truncated = segment.truncated
+        rc = lib.shm_read_info(segment.base, segment.size, info)
+        if rc != lib.SHM_OK:
+            truncated = segment.truncated or rc == lib.SHM_E_TRUNCATED
             segment.close()
             if truncated:
                 raise StaleChunkError(f"segment {name!r} was truncated by another process")

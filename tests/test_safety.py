@@ -633,3 +633,13 @@ def test_inline_refs_with_a_mode_of_the_wrong_type_are_refused(prefix, mode):
                       ref.rows, ref.nnz, ref.payload)
     with pytest.raises(shmask.InvalidRefError, match="mode"):
         shmask.Reader(shmask.Config(transport="inline")).open(forged)
+
+
+def test_attaching_a_cut_segment_says_it_was_truncated(writer, prefix):
+    """A reader that first meets a ring after someone cut its file short
+    (the header page intact) is told so, not handed a malformed-ref error."""
+    ref = writer.publish(np.array([1], np.int32), np.array([3], np.int32),
+                         np.zeros(1, np.float32))
+    os.truncate(_path(writer.segment_name), 4096 + 8192)
+    with pytest.raises(shmask.StaleChunkError, match="truncated"):
+        shmask.Reader(shmask.Config(name_prefix=prefix)).open(ref)
