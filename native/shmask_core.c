@@ -304,13 +304,7 @@ int shm_reclaim(shm_ring *ring, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_
 
 /* -------------------------------------------------------------- reader */
 
-uint64_t shm_load_head(const void *base) {
-    return atomic_load_explicit(&cseg(base)->head, memory_order_acquire);
-}
-uint64_t shm_load_tail(const void *base) {
-    return atomic_load_explicit(&cseg(base)->tail, memory_order_acquire);
-}
-uint64_t shm_load_counter(const void *base, uint32_t which) {
+static uint64_t load_counter(const void *base, uint32_t which) {
     if (which >= SHM_N_COUNTERS) return 0;
     return atomic_load_explicit(&cseg(base)->counters[which], memory_order_relaxed);
 }
@@ -332,9 +326,9 @@ int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out) {
     out->created_ns = h->created_ns;
     out->head = atomic_load_explicit(&h->head, memory_order_acquire);
     out->tail = atomic_load_explicit(&h->tail, memory_order_acquire);
-    out->published = shm_load_counter(base, SHM_COUNTER_PUBLISHED);
-    out->released = shm_load_counter(base, SHM_COUNTER_RELEASED);
-    out->expired = shm_load_counter(base, SHM_COUNTER_EXPIRED);
+    out->published = load_counter(base, SHM_COUNTER_PUBLISHED);
+    out->released = load_counter(base, SHM_COUNTER_RELEASED);
+    out->expired = load_counter(base, SHM_COUNTER_EXPIRED);
     return SHM_OK;
 }
 
@@ -476,7 +470,7 @@ int shm_queue_close(shm_ring *ring, int64_t handle) {
     return SHM_OK;
 }
 
-int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t now_ns, uint64_t *given_back) {
+int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t *given_back) {
     int64_t slot = shm_queue_slot(ring, handle);
     *given_back = 0;
     if (slot < 0) return (int)slot;
@@ -499,7 +493,6 @@ int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t now_ns, uint64_t *g
             pos += r->record_bytes;
         }
     }
-    (void)now_ns;
     close_slot(ring, (uint64_t)slot);
     return SHM_OK;
 }

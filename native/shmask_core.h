@@ -65,10 +65,6 @@ typedef struct {
 int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
                       shm_layout *out);
 
-/* Counters and positions as readers see them (`shmask ls`, tests). */
-uint64_t shm_load_head(const void *base);
-uint64_t shm_load_tail(const void *base);
-uint64_t shm_load_counter(const void *base, uint32_t which);
 
 /* Reader side: every argument is untrusted and bounds-checked. */
 /* Validates the segment header (magic, version, a power-of-two capacity
@@ -149,7 +145,7 @@ int64_t shm_queue_slot(const shm_ring *ring, int64_t handle);
 int shm_queue_close(shm_ring *ring, int64_t handle);
 /* Close, and give back every chunk this queue published that no reader has
  * released yet (WRITTEN -> EXPIRED); *given_back counts them. */
-int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t now_ns, uint64_t *given_back);
+int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t *given_back);
 
 /* The per-step copy, all or nothing. Row i goes to the queue of handles[i].
  * ids is [B, row_stride] when row_stride > 0, else flat CSR. A support-mode

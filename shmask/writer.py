@@ -356,15 +356,13 @@ class Writer:
         if self.closed:
             raise ShmaskError("Writer is closed")
 
-    def _begin_call(self, check_segment: bool = True) -> None:
-        """Start of a public call: a fresh full-ring budget, and (once per
-        emission, not per step) a check with one fstat that nobody truncated
-        the segment under us."""
+    def _begin_call(self) -> None:
+        """Start of take_batch and publish (append_step inlines the first two
+        lines): a fresh full-ring budget, and the truncation check."""
         if self.closed:
             raise ShmaskError("Writer is closed")
         self._deadline = None
-        if check_segment:
-            self._check_segment()
+        self._check_segment()
 
     def _check_segment(self, force: bool = False) -> None:
         """Notice a segment truncated by another process: at once when a
@@ -553,8 +551,7 @@ class Writer:
             return 0
         self._queues.pop(queue.slot, None)
         if abort:
-            rc = lib.shm_queue_abort(self._ring, queue.handle, time.monotonic_ns(),
-                                     self._given_back)
+            rc = lib.shm_queue_abort(self._ring, queue.handle, self._given_back)
             given_back = int(self._given_back[0])
             self.stats.aborted_chunks += given_back
         else:
