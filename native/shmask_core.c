@@ -39,33 +39,42 @@ static inline struct shm_record_header *ring_record(const shm_ring *ring, uint64
     return record_at(ring->base, ring->capacity, pos);
 }
 static inline uint64_t align64(uint64_t n) { return (n + 63u) & ~(uint64_t)63u; }
+static inline uint64_t align_record(uint64_t n) {
+    return (n + SHM_RECORD_ALIGN - 1) & ~(uint64_t)(SHM_RECORD_ALIGN - 1);
+}
 static inline int is_power_of_two(uint64_t n) { return n && !(n & (n - 1)); }
 static inline void bump(void *base, int which) {
     atomic_fetch_add_explicit(&seg(base)->counters[which], 1, memory_order_relaxed);
 }
 
-int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
-                      shm_layout *out) {
+uint64_t shm_bitmask_words(uint32_t vocab) { return ((uint64_t)vocab + 31) / 32; }
+
+int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t words_capacity,
+                      uint64_t nnz_capacity, shm_layout *out) {
     if (mode != SHM_MODE_SELECTED && mode != SHM_MODE_SUPPORT) return SHM_E_BAD_RECORD;
     /* Capacities come from untrusted headers too: keep every product far
      * from overflow (2^40 entries is far beyond any ring). */
-    if (rows_capacity >= (1ull << 32) || nnz_capacity > (1ull << 40)) return SHM_E_OVERFLOW;
+    if (rows_capacity >= (1ull << 32) || words_capacity > (1ull << 40) ||
+        nnz_capacity > (1ull << 40))
+        return SHM_E_OVERFLOW;
     uint64_t lengths = SHM_RECORD_HEADER_BYTES;
-    uint64_t ids = lengths + align64(4 * rows_capacity);
-    uint64_t logprobs = ids + align64(4 * nnz_capacity);
+    uint64_t flags = lengths + align64(4 * rows_capacity);
+    uint64_t ids = flags + align64(rows_capacity);
+    uint64_t logprobs = ids + align64(4 * words_capacity);
     uint64_t n_logprobs = mode == SHM_MODE_SUPPORT ? nnz_capacity : rows_capacity;
     out->lengths_offset = lengths;
+    out->flags_offset = flags;
     out->ids_offset = ids;
     out->logprobs_offset = logprobs;
-    out->record_bytes = logprobs + align64(4 * n_logprobs);
+    out->record_bytes = align_record(logprobs + 4 * n_logprobs);
     return SHM_OK;
 }
 
 /* ------------------------------------------------------------ producer */
 
 static void write_record_header(struct shm_record_header *r, uint64_t pos, uint32_t mode,
-                                uint64_t bytes, uint64_t rows_capacity, uint64_t nnz_capacity,
-                                uint64_t owner, uint32_t state) {
+                                uint64_t bytes, uint64_t rows_capacity, uint64_t words_capacity,
+                                uint64_t nnz_capacity, uint64_t owner, uint32_t state) {
     r->tag = pos;
     r->mode = mode;
     r->record_bytes = bytes;
@@ -75,6 +84,11 @@ static void write_record_header(struct shm_record_header *r, uint64_t pos, uint3
     r->nnz_capacity = nnz_capacity;
     r->published_ns = 0;
     r->owner = owner;
+    r->words = 0;
+    r->words_capacity = words_capacity;
+    r->vocab = 0;
+    r->pad = 0;
+    memset(r->reserved, 0, sizeof r->reserved);
     atomic_store_explicit(&r->state, state, memory_order_release);
 }
 
@@ -144,7 +158,7 @@ int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t ca
 }
 
 static void free_private(shm_queue *q) {
-    if (!q->in_ring && q->rows_capacity) free(q->lengths); /* one block: lengths|ids|logprobs */
+    if (!q->in_ring && q->rows_capacity) free(q->lengths); /* one block: lengths|flags|ids|logprobs */
 }
 
 static void drop_buffer(shm_ring *ring, shm_queue *q) {
@@ -160,9 +174,12 @@ static void drop_buffer(shm_ring *ring, shm_queue *q) {
     }
     free_private(q);
     q->lengths = NULL;
+    q->flags = NULL;
     q->ids = NULL;
     q->logprobs = NULL;
     q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
+    q->words = q->words_capacity = 0;
+    q->vocab = 0;
     q->in_ring = 0;
     q->position = 0;
 }
@@ -179,11 +196,12 @@ void shm_ring_free(shm_ring *ring) {
 void shm_ring_mark_dead(shm_ring *ring) { ring->dead = 1; }
 
 static int reserve_record(shm_ring *ring, uint32_t mode, uint64_t rows_capacity,
-                          uint64_t nnz_capacity, uint64_t owner, uint64_t *position_out) {
+                          uint64_t words_capacity, uint64_t nnz_capacity, uint64_t owner,
+                          uint64_t *position_out) {
     if (!ring->base) return SHM_E_TOO_BIG;
     if (ring->dead) return SHM_E_TRUNCATED;
     shm_layout layout;
-    int rc = shm_record_layout(mode, rows_capacity, nnz_capacity, &layout);
+    int rc = shm_record_layout(mode, rows_capacity, words_capacity, nnz_capacity, &layout);
     if (rc) return rc;
     uint64_t capacity = ring->capacity, bytes = layout.record_bytes;
     if (bytes > capacity) return SHM_E_TOO_BIG;
@@ -192,21 +210,23 @@ static int reserve_record(shm_ring *ring, uint32_t mode, uint64_t rows_capacity,
     uint64_t padding = offset + bytes > capacity ? capacity - offset : 0;
     if (head + padding + bytes - tail > capacity) return SHM_FULL;
     if (padding) {
-        write_record_header(ring_record(ring, head), head, 0, padding, 0, 0, 0, SHM_STATE_PADDING);
+        write_record_header(ring_record(ring, head), head, 0, padding, 0, 0, 0, 0,
+                            SHM_STATE_PADDING);
         bump(ring->base, SHM_COUNTER_PADDING);
         head += padding;
     }
-    write_record_header(ring_record(ring, head), head, mode, bytes, rows_capacity, nnz_capacity,
-                        owner, SHM_STATE_STAGING);
+    write_record_header(ring_record(ring, head), head, mode, bytes, rows_capacity,
+                        words_capacity, nnz_capacity, owner, SHM_STATE_STAGING);
     *position_out = head;
     ring->head = head + bytes;
     atomic_store_explicit(&seg(ring->base)->head, ring->head, memory_order_release);
     return SHM_OK;
 }
 
-int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
-                uint64_t *position_out) {
-    return reserve_record(ring, mode, rows_capacity, nnz_capacity, 0, position_out);
+int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t words_capacity,
+                uint64_t nnz_capacity, uint64_t *position_out) {
+    return reserve_record(ring, mode, rows_capacity, words_capacity, nnz_capacity, 0,
+                          position_out);
 }
 
 int shm_discard_record(shm_ring *ring, uint64_t position) {
@@ -227,8 +247,8 @@ uint64_t shm_record_offset(const shm_ring *ring, uint64_t position) {
     return SHM_HEADER_BYTES + (position & (ring->capacity - 1));
 }
 
-int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t nnz,
-                uint64_t now_ns) {
+int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t words,
+                uint64_t nnz, uint32_t vocab, uint64_t now_ns) {
     if (!ring_usable(ring)) return SHM_E_TRUNCATED;
     if (position < ring->tail || position >= ring->head || position % SHM_RECORD_ALIGN)
         return SHM_E_BAD_POSITION;
@@ -238,6 +258,8 @@ int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows,
         return SHM_E_BAD_STATE;
     r->rows = (uint32_t)rows;
     r->nnz = nnz;
+    r->words = words;
+    r->vocab = vocab;
     r->published_ns = now_ns;
     /* The commit word, written last: payload and header before it. */
     atomic_store_explicit(&r->state, SHM_STATE_WRITTEN, memory_order_release);
@@ -348,8 +370,8 @@ static int locate(const void *base, uint64_t mapped_bytes, uint64_t capacity, ui
 }
 
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
-                    uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t nnz,
-                    uint32_t mode, shm_view *out) {
+                    uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t words,
+                    uint64_t nnz, uint32_t vocab, uint32_t mode, shm_view *out) {
     uint64_t offset;
     int rc = locate(base, mapped_bytes, capacity, position, &offset);
     if (rc) return rc;
@@ -363,14 +385,17 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
     if (state == SHM_STATE_RELEASED) return SHM_E_DOUBLE_RELEASE;
     if (state != SHM_STATE_WRITTEN) return SHM_E_NOT_WRITTEN;
     if (r->record_bytes != record_bytes || r->mode != mode || r->rows != rows ||
-        r->nnz != nnz || rows > r->rows_capacity || nnz > r->nnz_capacity)
+        r->nnz != nnz || r->words != words || r->vocab != vocab || rows > r->rows_capacity ||
+        words > r->words_capacity || (mode == SHM_MODE_SUPPORT && nnz > r->nnz_capacity))
         return SHM_E_BAD_RECORD;
     shm_layout layout;
-    rc = shm_record_layout(mode, r->rows_capacity, r->nnz_capacity, &layout);
+    rc = shm_record_layout(mode, r->rows_capacity, r->words_capacity, r->nnz_capacity, &layout);
     if (rc) return SHM_E_BAD_RECORD;
     if (layout.record_bytes != record_bytes) return SHM_E_BAD_RECORD;
     out->record_offset = SHM_HEADER_BYTES + offset;
     out->lengths_offset = out->record_offset + layout.lengths_offset;
+    out->flags_offset = out->record_offset + layout.flags_offset;
+    out->any_flags = 0;
     out->ids_offset = out->record_offset + layout.ids_offset;
     out->logprobs_offset = out->record_offset + layout.logprobs_offset;
     return SHM_OK;
@@ -406,15 +431,49 @@ int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t p
     return SHM_E_NOT_WRITTEN;
 }
 
-int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
-                         uint64_t max_row_length) {
-    uint64_t total = 0;
+/* A bitmask row's words: exactly `length` bits set, none at ids >= vocab. */
+static int bitmask_ok(const int32_t *words, uint32_t vocab, uint64_t length) {
+    uint64_t n_words = shm_bitmask_words(vocab), set = 0;
+    for (uint64_t w = 0; w < n_words; w++) set += (uint64_t)__builtin_popcount((uint32_t)words[w]);
+    uint32_t used = vocab % 32; /* bits of the last word that name ids */
+    if (used && ((uint32_t)words[n_words - 1] >> used)) return 0;
+    return set == length;
+}
+
+/* A row's flags: 0 (OK ids row), a non-OK status alone, or OK + bitmask. */
+static inline int flags_ok(uint8_t f) {
+    return f == 0 || f == SHM_ROW_OVERFLOW || f == SHM_ROW_INVALID || f == SHM_ROW_BITMASK;
+}
+
+int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
+                      uint64_t rows, uint64_t words, uint64_t nnz, uint32_t vocab,
+                      uint64_t max_row_length, uint32_t *any_flags) {
+    uint64_t total = 0, cursor = 0, mask_words = shm_bitmask_words(vocab);
+    uint32_t any = 0;
     for (uint64_t i = 0; i < rows; i++) {
         int32_t n = lengths[i];
-        if (n < 0 || (uint64_t)n > max_row_length) return SHM_E_BAD_LENGTHS;
+        uint8_t f = flags ? flags[i] : 0;
+        if (n < 0) return SHM_E_BAD_LENGTHS;
+        if (f == 0) {
+            if ((uint64_t)n > max_row_length || (uint64_t)n > words - cursor)
+                return SHM_E_BAD_LENGTHS;
+            cursor += (uint64_t)n;
+        } else {
+            any = 1;
+            if (!flags_ok(f)) return SHM_E_BAD_LENGTHS;
+            if (f & SHM_ROW_STATUS_MASK) {
+                if (n) return SHM_E_BAD_LENGTHS; /* a dropped row carries nothing */
+            } else {
+                if (!vocab || (uint64_t)n > vocab || mask_words > words - cursor ||
+                    !bitmask_ok(ids + cursor, vocab, (uint64_t)n))
+                    return SHM_E_BAD_LENGTHS;
+                cursor += mask_words;
+            }
+        }
         total += (uint64_t)n;
     }
-    return total == nnz ? SHM_OK : SHM_E_BAD_LENGTHS;
+    *any_flags = any;
+    return total == nnz && cursor == words ? SHM_OK : SHM_E_BAD_LENGTHS;
 }
 
 /* ------------------------------------------------------ RowQueue buffers */
@@ -457,7 +516,7 @@ static void close_slot(shm_ring *ring, uint64_t slot) {
     drop_buffer(ring, q);
     q->mode = 0;
     q->lost = 0;
-    q->pending_rows = q->pending_nnz = 0;
+    q->pending_rows = q->pending_nnz = q->pending_words = 0;
     q->generation++;
     ring->free_slots[(ring->free_head + ring->n_free) % ring->n_queues] = (uint32_t)slot;
     ring->n_free++;
@@ -500,59 +559,77 @@ int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t *given_back) {
 static void point_at_record(shm_ring *ring, shm_queue *q, uint64_t position) {
     char *record = (char *)ring_record(ring, position);
     shm_layout layout;
-    shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
+    shm_record_layout(q->mode, q->rows_capacity, q->words_capacity, q->nnz_capacity, &layout);
     q->lengths = (int32_t *)(record + layout.lengths_offset);
+    q->flags = (uint8_t *)(record + layout.flags_offset);
     q->ids = (int32_t *)(record + layout.ids_offset);
     q->logprobs = (float *)(record + layout.logprobs_offset);
     q->position = position;
     q->in_ring = 1;
 }
 
-static void copy_rows(const shm_queue *from, int32_t *lengths, int32_t *ids, float *logprobs) {
+static void copy_rows(const shm_queue *from, int32_t *lengths, uint8_t *flags, int32_t *ids,
+                      float *logprobs) {
     memcpy(lengths, from->lengths, from->rows * sizeof(int32_t));
-    memcpy(ids, from->ids, from->nnz * sizeof(int32_t));
+    memcpy(flags, from->flags, from->rows);
+    memcpy(ids, from->ids, from->words * sizeof(int32_t));
     uint64_t n_logprobs = from->mode == SHM_MODE_SUPPORT ? from->nnz : from->rows;
     memcpy(logprobs, from->logprobs, n_logprobs * sizeof(float));
 }
 
+/* Capacities of a queue buffer; a selected-mode queue needs no room for
+ * support logprobs (its record has one logprob per row). */
+typedef struct {
+    uint64_t rows, words, nnz;
+} capacities;
+
+static inline int fits(const shm_queue *q, uint64_t rows, uint64_t words, uint64_t nnz) {
+    return rows <= q->rows_capacity && words <= q->words_capacity &&
+           (q->mode != SHM_MODE_SUPPORT || nnz <= q->nnz_capacity);
+}
+
 /* Moves the queue's rows into a new ring buffer of these capacities. */
-static int restage_in_ring(shm_ring *ring, uint64_t slot, uint64_t rows_capacity,
-                           uint64_t nnz_capacity) {
+static int restage_in_ring(shm_ring *ring, uint64_t slot, capacities cap) {
     shm_queue *q = &ring->queues[slot];
-    if (rows_capacity < q->rows || nnz_capacity < q->nnz) return SHM_E_OVERFLOW;
+    if (cap.rows < q->rows || cap.words < q->words ||
+        (q->mode == SHM_MODE_SUPPORT && cap.nnz < q->nnz))
+        return SHM_E_OVERFLOW;
     uint64_t position;
-    int rc = reserve_record(ring, q->mode, rows_capacity, nnz_capacity,
+    int rc = reserve_record(ring, q->mode, cap.rows, cap.words, cap.nnz,
                             (uint64_t)make_handle(ring, slot) + 1, &position);
     if (rc) return rc;
     shm_queue old = *q;
-    q->rows_capacity = rows_capacity;
-    q->nnz_capacity = nnz_capacity;
+    q->rows_capacity = cap.rows;
+    q->words_capacity = cap.words;
+    q->nnz_capacity = cap.nnz;
     point_at_record(ring, q, position);
     if (old.rows_capacity) {
-        copy_rows(&old, q->lengths, q->ids, q->logprobs);
-        old.rows = old.nnz = 0;
+        copy_rows(&old, q->lengths, q->flags, q->ids, q->logprobs);
+        old.rows = old.nnz = old.words = 0;
         drop_buffer(ring, &old);
     }
     return SHM_OK;
 }
 
 /* Moves the queue's rows into private memory of these capacities. */
-static int stage_private(shm_ring *ring, uint64_t slot, uint64_t rows_capacity,
-                         uint64_t nnz_capacity) {
+static int stage_private(shm_ring *ring, uint64_t slot, capacities cap) {
     shm_queue *q = &ring->queues[slot];
-    if (rows_capacity < q->rows || nnz_capacity < q->nnz) return SHM_E_OVERFLOW;
+    if (cap.rows < q->rows || cap.words < q->words ||
+        (q->mode == SHM_MODE_SUPPORT && cap.nnz < q->nnz))
+        return SHM_E_OVERFLOW;
     shm_layout layout;
-    int rc = shm_record_layout(q->mode, rows_capacity, nnz_capacity, &layout);
+    int rc = shm_record_layout(q->mode, cap.rows, cap.words, cap.nnz, &layout);
     if (rc) return rc;
     char *block = malloc(layout.record_bytes - SHM_RECORD_HEADER_BYTES);
     if (!block) return SHM_E_NO_MEMORY;
     char *start = block - SHM_RECORD_HEADER_BYTES; /* offsets count from a record header */
     int32_t *lengths = (int32_t *)(start + layout.lengths_offset);
+    uint8_t *flags = (uint8_t *)(start + layout.flags_offset);
     int32_t *ids = (int32_t *)(start + layout.ids_offset);
     float *logprobs = (float *)(start + layout.logprobs_offset);
     shm_queue old = *q;
     if (old.rows_capacity && !q->lost) {
-        copy_rows(&old, lengths, ids, logprobs);
+        copy_rows(&old, lengths, flags, ids, logprobs);
         /* Rows read from a segment truncated under us (before or during the
          * copy: the SIGBUS guard marks it) may be zero pages: never pass them
          * on as rows. */
@@ -563,48 +640,62 @@ static int stage_private(shm_ring *ring, uint64_t slot, uint64_t rows_capacity,
     }
     drop_buffer(ring, &old);
     q->lengths = lengths;
+    q->flags = flags;
     q->ids = ids;
     q->logprobs = logprobs;
-    q->rows_capacity = rows_capacity;
-    q->nnz_capacity = nnz_capacity;
+    q->rows_capacity = cap.rows;
+    q->words_capacity = cap.words;
+    q->nnz_capacity = cap.nnz;
     q->in_ring = 0;
     q->position = 0;
     return SHM_OK;
 }
 
 /* Doubling: each byte is copied O(1) times however long the queue runs. A
- * fresh buffer is sized from the last take (next_rows/next_nnz); before the
- * first take it guesses rows as long as this step's, within a bound. */
-static void grown_capacities(const shm_ring *ring, const shm_queue *q, uint64_t *rows_out,
-                             uint64_t *nnz_out) {
+ * fresh buffer is sized from the last take (next_*); before the first take
+ * it guesses rows as long as this step's, within a bound. */
+static uint64_t grown(uint64_t capacity, uint64_t need) {
+    return need > capacity ? max_u64(2 * capacity, need) : capacity;
+}
+
+static uint64_t first_guess(const shm_ring *ring, uint64_t next, uint64_t pending,
+                            uint64_t pending_rows, uint64_t rows, uint64_t need) {
+    if (next) return max_u64(max_u64(next, need), 1);
+    uint64_t per_row = pending_rows ? (pending + pending_rows - 1) / pending_rows : 1;
+    return max_u64(max_u64(min_u64(max_u64(per_row, 1) * rows, ring->initial_nnz_cap), need), 1);
+}
+
+static capacities grown_capacities(const shm_ring *ring, const shm_queue *q) {
     uint64_t need_rows = q->rows + q->pending_rows, need_nnz = q->nnz + q->pending_nnz;
+    uint64_t need_words = q->words + q->pending_words;
+    capacities cap;
     if (!q->rows_capacity) {
-        uint64_t rows = max_u64(q->next_rows, need_rows), nnz;
-        if (q->next_nnz) {
-            nnz = max_u64(q->next_nnz, need_nnz);
-        } else {
-            uint64_t per_row = q->pending_rows ? (q->pending_nnz + q->pending_rows - 1) / q->pending_rows : 1;
-            nnz = max_u64(min_u64(max_u64(per_row, 1) * rows, ring->initial_nnz_cap), need_nnz);
-        }
-        *rows_out = rows;
-        *nnz_out = max_u64(nnz, 1);
-        return;
+        cap.rows = max_u64(q->next_rows, need_rows);
+        cap.words = first_guess(ring, q->next_words, q->pending_words, q->pending_rows, cap.rows,
+                                need_words);
+        cap.nnz = first_guess(ring, q->next_nnz, q->pending_nnz, q->pending_rows, cap.rows,
+                              need_nnz);
+    } else {
+        cap.rows = grown(q->rows_capacity, need_rows);
+        cap.words = grown(q->words_capacity, need_words);
+        cap.nnz = grown(q->nnz_capacity, need_nnz);
     }
-    *rows_out = need_rows > q->rows_capacity ? max_u64(2 * q->rows_capacity, need_rows)
-                                             : q->rows_capacity;
-    *nnz_out = need_nnz > q->nnz_capacity ? max_u64(2 * q->nnz_capacity, need_nnz)
-                                          : q->nnz_capacity;
+    if (q->mode != SHM_MODE_SUPPORT) cap.nnz = 0; /* no support logprobs to hold */
+    return cap;
+}
+
+static capacities current_capacities(const shm_queue *q) {
+    capacities cap = {q->rows_capacity, q->words_capacity, q->nnz_capacity};
+    return cap;
 }
 
 int shm_queue_grow(shm_ring *ring, uint64_t slot, int allow_ring) {
     if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;
     shm_queue *q = &ring->queues[slot];
-    uint64_t rows_capacity, nnz_capacity;
-    grown_capacities(ring, q, &rows_capacity, &nnz_capacity);
+    capacities cap = grown_capacities(ring, q);
     int private_now = !q->in_ring && q->rows_capacity;
-    if (allow_ring && ring_usable(ring) && !private_now)
-        return restage_in_ring(ring, slot, rows_capacity, nnz_capacity);
-    return stage_private(ring, slot, rows_capacity, nnz_capacity);
+    if (allow_ring && ring_usable(ring) && !private_now) return restage_in_ring(ring, slot, cap);
+    return stage_private(ring, slot, cap);
 }
 
 int64_t shm_staging_owner(const shm_ring *ring, uint64_t position) {
@@ -628,19 +719,29 @@ int shm_queue_relocate(shm_ring *ring, uint64_t slot, int allow_ring) {
     if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;
     shm_queue *q = &ring->queues[slot];
     if (!q->in_ring || !q->rows_capacity) return SHM_E_BAD_STATE;
-    if (allow_ring) return restage_in_ring(ring, slot, q->rows_capacity, q->nnz_capacity);
-    return stage_private(ring, slot, q->rows_capacity, q->nnz_capacity);
+    if (allow_ring) return restage_in_ring(ring, slot, current_capacities(q));
+    return stage_private(ring, slot, current_capacities(q));
+}
+
+/* Words of row data a row of these flags and length carries (0 when the
+ * row is dropped: its status travels, its ids do not). */
+static inline uint64_t row_words(uint8_t f, int32_t n, uint64_t mask_words) {
+    return f == 0 ? (uint64_t)n : (f == SHM_ROW_BITMASK ? mask_words : 0);
 }
 
 int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
-                        const int32_t *lengths, const int32_t *ids, const float *logprobs,
+                        const int32_t *lengths, const uint8_t *flags, uint32_t vocab,
+                        const int32_t *ids, const float *logprobs,
                         const float *selected, uint64_t row_stride, uint64_t ids_len,
                         uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
                         uint64_t max_row_length, int64_t *bad_row) {
-    /* 1. Every handle names an open queue of this ring; every row's length
-     * and source range; each queue's total for the step (a queue's pending
-     * counts restart at its first row of this step: step_serial). */
-    uint64_t cursor = 0, n_support = 0, n_selected = 0, serial = ++ring->step_serial;
+    /* 1. Every handle names an open queue of this ring; every row's flags,
+     * length and source ranges; each queue's totals for the step (a queue's
+     * pending counts restart at its first row of this step: step_serial).
+     * Flat sources have two cursors: id data (a bitmask row's words) and
+     * support logprobs (L per row) advance differently. */
+    uint64_t id_cursor = 0, value_cursor = 0, n_support = 0, n_selected = 0;
+    uint64_t serial = ++ring->step_serial, mask_words = shm_bitmask_words(vocab);
     int need_room = 0;
     for (uint64_t i = 0; i < batch; i++) {
         *bad_row = (int64_t)i;
@@ -649,15 +750,31 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         shm_queue *q = &ring->queues[slot];
         if (q->pending_serial != serial) {
             q->pending_serial = serial;
-            q->pending_rows = q->pending_nnz = 0;
+            q->pending_rows = q->pending_nnz = q->pending_words = 0;
         }
         int32_t n = lengths[i];
-        if (n < 0 || (uint64_t)n > max_row_length || (row_stride && (uint64_t)n > row_stride))
-            return SHM_E_BAD_LENGTH;
-        uint64_t source = row_stride ? i * row_stride : cursor;
-        if (source + (uint64_t)n > ids_len) return SHM_E_SOURCE_OVERRUN;
+        uint8_t f = flags ? flags[i] : 0;
+        if (n < 0) return SHM_E_BAD_LENGTH;
+        if (f == 0) {
+            if ((uint64_t)n > max_row_length) return SHM_E_BAD_LENGTH;
+        } else if (!flags_ok(f)) {
+            return SHM_E_BAD_FLAGS;
+        } else if (f & SHM_ROW_STATUS_MASK) {
+            if (n) return SHM_E_BAD_LENGTH; /* a dropped row carries no ids */
+        } else {
+            /* One vocabulary per buffer: its readers decode with one width. */
+            if (!vocab || (q->vocab && q->vocab != vocab)) return SHM_E_VOCAB;
+            if ((uint64_t)n > vocab) return SHM_E_BAD_LENGTH;
+        }
+        uint64_t w = row_words(f, n, mask_words);
+        if (row_stride && (w > row_stride || (uint64_t)n > row_stride)) return SHM_E_BAD_LENGTH;
+        uint64_t id_source = row_stride ? i * row_stride : id_cursor;
+        uint64_t value_source = row_stride ? i * row_stride : value_cursor;
+        if (id_source + w > ids_len) return SHM_E_SOURCE_OVERRUN;
+        if (f == SHM_ROW_BITMASK && !bitmask_ok(ids + id_source, vocab, (uint64_t)n))
+            return SHM_E_BAD_BITMASK;
         if (q->mode == SHM_MODE_SUPPORT) {
-            if (source + (uint64_t)n > logprobs_len) return SHM_E_SOURCE_OVERRUN;
+            if (value_source + (uint64_t)n > logprobs_len) return SHM_E_SOURCE_OVERRUN;
             n_support++;
         } else {
             if (i >= selected_len) return SHM_E_SOURCE_OVERRUN;
@@ -665,10 +782,12 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         }
         q->pending_rows += 1;
         q->pending_nnz += (uint64_t)n;
-        cursor += (uint64_t)n;
+        q->pending_words += w;
+        id_cursor += w;
+        value_cursor += (uint64_t)n;
         /* Totals only grow, so a queue short of room is caught at its last row. */
-        need_room |= q->rows + q->pending_rows > q->rows_capacity ||
-                     q->nnz + q->pending_nnz > q->nnz_capacity;
+        need_room |= !fits(q, q->rows + q->pending_rows, q->words + q->pending_words,
+                           q->nnz + q->pending_nnz);
     }
     if (selected_is_logprobs && n_support && n_selected) {
         *bad_row = -1;
@@ -683,8 +802,8 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
     for (uint64_t i = 0; need_room && i < batch; i++) {
         uint64_t slot = (uint64_t)handles[i] & HANDLE_SLOT_MASK;
         shm_queue *q = &ring->queues[slot];
-        if (q->rows + q->pending_rows <= q->rows_capacity &&
-            q->nnz + q->pending_nnz <= q->nnz_capacity)
+        if (fits(q, q->rows + q->pending_rows, q->words + q->pending_words,
+                 q->nnz + q->pending_nnz))
             continue;
         int private_now = !q->in_ring && q->rows_capacity;
         int rc = shm_queue_grow(ring, slot, !private_now);
@@ -697,20 +816,27 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         return (int64_t)i;
     }
     /* 3. Copy: nothing can fail from here on. */
-    cursor = 0;
+    id_cursor = value_cursor = 0;
     for (uint64_t i = 0; i < batch; i++) {
         shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
         uint64_t n = (uint64_t)lengths[i];
-        uint64_t source = row_stride ? i * row_stride : cursor;
+        uint8_t f = flags ? flags[i] : 0;
+        uint64_t w = row_words(f, (int32_t)n, mask_words);
+        uint64_t id_source = row_stride ? i * row_stride : id_cursor;
+        uint64_t value_source = row_stride ? i * row_stride : value_cursor;
         q->lengths[q->rows] = (int32_t)n;
-        memcpy(q->ids + q->nnz, ids + source, n * sizeof(int32_t));
+        q->flags[q->rows] = f;
+        memcpy(q->ids + q->words, ids + id_source, w * sizeof(int32_t));
         if (q->mode == SHM_MODE_SUPPORT)
-            memcpy(q->logprobs + q->nnz, logprobs + source, n * sizeof(float));
+            memcpy(q->logprobs + q->nnz, logprobs + value_source, n * sizeof(float));
         else
             q->logprobs[q->rows] = selected[i];
+        if (f == SHM_ROW_BITMASK) q->vocab = vocab;
         q->rows += 1;
         q->nnz += n;
-        cursor += n;
+        q->words += w;
+        id_cursor += w;
+        value_cursor += n;
     }
     *bad_row = -1;
     return (int64_t)batch;
@@ -719,17 +845,26 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
 /* Entry i of a take's output: a ring chunk of queue q's rows at `position`. */
 static void put_ring_ref(uint64_t i, uint64_t position, uint64_t record_bytes, const shm_queue *q,
                          uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
-                         uint64_t *nnz_out) {
+                         uint64_t *nnz_out, uint64_t *words_out, uint32_t *vocab_out) {
     position_out[i] = position;
     bytes_out[i] = record_bytes;
     rows_out[i] = (uint32_t)q->rows;
     nnz_out[i] = q->nnz;
+    words_out[i] = q->words;
+    vocab_out[i] = q->vocab;
+}
+
+/* The next buffer holds the last take's rows plus a quarter. */
+static void size_next_buffer(shm_queue *q) {
+    q->next_rows = q->rows + q->rows / 4 + 1;
+    q->next_nnz = q->nnz + q->nnz / 4 + 1;
+    q->next_words = q->words + q->words / 4 + 1;
 }
 
 int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
                         uint64_t now_ns, int final, uint8_t *kind_out, uint8_t *mode_out,
                         uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
-                        uint64_t *nnz_out) {
+                        uint64_t *nnz_out, uint64_t *words_out, uint32_t *vocab_out) {
     if (start == 0)
         for (uint64_t i = 0; i < count; i++)
             if (queue_slot(ring, handles[i]) < 0) return SHM_E_BAD_SLOT;
@@ -738,27 +873,28 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         shm_queue *q = &ring->queues[slot];
         kind_out[i] = 0;
         mode_out[i] = (uint8_t)q->mode;
-        position_out[i] = bytes_out[i] = nnz_out[i] = 0;
-        rows_out[i] = 0;
+        position_out[i] = bytes_out[i] = nnz_out[i] = words_out[i] = 0;
+        rows_out[i] = vocab_out[i] = 0;
         if (q->rows == 0) {
             if (final) drop_buffer(ring, q);
             continue;
         }
         if (q->in_ring && !ring->dead &&
-            shm_publish(ring, q->position, q->mode, q->rows, q->nnz, now_ns) != SHM_OK) {
+            shm_publish(ring, q->position, q->mode, q->rows, q->words, q->nnz, q->vocab,
+                        now_ns) != SHM_OK) {
             /* Someone rewrote our staging record's header (or cut the file):
              * move the rows out and send them inline rather than publish a
              * record readers would reject; cut rows become lost below. */
-            int rc = stage_private(ring, slot, q->rows_capacity, q->nnz_capacity);
+            int rc = stage_private(ring, slot, current_capacities(q));
             if (rc) return rc;
         }
         if (q->lost) {
             /* A ref to where the rows were: its reader gets StaleChunkError. */
             shm_layout layout;
-            shm_record_layout(q->mode, q->rows, q->nnz, &layout);
+            shm_record_layout(q->mode, q->rows, q->words, q->nnz, &layout);
             kind_out[i] = 1;
             put_ring_ref(i, q->lost_position, layout.record_bytes, q, position_out, bytes_out,
-                         rows_out, nnz_out);
+                         rows_out, nnz_out, words_out, vocab_out);
             drop_buffer(ring, q);
             q->lost = 0;
             continue;
@@ -767,24 +903,35 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
          * at the ring, where its reader gets StaleChunkError (never zeros). */
         if (!q->in_ring) return (int64_t)i;
         shm_layout layout;
-        shm_record_layout(q->mode, q->rows_capacity, q->nnz_capacity, &layout);
+        shm_record_layout(q->mode, q->rows_capacity, q->words_capacity, q->nnz_capacity, &layout);
         kind_out[i] = 1;
         put_ring_ref(i, q->position, layout.record_bytes, q, position_out, bytes_out, rows_out,
-                     nnz_out);
-        q->next_rows = q->rows + q->rows / 4 + 1;
-        q->next_nnz = q->nnz + q->nnz / 4 + 1;
+                     nnz_out, words_out, vocab_out);
+        size_next_buffer(q);
         /* The published record is the reader's now: forget it, don't discard. */
         q->in_ring = 0;
         q->lengths = NULL;
+        q->flags = NULL;
         q->ids = NULL;
         q->logprobs = NULL;
         q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
+        q->words = q->words_capacity = 0;
+        q->vocab = 0;
         q->position = 0;
         /* Next emission's buffer now, while we are at it; if the ring has no
          * room the next append takes the slow path instead. */
-        if (!final && ring_usable(ring)) restage_in_ring(ring, slot, q->next_rows, q->next_nnz);
+        if (!final && ring_usable(ring)) {
+            capacities next = {q->next_rows, q->next_words,
+                               q->mode == SHM_MODE_SUPPORT ? q->next_nnz : 0};
+            restage_in_ring(ring, slot, next);
+        }
     }
     return (int64_t)count;
+}
+
+uint64_t shm_payload_bytes(uint32_t mode, uint64_t rows, uint64_t words, uint64_t nnz) {
+    uint64_t n_logprobs = mode == SHM_MODE_SUPPORT ? nnz : rows;
+    return 4 * rows + ((rows + 3) & ~(uint64_t)3) + 4 * words + 4 * n_logprobs;
 }
 
 int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t out_len) {
@@ -792,12 +939,18 @@ int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t ou
     shm_queue *q = &ring->queues[slot];
     if (q->in_ring || !q->rows_capacity || q->lost) return SHM_E_BAD_STATE;
     uint64_t n_logprobs = q->mode == SHM_MODE_SUPPORT ? q->nnz : q->rows;
-    if (out_len != 4 * (q->rows + q->nnz + n_logprobs)) return SHM_E_OVERFLOW;
-    memcpy(out, q->lengths, 4 * q->rows);
-    memcpy(out + 4 * q->rows, q->ids, 4 * q->nnz);
-    memcpy(out + 4 * (q->rows + q->nnz), q->logprobs, 4 * n_logprobs);
-    q->next_rows = q->rows + q->rows / 4 + 1;
-    q->next_nnz = q->nnz + q->nnz / 4 + 1;
+    if (out_len != shm_payload_bytes(q->mode, q->rows, q->words, q->nnz)) return SHM_E_OVERFLOW;
+    uint64_t flags_bytes = (q->rows + 3) & ~(uint64_t)3; /* keeps ids 4-byte aligned */
+    char *at = out;
+    memcpy(at, q->lengths, 4 * q->rows);
+    at += 4 * q->rows;
+    memcpy(at, q->flags, q->rows);
+    memset(at + q->rows, 0, flags_bytes - q->rows);
+    at += flags_bytes;
+    memcpy(at, q->ids, 4 * q->words);
+    at += 4 * q->words;
+    memcpy(at, q->logprobs, 4 * n_logprobs);
+    size_next_buffer(q);
     drop_buffer(ring, q);
     return SHM_OK;
 }

@@ -26,6 +26,7 @@
 /* Where the arrays of a record live, relative to the record's start. */
 typedef struct {
     uint64_t lengths_offset;
+    uint64_t flags_offset;
     uint64_t ids_offset;
     uint64_t logprobs_offset;
     uint64_t record_bytes;
@@ -35,8 +36,11 @@ typedef struct {
 typedef struct {
     uint64_t record_offset; /* from the start of the mapping */
     uint64_t lengths_offset;
+    uint64_t flags_offset;
     uint64_t ids_offset;
     uint64_t logprobs_offset;
+    uint32_t any_flags;   /* some row is not an OK ids row (set by shm_validate_rows) */
+    uint32_t pad;
 } shm_view;
 
 typedef struct {
@@ -62,8 +66,19 @@ typedef struct {
     uint64_t expired;
 } shm_info;
 
-int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
-                      shm_layout *out);
+/* Row flags (shmask_layout.h): status in bits 0-1, form in bit 2. */
+#define SHM_ROW_OK 0
+#define SHM_ROW_OVERFLOW 1
+#define SHM_ROW_INVALID 2
+#define SHM_ROW_STATUS_MASK 3
+#define SHM_ROW_BITMASK 4
+
+/* nnz_capacity counts support-mode logprobs; a selected-mode record has
+ * rows_capacity logprobs and ignores it. */
+int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t words_capacity,
+                      uint64_t nnz_capacity, shm_layout *out);
+/* int32 words of one bitmask row of a vocabulary of `vocab` ids. */
+uint64_t shm_bitmask_words(uint32_t vocab);
 
 
 /* Reader side: every argument is untrusted and bounds-checked. */
@@ -71,39 +86,52 @@ int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capaci
  * that fits segment_bytes) and copies it out; reads the header page only. */
 int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out);
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
-                    uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t nnz,
-                    uint32_t mode, shm_view *out);
+                    uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t words,
+                    uint64_t nnz, uint32_t vocab, uint32_t mode, shm_view *out);
 int shm_check_record(const void *base, uint64_t capacity, uint64_t position);
 int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t position);
-int shm_validate_lengths(const int32_t *lengths, uint64_t rows, uint64_t nnz,
-                         uint64_t max_row_length);
+/* Checks rows read from a ref or shared memory: flags valid, non-OK rows
+ * empty, ids rows at most max_row_length long, bitmask rows with exactly L
+ * bits set and none at ids >= vocab, lengths summing to nnz and id data to
+ * words. flags may be NULL (every row an OK ids row). *any_flags is set
+ * when some row is not an OK ids row. */
+int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
+                      uint64_t rows, uint64_t words, uint64_t nnz, uint32_t vocab,
+                      uint64_t max_row_length, uint32_t *any_flags);
 
 /* One RowQueue's staging buffer: where its arrays are and how full. The
  * buffer is a STAGING record in the ring (in_ring) or memory this core
  * malloc'd (the ring had no room). Only shmask_core.c writes these. */
 typedef struct {
-    /* first cache line: all the per-step copy touches */
+    /* first two cache lines: all the per-step copy and validation touch */
     int32_t *lengths;
     int32_t *ids;
     float *logprobs;
     uint64_t rows;
-    uint64_t nnz;
+    uint64_t nnz;          /* sum of lengths: support-mode logprobs */
     uint32_t mode;         /* 0: slot closed */
     uint32_t generation;   /* bumped at every close: stale handles stop matching */
     uint64_t rows_capacity;
     uint64_t nnz_capacity;
-    /* second line: the step's validation */
+    uint8_t *flags;
+    uint64_t words;        /* int32 words of ids (== nnz while every row is an OK ids row) */
+    uint64_t words_capacity;
     uint64_t pending_rows; /* this step's rows for the queue (validation pass) */
     uint64_t pending_nnz;
+    uint64_t pending_words;
     uint64_t pending_serial; /* the step the pending counts belong to */
+    uint32_t vocab;        /* of the bitmask rows in this buffer (0: none yet) */
+    uint32_t in_ring;
+    /* the rest: buffer changes and takes */
     uint64_t position;     /* record position when in_ring */
     uint64_t next_rows;    /* capacity of the next buffer: the last take's size */
     uint64_t next_nnz;     /* plus slack, so steady decoding never doubles */
+    uint64_t next_words;
     uint64_t lost_position; /* where the rows were when the ring was lost (lost) */
-    uint32_t in_ring;
     uint32_t lost;         /* rows were in a segment truncated under us: never
                             * copied out (they may be zero pages); the take sends
                             * a ring ref that readers reject as stale */
+    uint32_t pad;
 } shm_queue;
 
 /* The producer's private state: everything it created, kept in its own
@@ -148,8 +176,12 @@ int shm_queue_close(shm_ring *ring, int64_t handle);
 int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t *given_back);
 
 /* The per-step copy, all or nothing. Row i goes to the queue of handles[i].
- * ids is [B, row_stride] when row_stride > 0, else flat CSR. A support-mode
- * row's logprobs sit beside its ids in `logprobs`; a selected-mode row's
+ * ids is [B, row_stride] when row_stride > 0, else flat CSR. flags (NULL:
+ * every row an OK ids row) gives each row's status and form (shmask_layout.h);
+ * a bitmask row's id data is shm_bitmask_words(vocab) words; a row that is
+ * not OK has length 0 and no id data. A support-mode
+ * row's logprobs sit beside its ids in `logprobs` (flat: their own cursor,
+ * L values per row); a selected-mode row's
  * one value is selected[i] (when selected_is_logprobs, `selected` is the
  * same array as `logprobs`, allowed only if no support row is in the step).
  * Every row is validated before any is copied. Returns B when every row
@@ -157,7 +189,8 @@ int shm_queue_abort(shm_ring *ring, int64_t handle, uint64_t *given_back);
  * give now (nothing copied: the caller calls shm_queue_grow and calls again);
  * or a negative error (*bad_row says which row; nothing copied). */
 int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
-                        const int32_t *lengths, const int32_t *ids, const float *logprobs,
+                        const int32_t *lengths, const uint8_t *flags, uint32_t vocab,
+                        const int32_t *ids, const float *logprobs,
                         const float *selected, uint64_t row_stride, uint64_t ids_len,
                         uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
                         uint64_t max_row_length, int64_t *bad_row);
@@ -184,8 +217,10 @@ int shm_queue_relocate(shm_ring *ring, uint64_t slot, int allow_ring);
 int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
                         uint64_t now_ns, int final, uint8_t *kind_out, uint8_t *mode_out,
                         uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
-                        uint64_t *nnz_out);
-/* Copies a privately staged queue's rows (lengths | ids | logprobs) into
+                        uint64_t *nnz_out, uint64_t *words_out, uint32_t *vocab_out);
+/* Bytes of an inline payload: lengths | flags (padded to 4) | ids | logprobs. */
+uint64_t shm_payload_bytes(uint32_t mode, uint64_t rows, uint64_t words, uint64_t nnz);
+/* Copies a privately staged queue's rows (the inline payload above) into
  * out (exactly its payload size) and empties the queue. */
 int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t out_len);
 
@@ -218,13 +253,16 @@ int64_t shm_json_nest(const char *flat, uint64_t flat_len, const int32_t *length
 #define SHM_E_MIXED_NEEDS_SELECTED -24
 #define SHM_E_NO_MEMORY -25
 #define SHM_E_TRUNCATED -26
+#define SHM_E_BAD_FLAGS -27   /* a row's status/form flags are not a valid combination */
+#define SHM_E_VOCAB -28       /* a bitmask row without a vocabulary, or a queue's changed */
+#define SHM_E_BAD_BITMASK -29 /* a bitmask row's set bits disagree with its length or vocab */
 
-int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t nnz_capacity,
-                uint64_t *position_out);
+int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t words_capacity,
+                uint64_t nnz_capacity, uint64_t *position_out);
 /* Gives back a reserved record that will not be published (STAGING -> DISCARDED). */
 int shm_discard_record(shm_ring *ring, uint64_t position);
-int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t nnz,
-                uint64_t now_ns);
+int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t words,
+                uint64_t nnz, uint32_t vocab, uint64_t now_ns);
 int shm_reclaim(shm_ring *ring, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_result *out);
 /* Offset of a record from the start of the mapping (producer's arithmetic). */
 uint64_t shm_record_offset(const shm_ring *ring, uint64_t position);

@@ -6,7 +6,7 @@
  *
  *   0                 4096                                   4096 + capacity
  *   +-----------------+------------------------------------------+
- *   | segment header  | data region: records, 64-byte aligned     |
+ *   | segment header  | data region: records, 128-byte aligned    |
  *   +-----------------+------------------------------------------+
  *
  * Segment header (one page; positions on their own cache lines so the
@@ -29,7 +29,7 @@
  * fit before the end, the producer writes a PADDING record over the rest
  * and starts again at offset 0.
  *
- * Record (record_bytes long, a multiple of 64):
+ * Record (record_bytes long, a multiple of SHM_RECORD_ALIGN = 128):
  *
  *   byte 0    u64 tag              the record's position; readers compare it
  *   byte 8    u32 state (atomic)   STAGING -> WRITTEN -> RELEASED | EXPIRED
@@ -44,9 +44,25 @@
  *                                  after publish so an aborted queue's chunks
  *                                  can be given back (the producer checks it
  *                                  against its own table before acting on it)
- *   byte 64   int32 lengths[rows_capacity]            padded to 64
- *             int32 ids[nnz_capacity]                 padded to 64
+ *   byte 64   u64 words            valid once WRITTEN (int32 words of ids)
+ *   byte 72   u64 words_capacity
+ *   byte 80   u32 vocab            V of the bitmask rows (0: none yet)
+ *   byte 84   u32 pad, then zeros up to byte 128
+ *   byte 128  int32 lengths[rows_capacity]            padded to 64
+ *             u8    flags[rows_capacity]              padded to 64
+ *             int32 ids[words_capacity]               padded to 64
  *             float logprobs[nnz_capacity | rows_capacity]
+ *
+ * Rows (layout version 2). lengths[i] is row i's support size L; flags[i]
+ * holds its status (bits 0-1: SHM_ROW_OK, SHM_ROW_OVERFLOW, SHM_ROW_INVALID)
+ * and its form (bit 2, SHM_ROW_BITMASK). ids holds the rows' id data back to
+ * back: an OK row in ids form gives its L ascending ids, an OK bitmask row
+ * exactly ceil(vocab / 32) words (bit j of word w: id 32 w + j is kept;
+ * bits at ids >= vocab are zero), a non-OK row nothing (and L = 0). nnz is
+ * the sum of L: in support mode logprobs holds L values per row, in
+ * ascending id order for both forms; in selected mode one per row. words is
+ * the sum of the id data; a chunk whose rows are all OK ids rows has
+ * words == nnz, the layout version 1 case.
  *
  * The arrays are placed by capacity, not by count, so a record can be
  * filled in place while it is STAGING (a RowQueue's buffer) and published
@@ -62,10 +78,12 @@
 #include <stdint.h>
 
 #define SHM_MAGIC 0x31304b53414d4853ULL /* "SHMASK01" little-endian */
-#define SHM_LAYOUT_VERSION 1u
+#define SHM_LAYOUT_VERSION 2u /* 2: row flags, bitmask rows, 128-byte record header */
 #define SHM_HEADER_BYTES 4096u
-#define SHM_RECORD_ALIGN 64u
-#define SHM_RECORD_HEADER_BYTES 64u
+/* Records are multiples of the header size, so even the smallest padding
+ * record at the end of the ring holds a whole header. */
+#define SHM_RECORD_ALIGN 128u
+#define SHM_RECORD_HEADER_BYTES 128u
 #define SHM_MIN_CAPACITY 4096u
 #define SHM_N_COUNTERS 8
 
@@ -118,6 +136,11 @@ struct shm_record_header {
     uint64_t nnz_capacity;
     uint64_t published_ns;
     uint64_t owner;
+    uint64_t words;
+    uint64_t words_capacity;
+    uint32_t vocab;
+    uint32_t pad;
+    uint64_t reserved[5];
 };
 
 _Static_assert(offsetof(struct shm_segment_header, head) == 64, "head at byte 64");
@@ -148,5 +171,8 @@ _Static_assert(offsetof(struct shm_record_header, nnz) == 32, "nnz at 32");
 _Static_assert(offsetof(struct shm_record_header, nnz_capacity) == 40, "nnz_capacity at 40");
 _Static_assert(offsetof(struct shm_record_header, published_ns) == 48, "published_ns at 48");
 _Static_assert(offsetof(struct shm_record_header, owner) == 56, "owner at 56");
+_Static_assert(offsetof(struct shm_record_header, words) == 64, "words at 64");
+_Static_assert(offsetof(struct shm_record_header, words_capacity) == 72, "words_capacity at 72");
+_Static_assert(offsetof(struct shm_record_header, vocab) == 80, "vocab at 80");
 
 #endif

@@ -29,6 +29,7 @@ _C = TypeVar("_C", bound=CData)
 
 class ShmLayout(CData):
     lengths_offset: int
+    flags_offset: int
     ids_offset: int
     logprobs_offset: int
     record_bytes: int
@@ -36,8 +37,11 @@ class ShmLayout(CData):
 class ShmView(CData):
     record_offset: int
     lengths_offset: int
+    flags_offset: int
     ids_offset: int
     logprobs_offset: int
+    any_flags: int
+    pad: int
 
 class ShmReclaimResult(CData):
     head: int
@@ -135,6 +139,14 @@ class _Lib:
     SHM_E_MIXED_NEEDS_SELECTED: int
     SHM_E_NO_MEMORY: int
     SHM_E_TRUNCATED: int
+    SHM_E_BAD_FLAGS: int
+    SHM_E_VOCAB: int
+    SHM_E_BAD_BITMASK: int
+    SHM_ROW_OK: int
+    SHM_ROW_OVERFLOW: int
+    SHM_ROW_INVALID: int
+    SHM_ROW_STATUS_MASK: int
+    SHM_ROW_BITMASK: int
     SHM_HANDLE_SLOT_BITS: int
     # shmask_layout.h (through native/build.py's LAYOUT_CDEF)
     SHM_HEADER_BYTES: int
@@ -159,16 +171,22 @@ class _Lib:
     SHM_COUNTER_DISCARDED: int
 
     def shm_record_layout(
-        self, mode: int, rows_capacity: int, nnz_capacity: int, out: ShmLayout, /
+        self, mode: int, rows_capacity: int, words_capacity: int, nnz_capacity: int,
+        out: ShmLayout, /
     ) -> int: ...
+    def shm_bitmask_words(self, vocab: int, /) -> int: ...
+    def shm_payload_bytes(self, mode: int, rows: int, words: int, nnz: int, /) -> int: ...
     def shm_read_info(self, base: CData, segment_bytes: int, out: ShmInfo, /) -> int: ...
     def shm_open_record(
         self, base: CData, mapped_bytes: int, capacity: int, position: int, record_bytes: int,
-        rows: int, nnz: int, mode: int, out: ShmView, /,
+        rows: int, words: int, nnz: int, vocab: int, mode: int, out: ShmView, /,
     ) -> int: ...
     def shm_check_record(self, base: CData, capacity: int, position: int, /) -> int: ...
     def shm_release(self, base: CData, mapped_bytes: int, capacity: int, position: int, /) -> int: ...
-    def shm_validate_lengths(self, lengths: CData, rows: int, nnz: int, max_row_length: int, /) -> int: ...
+    def shm_validate_rows(
+        self, lengths: CData, flags: CData, ids: CData, rows: int, words: int, nnz: int,
+        vocab: int, max_row_length: int, any_flags: IntPointer, /,
+    ) -> int: ...
     def shm_ring_init(
         self, ring: CData, base: CData, mapped_bytes: int, capacity: int, epoch: int, pid: int,
         start: int, created_ns: int, handle_tag: int, /,
@@ -180,7 +198,8 @@ class _Lib:
     def shm_queue_close(self, ring: CData, handle: int, /) -> int: ...
     def shm_queue_abort(self, ring: CData, handle: int, given_back: IntPointer, /) -> int: ...
     def shm_append_step(
-        self, ring: CData, handles: CData, batch: int, lengths: CData, ids: CData, logprobs: CData,
+        self, ring: CData, handles: CData, batch: int, lengths: CData, flags: CData, vocab: int,
+        ids: CData, logprobs: CData,
         selected: CData, row_stride: int, ids_len: int, logprobs_len: int, selected_len: int,
         selected_is_logprobs: int, max_row_length: int, bad_row: IntPointer, /,
     ) -> int: ...
@@ -190,7 +209,7 @@ class _Lib:
     def shm_take_queues(
         self, ring: CData, handles: CData, count: int, start: int, now_ns: int, final: int,
         kind_out: CData, mode_out: CData, position_out: CData, bytes_out: CData, rows_out: CData,
-        nnz_out: CData, /,
+        nnz_out: CData, words_out: CData, vocab_out: CData, /,
     ) -> int: ...
     def shm_queue_pack_private(self, ring: CData, slot: int, out: CData, out_len: int, /) -> int: ...
     def shm_map(self, fd: int, bytes: int, populate: int, errno_out: IntPointer, /) -> CData: ...
@@ -205,11 +224,13 @@ class _Lib:
         out_capacity: int, /,
     ) -> int: ...
     def shm_reserve(
-        self, ring: CData, mode: int, rows_capacity: int, nnz_capacity: int, position_out: IntPointer, /
+        self, ring: CData, mode: int, rows_capacity: int, words_capacity: int, nnz_capacity: int,
+        position_out: IntPointer, /
     ) -> int: ...
     def shm_discard_record(self, ring: CData, position: int, /) -> int: ...
     def shm_publish(
-        self, ring: CData, position: int, mode: int, rows: int, nnz: int, now_ns: int, /
+        self, ring: CData, position: int, mode: int, rows: int, words: int, nnz: int, vocab: int,
+        now_ns: int, /
     ) -> int: ...
     def shm_reclaim(
         self, ring: CData, now_ns: int, lease_ns: int, out: ShmReclaimResult, /

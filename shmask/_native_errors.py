@@ -19,7 +19,9 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
     lib.SHM_E_STALE: (StaleChunkError, "chunk was reclaimed (lease expired) before it was read"),
     lib.SHM_E_DOUBLE_RELEASE: (DoubleReleaseError, "chunk was released already"),
     lib.SHM_E_NOT_WRITTEN: (InvalidRefError, "position does not hold a published chunk"),
-    lib.SHM_E_BAD_LENGTHS: (InvalidRefError, "row lengths are negative, too long, or do not sum to nnz"),
+    lib.SHM_E_BAD_LENGTHS: (InvalidRefError, "rows are malformed: a length negative or too "
+                            "long, invalid flags, a bitmask that disagrees with its length, or "
+                            "totals that do not match nnz and words"),
     lib.SHM_E_BAD_STATE: (ShmaskError, "record is not in the state this call needs"),
     lib.SHM_E_OVERFLOW: (InvalidRefError, "sizes overflow"),
     lib.SHM_E_BAD_SLOT: (InvalidRowsError, "not the handle of an open RowQueue of this Writer "
@@ -32,6 +34,12 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
                                      "queues: pass selected_logprobs= ([B]) beside logprobs"),
     lib.SHM_E_NO_MEMORY: (InvalidRowsError, "no memory for the queue's buffer"),
     lib.SHM_E_TRUNCATED: (StaleChunkError, "the segment was truncated by another process"),
+    lib.SHM_E_BAD_FLAGS: (InvalidRowsError, "row flags must be OK (optionally bitmask form), "
+                          "OVERFLOW or INVALID"),
+    lib.SHM_E_VOCAB: (InvalidRowsError, "a bitmask row needs vocab > 0, the same for every "
+                      "bitmask row of a queue between takes"),
+    lib.SHM_E_BAD_BITMASK: (InvalidRowsError, "a bitmask row's set bits must number its length "
+                            "and name ids below vocab"),
 }
 
 

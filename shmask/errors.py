@@ -32,3 +32,18 @@ class InvalidRowsError(ShmaskError, ValueError):
 class RemoteChunkError(ShmaskError):
     """The chunk lives in the shared memory of another host (or of a
     container with its own /dev/shm): it must be forwarded inline."""
+
+
+class RowDroppedError(ShmaskError):
+    """A row's ids were not sent: the producer marked it OVERFLOW (support
+    larger than its cap) or INVALID. `row` is its index in the chunk and
+    `status` its status value (shmask.chunk.ROW_OVERFLOW, ROW_INVALID)."""
+
+    def __init__(self, message: str, row: int, status: int) -> None:
+        # Every argument goes to Exception.args, so the error pickles.
+        super().__init__(message, row, status)
+        self.row = row
+        self.status = status
+
+    def __str__(self) -> str:
+        return str(self.args[0])

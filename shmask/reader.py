@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -89,6 +90,7 @@ class Reader:
         self._host = host_id()  # which /dev/shm this process sees
         self._attached: dict[str, _Attached] = {}
         self._view = ffi.new("shm_view *")
+        self._any_flags = ffi.new("uint32_t *")
         if self.config.transport == "shm":
             # Rings of producers that died (SIGKILL leaves them) go now.
             collect_garbage(self.config.name_prefix)
@@ -173,7 +175,7 @@ class Reader:
         if not isinstance(ref, ChunkRef):
             raise InvalidRefError(f"Reader.open takes a ChunkRef, got {type(ref).__name__}")
         if ref.kind == KIND_INLINE:
-            return _open_inline(ref, self.config.max_tokens)
+            return _open_inline(ref, self.config.max_tokens, self._any_flags)
         if ref.kind == KIND_EMPTY:
             if type(ref.rows) is not int or type(ref.nnz) is not int or ref.rows or ref.nnz:
                 raise InvalidRefError(f"empty reference with rows={ref.rows!r} nnz={ref.nnz!r}")
@@ -217,19 +219,22 @@ class Reader:
                 f"(epoch {attached.epoch}): the segment was recreated"
             )
         rc = lib.shm_open_record(attached.base, attached.size, attached.capacity, ref.position,
-                                 ref.record_bytes, ref.rows, ref.nnz, ref.mode, self._view)
+                                 ref.record_bytes, ref.rows, ref.words, ref.nnz, ref.vocab,
+                                 ref.mode, self._view)
         if rc:
             attached.error(rc, f"open {ref!r}")
         view = self._view
-        rows, nnz = ref.rows, ref.nnz
+        rows, nnz, words = ref.rows, ref.nnz, ref.words
         n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
         data = attached.view
         lengths = data[view.lengths_offset:view.lengths_offset + 4 * rows].view(np.int32)
-        ids = data[view.ids_offset:view.ids_offset + 4 * nnz].view(np.int32)
+        flags = data[view.flags_offset:view.flags_offset + rows]
+        ids = data[view.ids_offset:view.ids_offset + 4 * words].view(np.int32)
         logprobs = data[view.logprobs_offset:view.logprobs_offset + 4 * n_logprobs].view(np.float32)
         record = _ShmRecord(attached, ref.position)
         try:
-            _check_lengths(lengths, nnz, self.config.max_tokens)
+            any_flags = _check_rows(lengths, flags, ids, nnz, ref.vocab, self.config.max_tokens,
+                                    self._any_flags)
         except InvalidRefError:
             record.check()  # reclaimed or truncated meanwhile: say that instead
             raise
@@ -237,7 +242,8 @@ class Reader:
         # must not pass with someone else's lengths.
         if lib.shm_check_record(attached.base, attached.capacity, ref.position):
             record.check()  # raises, naming the reason
-        return Chunk(ref.mode, lengths, ids, logprobs, record)
+        return Chunk(ref.mode, lengths, ids, logprobs, record, flags=flags if any_flags else None,
+                     vocab=ref.vocab)
 
     def _attach(self, name: str) -> _Attached:
         attached = self._attached.get(name)
@@ -293,25 +299,38 @@ class _ShmRecord:
             attached.error(rc, f"release {attached.name}@{self.position}")
 
 
-def _check_lengths(lengths: np.ndarray, nnz: int, max_tokens: int) -> None:
-    rc = lib.shm_validate_lengths(ffi.from_buffer("int32_t[]", lengths), lengths.size, nnz,
-                                  max_tokens)
+def _check_rows(lengths: np.ndarray, flags: np.ndarray, ids: np.ndarray, nnz: int, vocab: int,
+                max_tokens: int, any_flags: Any) -> bool:
+    """Validates a chunk's rows (native core); whether some row is not an OK
+    ids row (the chunk then carries its flags)."""
+    rc = lib.shm_validate_rows(ffi.from_buffer("int32_t[]", lengths),
+                               ffi.from_buffer("uint8_t[]", flags),
+                               ffi.from_buffer("int32_t[]", ids), lengths.size, ids.size, nnz,
+                               vocab, max_tokens, any_flags)
     if rc:
-        raise_for(rc, "chunk lengths")
+        raise_for(rc, "chunk rows")
+    return bool(any_flags[0])
 
 
-def _open_inline(ref: ChunkRef, max_tokens: int) -> Chunk:
+def _open_inline(ref: ChunkRef, max_tokens: int, any_flags: Any) -> Chunk:
     payload = ref.payload
-    rows, nnz = ref.rows, ref.nnz
+    rows, nnz, words, vocab = ref.rows, ref.nnz, ref.words, ref.vocab
     if type(ref.mode) is not int or ref.mode not in (MODE_SELECTED, MODE_SUPPORT):
         raise InvalidRefError(f"inline reference mode {ref.mode!r} is invalid: accepted 1, 2")
-    size = int(payload_bytes(ref.mode, rows, nnz))
+    if not all(type(v) is int and v >= 0 for v in (rows, nnz, words, vocab)) or vocab >= 1 << 31:
+        raise InvalidRefError(f"inline {ref!r}: rows, nnz, words and vocab must be "
+                              "non-negative integers")
+    size = int(payload_bytes(ref.mode, rows, nnz, words))
     if payload is None or len(payload) != size:
         raise InvalidRefError(f"inline {ref!r} carries {0 if payload is None else len(payload)} "
-                              f"bytes; rows and nnz need {size}")
+                              f"bytes; its rows, nnz and words need {size}")
     data = np.frombuffer(payload, dtype=np.uint8)
-    lengths = data[:4 * rows].view(np.int32)
-    ids = data[4 * rows:4 * (rows + nnz)].view(np.int32)
-    logprobs = data[4 * (rows + nnz):].view(np.float32)
-    _check_lengths(lengths, nnz, max_tokens)
-    return Chunk(ref.mode, lengths, ids, logprobs, None)
+    flags_at, ids_at = 4 * rows, 4 * rows + -(-rows // 4) * 4
+    logprobs_at = ids_at + 4 * words
+    lengths = data[:flags_at].view(np.int32)
+    flags = data[flags_at:flags_at + rows]
+    ids = data[ids_at:logprobs_at].view(np.int32)
+    logprobs = data[logprobs_at:].view(np.float32)
+    plain = not _check_rows(lengths, flags, ids, nnz, vocab, max_tokens, any_flags)
+    return Chunk(ref.mode, lengths, ids, logprobs, None, flags=None if plain else flags,
+                 vocab=vocab)

@@ -5,7 +5,7 @@ so pickling it, msgpacking it or sending it as a zmq frame costs O(1) Python
 objects however many requests it holds. Wire format (little-endian):
 
     offset 0   4s   magic b"SMRB"
-           4   u16  version (2)
+           4   u16  version (3)
            6   u16  n_segments
            8   u32  n_entries
           12   u32  inline_bytes
@@ -14,8 +14,11 @@ objects however many requests it holds. Wire format (little-endian):
                entries: n_entries x ENTRY_DTYPE (40 bytes)
                inline area: inline_bytes (packed chunks of entries of kind INLINE)
 
-An inline chunk is `lengths int32[rows] | ids int32[nnz] | logprobs
-float32[nnz or rows]`, packed. Everything here is parsed as untrusted input:
+An inline chunk is `lengths int32[rows] | flags uint8[rows], zero-padded to
+a multiple of 4 | ids int32[words] | logprobs float32[nnz or rows]`, packed
+(the record arrays of native/shmask_layout.h: `words` counts the rows' id
+data, which differs from `nnz` when a row travels as a bitmask or is
+dropped with its status). Everything here is parsed as untrusted input:
 a malformed batch raises InvalidRefError, never reads out of bounds.
 """
 
@@ -30,7 +33,9 @@ import numpy as np
 from .errors import InvalidRefError
 
 MAGIC = b"SMRB"
-VERSION = 2  # 2: each segment says which host (boot + /dev/shm mount) holds it
+# 2: each segment says which host (boot + /dev/shm mount) holds it;
+# 3: entries carry words and vocab (row flags and bitmask rows)
+VERSION = 3
 _HEADER = struct.Struct("<4sHHII")
 _SEGMENT = struct.Struct("<QQB")
 MAX_NAME_BYTES = 64
@@ -52,8 +57,9 @@ ENTRY_DTYPE = np.dtype(
         ("rows", "<u4"),
         ("position", "<u8"),  # ring position (shm) or offset in the inline area
         ("record_bytes", "<u8"),  # record size (shm) or payload size (inline)
-        ("nnz", "<u8"),
-        ("reserved", "<u8"),
+        ("nnz", "<u8"),  # support ids (sum of row lengths)
+        ("words", "<u4"),  # int32 words of id data (== nnz unless a row is a bitmask or dropped)
+        ("vocab", "<u4"),  # V of the chunk's bitmask rows (0: none)
     ]
 )
 assert ENTRY_DTYPE.itemsize == 40
@@ -67,21 +73,34 @@ def mode_code(mode: str | int) -> int:
     raise InvalidRefError(f"mode {mode!r} is invalid: accepted 'selected' or 'support'")
 
 
-def payload_bytes(mode, rows, nnz):  # type: ignore[no-untyped-def]
-    """Bytes of a chunk's CSR arrays (lengths, ids, logprobs): the size of an
-    inline payload. Works on ints and, element-wise, on numpy arrays."""
-    return 4 * (rows + nnz + np.where(mode == MODE_SUPPORT, nnz, rows))
+def payload_bytes(mode, rows, nnz, words=None):  # type: ignore[no-untyped-def]
+    """Bytes of a chunk's row arrays (lengths, flags padded to 4, id data,
+    logprobs): the size of an inline payload. `words` defaults to nnz (every
+    row an OK ids row). Works on ints and, element-wise, on numpy arrays."""
+    if words is None:
+        words = nnz
+    return 4 * rows + (rows + 3) // 4 * 4 + 4 * words + 4 * np.where(mode == MODE_SUPPORT, nnz,
+                                                                     rows)
+
+
+def pack_payload(lengths: np.ndarray, flags: np.ndarray | None, ids: np.ndarray,
+                 logprobs: np.ndarray) -> bytes:
+    """An inline payload from row arrays (flags None: every row an OK ids row)."""
+    flag_bytes = np.zeros(-(-lengths.size // 4) * 4, np.uint8)
+    if flags is not None:
+        flag_bytes[:lengths.size] = flags
+    return b"".join((lengths.tobytes(), flag_bytes.tobytes(), ids.tobytes(), logprobs.tobytes()))
 
 
 class ChunkRef:
     """A reference to one chunk (consecutive rows of one request)."""
 
     __slots__ = ("kind", "mode", "segment", "epoch", "position", "record_bytes", "rows", "nnz",
-                 "payload", "host")
+                 "payload", "host", "words", "vocab")
 
     def __init__(self, kind: int, mode: int, segment: str, epoch: int, position: int,
                  record_bytes: int, rows: int, nnz: int, payload: memoryview | None,
-                 host: int = 0) -> None:
+                 host: int = 0, words: int | None = None, vocab: int = 0) -> None:
         self.kind = kind
         self.mode = mode
         self.segment = segment
@@ -92,6 +111,9 @@ class ChunkRef:
         self.nnz = nnz
         self.payload = payload
         self.host = host  # shmask.host_id() of the ring's host; 0: unknown (assumed local)
+        # int32 words of the rows' id data; nnz when every row is an OK ids row
+        self.words = nnz if words is None else words
+        self.vocab = vocab  # V of the bitmask rows (0: none)
 
     @property
     def inline(self) -> bool:
@@ -166,6 +188,7 @@ class RefBatch:
             entry = entries[i]
             entry["kind"], entry["mode"] = ref.kind, ref.mode
             entry["rows"], entry["nnz"] = ref.rows, ref.nnz
+            entry["words"], entry["vocab"] = ref.words, ref.vocab
             if ref.kind == KIND_SHM:
                 key = (ref.segment, ref.epoch, ref.host)
                 entry["segment"] = segments.setdefault(key, len(segments))
@@ -230,13 +253,14 @@ class RefBatch:
             yield self._ref(*fields)
 
     def _ref(self, kind: int, mode: int, segment_index: int, rows: int, position: int,
-             record_bytes: int, nnz: int, _reserved: int) -> ChunkRef:
+             record_bytes: int, nnz: int, words: int, vocab: int) -> ChunkRef:
         segment, epoch, host, payload = "", 0, 0, None
         if kind == KIND_SHM:
             segment, epoch, host = self._segments[segment_index]
         elif kind == KIND_INLINE:
             payload = self._inline[position:position + record_bytes]
-        return ChunkRef(kind, mode, segment, epoch, position, record_bytes, rows, nnz, payload, host)
+        return ChunkRef(kind, mode, segment, epoch, position, record_bytes, rows, nnz, payload, host,
+                        words, vocab)
 
     @property
     def entries(self) -> np.ndarray:
@@ -297,8 +321,8 @@ class RefBatch:
         for i, ref in enumerate(self):
             if ref.kind == KIND_SHM and inline_host(ref.host):
                 with reader.open(ref) as chunk:
-                    payload = b"".join((chunk.lengths.tobytes(), chunk.ids.tobytes(),
-                                        chunk.logprobs.tobytes()))
+                    payload = pack_payload(chunk.lengths, chunk.flags, chunk.ids,
+                                           chunk.logprobs)
                     chunk.check()  # copied before any reclaim
                 entries[i]["kind"], entries[i]["segment"] = KIND_INLINE, 0
             elif ref.kind == KIND_INLINE:
@@ -343,8 +367,9 @@ def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> N
     if np.any(kind > KIND_INLINE):
         raise InvalidRefError(f"reference kind {int(kind.max())} is invalid: accepted 0, 1, 2")
     live = kind != KIND_EMPTY
-    if np.any(~live & ((entries["rows"] != 0) | (entries["nnz"] != 0))):
-        raise InvalidRefError("an empty reference must have rows == nnz == 0")
+    if np.any(~live & ((entries["rows"] != 0) | (entries["nnz"] != 0) | (entries["words"] != 0)
+                       | (entries["vocab"] != 0))):
+        raise InvalidRefError("an empty reference must have rows == nnz == words == vocab == 0")
     mode = entries["mode"]
     if np.any(live & (mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
         raise InvalidRefError("reference mode is invalid: accepted 1 (selected), 2 (support)")
@@ -357,12 +382,13 @@ def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> N
         size = entries["record_bytes"][inline]
         rows = entries["rows"][inline].astype(np.uint64)
         nnz = entries["nnz"][inline]
+        words = entries["words"][inline].astype(np.uint64)
         if np.any(nnz > (1 << 40)) or np.any(size > inline_bytes) or np.any(
             start > inline_bytes - size
         ):
             raise InvalidRefError("inline reference points outside its batch")
-        if np.any(size != payload_bytes(mode[inline], rows, nnz)):
-            raise InvalidRefError("inline reference size disagrees with its rows and nnz")
+        if np.any(size != payload_bytes(mode[inline], rows, nnz, words)):
+            raise InvalidRefError("inline reference size disagrees with its rows, nnz and words")
 
 
 # ------------------------------------------------------------- msgpack

@@ -15,6 +15,7 @@ The ring's geometry, positions and the queue table live in a C struct
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import secrets
 import time
@@ -37,6 +38,7 @@ from .refs import (
     ChunkRef,
     RefBatch,
     mode_code,
+    pack_payload,
     payload_bytes,
 )
 from .segment import Segment, collect_garbage, host_id, process_start_ticks
@@ -139,6 +141,7 @@ class Writer:
         self._given_back = ffi.new("uint64_t *")
         self._reclaim_result = ffi.new("shm_reclaim_result *")
         self._layout = ffi.new("shm_layout *")
+        self._any_flags = ffi.new("uint32_t *")
 
     # ------------------------------------------------------------ identity
     @property
@@ -162,8 +165,9 @@ class Writer:
             raise InvalidRowsError(
                 f"logprobs has {logprobs.size} values; {mode} mode needs {expected_logprobs}"
             )
-        rc = lib.shm_validate_lengths(ffi.from_buffer("int32_t[]", lengths), rows, nnz,
-                                      self._max_row)
+        rc = lib.shm_validate_rows(ffi.from_buffer("int32_t[]", lengths), ffi.NULL,
+                                   ffi.from_buffer("int32_t[]", ids), rows, nnz, nnz, 0,
+                                   self._max_row, self._any_flags)
         if rc:
             raise InvalidRowsError(
                 f"lengths must be 0..{self._max_row} (SHMASK_MAX_TOKENS) and sum to "
@@ -171,15 +175,18 @@ class Writer:
             )
         if rows == 0:
             return ChunkRef(KIND_EMPTY, code, "", 0, 0, 0, 0, 0, None)
+        # One-shot chunks are CSR: every row an OK ids row, so words == nnz.
         position = self._reserve(code, rows, nnz) if self.segment else None
         if position is None:
-            payload = lengths.tobytes() + ids.tobytes() + logprobs.tobytes()
-            ref = self._inline_ref(code, rows, nnz, payload, self._inline_reason(code, rows, nnz))
+            payload = pack_payload(lengths, None, ids, logprobs)
+            ref = self._inline_ref(code, rows, nnz, nnz, 0, payload,
+                                   self._inline_reason(code, rows, nnz, nnz))
         else:
             try:
-                dest_lengths, dest_ids, dest_logprobs = self._record_arrays(position, code, rows,
-                                                                            nnz)
+                dest_lengths, dest_flags, dest_ids, dest_logprobs = self._record_arrays(
+                    position, code, rows, nnz)
                 dest_lengths[:] = lengths
+                dest_flags[:] = 0
                 dest_ids[:] = ids
                 dest_logprobs[:] = logprobs
             except BaseException:
@@ -195,8 +202,8 @@ class Writer:
                 self._check_segment(force=True)
                 if not self._ring.dead:
                     raise
-                payload = lengths.tobytes() + ids.tobytes() + logprobs.tobytes()
-                ref = self._inline_ref(code, rows, nnz, payload, "ring_lost")
+                payload = pack_payload(lengths, None, ids, logprobs)
+                ref = self._inline_ref(code, rows, nnz, nnz, 0, payload, "ring_lost")
         if metrics.enabled():
             metrics.sync(self.stats, self._synced, self.ring_usage())
         return ref
@@ -216,7 +223,9 @@ class Writer:
 
     def append_step(self, queues: Sequence[RowQueue] | np.ndarray, lengths: np.ndarray,
                     ids: np.ndarray, logprobs: np.ndarray,
-                    selected_logprobs: np.ndarray | None = None) -> None:
+                    selected_logprobs: np.ndarray | None = None, *,
+                    status: np.ndarray | None = None, forms: np.ndarray | None = None,
+                    vocab: int = 0) -> None:
         """Append one decode step's rows, all or nothing: row i goes to queues[i].
 
         `queues` is a sequence of RowQueue or an int64 array of their
@@ -229,6 +238,15 @@ class Writer:
         appear several times in one step (speculative decoding): its rows are
         appended in step order. Every row is checked before any is copied: a
         bad row raises and appends nothing.
+
+        Exact rows of any size (what shmask.kernels produces): `status[i]`
+        (0 OK, 1 OVERFLOW, 2 INVALID) travels with row i; a row that is not
+        OK has length 0 and no ids, so readers can tell it from an empty
+        support. `forms[i]` 1 sends an OK row as a bitmask: its id data is
+        ceil(vocab / 32) int32 words (bit j of word w: id 32 w + j) while
+        lengths[i] stays its support size, and its support logprobs are its
+        L values in ascending id order. Flat `ids` and `logprobs` then
+        advance separately (id data per row vs L values per row).
         """
         if self.closed:  # _begin_call, inlined: this runs every decode step
             raise ShmaskError("Writer is closed")
@@ -250,9 +268,14 @@ class Writer:
             row_stride = 0
         else:
             raise InvalidRowsError(f"ids must be [B, W] or flat CSR, got shape {ids.shape}")
+        c_flags = ffi.NULL if status is None and forms is None else ffi.from_buffer(
+            "uint8_t[]", _row_flags(status, forms, batch))
+        # With flags, flat id data and support logprobs differ in length (a
+        # bitmask row's words vs its L values); the core checks both ranges.
+        any_flat = c_flags != ffi.NULL and ids.ndim == 1 and logprobs.ndim == 1
         if selected_logprobs is None:
             selected, selected_is_logprobs = logprobs, 1
-            if logprobs.shape not in (ids.shape, (batch,)):
+            if logprobs.shape not in (ids.shape, (batch,)) and not any_flat:
                 raise InvalidRowsError(f"logprobs has shape {logprobs.shape}; expected the shape "
                                        f"of ids {ids.shape} (support) or ({batch},) (selected)")
         else:
@@ -261,16 +284,18 @@ class Writer:
             if selected.shape != (batch,):
                 raise InvalidRowsError(
                     f"selected_logprobs has shape {selected.shape}; expected ({batch},)")
-            if logprobs.size and logprobs.shape != ids.shape:
+            if logprobs.size and logprobs.shape != ids.shape and not any_flat:
                 raise InvalidRowsError(f"logprobs has shape {logprobs.shape}; expected the "
                                        f"shape of ids {ids.shape}")
+        vocab = _vocab(vocab)
         c_handles = ffi.from_buffer("int64_t[]", handles)
         c_lengths = ffi.from_buffer("int32_t[]", lengths)
         c_ids = ffi.from_buffer("int32_t[]", ids)
         c_logprobs = ffi.from_buffer("float[]", logprobs)
         c_selected = c_logprobs if selected_is_logprobs else ffi.from_buffer("float[]", selected)
         while True:
-            done = lib.shm_append_step(self._ring, c_handles, batch, c_lengths, c_ids, c_logprobs,
+            done = lib.shm_append_step(self._ring, c_handles, batch, c_lengths, c_flags, vocab,
+                                       c_ids, c_logprobs,
                                        c_selected, row_stride, ids.size, logprobs.size,
                                        selected.size, selected_is_logprobs, self._max_row,
                                        self._bad_row)
@@ -398,10 +423,11 @@ class Writer:
                                    f"handles: {exc}") from None
 
     def _reserve(self, mode: int, rows_capacity: int, nnz_capacity: int) -> int | None:
-        """A ring record for a one-shot chunk, or None (the chunk goes inline)."""
+        """A ring record for a one-shot (CSR) chunk, or None (the chunk goes inline)."""
         position = self._position
         if self._wait_for_room(
-            lambda: lib.shm_reserve(self._ring, mode, rows_capacity, nnz_capacity, position)
+            lambda: lib.shm_reserve(self._ring, mode, rows_capacity, nnz_capacity, nnz_capacity,
+                                    position)
         ):
             return int(position[0])
         return None
@@ -443,45 +469,48 @@ class Writer:
             raise_for(rc, f"append_step: staging queue slot {slot} in private memory")
 
     def _record_arrays(self, position: int, mode: int, rows_capacity: int,
-                       nnz_capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        lib.shm_record_layout(mode, rows_capacity, nnz_capacity, self._layout)
+                       nnz_capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The arrays of a one-shot (CSR: words == nnz) record."""
+        lib.shm_record_layout(mode, rows_capacity, nnz_capacity, nnz_capacity, self._layout)
         start = int(lib.shm_record_offset(self._ring, position))
         layout = self._layout
         n_logprobs = nnz_capacity if mode == MODE_SUPPORT else rows_capacity
         view = self._view
         lengths = view[start + layout.lengths_offset:][:4 * rows_capacity].view(np.int32)
+        flags = view[start + layout.flags_offset:][:rows_capacity]
         ids = view[start + layout.ids_offset:][:4 * nnz_capacity].view(np.int32)
         logprobs = view[start + layout.logprobs_offset:][:4 * n_logprobs].view(np.float32)
-        return lengths, ids, logprobs
+        return lengths, flags, ids, logprobs
 
     def _publish_record(self, position: int, mode: int, rows: int, nnz: int) -> ChunkRef:
-        rc = lib.shm_publish(self._ring, position, mode, rows, nnz, time.monotonic_ns())
+        rc = lib.shm_publish(self._ring, position, mode, rows, nnz, nnz, 0, time.monotonic_ns())
         if rc:
             raise_for(rc, f"publish at position {position}")
         # The record's size comes from the producer's own numbers, never from
         # a value read back out of shared memory.
-        lib.shm_record_layout(mode, rows, nnz, self._layout)
-        self._count(rows, nnz, mode)
+        lib.shm_record_layout(mode, rows, nnz, nnz, self._layout)
+        self._count(rows, nnz, nnz, mode)
         return ChunkRef(KIND_SHM, mode, self.segment_name, self.epoch, position,
                         int(self._layout.record_bytes), rows, nnz, None, host_id())
 
-    def _count(self, rows: int, nnz: int, mode: int) -> None:
+    def _count(self, rows: int, nnz: int, words: int, mode: int) -> None:
         self.stats.chunks += 1
         self.stats.rows += rows
-        self.stats.payload_bytes += int(payload_bytes(mode, rows, nnz))
+        self.stats.payload_bytes += int(payload_bytes(mode, rows, nnz, words))
 
-    def _inline_reason(self, mode: int, rows_capacity: int, nnz_capacity: int) -> str:
+    def _inline_reason(self, mode: int, rows_capacity: int, words_capacity: int,
+                       nnz_capacity: int) -> str:
         """Why a chunk of these capacities is not in the ring."""
         if self.segment is None:
             return "configured"
         if self._ring.dead:
             return "ring_lost"
-        lib.shm_record_layout(mode, rows_capacity, nnz_capacity, self._layout)
+        lib.shm_record_layout(mode, rows_capacity, words_capacity, nnz_capacity, self._layout)
         return "oversize" if self._layout.record_bytes > self._ring.capacity else "ring_full"
 
-    def _inline_ref(self, mode: int, rows: int, nnz: int, payload: bytes,
-                    reason: str) -> ChunkRef:
-        self._count(rows, nnz, mode)
+    def _inline_ref(self, mode: int, rows: int, nnz: int, words: int, vocab: int,
+                    payload: bytes, reason: str) -> ChunkRef:
+        self._count(rows, nnz, words, mode)
         self.stats.inline_chunks += 1
         self.stats.inline_bytes += len(payload)
         setattr(self.stats, "inline_" + reason, getattr(self.stats, "inline_" + reason) + 1)
@@ -491,7 +520,7 @@ class Writer:
                     f"{n} {r.replace('_', ' ')}" for r, n in sorted(self._inline_pending.items()))):
                 self._inline_pending.clear()
         return ChunkRef(KIND_INLINE, mode, "", 0, 0, len(payload), rows, nnz,
-                        memoryview(payload))
+                        memoryview(payload), 0, words, vocab)
 
     def _take_into_entries(self, handles: np.ndarray,
                            final: bool) -> tuple[np.ndarray, list[bytes]]:
@@ -501,6 +530,8 @@ class Writer:
         record_bytes = np.zeros(count, np.uint64)
         rows = np.zeros(count, np.uint32)
         nnz = np.zeros(count, np.uint64)
+        words = np.zeros(count, np.uint64)
+        vocab = np.zeros(count, np.uint32)
         mode = np.zeros(count, np.uint8)
         inline_chunks: list[bytes] = []
         inline_offset = 0
@@ -508,7 +539,7 @@ class Writer:
         outputs = [ffi.from_buffer(ctype, array) for ctype, array in (
             ("int64_t[]", handles), ("uint8_t[]", kind), ("uint8_t[]", mode),
             ("uint64_t[]", position), ("uint64_t[]", record_bytes), ("uint32_t[]", rows),
-            ("uint64_t[]", nnz))]
+            ("uint64_t[]", nnz), ("uint64_t[]", words), ("uint32_t[]", vocab))]
         now = time.monotonic_ns()
         while start < count:
             done = lib.shm_take_queues(self._ring, outputs[0], count, start, now, int(final),
@@ -520,6 +551,7 @@ class Writer:
             i = int(done)  # a queue in private memory: its chunk goes inline
             ref = self._take_private(int(handles[i]) & _SLOT_MASK)
             kind[i], mode[i], rows[i], nnz[i] = KIND_INLINE, ref.mode, ref.rows, ref.nnz
+            words[i], vocab[i] = ref.words, ref.vocab
             assert ref.payload is not None
             position[i], record_bytes[i] = inline_offset, len(ref.payload)
             inline_chunks.append(bytes(ref.payload))
@@ -530,21 +562,24 @@ class Writer:
             self.stats.chunks += int(shm.sum())
             self.stats.rows += int(rows[shm].sum())
             self.stats.payload_bytes += int(payload_bytes(mode[shm], rows[shm].astype(np.uint64),
-                                                          nnz[shm]).sum())
+                                                          nnz[shm], words[shm]).sum())
         entries = np.zeros(count, dtype=ENTRY_DTYPE)
         entries["kind"], entries["mode"], entries["rows"], entries["nnz"] = kind, mode, rows, nnz
+        entries["words"], entries["vocab"] = words, vocab
         entries["position"], entries["record_bytes"] = position, record_bytes
         return entries, inline_chunks
 
     def _take_private(self, slot: int) -> ChunkRef:
         entry = self._ring.queues[slot]
         rows, nnz, mode = int(entry.rows), int(entry.nnz), int(entry.mode)
-        reason = self._inline_reason(mode, int(entry.rows_capacity), int(entry.nnz_capacity))
-        payload = bytearray(int(payload_bytes(mode, rows, nnz)))
+        words, vocab = int(entry.words), int(entry.vocab)
+        reason = self._inline_reason(mode, int(entry.rows_capacity), int(entry.words_capacity),
+                                     int(entry.nnz_capacity))
+        payload = bytearray(int(lib.shm_payload_bytes(mode, rows, words, nnz)))
         rc = lib.shm_queue_pack_private(self._ring, slot, ffi.from_buffer(payload), len(payload))
         if rc:
             raise_for(rc, f"take_batch: packing queue slot {slot}")
-        return self._inline_ref(mode, rows, nnz, bytes(payload), reason)
+        return self._inline_ref(mode, rows, nnz, words, vocab, bytes(payload), reason)
 
     def _close_queue(self, queue: RowQueue, abort: bool) -> int:
         if self.closed:
@@ -636,3 +671,32 @@ def _as_array(value: object, dtype: type, name: str) -> np.ndarray:
             raise
         raise InvalidRowsError(f"{name} cannot be read as {np.dtype(dtype).name}: {exc}") from None
     return array
+
+
+def _vocab(value: object) -> int:
+    try:
+        vocab = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidRowsError(f"vocab must be an integer, got {value!r}") from None
+    if not 0 <= vocab < 1 << 31:
+        raise InvalidRowsError(f"vocab must be in [0, 2**31), got {vocab}")
+    return vocab
+
+
+def _row_flags(status: object, forms: object, batch: int) -> np.ndarray:
+    """Per-row flags of the layout (native/shmask_layout.h): status in bits
+    0-1, bitmask form in bit 2. Ranges are checked here because packing a bad
+    status into bits would turn it into another, valid, flag."""
+    flags = np.zeros(batch, np.uint8)
+    for name, value, limit, shift in (("status", status, 2, 0), ("forms", forms, 1, 2)):
+        if value is None:
+            continue
+        array = np.asarray(value)
+        if array.shape != (batch,) or array.dtype.kind not in "iub":
+            raise InvalidRowsError(f"{name} must be an integer array of shape ({batch},), got "
+                                   f"{array.dtype} {array.shape}")
+        if batch and (array.min() < 0 or array.max() > limit):
+            raise InvalidRowsError(f"{name} values must lie in 0..{limit}, got "
+                                   f"{int(array.min())}..{int(array.max())}")
+        flags |= array.astype(np.uint8) << shift
+    return flags

@@ -35,25 +35,29 @@ def test_states_and_layout_constants():
     assert (lib.SHM_STATE_FREE, lib.SHM_STATE_STAGING, lib.SHM_STATE_WRITTEN, lib.SHM_STATE_RELEASED,
             lib.SHM_STATE_PADDING, lib.SHM_STATE_EXPIRED, lib.SHM_STATE_DISCARDED,
             lib.SHM_STATE_CORRUPT) == (0, 1, 2, 3, 4, 5, 6, 255)
-    assert lib.SHM_RECORD_HEADER_BYTES == ffi.sizeof("uint64_t") * 8
-    assert lib.SHM_RECORD_ALIGN == 64 and lib.SHM_HEADER_BYTES == 4096
+    assert lib.SHM_RECORD_HEADER_BYTES == 128
+    assert lib.SHM_RECORD_ALIGN == 128 and lib.SHM_HEADER_BYTES == 4096
     assert lib.SHM_MIN_CAPACITY <= lib.SHM_HEADER_BYTES  # segment.attach's size floor
-    assert lib.SHM_LAYOUT_VERSION == 1
+    assert lib.SHM_LAYOUT_VERSION == 2
 
 
 def test_record_layout_matches_python_payload_size():
-    """refs.payload_bytes (inline chunks) and the core's record layout size
-    the same three arrays."""
+    """refs.payload_bytes (inline chunks), the core's inline payload size and
+    its record layout size the same four arrays."""
     layout = ffi.new("shm_layout *")
     for mode in (refs.MODE_SELECTED, refs.MODE_SUPPORT):
-        for rows, nnz in ((1, 1), (3, 17), (64, 1000)):
-            assert lib.shm_record_layout(mode, rows, nnz, layout) == lib.SHM_OK
-            payload = int(refs.payload_bytes(mode, rows, nnz))
+        for rows, words, nnz in ((1, 1, 1), (3, 17, 17), (64, 1000, 1000), (5, 4748, 90000),
+                                 (7, 0, 0)):
+            assert lib.shm_record_layout(mode, rows, words, nnz, layout) == lib.SHM_OK
+            payload = int(refs.payload_bytes(mode, rows, nnz, words))
+            assert payload == lib.shm_payload_bytes(mode, rows, words, nnz)
             align = lib.SHM_RECORD_ALIGN
             assert layout.lengths_offset == lib.SHM_RECORD_HEADER_BYTES
+            assert layout.flags_offset == layout.lengths_offset + -(-4 * rows // 64) * 64
             assert layout.record_bytes % align == 0
-            assert payload <= layout.record_bytes - lib.SHM_RECORD_HEADER_BYTES < payload + 3 * align
+            assert payload <= layout.record_bytes - lib.SHM_RECORD_HEADER_BYTES < payload + 3 * 64 + align
             logprobs = nnz if mode == refs.MODE_SUPPORT else rows
+            assert layout.ids_offset + 4 * words <= layout.logprobs_offset
             assert layout.logprobs_offset + 4 * logprobs <= layout.record_bytes
 
 

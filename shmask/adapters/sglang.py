@@ -21,10 +21,17 @@ semantics whose rows live in a shmask ring:
   natively, so SGLang's enc_hook/ext_hook pass it untouched and its typed
   decoder rebuilds it; pickle (any protocol) carries only the ref bytes.
   ``lengths`` / ``token_ids`` / ``logprobs`` open the rows lazily, as numpy
-  views of the ring, through one process-wide ``shmask.Reader``.
+  views of the ring, through one process-wide ``shmask.Reader`` (rows sent
+  as bitmasks are decoded: ``token_ids`` is then a copy).
 - ``response_meta_info``: the three meta_info fields as ``orjson.Fragment``s
   (plus the count), byte-identical under orjson to what SGLang builds from
   its lists, without a Python object per row or value.
+
+Rows whose status is not OK (a producer under the ``overflow="status"``
+policy sends OVERFLOW / INVALID rows with their status and no ids; SGLang
+aborts such requests) are None in ``to_lists`` (in place of the ids list and
+of the logprobs list or value) and null in the JSON parts, never an empty
+row; ``status`` gives each row's status.
 
 Lifetime (the ring record of a chunk): ``to_lists`` builds the lists and then
 releases the record (SGLang calls it once per chunk); ``release()`` gives it
@@ -151,11 +158,18 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
 
     @property
     def token_ids(self) -> np.ndarray:
-        return self._open().ids
+        """Every row's ascending ids, back to back (bitmask rows decoded)."""
+        rows = self._open()
+        return rows.ids if rows.flags is None else rows.csr()[0]
 
     @property
     def logprobs(self) -> np.ndarray:
         return self._open().logprobs
+
+    @property
+    def status(self) -> np.ndarray:
+        """Each row's status (uint8): shmask.chunk.ROW_OK, ROW_OVERFLOW, ROW_INVALID."""
+        return self._open().status
 
     @property
     def support_logprobs(self) -> bool:
@@ -163,9 +177,10 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
         return ChunkRef.from_bytes(self.ref).mode_name == "support"
 
     # ------------------------------------------------------- responses
-    def to_lists(self, support_logprobs: bool) -> tuple[list[list[int]], list[Any]]:
+    def to_lists(self, support_logprobs: bool) -> tuple[list[list[int] | None], list[Any]]:
         """(token ids per row, logprobs per row (support) or per token), as
-        SGLang's chunk returns them; then the ring record is released."""
+        SGLang's chunk returns them (a row whose status is not OK: None in
+        both); then the ring record is released."""
         rows = self._open()
         try:
             _check_mode(rows, support_logprobs)
@@ -175,7 +190,8 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
 
     def to_json_parts(self, support_logprobs: bool) -> tuple[bytes, bytes, int]:
         """(ids rows, logprobs, row count) as the JSON arrays SGLang's lists
-        would be written as, built from the rows; then the record is released."""
+        would be written as, built from the rows (a row whose status is not
+        OK: null in both); then the record is released."""
         rows = self._open()
         try:
             _check_mode(rows, support_logprobs)
@@ -223,7 +239,7 @@ class SamplingMaskArrays(msgspec.Struct, array_like=True, gc=False):
     token_ids: np.ndarray
     logprobs: np.ndarray
 
-    def to_lists(self, support_logprobs: bool) -> tuple[list[list[int]], list[Any]]:
+    def to_lists(self, support_logprobs: bool) -> tuple[list[list[int] | None], list[Any]]:
         chunk = Chunk(2 if support_logprobs else 1, self.lengths, self.token_ids, self.logprobs,
                       None)
         return chunk.to_lists()
@@ -401,7 +417,10 @@ class SamplingMaskRows:
         chunk = self.take()
         rows = chunk._open()
         try:
-            arrays = SamplingMaskArrays(rows.lengths.copy(), rows.ids.copy(), rows.logprobs.copy())
+            # Ascending ids whatever form the ring kept them in: the requeue
+            # below appends them as ordinary rows.
+            arrays = SamplingMaskArrays(rows.lengths.copy(), rows.csr()[0].copy(),
+                                        rows.logprobs.copy())
         finally:
             chunk.release()
         if arrays.lengths.size:
@@ -549,10 +568,15 @@ def _json_parts(rows: Chunk) -> tuple[bytes, bytes, int]:
     orjson writes straight from the numpy rows: float32 widened to float64,
     so each number is written exactly as orjson writes ``float()`` of the
     float32, the value SGLang's ``tolist()`` lists hold. Rows of one length
-    (the common case) go as one 2-D array; others as one view per row."""
+    (the common case) go as one 2-D array; others as one view per row.
+    Chunks with bitmask or non-OK rows (null in both arrays) are written by
+    ``Chunk.json_arrays``, which decodes them."""
     count = rows.rows
     if not count:
         return b"[]", b"[]", 0
+    if rows.flags is not None:
+        ids_json, logprobs_json, _ = rows.json_arrays()
+        return ids_json, logprobs_json, count
     lengths, ids = rows.lengths, rows.ids
     logprobs = rows.logprobs.astype(np.float64)
     width = int(lengths[0])
@@ -621,8 +645,11 @@ class SamplingMaskJSON:
         ids = [memoryview(p)[1:-1] for p in ids]  # contents, without the brackets
         logprobs = [memoryview(p)[1:-1] for p in logprobs]
         if skip:  # an offset inside one emission's rows: cut that piece at the row
-            ids[0] = _drop_rows(ids[0], skip, nested=True)
-            logprobs[0] = _drop_rows(logprobs[0], skip, nested=self.support)
+            # Only a dropped row writes null among the ids (the logprobs may
+            # hold null for NaN): bytes search, far cheaper than a scan.
+            dropped = b"null" in self._ids[piece]
+            ids[0] = _drop_rows(ids[0], skip, nested=True, dropped=dropped)
+            logprobs[0] = _drop_rows(logprobs[0], skip, nested=self.support, dropped=dropped)
         return _array(ids), _array(logprobs)
 
 
@@ -635,11 +662,18 @@ def _array(pieces: list[memoryview]) -> bytes:
     return b"".join(parts)
 
 
-def _drop_rows(piece: memoryview, count: int, nested: bool) -> memoryview:
+def _drop_rows(piece: memoryview, count: int, nested: bool, dropped: bool) -> memoryview:
     # Rows of a nested piece end at "]" (rows hold only numbers); a flat
     # piece's values are separated by ",". Either way the row boundaries are
     # found with one vectorised scan.
-    marks = np.flatnonzero(np.frombuffer(piece, np.uint8) == (ord("]") if nested else ord(",")))
+    data = np.frombuffer(piece, np.uint8)
+    if nested and dropped:
+        # A dropped row is written null, with no "]" to end it: rows are
+        # split at the commas outside brackets instead.
+        depth = np.cumsum(data == ord("[")) - np.cumsum(data == ord("]"))
+        marks = np.flatnonzero((data == ord(",")) & (depth == 0))
+        return piece[int(marks[count - 1]) + 1:]
+    marks = np.flatnonzero(data == (ord("]") if nested else ord(",")))
     cut = int(marks[count - 1]) + (2 if nested else 1)  # past "]," or ","
     return piece[cut:]
 

@@ -31,6 +31,12 @@ and releases the ring record at once. The copy is deliberate: vLLM keeps a
 request's masks until its next delta or its end, which can outlive a lease,
 and a released record lets the ring recycle on the next step.
 
+Rows the ring holds as full-vocabulary bitmasks are decoded to ascending ids
+there, so vLLM sees the same int32 CSR either way. SamplingMaskLists has no
+status, so a chunk whose kept rows include one sent without its ids
+(OVERFLOW / INVALID) costs that output its mask (None, logged), as any other
+bad reference does.
+
 docs/integrations/vllm.md has the patch that wires both calls into vLLM.
 """
 
@@ -264,8 +270,10 @@ class MaskResolver:
 
     def resolve(self, mask: Any) -> Any:
         """The SamplingMaskLists vLLM would have sent: token ids copied out of
-        the ring (int32), offsets when there are several positions. A mask
-        that is not a reference (or None) is returned as it is."""
+        the ring (int32, rows sent as bitmasks decoded), offsets when there
+        are several positions. A mask that is not a reference (or None) is
+        returned as it is. A kept row whose status is not OK (sent without
+        its ids) raises RowDroppedError: vLLM's lists cannot say so."""
         if not is_ref(mask):
             return mask
         return self._resolve(ChunkRef.from_bytes(_ref_bytes(mask)), mask.cu_num_generated_tokens)
@@ -315,9 +323,10 @@ class MaskResolver:
             self._resolve_into(pending[i], lambda ref=ref: ref)
 
     def _resolve_into(self, output: Any, ref: Any) -> None:
-        """One output's mask, resolved in place; a bad or late reference
-        costs that output its mask (None, logged), never the others theirs
-        nor the output handler its loop."""
+        """One output's mask, resolved in place; a bad or late reference, or
+        a row sent without its ids (RowDroppedError), costs that output its
+        mask (None, logged), never the others theirs nor the output handler
+        its loop."""
         try:
             output.new_sampling_mask = self._resolve(
                 ref(), output.new_sampling_mask.cu_num_generated_tokens)
@@ -333,8 +342,11 @@ class MaskResolver:
             positions = chunk.rows if kept is None else _kept_positions(kept)
             if not 0 < positions <= chunk.rows:
                 raise InvalidRefError(f"mask reference keeps {positions} of {chunk.rows} rows")
-            offsets = chunk.offsets
-            token_ids = chunk.ids[:int(offsets[positions])].copy()
+            # SamplingMaskLists has no status: a row sent without its ids
+            # (OVERFLOW, INVALID) fails this output rather than pass as empty.
+            chunk.check_rows(0, positions)
+            ids, offsets = chunk.csr()  # bitmask rows decoded to ascending ids
+            token_ids = ids[:int(offsets[positions])].copy()
             out_offsets = None if positions == 1 else offsets[:positions + 1].copy()
             chunk.check()  # the copy is good only if the record was not reclaimed under it
         return self._mask_lists(token_ids, out_offsets)
