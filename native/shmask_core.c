@@ -180,6 +180,7 @@ static void drop_buffer(shm_ring *ring, shm_queue *q) {
     q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
     q->words = q->words_capacity = 0;
     q->vocab = 0;
+    q->flagged = 0;
     q->in_ring = 0;
     q->position = 0;
 }
@@ -371,7 +372,8 @@ static int locate(const void *base, uint64_t mapped_bytes, uint64_t capacity, ui
 
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
                     uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t words,
-                    uint64_t nnz, uint32_t vocab, uint32_t mode, shm_view *out) {
+                    uint64_t nnz, uint32_t vocab, uint32_t mode, uint64_t max_row_length,
+                    shm_view *out) {
     uint64_t offset;
     int rc = locate(base, mapped_bytes, capacity, position, &offset);
     if (rc) return rc;
@@ -395,10 +397,14 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
     out->record_offset = SHM_HEADER_BYTES + offset;
     out->lengths_offset = out->record_offset + layout.lengths_offset;
     out->flags_offset = out->record_offset + layout.flags_offset;
-    out->any_flags = 0;
     out->ids_offset = out->record_offset + layout.ids_offset;
     out->logprobs_offset = out->record_offset + layout.logprobs_offset;
-    return SHM_OK;
+    /* The rows themselves, before the caller builds a view of them. */
+    const char *at = (const char *)base;
+    return shm_validate_rows((const int32_t *)(at + out->lengths_offset),
+                             (const uint8_t *)(at + out->flags_offset),
+                             (const int32_t *)(at + out->ids_offset), rows, words, nnz, vocab,
+                             max_row_length, &out->any_flags);
 }
 
 int shm_check_record(const void *base, uint64_t capacity, uint64_t position) {
@@ -825,7 +831,11 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         uint64_t id_source = row_stride ? i * row_stride : id_cursor;
         uint64_t value_source = row_stride ? i * row_stride : value_cursor;
         q->lengths[q->rows] = (int32_t)n;
-        q->flags[q->rows] = f;
+        if (f && !q->flagged) {
+            memset(q->flags, 0, q->rows); /* the rows before were OK ids rows */
+            q->flagged = 1;
+        }
+        if (q->flagged) q->flags[q->rows] = f;
         memcpy(q->ids + q->words, ids + id_source, w * sizeof(int32_t));
         if (q->mode == SHM_MODE_SUPPORT)
             memcpy(q->logprobs + q->nnz, logprobs + value_source, n * sizeof(float));
@@ -842,16 +852,31 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
     return (int64_t)batch;
 }
 
+_Static_assert(sizeof(shm_ref_entry) == 40, "a RefBatch entry is 40 bytes");
+_Static_assert(offsetof(shm_ref_entry, rows) == 4 && offsetof(shm_ref_entry, position) == 8 &&
+                   offsetof(shm_ref_entry, nnz) == 24 && offsetof(shm_ref_entry, words) == 32 &&
+                   offsetof(shm_ref_entry, vocab) == 36,
+               "shm_ref_entry matches shmask.refs.ENTRY_DTYPE");
+
 /* Entry i of a take's output: a ring chunk of queue q's rows at `position`. */
-static void put_ring_ref(uint64_t i, uint64_t position, uint64_t record_bytes, const shm_queue *q,
-                         uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
-                         uint64_t *nnz_out, uint64_t *words_out, uint32_t *vocab_out) {
-    position_out[i] = position;
-    bytes_out[i] = record_bytes;
-    rows_out[i] = (uint32_t)q->rows;
-    nnz_out[i] = q->nnz;
-    words_out[i] = q->words;
-    vocab_out[i] = q->vocab;
+static void put_ring_ref(shm_ref_entry *e, uint64_t position, uint64_t record_bytes,
+                         const shm_queue *q) {
+    e->kind = 1;
+    e->position = position;
+    e->record_bytes = record_bytes;
+    e->rows = (uint32_t)q->rows;
+    e->nnz = q->nnz;
+    e->words = (uint32_t)q->words;
+    e->vocab = q->vocab;
+}
+
+/* A buffer's flags are stored per row only once a row needed them; before
+ * its rows leave (take, private pack) the others are written: all zero. */
+static inline void settle_flags(shm_queue *q) {
+    if (!q->flagged && q->rows_capacity) {
+        memset(q->flags, 0, q->rows);
+        q->flagged = 1;
+    }
 }
 
 /* The next buffer holds the last take's rows plus a quarter. */
@@ -862,23 +887,22 @@ static void size_next_buffer(shm_queue *q) {
 }
 
 int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
-                        uint64_t now_ns, int final, uint8_t *kind_out, uint8_t *mode_out,
-                        uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
-                        uint64_t *nnz_out, uint64_t *words_out, uint32_t *vocab_out) {
+                        uint64_t now_ns, int final, shm_ref_entry *out) {
     if (start == 0)
         for (uint64_t i = 0; i < count; i++)
             if (queue_slot(ring, handles[i]) < 0) return SHM_E_BAD_SLOT;
     for (uint64_t i = start; i < count; i++) {
         uint64_t slot = (uint64_t)handles[i] & HANDLE_SLOT_MASK;
         shm_queue *q = &ring->queues[slot];
-        kind_out[i] = 0;
-        mode_out[i] = (uint8_t)q->mode;
-        position_out[i] = bytes_out[i] = nnz_out[i] = words_out[i] = 0;
-        rows_out[i] = vocab_out[i] = 0;
+        shm_ref_entry *e = &out[i];
+        memset(e, 0, sizeof *e);
+        e->mode = (uint8_t)q->mode;
         if (q->rows == 0) {
             if (final) drop_buffer(ring, q);
             continue;
         }
+        if (q->words > UINT32_MAX) return SHM_E_OVERFLOW; /* a ref's words field is 32 bits */
+        settle_flags(q);
         if (q->in_ring && !ring->dead &&
             shm_publish(ring, q->position, q->mode, q->rows, q->words, q->nnz, q->vocab,
                         now_ns) != SHM_OK) {
@@ -892,9 +916,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
             /* A ref to where the rows were: its reader gets StaleChunkError. */
             shm_layout layout;
             shm_record_layout(q->mode, q->rows, q->words, q->nnz, &layout);
-            kind_out[i] = 1;
-            put_ring_ref(i, q->lost_position, layout.record_bytes, q, position_out, bytes_out,
-                         rows_out, nnz_out, words_out, vocab_out);
+            put_ring_ref(e, q->lost_position, layout.record_bytes, q);
             drop_buffer(ring, q);
             q->lost = 0;
             continue;
@@ -904,9 +926,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         if (!q->in_ring) return (int64_t)i;
         shm_layout layout;
         shm_record_layout(q->mode, q->rows_capacity, q->words_capacity, q->nnz_capacity, &layout);
-        kind_out[i] = 1;
-        put_ring_ref(i, q->position, layout.record_bytes, q, position_out, bytes_out, rows_out,
-                     nnz_out, words_out, vocab_out);
+        put_ring_ref(e, q->position, layout.record_bytes, q);
         size_next_buffer(q);
         /* The published record is the reader's now: forget it, don't discard. */
         q->in_ring = 0;
@@ -917,6 +937,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
         q->words = q->words_capacity = 0;
         q->vocab = 0;
+        q->flagged = 0;
         q->position = 0;
         /* Next emission's buffer now, while we are at it; if the ring has no
          * room the next append takes the slow path instead. */
@@ -941,6 +962,7 @@ int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t ou
     uint64_t n_logprobs = q->mode == SHM_MODE_SUPPORT ? q->nnz : q->rows;
     if (out_len != shm_payload_bytes(q->mode, q->rows, q->words, q->nnz)) return SHM_E_OVERFLOW;
     uint64_t flags_bytes = (q->rows + 3) & ~(uint64_t)3; /* keeps ids 4-byte aligned */
+    settle_flags(q);
     char *at = out;
     memcpy(at, q->lengths, 4 * q->rows);
     at += 4 * q->rows;

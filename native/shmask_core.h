@@ -85,9 +85,12 @@ uint64_t shm_bitmask_words(uint32_t vocab);
 /* Validates the segment header (magic, version, a power-of-two capacity
  * that fits segment_bytes) and copies it out; reads the header page only. */
 int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out);
+/* Validates the ref against the record and then the record's rows
+ * (shm_validate_rows: SHM_E_BAD_LENGTHS); fills out, any_flags included. */
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
                     uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t words,
-                    uint64_t nnz, uint32_t vocab, uint32_t mode, shm_view *out);
+                    uint64_t nnz, uint32_t vocab, uint32_t mode, uint64_t max_row_length,
+                    shm_view *out);
 int shm_check_record(const void *base, uint64_t capacity, uint64_t position);
 int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t position);
 /* Checks rows read from a ref or shared memory: flags valid, non-OK rows
@@ -122,6 +125,10 @@ typedef struct {
     uint64_t pending_serial; /* the step the pending counts belong to */
     uint32_t vocab;        /* of the bitmask rows in this buffer (0: none yet) */
     uint32_t in_ring;
+    uint32_t flagged;      /* flags[0..rows) are written: some row was not an OK ids row.
+                            * Until then they are not stored per row; they are
+                            * zeroed once, when the first such row or the take comes */
+    uint32_t pad0;
     /* the rest: buffer changes and takes */
     uint64_t position;     /* record position when in_ring */
     uint64_t next_rows;    /* capacity of the next buffer: the last take's size */
@@ -207,17 +214,31 @@ int64_t shm_staging_owner(const shm_ring *ring, uint64_t position);
  * private memory, so it stops blocking reclaim. */
 int shm_queue_relocate(shm_ring *ring, uint64_t slot, int allow_ring);
 
+/* One entry of a RefBatch, byte for byte shmask.refs.ENTRY_DTYPE (40 bytes;
+ * tests/test_constants.py compares them), so a take writes the batch's
+ * entries in place. */
+typedef struct {
+    uint8_t kind;          /* 0 empty, 1 ring, 2 inline */
+    uint8_t mode;
+    uint16_t segment;
+    uint32_t rows;
+    uint64_t position;
+    uint64_t record_bytes;
+    uint64_t nnz;
+    uint32_t words;
+    uint32_t vocab;
+} shm_ref_entry;
+
 /* One emission: validates every handle, then publishes the ring buffers of
- * handles[start..count) in place and writes each chunk's kind (0 empty,
- * 1 ring), mode, position, record size, rows and nnz; then gives each queue
+ * handles[start..count) in place and writes each chunk's entry (kind 0
+ * empty or 1 ring, mode, position, record size, rows, nnz, words, vocab;
+ * segment 0); then gives each queue
  * a fresh ring buffer sized for the next emission (or drops it when
  * `final`). Returns count, or i when queue i stages in private memory (the
  * caller packs it with shm_queue_pack_private and calls again from i + 1),
  * or a negative error. */
 int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
-                        uint64_t now_ns, int final, uint8_t *kind_out, uint8_t *mode_out,
-                        uint64_t *position_out, uint64_t *bytes_out, uint32_t *rows_out,
-                        uint64_t *nnz_out, uint64_t *words_out, uint32_t *vocab_out);
+                        uint64_t now_ns, int final, shm_ref_entry *out);
 /* Bytes of an inline payload: lengths | flags (padded to 4) | ids | logprobs. */
 uint64_t shm_payload_bytes(uint32_t mode, uint64_t rows, uint64_t words, uint64_t nnz);
 /* Copies a privately staged queue's rows (the inline payload above) into

@@ -218,32 +218,31 @@ class Reader:
                 f"ref epoch {ref.epoch} does not match segment {ref.segment!r} "
                 f"(epoch {attached.epoch}): the segment was recreated"
             )
+        # One native call checks the ref against the record and then the
+        # rows themselves (flags, lengths, bitmasks, totals).
         rc = lib.shm_open_record(attached.base, attached.size, attached.capacity, ref.position,
                                  ref.record_bytes, ref.rows, ref.words, ref.nnz, ref.vocab,
-                                 ref.mode, self._view)
+                                 ref.mode, self.config.max_tokens, self._view)
+        record = _ShmRecord(attached, ref.position)
         if rc:
+            if rc == lib.SHM_E_BAD_LENGTHS:
+                record.check()  # reclaimed or truncated meanwhile: say that instead
             attached.error(rc, f"open {ref!r}")
+        # Re-check after reading the rows: a record reclaimed meanwhile must
+        # not pass with someone else's lengths.
+        if lib.shm_check_record(attached.base, attached.capacity, ref.position):
+            record.check()  # raises, naming the reason
         view = self._view
         rows, nnz, words = ref.rows, ref.nnz, ref.words
         n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
         data = attached.view
         lengths = data[view.lengths_offset:view.lengths_offset + 4 * rows].view(np.int32)
-        flags = data[view.flags_offset:view.flags_offset + rows]
         ids = data[view.ids_offset:view.ids_offset + 4 * words].view(np.int32)
         logprobs = data[view.logprobs_offset:view.logprobs_offset + 4 * n_logprobs].view(np.float32)
-        record = _ShmRecord(attached, ref.position)
-        try:
-            any_flags = _check_rows(lengths, flags, ids, nnz, ref.vocab, self.config.max_tokens,
-                                    self._any_flags)
-        except InvalidRefError:
-            record.check()  # reclaimed or truncated meanwhile: say that instead
-            raise
-        # Re-check after reading the lengths: a record reclaimed meanwhile
-        # must not pass with someone else's lengths.
-        if lib.shm_check_record(attached.base, attached.capacity, ref.position):
-            record.check()  # raises, naming the reason
-        return Chunk(ref.mode, lengths, ids, logprobs, record, flags=flags if any_flags else None,
-                     vocab=ref.vocab)
+        if not view.any_flags:  # OK ids rows only: the chunk needs no flags
+            return Chunk(ref.mode, lengths, ids, logprobs, record)
+        flags = data[view.flags_offset:view.flags_offset + rows]
+        return Chunk(ref.mode, lengths, ids, logprobs, record, flags=flags, vocab=ref.vocab)
 
     def _attach(self, name: str) -> _Attached:
         attached = self._attached.get(name)

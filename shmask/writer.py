@@ -287,7 +287,8 @@ class Writer:
             if logprobs.size and logprobs.shape != ids.shape and not any_flat:
                 raise InvalidRowsError(f"logprobs has shape {logprobs.shape}; expected the "
                                        f"shape of ids {ids.shape}")
-        vocab = _vocab(vocab)
+        if type(vocab) is not int or not 0 <= vocab < 1 << 31:
+            vocab = _vocab(vocab)
         c_handles = ffi.from_buffer("int64_t[]", handles)
         c_lengths = ffi.from_buffer("int32_t[]", lengths)
         c_ids = ffi.from_buffer("int32_t[]", ids)
@@ -525,48 +526,38 @@ class Writer:
     def _take_into_entries(self, handles: np.ndarray,
                            final: bool) -> tuple[np.ndarray, list[bytes]]:
         count = handles.size
-        kind = np.zeros(count, np.uint8)
-        position = np.zeros(count, np.uint64)
-        record_bytes = np.zeros(count, np.uint64)
-        rows = np.zeros(count, np.uint32)
-        nnz = np.zeros(count, np.uint64)
-        words = np.zeros(count, np.uint64)
-        vocab = np.zeros(count, np.uint32)
-        mode = np.zeros(count, np.uint8)
+        # The core writes the batch's entries in place (shm_ref_entry is ENTRY_DTYPE).
+        entries = np.zeros(count, dtype=ENTRY_DTYPE)
         inline_chunks: list[bytes] = []
         inline_offset = 0
         start = 0
-        outputs = [ffi.from_buffer(ctype, array) for ctype, array in (
-            ("int64_t[]", handles), ("uint8_t[]", kind), ("uint8_t[]", mode),
-            ("uint64_t[]", position), ("uint64_t[]", record_bytes), ("uint32_t[]", rows),
-            ("uint64_t[]", nnz), ("uint64_t[]", words), ("uint32_t[]", vocab))]
+        c_handles = ffi.from_buffer("int64_t[]", handles)
+        c_entries = ffi.from_buffer("shm_ref_entry[]", entries)
         now = time.monotonic_ns()
         while start < count:
-            done = lib.shm_take_queues(self._ring, outputs[0], count, start, now, int(final),
-                                       *outputs[1:])
+            done = lib.shm_take_queues(self._ring, c_handles, count, start, now, int(final),
+                                       c_entries)
             if done < 0:
                 raise_for(int(done), "take_batch")
             if done == count:
                 break
             i = int(done)  # a queue in private memory: its chunk goes inline
             ref = self._take_private(int(handles[i]) & _SLOT_MASK)
-            kind[i], mode[i], rows[i], nnz[i] = KIND_INLINE, ref.mode, ref.rows, ref.nnz
-            words[i], vocab[i] = ref.words, ref.vocab
             assert ref.payload is not None
-            position[i], record_bytes[i] = inline_offset, len(ref.payload)
+            entries[i] = (KIND_INLINE, ref.mode, 0, ref.rows, inline_offset, len(ref.payload),
+                          ref.nnz, ref.words, ref.vocab)
             inline_chunks.append(bytes(ref.payload))
             inline_offset += len(ref.payload)
             start = i + 1
-        shm = kind == KIND_SHM
-        if shm.any():
-            self.stats.chunks += int(shm.sum())
-            self.stats.rows += int(rows[shm].sum())
-            self.stats.payload_bytes += int(payload_bytes(mode[shm], rows[shm].astype(np.uint64),
-                                                          nnz[shm], words[shm]).sum())
-        entries = np.zeros(count, dtype=ENTRY_DTYPE)
-        entries["kind"], entries["mode"], entries["rows"], entries["nnz"] = kind, mode, rows, nnz
-        entries["words"], entries["vocab"] = words, vocab
-        entries["position"], entries["record_bytes"] = position, record_bytes
+        shm = entries["kind"] == KIND_SHM
+        n_shm = int(np.count_nonzero(shm))
+        if n_shm:
+            taken = entries if n_shm == count else entries[shm]
+            rows = taken["rows"].astype(np.uint64)
+            self.stats.chunks += n_shm
+            self.stats.rows += int(rows.sum())
+            self.stats.payload_bytes += int(payload_bytes(taken["mode"], rows, taken["nnz"],
+                                                          taken["words"]).sum())
         return entries, inline_chunks
 
     def _take_private(self, slot: int) -> ChunkRef:

@@ -101,3 +101,14 @@ def test_stub_function_arity():
 
 def test_native_module_is_what_the_package_uses():
     assert shmask.__version__ and _native.ffi is ffi
+
+
+def test_ref_entry_struct_is_the_wire_entry():
+    """take_batch lets the core write RefBatch entries in place: its struct
+    must be ENTRY_DTYPE byte for byte."""
+    assert ffi.sizeof("shm_ref_entry") == refs.ENTRY_DTYPE.itemsize
+    fields = dict(ffi.typeof("shm_ref_entry").fields)
+    assert list(fields) == list(refs.ENTRY_DTYPE.names)
+    for name, (dtype, offset) in refs.ENTRY_DTYPE.fields.items():
+        assert fields[name].offset == offset, name
+        assert ffi.sizeof(fields[name].type) == dtype.itemsize, name

@@ -296,3 +296,30 @@ def test_forged_rows_in_shared_memory_are_refused(writer, reader, forgery):
     with pytest.raises(InvalidRefError, match="rows are malformed"):
         reader.open(ref)
     queue.close()
+
+
+def test_plain_rows_over_recycled_flags(writer, reader):
+    """Flags are written per row only once a buffer needs them: a buffer of
+    OK ids rows that lands on ring memory last filled with 0xff bytes (full
+    bitmask rows) still reads as OK ids rows (the take zeroes its flags)."""
+    queue = writer.open_queue("selected")
+    rng = np.random.default_rng(5)
+    for emission in range(120):  # the 1 MiB ring wraps several times
+        if emission % 2:
+            plain = int(rng.integers(1, 400))  # sizes vary, so records land anywhere
+            writer.append_step([queue] * plain, np.ones(plain, np.int32),
+                               np.full(plain, 7, np.int32), np.full(plain, -0.5, np.float32))
+        else:
+            rows = int(rng.integers(500, 3000))  # vocab 64: two words, every bit set
+            writer.append_step(np.full(rows, queue.handle, np.int64), np.full(rows, 64, np.int32),
+                               np.full(2 * rows, -1, np.int32), np.zeros(rows, np.float32),
+                               status=np.zeros(rows, np.int32), forms=np.ones(rows, np.int32),
+                               vocab=64)
+        with reader.open(queue.take()) as chunk:
+            if emission % 2:
+                assert chunk.flags is None
+                assert chunk.to_lists() == ([[7]] * plain, [-0.5] * plain)
+            else:
+                assert chunk.row(0)[0].tolist() == list(range(64))
+    assert int(writer._ring.head) > 2 * writer.ring_usage()[1]  # the ring wrapped twice
+    queue.close()
