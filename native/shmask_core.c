@@ -107,12 +107,18 @@ static int64_t make_handle(const shm_ring *ring, uint64_t slot) {
     return (int64_t)(slot | generation << SHM_HANDLE_SLOT_BITS | ring->handle_tag << 48);
 }
 
+_Static_assert(sizeof(shm_queue) == 192, "a queue is three cache lines");
+_Static_assert(offsetof(shm_queue, position) == 128, "per-step fields in the first two lines");
+
 /* Called only when no slot is free, so the FIFO is empty and restarts at 0. */
 static int grow_table(shm_ring *ring) {
     uint64_t old = ring->n_queues, size = old ? 2 * old : INITIAL_SLOTS;
     if (size > HANDLE_SLOT_MASK + 1) return SHM_E_NO_MEMORY;
-    shm_queue *queues = realloc(ring->queues, size * sizeof *queues);
+    /* Cache-line aligned, so a queue's per-step fields are its first two lines. */
+    shm_queue *queues = aligned_alloc(64, size * sizeof *queues);
     if (!queues) return SHM_E_NO_MEMORY;
+    if (old) memcpy(queues, ring->queues, old * sizeof *queues);
+    free(ring->queues);
     ring->queues = queues;
     uint32_t *free_slots = realloc(ring->free_slots, size * sizeof *free_slots);
     if (!free_slots) return SHM_E_NO_MEMORY;
@@ -735,12 +741,15 @@ static inline uint64_t row_words(uint8_t f, int32_t n, uint64_t mask_words) {
     return f == 0 ? (uint64_t)n : (f == SHM_ROW_BITMASK ? mask_words : 0);
 }
 
-int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
-                        const int32_t *lengths, const uint8_t *flags, uint32_t vocab,
-                        const int32_t *ids, const float *logprobs,
-                        const float *selected, uint64_t row_stride, uint64_t ids_len,
-                        uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
-                        uint64_t max_row_length, int64_t *bad_row) {
+/* The body of shm_append_step, compiled twice (has_flags 0 and 1) so a
+ * step of OK ids rows only (flags NULL, the common case) pays nothing for
+ * the row forms: with has_flags 0 every flags test folds away. */
+static inline __attribute__((always_inline)) int64_t
+append_rows(shm_ring *ring, const int64_t *handles, uint64_t batch, const int32_t *lengths,
+            const uint8_t *flags, uint32_t vocab, const int32_t *ids, const float *logprobs,
+            const float *selected, uint64_t row_stride, uint64_t ids_len, uint64_t logprobs_len,
+            uint64_t selected_len, int selected_is_logprobs, uint64_t max_row_length,
+            int64_t *bad_row, const int has_flags) {
     /* 1. Every handle names an open queue of this ring; every row's flags,
      * length and source ranges; each queue's totals for the step (a queue's
      * pending counts restart at its first row of this step: step_serial).
@@ -759,7 +768,7 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
             q->pending_rows = q->pending_nnz = q->pending_words = 0;
         }
         int32_t n = lengths[i];
-        uint8_t f = flags ? flags[i] : 0;
+        uint8_t f = has_flags ? flags[i] : 0;
         if (n < 0) return SHM_E_BAD_LENGTH;
         if (f == 0) {
             if ((uint64_t)n > max_row_length) return SHM_E_BAD_LENGTH;
@@ -775,7 +784,8 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         uint64_t w = row_words(f, n, mask_words);
         if (row_stride && (w > row_stride || (uint64_t)n > row_stride)) return SHM_E_BAD_LENGTH;
         uint64_t id_source = row_stride ? i * row_stride : id_cursor;
-        uint64_t value_source = row_stride ? i * row_stride : value_cursor;
+        /* Without flags a row's values sit beside its ids: one cursor. */
+        uint64_t value_source = !has_flags || row_stride ? id_source : value_cursor;
         if (id_source + w > ids_len) return SHM_E_SOURCE_OVERRUN;
         if (f == SHM_ROW_BITMASK && !bitmask_ok(ids + id_source, vocab, (uint64_t)n))
             return SHM_E_BAD_BITMASK;
@@ -790,7 +800,7 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         q->pending_nnz += (uint64_t)n;
         q->pending_words += w;
         id_cursor += w;
-        value_cursor += (uint64_t)n;
+        if (has_flags) value_cursor += (uint64_t)n;
         /* Totals only grow, so a queue short of room is caught at its last row. */
         need_room |= !fits(q, q->rows + q->pending_rows, q->words + q->pending_words,
                            q->nnz + q->pending_nnz);
@@ -826,10 +836,11 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
     for (uint64_t i = 0; i < batch; i++) {
         shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
         uint64_t n = (uint64_t)lengths[i];
-        uint8_t f = flags ? flags[i] : 0;
+        uint8_t f = has_flags ? flags[i] : 0;
         uint64_t w = row_words(f, (int32_t)n, mask_words);
         uint64_t id_source = row_stride ? i * row_stride : id_cursor;
-        uint64_t value_source = row_stride ? i * row_stride : value_cursor;
+        /* Without flags a row's values sit beside its ids: one cursor. */
+        uint64_t value_source = !has_flags || row_stride ? id_source : value_cursor;
         q->lengths[q->rows] = (int32_t)n;
         if (f && !q->flagged) {
             memset(q->flags, 0, q->rows); /* the rows before were OK ids rows */
@@ -846,10 +857,25 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
         q->nnz += n;
         q->words += w;
         id_cursor += w;
-        value_cursor += n;
+        if (has_flags) value_cursor += n;
     }
     *bad_row = -1;
     return (int64_t)batch;
+}
+
+int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
+                        const int32_t *lengths, const uint8_t *flags, uint32_t vocab,
+                        const int32_t *ids, const float *logprobs,
+                        const float *selected, uint64_t row_stride, uint64_t ids_len,
+                        uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
+                        uint64_t max_row_length, int64_t *bad_row) {
+    if (flags)
+        return append_rows(ring, handles, batch, lengths, flags, vocab, ids, logprobs, selected,
+                           row_stride, ids_len, logprobs_len, selected_len,
+                           selected_is_logprobs, max_row_length, bad_row, 1);
+    return append_rows(ring, handles, batch, lengths, NULL, vocab, ids, logprobs, selected,
+                       row_stride, ids_len, logprobs_len, selected_len, selected_is_logprobs,
+                       max_row_length, bad_row, 0);
 }
 
 _Static_assert(sizeof(shm_ref_entry) == 40, "a RefBatch entry is 40 bytes");

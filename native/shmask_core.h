@@ -106,39 +106,39 @@ int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_
  * buffer is a STAGING record in the ring (in_ring) or memory this core
  * malloc'd (the ring had no room). Only shmask_core.c writes these. */
 typedef struct {
-    /* first two cache lines: all the per-step copy and validation touch */
+    /* first two cache lines: all the per-step validation and copy touch
+     * (the table is 64-byte aligned and this struct is three lines long) */
     int32_t *lengths;
     int32_t *ids;
     float *logprobs;
+    uint8_t *flags;
     uint64_t rows;
     uint64_t nnz;          /* sum of lengths: support-mode logprobs */
+    uint64_t words;        /* int32 words of ids (== nnz while every row is an OK ids row) */
     uint32_t mode;         /* 0: slot closed */
     uint32_t generation;   /* bumped at every close: stale handles stop matching */
     uint64_t rows_capacity;
     uint64_t nnz_capacity;
-    uint8_t *flags;
-    uint64_t words;        /* int32 words of ids (== nnz while every row is an OK ids row) */
     uint64_t words_capacity;
     uint64_t pending_rows; /* this step's rows for the queue (validation pass) */
     uint64_t pending_nnz;
     uint64_t pending_words;
     uint64_t pending_serial; /* the step the pending counts belong to */
     uint32_t vocab;        /* of the bitmask rows in this buffer (0: none yet) */
-    uint32_t in_ring;
     uint32_t flagged;      /* flags[0..rows) are written: some row was not an OK ids row.
                             * Until then they are not stored per row; they are
                             * zeroed once, when the first such row or the take comes */
-    uint32_t pad0;
-    /* the rest: buffer changes and takes */
+    /* third line: buffer changes and takes */
     uint64_t position;     /* record position when in_ring */
     uint64_t next_rows;    /* capacity of the next buffer: the last take's size */
     uint64_t next_nnz;     /* plus slack, so steady decoding never doubles */
     uint64_t next_words;
     uint64_t lost_position; /* where the rows were when the ring was lost (lost) */
+    uint32_t in_ring;
     uint32_t lost;         /* rows were in a segment truncated under us: never
                             * copied out (they may be zero pages); the take sends
                             * a ring ref that readers reject as stale */
-    uint32_t pad;
+    uint64_t pad[2];
 } shm_queue;
 
 /* The producer's private state: everything it created, kept in its own
