@@ -260,6 +260,14 @@ int shm_mapping_truncated(const void *address);
 void shm_release_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
                       const uint64_t *positions, uint64_t count, int32_t *results);
 
+/* Every row's support as ascending ids, back to back (out: sum of
+ * lengths): ids rows copied, bitmask rows decoded. Rows come from shared
+ * memory, so every bound is checked: returns the ids written, or -1 when
+ * the rows disagree with their lengths, flags, words or vocab. */
+int64_t shm_decode_rows(const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
+                        uint64_t rows, uint64_t words, uint32_t vocab, int32_t *out,
+                        uint64_t out_len);
+
 /* Response building: turns orjson's flat JSON array "[a,b,c,...]" of
  * numbers into one array per row, "[[a,b],[c],...]", split by `lengths`
  * (numbers never contain ',' or ']'). `out` must hold flat_len + 3 * rows

@@ -219,6 +219,10 @@ class _Lib:
         self, base: CData, mapped_bytes: int, capacity: int, positions: CData, count: int,
         results: CData, /,
     ) -> None: ...
+    def shm_decode_rows(
+        self, lengths: CData, flags: CData, ids: CData, rows: int, words: int, vocab: int,
+        out: CData, out_len: int, /,
+    ) -> int: ...
     def shm_json_nest(
         self, flat: CData | bytes, flat_len: int, lengths: CData, rows: int, out: CData,
         out_capacity: int, /,

@@ -28,9 +28,6 @@ ROW_STATUS_BITS = 3
 STATUS_NAMES = {ROW_OK: "OK", ROW_OVERFLOW: "OVERFLOW", ROW_INVALID: "INVALID"}
 _STATUS_WHY = {ROW_OVERFLOW: "its support was larger than the producer's cap",
                ROW_INVALID: "the sampler found the row invalid"}
-# Bits unpacked at once when decoding bitmask rows (one byte each): bounds
-# the temporary at 16 MiB however many whole-vocabulary rows a chunk holds.
-_DECODE_BITS = 1 << 24
 
 
 class _Record(Protocol):
@@ -170,7 +167,7 @@ class Chunk:
             else:
                 try:
                     ids = self._decode()
-                except (ValueError, IndexError):
+                except ShmaskError:
                     self.check()  # rows overwritten under us: say so (StaleChunkError)
                     raise
                 self.check()  # a copy is only good if the record was not reclaimed under it
@@ -178,31 +175,8 @@ class Chunk:
         return self._csr
 
     def _decode(self) -> np.ndarray:
-        bitmask = self._bitmask_rows()
-        word_of_bitmask = np.repeat(bitmask, np.diff(self.word_offsets))
-        value_of_bitmask = np.repeat(bitmask, self.lengths)
-        out = np.empty(self.nnz, np.int32)
-        out[~value_of_bitmask] = self.ids[~word_of_bitmask]
-        words = self._bitmask_words()
-        masks = self.ids[word_of_bitmask].reshape(-1, words).view(np.uint8)
-        bitmask_lengths = self.lengths[bitmask]
-        decoded = np.empty(int(value_of_bitmask.sum()), np.int32)
-        done = 0
-        block = max(1, _DECODE_BITS // (32 * words))
-        for first in range(0, masks.shape[0], block):
-            bits = np.unpackbits(masks[first:first + block], axis=1, bitorder="little")
-            # Set bits in row-major order, so each row's ids come ascending
-            # and rows in order (flatnonzero of a bool view measured 2-4x
-            # faster than np.nonzero of the 2-D bits). A row of L ids holds
-            # L set bits: subtracting each row's start gives the ids (an
-            # int64 modulo cost 7 ns an id).
-            flat = np.flatnonzero(bits.view(bool))
-            flat -= np.repeat(np.arange(0, bits.size, bits.shape[1]),
-                              bitmask_lengths[first:first + block])
-            decoded[done:done + flat.size] = flat
-            done += flat.size
-        out[value_of_bitmask] = decoded
-        return out
+        """Every row's ids, bitmask rows decoded, in one native pass."""
+        return _decode_rows(self.lengths, self.flags, self.ids, self.vocab, self.nnz)
 
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray | float]:
         """(ids, logprobs) of one row; logprobs is a float in selected mode.
@@ -217,9 +191,11 @@ class Chunk:
             self.check_rows(index, index + 1)
             if self.flags[index] == ROW_BITMASK:
                 begin, end = self.word_offsets[index:index + 2].tolist()
-                bits = np.unpackbits(self.ids[begin:end].view(np.uint8), bitorder="little")
-                ids = np.flatnonzero(bits.view(bool)).astype(np.int32)
-                self.check()  # the copy is good only if the record was not reclaimed under it
+                try:
+                    ids = _decode_rows(self.lengths[index:index + 1], self.flags[index:index + 1],
+                                       self.ids[begin:end], self.vocab, stop - start)
+                finally:
+                    self.check()  # the copy is good only if the record was not reclaimed
             else:
                 begin = int(self.word_offsets[index])
                 ids = self.ids[begin:begin + stop - start]
@@ -392,3 +368,19 @@ def _null_items(array_json: bytes, items: np.ndarray, nested: bool) -> bytes:
         done = int(ends[item])
     pieces.append(array_json[done:])
     return b"".join(pieces)
+
+
+def _decode_rows(lengths: np.ndarray, flags: np.ndarray | None, ids: np.ndarray, vocab: int,
+                 total: int) -> np.ndarray:
+    """Rows' ids back to back, bitmask rows decoded (native core). Rows live
+    in shared memory: rows rewritten since they were validated raise
+    ShmaskError here (the caller's check() then says if they were reclaimed)."""
+    out = np.empty(total, np.int32)
+    written = lib.shm_decode_rows(ffi.from_buffer("int32_t[]", lengths),
+                                  ffi.NULL if flags is None else ffi.from_buffer("uint8_t[]", flags),
+                                  ffi.from_buffer("int32_t[]", ids), lengths.size, ids.size, vocab,
+                                  ffi.from_buffer("int32_t[]", out, require_writable=True), total)
+    if written != total:
+        raise ShmaskError("chunk rows changed after they were checked: a bitmask disagrees "
+                          "with its row's length")
+    return out

@@ -15,7 +15,6 @@ import orjson
 import pytest
 
 import shmask
-from shmask import chunk as chunk_module
 from shmask.adapters import sglang as sglang_adapter
 from shmask.adapters import vllm as vllm_adapter
 from shmask.chunk import ROW_BITMASK, ROW_INVALID, ROW_OK, ROW_OVERFLOW, Chunk
@@ -236,13 +235,30 @@ def test_plain_chunks_keep_their_views():
     assert chunk.csr()[0] is chunk.ids
 
 
-def test_bitmask_rows_decode_in_blocks(monkeypatch):
-    # Three rows of 64 bits per block: the 8 rows cross block boundaries.
-    monkeypatch.setattr(chunk_module, "_DECODE_BITS", 3 * 64)
+@pytest.mark.parametrize("rewrite", ["extra_bit", "missing_bit", "bit_past_vocab"])
+def test_rows_rewritten_after_validation_fail_cleanly(rewrite):
+    """Rows live in shared memory: if they change after the reader checked
+    them, decoding raises ShmaskError instead of writing past its buffer or
+    pairing ids with the wrong logprobs."""
     rng = np.random.default_rng(3)
-    rows = [make_row(rng, 64, True, int(n), bitmask=True) for n in rng.integers(0, 65, 8)]
-    rows.insert(4, make_row(rng, 64, True, 7))
-    check_against_oracle(build(rows, "support", 64), rows, "support")
+    rows = [make_row(rng, 70, True, 5, bitmask=True), make_row(rng, 70, True, 3)]
+    chunk = build(rows, "support", 70)
+    support = chunk.row(0)[0].tolist()
+    ids = chunk.ids.view(np.uint32).copy()  # the bitmask row's 3 words come first
+    if rewrite == "extra_bit":
+        extra = min(set(range(70)) - set(support))
+        ids[extra // 32] |= np.uint32(1 << extra % 32)
+    elif rewrite == "missing_bit":
+        ids[support[0] // 32] &= ~np.uint32(1 << support[0] % 32)
+    else:
+        ids[2] |= np.uint32(1 << 10)  # id 74 >= vocab 70
+    ids = ids.view(np.int32)
+    forged = shmask.Chunk(chunk.mode, chunk.lengths, ids, chunk.logprobs, None,
+                          flags=chunk.flags, vocab=70)
+    with pytest.raises(shmask.ShmaskError, match="changed after they were checked"):
+        forged.csr()
+    with pytest.raises(shmask.ShmaskError, match="changed after they were checked"):
+        forged.row(0)
 
 
 class _Record:
