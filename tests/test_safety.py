@@ -472,12 +472,17 @@ def test_forked_child_does_not_keep_a_dead_producers_ring(prefix):
         w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix={prefix!r}))
         child = os.fork()
         if child == 0:
+            print("child", flush=True)  # its at-fork hooks have run by now
             time.sleep(30)
             os._exit(0)
         print(w.segment_name, child, flush=True)
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True)
-    name, child = proc.stdout.readline().split()
+    # Wait for the child to run too: until its at-fork hook has closed its
+    # copy of the lock, the ring is (rightly) not collectable.
+    lines = sorted((proc.stdout.readline().split(), proc.stdout.readline().split()), key=len)
+    assert lines[0] == ["child"]
+    name, child = lines[1]
     try:
         assert segment_alive(name)
         proc.send_signal(signal.SIGKILL)
