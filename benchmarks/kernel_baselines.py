@@ -2,10 +2,11 @@
 
 ``compact_one_program_per_row``: the one-program-per-row compaction design
 that serving engines publish (one Triton program walks a whole row block by
-block, keeping a running count, and writes ids into a padded [B, max_tokens]
-buffer). Written here for comparison; it fills at most one program per row,
-so at small B most of the chip idles and at any B each program streams a
-608 KB row alone.
+block, keeping a running count, writes ids into a padded [B, max_tokens]
+buffer and, so that a row wider than that stays exact, the row's
+full-vocabulary bitmask). Written here for comparison; it fills at most one
+program per row, so at small B most of the chip idles and at any B each
+program streams a 608 KB row alone. It gathers no values.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import triton.language as tl
 
 @triton.jit
 def _one_program_per_row_kernel(
-    x_ptr, stride_row, vocab, max_tokens, ids_ptr, lengths_ptr, BLOCK: tl.constexpr
+    x_ptr, stride_row, vocab, n_words, max_tokens, ids_ptr, words_ptr, lengths_ptr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     count = tl.zeros([], dtype=tl.int32)
+    bit = tl.arange(0, 32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < vocab
@@ -31,18 +34,26 @@ def _one_program_per_row_kernel(
         slot = count + tl.cumsum(keep_i, axis=0) - 1
         tl.store(ids_ptr + row.to(tl.int64) * max_tokens + slot, cols,
                  mask=keep & (slot < max_tokens))
+        words = tl.sum(tl.reshape(keep_i, [BLOCK // 32, 32]) << bit[None, :], axis=1)
+        word_idx = start // 32 + tl.arange(0, BLOCK // 32)
+        tl.store(words_ptr + row.to(tl.int64) * n_words + word_idx, words,
+                 mask=word_idx < n_words)
         count += tl.sum(keep_i, axis=0)
     tl.store(lengths_ptr + row, count)
 
 
 def compact_one_program_per_row(
     x: torch.Tensor, max_tokens: int, block: int = 4096, num_warps: int = 8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded ids [B, max_tokens] and lengths [B] (lengths may exceed max_tokens)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded ids [B, max_tokens], bitmask words [B, ceil(V / 32)] and
+    lengths [B] (lengths may exceed max_tokens: then the words are the row)."""
     batch, vocab = x.shape
+    n_words = triton.cdiv(vocab, 32)
     ids = torch.empty(batch, max_tokens, dtype=torch.int32, device=x.device)
+    words = torch.empty(batch, n_words, dtype=torch.int32, device=x.device)
     lengths = torch.empty(batch, dtype=torch.int32, device=x.device)
     _one_program_per_row_kernel[(batch,)](
-        x, x.stride(0), vocab, max_tokens, ids, lengths, BLOCK=block, num_warps=num_warps
+        x, x.stride(0), vocab, n_words, max_tokens, ids, words, lengths, BLOCK=block,
+        num_warps=num_warps,
     )
-    return ids, lengths
+    return ids, words, lengths

@@ -1,21 +1,25 @@
-"""H200 benchmark of shmask.kernels (issue 3).
+"""H200 benchmark of shmask.kernels with exact rows in two forms (issue 9).
 
-For B in {1, 64, 256, 512}, V = 151936, top_k in {20, 1000, 8192}, top_p in
-{1.0, 0.95}:
+V = 151936, fp32, max_tokens = 8192, B in {256, 512}. Every row is a
+sampler's support: top_k 1000 + top_p 0.95 (about 1000 ids, the ids form),
+except a share of rows (0%, 10%, 100%) that are top-p-only (top_p 0.95:
+about 29k ids, past max_tokens, so the bitmask form). Per configuration:
 
-* compaction of masked fp32 logits (-inf outside the sampler's support):
-  ours vs the one-program-per-row baseline (benchmarks/kernel_baselines.py)
-  vs plain torch (reference_compact: isfinite + nonzero);
-* capture from fp32 probabilities: ours vs the torch sort-based reference
-  (reference_capture in float32);
-* the floor: one read of the [B, V] fp32 logits at the device-to-device copy
-  bandwidth measured in this run (bytes read + written over time).
+* floor: one read of the [B, V] fp32 logits at the device-to-device copy
+  bandwidth measured in this run (bytes read + written over time);
+* compaction of the masked logits (-inf outside the support): ours with
+  overflow="exact" (every row, both forms) and "status" (rows past the cap
+  dropped as OVERFLOW: what the exact rows cost beyond it), and the
+  one-program-per-row baseline (benchmarks/kernel_baselines.py: padded ids
+  plus a full bitmask per row, no values);
+* capture from the fp32 probabilities, exact and status;
+* the bytes each form moves device to host: ids rows (4 L ids + 4 L
+  values), bitmask rows (4 ceil(V / 32) words + 4 L values).
 
-Times are medians in microseconds. "graph" = CUDA-graph replay (launch cost
-removed; each replay runs the op on 4 different input sets in turn so that
-inputs are not served from L2), "eager" = do_bench with its L2 flush, as a
-Python caller would see it. Every configuration is checked against the torch
-result before it is timed.
+Times are medians in microseconds of CUDA-graph replays that run the op on 4
+input sets in turn (so inputs are not served from L2). Every configuration
+is checked against the torch reference before it is timed. --sweep adds a
+per-kernel breakdown and the launch-parameter variants of compaction.
 
 Run: PYTHONPATH=<dir holding shmask/kernels> python3 benchmarks/kernels.py
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,15 +44,27 @@ from shmask.kernels.capture import reference_support  # noqa: E402
 
 VOCAB = 151936
 MAX_TOKENS = 8192
+TOP_K = 1000  # rows within the cap
+TOP_P = 0.95
 ROTATE = 4
+DEVICE = "cuda"
 
 
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
-    src = torch.randn(1 << 28, device="cuda")
+    src = torch.randn(1 << 28, device=DEVICE)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * (1 << 28) * 4 / (ms * 1e-3)
+
+
+def d2h_bandwidth() -> float:
+    """Bytes per second of a 256 MiB device-to-host copy into pinned memory."""
+    src = torch.empty(1 << 26, device=DEVICE)
+    dst = torch.empty(1 << 26, pin_memory=True)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src, non_blocking=True),
+                                 return_mode="median")
+    return (1 << 26) * 4 / (ms * 1e-3)
 
 
 def time_graph(calls, replays: int = 30) -> float:
@@ -78,73 +95,105 @@ def time_graph(calls, replays: int = 30) -> float:
     return statistics.median(samples)
 
 
-def time_eager(call) -> float:
-    return triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median") * 1e3
+@triton.jit
+def _read_kernel(x_ptr, stride_row, vocab, out_ptr, n_chunks, CHUNK: tl.constexpr):
+    """What mark's read alone costs: program (b, c) sums one chunk of row b."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=0.0)
+    tl.store(out_ptr + row * n_chunks + chunk, tl.sum(x, axis=0))
 
 
-def make_inputs(batch: int, top_k: int, top_p: float, seed: int):
+def read_once(x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    n_chunks = triton.cdiv(x.shape[1], chunk)
+    out = torch.empty(x.shape[0] * n_chunks, device=x.device)
+    _read_kernel[(x.shape[0], n_chunks)](x, x.stride(0), x.shape[1], out, n_chunks,
+                                         CHUNK=chunk, num_warps=4)
+    return out
+
+
+def settings(batch: int, past: float) -> dict:
+    """Per-row top_k: off (top-p only, past the cap) for every round(1/past)-th
+    row, else TOP_K."""
+    top_k = torch.full((batch,), TOP_K, dtype=torch.int32, device=DEVICE)
+    n_past = round(past * batch)
+    if n_past:
+        top_k[torch.linspace(0, batch - 1, n_past, device=DEVICE).round().long()] = 0
+    return {"top_k": top_k, "top_p": TOP_P}
+
+
+def make_inputs(batch: int, kw: dict, seed: int):
     """fp32 probabilities, logits masked to the sampler's support, argmax tokens."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(batch, VOCAB, device="cuda", generator=gen) * 2.5
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    logits = torch.randn(batch, VOCAB, device=DEVICE, generator=gen) * 2.5
     probs = torch.softmax(logits, -1)
-    support, _, _ = reference_support(probs, top_k, top_p, 0.0, "joint", torch.float32)
+    support, _, _ = reference_support(probs, kw["top_k"], kw["top_p"], 0.0, "joint",
+                                      torch.float32)
     masked = torch.where(support, logits, float("-inf"))
     return probs, masked, probs.argmax(1)
 
 
-def check_compact(ours, torch_rows) -> None:
-    total = int(torch_rows.offsets[-1])
-    assert torch.equal(ours.offsets, torch_rows.offsets), "compaction offsets differ"
-    assert torch.equal(ours.ids[:total], torch_rows.ids), "compaction ids differ"
+def check_compact(ours, want) -> None:
+    for field in ("offsets", "lengths", "status", "sizes", "forms", "id_offsets"):
+        assert torch.equal(getattr(ours, field), getattr(want, field)), f"compaction {field}"
+    assert torch.equal(ours.ids[:int(want.id_offsets[-1])], want.ids), "compaction ids"
+    assert torch.equal(ours.values[:int(want.offsets[-1])], want.values), "compaction values"
 
 
-def check_capture(ours, torch_rows) -> None:
-    assert torch.equal(ours.status, torch_rows.status), "capture statuses differ"
-    total = int(torch_rows.offsets[-1])
-    same = torch.equal(ours.ids[:total], torch_rows.ids)
+def check_capture(ours, want) -> None:
+    assert torch.equal(ours.status, want.status), "capture statuses differ"
     # fp32 mass sums may differ in order at the top-p boundary: allow a tiny drift
-    if not same:
-        drift = (ours.sizes - torch_rows.sizes).abs().max().item()
-        assert drift <= 2, f"capture supports differ by {drift} ids"
+    drift = (ours.sizes - want.sizes).abs().max().item()
+    assert drift <= 2, f"capture supports differ by {drift} ids"
 
 
-def measure(batch: int, top_k: int, top_p: float, bandwidth: float, args) -> tuple:
+def d2h_bytes(rows) -> tuple[int, int, int]:
+    """Bytes a host copy of the valid prefixes moves: (ids of ids rows,
+    words of bitmask rows, values)."""
+    id_lengths = (rows.id_offsets[1:] - rows.id_offsets[:-1]).long()
+    bitmask = rows.forms == 1
+    return (4 * int(id_lengths[~bitmask].sum()), 4 * int(id_lengths[bitmask].sum()),
+            4 * int(rows.offsets[-1]))
+
+
+def measure(batch: int, past: float, bandwidth: float) -> dict:
     """One configuration: check against torch, then time every variant."""
-    sets = [make_inputs(batch, top_k, top_p, seed) for seed in range(ROTATE)]
+    kw = settings(batch, past)
+    sets = [make_inputs(batch, kw, seed) for seed in range(ROTATE)]
     probs, masked, tokens = sets[0]
-    floor_us = batch * VOCAB * 4 / bandwidth * 1e6
-    ours = compact(masked, MAX_TOKENS)
-    check_compact(ours, reference_compact(masked, MAX_TOKENS))
-    _, base_len = compact_one_program_per_row(masked, MAX_TOKENS)
+    result: dict = {"B": batch, "past": past, "floor": batch * VOCAB * 4 / bandwidth * 1e6}
+    for overflow in ("exact", "status"):
+        ours = compact(masked, MAX_TOKENS, overflow=overflow)
+        check_compact(ours, reference_compact(masked, MAX_TOKENS, overflow=overflow))
+        result[f"compact_{overflow}"] = time_graph(
+            [lambda s=s, o=overflow: compact(s[1], MAX_TOKENS, overflow=o) for s in sets])
+        result[f"bytes_{overflow}"] = d2h_bytes(ours)
+        cap_kw = dict(max_tokens=MAX_TOKENS, overflow=overflow, **kw)
+        cap = capture(probs, tokens, **cap_kw)
+        check_capture(cap, reference_capture(probs, tokens, compute_dtype=torch.float32,
+                                             **cap_kw))
+        result[f"capture_{overflow}"] = time_graph(
+            [lambda s=s, k=cap_kw: capture(s[0], s[2], **k) for s in sets])
+        if overflow == "exact":
+            result["support"] = float(ours.sizes.float().mean())
+            result["bitmask_rows"] = int(ours.forms.sum())
+    _, _, base_len = compact_one_program_per_row(masked, MAX_TOKENS)
     assert torch.equal(base_len, ours.sizes), "baseline lengths differ"
-    c_graph = time_graph([lambda s=s: compact(s[1], MAX_TOKENS) for s in sets])
-    c_eager = time_eager(lambda: compact(masked, MAX_TOKENS))
-    c_base = time_graph([lambda s=s: compact_one_program_per_row(s[1], MAX_TOKENS)
-                         for s in sets])
-    c_torch = time_eager(lambda: reference_compact(masked, MAX_TOKENS))
-    kw = dict(top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS)
-    cap = capture(probs, tokens, **kw)
-    check_capture(cap, reference_capture(probs, tokens, compute_dtype=torch.float32, **kw))
-    k_graph = time_graph([lambda s=s: capture(s[0], s[2], **kw) for s in sets])
-    k_eager = time_eager(lambda: capture(probs, tokens, **kw))
-    k_torch = float("nan")
-    if batch <= args.skip_torch_capture_above:
-        k_torch = time_eager(
-            lambda: reference_capture(probs, tokens, compute_dtype=torch.float32, **kw))
-    support = float(ours.sizes.float().mean())
-    return (batch, top_k, top_p, support, floor_us, c_graph, c_eager, c_base, c_torch,
-            k_graph, k_eager, k_torch)
+    result["baseline"] = time_graph(
+        [lambda s=s: compact_one_program_per_row(s[1], MAX_TOKENS) for s in sets])
+    return result
 
 
-def breakdown(batch: int = 256, top_k: int = 1000, top_p: float = 0.95) -> None:
+def breakdown(batch: int, past: float) -> None:
     """Per-kernel device times of one eager call of compact and capture."""
-    probs, masked, tokens = make_inputs(batch, top_k, top_p, 99)
+    kw = settings(batch, past)
+    probs, masked, tokens = make_inputs(batch, kw, 99)
     for name, call in (
         ("compact", lambda: compact(masked, MAX_TOKENS)),
-        ("capture", lambda: capture(probs, tokens, top_k=top_k, top_p=top_p,
-                                    max_tokens=MAX_TOKENS)),
+        ("capture", lambda: capture(probs, tokens, max_tokens=MAX_TOKENS, **kw)),
     ):
-        for _ in range(200):  # warm up, and let the clocks rise
+        for _ in range(100):  # warm up, and let the clocks rise
             call()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -156,52 +205,100 @@ def breakdown(batch: int = 256, top_k: int = 1000, top_p: float = 0.95) -> None:
             total = getattr(event, "device_time_total", 0)
             if total > 0:
                 parts.append(f"{event.key[:28]}={total / 5:.1f}")
-        print(f"breakdown {name} B={batch} top_k={top_k} top_p={top_p} (us per call): "
-              + ", ".join(parts))
+        print(f"breakdown {name} B={batch} past={past:.0%} (us per call): " + ", ".join(parts),
+              flush=True)
+
+
+def sweep(batch: int, bandwidth: float) -> None:
+    """Compaction (exact, no rows past the cap) under other launch parameters."""
+    kw = settings(batch, 0.0)
+    sets = [make_inputs(batch, kw, seed) for seed in range(ROTATE)]
+    floor = batch * VOCAB * 4 / bandwidth * 1e6
+    variants = [
+        {},
+        {"pdl": False},
+        {"num_warps": 8},
+        {"expand_words": 256, "expand_warps": 4},
+        {"expand_words": 512, "expand_warps": 8},
+        {},  # the default again: the spread between two timings of one version
+    ]
+    read = time_graph([lambda s=s: read_once(s[1]) for s in sets])
+    print(f"sweep B={batch} plain Triton read of the logits: {read:.1f} us "
+          f"({read / floor:.2f}x floor)", flush=True)
+    for variant in variants:
+        us = time_graph([lambda s=s, v=variant: compact(s[1], MAX_TOKENS, **v) for s in sets])
+        print(f"sweep B={batch} {variant or 'default'}: {us:.1f} us ({us / floor:.2f}x floor)",
+              flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,64,256,512")
-    parser.add_argument("--top-k", default="20,1000,8192")
-    parser.add_argument("--top-p", default="1.0,0.95")
-    parser.add_argument("--skip-torch-capture-above", type=int, default=1 << 30)
-    parser.add_argument("--sweep", action="store_true", help="per-kernel breakdown first")
+    parser.add_argument("--batches", default="256,512")
+    parser.add_argument("--past", default="0,0.1,1.0", help="shares of rows past max_tokens")
+    parser.add_argument("--sweep", action="store_true",
+                        help="per-kernel breakdown and launch-parameter variants first")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="a few eager compactions (B=256, 0%% and 100%% past) for ncu")
     args = parser.parse_args()
+    if args.profile_only:
+        for past in (0.0, 1.0):
+            _, masked, _ = make_inputs(256, settings(256, past), 0)
+            for _ in range(3):
+                compact(masked, MAX_TOKENS)
+        torch.cuda.synchronize()
+        return
     batches = [int(b) for b in args.batches.split(",")]
-    top_ks = [int(k) for k in args.top_k.split(",")]
-    top_ps = [float(p) for p in args.top_p.split(",")]
+    shares = [float(p) for p in args.past.split(",")]
 
     props = torch.cuda.get_device_properties(0)
     bandwidth = copy_bandwidth()
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
           f"triton {triton.__version__}; date {time.strftime('%Y-%m-%d')}")
     print(f"device copy bandwidth (read+write): {bandwidth / 1e12:.2f} TB/s")
+    to_host = d2h_bandwidth()
+    print(f"device-to-host copy bandwidth (pinned): {to_host / 1e9:.1f} GB/s")
     if args.sweep:
-        breakdown()
-    rows = []
+        for past in (0.0, 1.0):
+            breakdown(256, past)
+        for batch in batches:
+            sweep(batch, bandwidth)
+    results = []
     for batch in batches:
-        for top_k in top_ks:
-            for top_p in top_ps:
-                rows.append(measure(batch, top_k, top_p, bandwidth, args))
-                print("  " + " ".join(f"{v:.1f}" if isinstance(v, float) else str(v)
-                                      for v in rows[-1]), flush=True)
-                torch.cuda.empty_cache()
+        for past in shares:
+            results.append(measure(batch, past, bandwidth))
+            print("  ", {k: v for k, v in results[-1].items()}, flush=True)
+            torch.cuda.empty_cache()
 
     print()
-    print("times in us (median); compaction of masked fp32 logits, capture from fp32 probs")
-    head = (f"{'B':>4} {'top_k':>5} {'top_p':>5} {'|S|':>6} {'floor':>7} | "
-            f"{'compact':>7} {'eager':>7} {'1prog/row':>9} {'torch':>8} {'x floor':>7} | "
-            f"{'capture':>7} {'eager':>7} {'torch':>8}")
+    print(f"V={VOCAB} fp32, max_tokens={MAX_TOKENS}; rows: top_k {TOP_K} + top_p {TOP_P} "
+          f"(ids form), 'past' share top-p only (past the cap: bitmask form)")
+    print("times in us (median, CUDA-graph replay); x = / floor")
+    head = (f"{'B':>4} {'past':>5} {'|S|':>6} {'bm rows':>7} {'floor':>6} | {'compact':>7} "
+            f"{'x':>5} {'status':>7} {'1prog/row':>9} | {'capture':>7} {'status':>7}")
     print(head)
     print("-" * len(head))
-    for (batch, top_k, top_p, support, floor_us, c_graph, c_eager, c_base, c_torch,
-         k_graph, k_eager, k_torch) in rows:
-        print(f"{batch:>4} {top_k:>5} {top_p:>5.2f} {support:>6.0f} {floor_us:>7.1f} | "
-              f"{c_graph:>7.1f} {c_eager:>7.1f} {c_base:>9.1f} {c_torch:>8.1f} "
-              f"{c_graph / floor_us:>7.2f} | {k_graph:>7.1f} {k_eager:>7.1f} {k_torch:>8.1f}")
-    print("compact/capture: CUDA-graph replay; eager: do_bench with L2 flush; "
-          "1prog/row: baseline, graph replay; torch: eager")
+    for r in results:
+        print(f"{r['B']:>4} {r['past']:>5.0%} {r['support']:>6.0f} {r['bitmask_rows']:>7} "
+              f"{r['floor']:>6.1f} | {r['compact_exact']:>7.1f} "
+              f"{r['compact_exact'] / r['floor']:>5.2f} {r['compact_status']:>7.1f} "
+              f"{r['baseline']:>9.1f} | {r['capture_exact']:>7.1f} {r['capture_status']:>7.1f}")
+    print()
+    print("compaction bytes device -> host (MB): ids of ids rows, words of bitmask rows, values;")
+    print("extra = exact - status compaction time, beside the extra bytes' time at the device "
+          "copy bandwidth (hbm us) and the time the exact bytes take to the host (d2h us)")
+    head = (f"{'B':>4} {'past':>5} | {'exact ids':>9} {'words':>7} {'values':>7} | "
+            f"{'status ids':>10} {'values':>7} | {'extra us':>8} {'hbm us':>6} {'d2h us':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        e_ids, e_words, e_vals = r["bytes_exact"]
+        s_ids, s_words, s_vals = r["bytes_status"]
+        extra_bytes = (e_ids + e_words + e_vals) - (s_ids + s_words + s_vals)
+        print(f"{r['B']:>4} {r['past']:>5.0%} | {e_ids / 1e6:>9.2f} {e_words / 1e6:>7.2f} "
+              f"{e_vals / 1e6:>7.2f} | {(s_ids + s_words) / 1e6:>10.2f} {s_vals / 1e6:>7.2f} | "
+              f"{r['compact_exact'] - r['compact_status']:>8.1f} "
+              f"{extra_bytes / bandwidth * 1e6:>6.1f} "
+              f"{(e_ids + e_words + e_vals) / to_host * 1e6:>7.1f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 3: the kernel tests on the GPU, then the benchmark.
+# One device call (issues 3, 9): the kernel tests on the GPU, then the benchmark.
 # Usage (device tool, repository root): bash benchmarks/run_kernels_on_device.sh [benchmark args]
 # shmask itself is not installed there (its transport needs a compiled module),
 # so a shim package exposes only kernels/ as shmask.kernels.

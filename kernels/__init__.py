@@ -74,7 +74,7 @@ with _interpreter_scope():
     except ImportError as exc:
         raise ImportError(f"shmask.kernels needs torch and triton ({exc}): "
                           "pip install 'shmask[kernels]'") from exc
-    from ._common import Rows, Status
+    from ._common import Form, Rows, Status
     from .admission import check_admission
     from .capture import capture, reference_capture
     from .compact import compact, reference_compact
@@ -82,6 +82,7 @@ with _interpreter_scope():
     from .sample import reference_sample, sample
 
 __all__ = [
+    "Form",
     "HostRows",
     "HostStaging",
     "Rows",

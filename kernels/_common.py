@@ -1,54 +1,142 @@
-"""Pieces shared by the kernel modules: statuses, result types, argument checks,
-and the mark/expand kernels (bitmask of kept entries, then ids and values)
-that both compaction and capture use.
+"""Pieces shared by the kernel modules: statuses, forms, the result type,
+argument checks, and the mark/scan/expand kernels (bitmask of kept entries,
+then ids and values) that compaction and capture use.
 
-Row layout of every result: CSR over the batch. ``offsets`` int32[B + 1] is
-computed on the GPU, ``ids[offsets[b]:offsets[b + 1]]`` are row b's kept ids in
-ascending order, so copying ``ids[:offsets[B]]`` moves only realized rows.
+Every result is exact rows, each in the cheaper of two forms (see Rows):
+two CSR arrays over the batch, ``values`` (offsets) and ``ids``
+(id_offsets), both offsets computed on the GPU, so copying
+``ids[:id_offsets[B]]`` and ``values[:offsets[B]]`` moves only what the rows
+hold, never a padded buffer.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+CHUNK = 8192  # columns per mark program (32 KiB of fp32 read per program)
+WORD_BITS = 32
+EXPAND_WORDS = 256  # bitmask words per expand program (8192 columns)
 
 
 class Status(IntEnum):
     """Per-row status written by every kernel."""
 
-    OK = 0  # row materialised in full
-    OVERFLOW = 1  # support larger than max_tokens; no id of the row is written
+    OK = 0  # row materialised in full (in one of the two forms)
+    OVERFLOW = 1  # overflow="status" only: support larger than max_tokens; nothing written
     INVALID = 2  # sampled token outside the support, zero mass, non-finite input/logprob
     SKIPPED = 3  # row not opted in; nothing written, length 0
 
 
+class Form(IntEnum):
+    """How an OK row's ids travel (``Rows.forms``). An OK row of support size
+    L is a bitmask iff ``L > max_tokens or 32 * L >= V``: its ids cost 4 L
+    bytes and the bitmask 4 ceil(V / 32), and max_tokens bounds only the ids
+    form (every kernel and reference applies this one rule)."""
+
+    IDS = 0  # its L ascending int32 ids (CSR)
+    BITMASK = 1  # ceil(V / 32) int32 words, bit j of word w <=> id 32 * w + j
+
+
+OVERFLOW_POLICIES = ("exact", "status")
+
+
+def bitmask_words(vocab: int) -> int:
+    """Words of one bitmask row: ceil(V / 32)."""
+    return (vocab + WORD_BITS - 1) // WORD_BITS
+
+
 @dataclass
 class Rows:
-    """CSR rows on the device.
+    """Exact rows on the device, each in the cheaper of two forms.
 
-    ``values`` holds the kept inputs (compaction) or ``log(w_i / sum(w))``
-    (capture). ``sizes`` is the true support size, also for OVERFLOW rows, so a
-    server can say how far over ``max_tokens`` a row went. ``selected_logprob``
-    and ``tokens`` are set by capture and sample only.
+    ``values[offsets[b]:offsets[b + 1]]`` are row b's kept values in ascending
+    id order: the kept inputs (compaction) or ``log(w_i / sum(w))`` (capture),
+    whatever the form. ``ids[id_offsets[b]:id_offsets[b + 1]]`` is row b's id
+    data: its L ascending ids (``forms[b] == Form.IDS``) or ``ceil(V / 32)``
+    bitmask words (``Form.BITMASK``; bits at ids >= V are zero). Rows that
+    are not OK have neither. ``sizes`` is the true support size, also for
+    OVERFLOW rows, so a server can say how far over ``max_tokens`` a row
+    went. ``selected_logprob`` and ``tokens`` are set by capture and sample
+    only.
     """
 
-    offsets: torch.Tensor  # int32[B + 1]
-    lengths: torch.Tensor  # int32[B], 0 unless status is OK
+    offsets: torch.Tensor  # int32[B + 1], into values
+    lengths: torch.Tensor  # int32[B], support size L if status is OK, else 0
     status: torch.Tensor  # int32[B], Status values
     sizes: torch.Tensor  # int32[B]
-    ids: torch.Tensor  # int32[capacity]; valid prefix is offsets[B]
-    values: torch.Tensor  # float32[capacity]
+    forms: torch.Tensor  # int32[B], Form values; 0 unless status is OK
+    id_offsets: torch.Tensor  # int32[B + 1], into ids
+    ids: torch.Tensor  # int32[capacity]; valid prefix is id_offsets[B]
+    values: torch.Tensor  # float32[capacity]; valid prefix is offsets[B]
+    vocab: int
     selected_logprob: torch.Tensor | None = None  # float32[B]
     tokens: torch.Tensor | None = None  # int32[B]
 
     def row(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row b's ids and values (a host sync; for tests and debugging)."""
+        """Row b's ascending ids (a bitmask row decoded) and values; a host
+        sync, for tests and debugging."""
         start, end = int(self.offsets[b]), int(self.offsets[b + 1])
-        return self.ids[start:end], self.values[start:end]
+        id_start, id_end = int(self.id_offsets[b]), int(self.id_offsets[b + 1])
+        data = self.ids[id_start:id_end]
+        if int(self.forms[b]) == Form.BITMASK:
+            shifts = torch.arange(WORD_BITS, dtype=torch.int64, device=data.device)
+            bits = (data.to(torch.int64)[:, None] >> shifts) & 1
+            data = bits.reshape(-1).nonzero()[:, 0].to(torch.int32)
+        return data, self.values[start:end]
+
+
+def check_overflow(overflow: str) -> str:
+    """"exact" (no row dropped) or "status" (rows past max_tokens OVERFLOW)."""
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+    return overflow
+
+
+def values_capacity(batch: int, vocab: int, max_tokens: int, overflow: str) -> int:
+    """Entries of ``Rows.values`` that the worst case needs, known without a
+    sync: every row the whole vocabulary (exact), or at most max_tokens per
+    row (status: a larger row is OVERFLOW and writes nothing)."""
+    return batch * (vocab if overflow == "exact" else min(max_tokens, vocab))
+
+
+def pack_rows(
+    kept: torch.Tensor, values: torch.Tensor, status: torch.Tensor, sizes: torch.Tensor,
+    max_tokens: int, selected_logprob: torch.Tensor | None = None,
+) -> Rows:
+    """Rows from a dense kept mask [B, V] and dense values [B, V], in plain
+    torch (the references' shared tail). ``status`` says which rows are OK;
+    only their kept entries are packed."""
+    batch, vocab = kept.shape
+    device = kept.device
+    ok = status == Status.OK
+    kept = kept & ok[:, None]
+    lengths = kept.sum(1).to(torch.int32)
+    bitmask = ok & ((lengths > max_tokens) | (WORD_BITS * lengths >= vocab))
+    forms = torch.where(bitmask, Form.BITMASK, Form.IDS).to(torch.int32)
+    offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    n_words = bitmask_words(vocab)
+    id_lengths = torch.where(bitmask, n_words, lengths)
+    id_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    id_offsets[1:] = torch.cumsum(id_lengths, 0)
+    row_idx, col_idx = kept.nonzero(as_tuple=True)  # row-major: ascending ids per row
+    padded = torch.zeros(batch, n_words * WORD_BITS, dtype=torch.int64, device=device)
+    padded[:, :vocab] = kept
+    shifts = torch.arange(WORD_BITS, dtype=torch.int64, device=device)
+    words = (padded.reshape(batch, n_words, WORD_BITS) << shifts).sum(2)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    pieces = [words[b] if bitmask[b] else col_idx[row_idx == b].to(torch.int32)
+              for b in range(batch)]
+    ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32, device=device)
+    return Rows(offsets, lengths, status.to(torch.int32), sizes.to(torch.int32), forms,
+                id_offsets, ids, values[row_idx, col_idx].float(), vocab, selected_logprob)
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,12 +157,18 @@ def check_matrix(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def check_max_tokens(max_tokens: int, rows: int) -> int:
+def check_max_tokens(max_tokens: int, rows: int, vocab: int, overflow: str) -> int:
+    """max_tokens, once the int32 offsets of the largest possible result are
+    known to fit."""
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    if rows * max_tokens >= 2**31:
+    check_overflow(overflow)
+    entries = values_capacity(rows, vocab, max_tokens, overflow)
+    if max(entries, rows * bitmask_words(vocab)) >= 2**31:
         raise ValueError(
-            f"B * max_tokens = {rows} * {max_tokens} must stay below 2**31 (int32 offsets)"
+            f"B = {rows} rows of up to {entries // max(rows, 1)} values (V = {vocab}, "
+            f"max_tokens = {max_tokens}, overflow={overflow!r}) need {entries} entries; "
+            "it must stay below 2**31 (int32 offsets): split the batch"
         )
     return max_tokens
 
@@ -124,10 +218,6 @@ KEEP_FINITE = 0  # logits: keep finite entries (-inf marks a dropped token)
 KEEP_POSITIVE = 1  # weights: keep entries > 0
 KEEP_AT_LEAST = 2  # probabilities: keep finite w > 0 whose float bits >= a per-row key
 
-CHUNK = 8192  # columns per mark program (32 KiB of fp32 read per program)
-WORD_BITS = 32
-EXPAND_WORDS = 256  # bitmask words per expand program (8192 columns)
-
 
 @triton.jit
 def popcount(x):
@@ -139,22 +229,46 @@ def popcount(x):
 
 
 @triton.jit
+def row_status(size, opted, max_tokens, STATUS_ON_OVERFLOW: tl.constexpr):
+    """Status of rows that cannot be INVALID (compaction): SKIPPED, then
+    OVERFLOW (policy "status" only), else OK."""
+    over = (size > max_tokens) & STATUS_ON_OVERFLOW
+    return tl.where(opted, tl.where(over, 1, 0), 3)
+
+
+@triton.jit
+def is_bitmask(length, status, max_tokens, vocab):
+    """The form rule (see Form): OK rows past max_tokens or with 32 L >= V
+    travel as a bitmask."""
+    return (status == 0) & ((length > max_tokens) | (length * 32 >= vocab))
+
+
+@triton.jit
 def mark_kernel(
     x_ptr, stride_row, vocab, opt_in_ptr, key_floor_ptr, bits_ptr, counts_ptr, n_chunks,
-    MODE: tl.constexpr, CHUNK: tl.constexpr,
+    MODE: tl.constexpr, CHUNK: tl.constexpr, ALL_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c) reads columns [c*CHUNK, (c+1)*CHUNK) of row b once and
     writes which entries its predicate keeps as a bitmask (CHUNK/32 words) plus
     their count. Little work per element, so the pass streams at memory speed;
     the kept ids come out of the bitmask in expand_kernel."""
     WORDS: tl.constexpr = CHUNK // 32
+    if PDL:
+        # Launched early (programmatic dependent launch): wait for the
+        # kernels before this one (they wrote x), then let the next launch.
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     word_idx = tl.arange(0, WORDS)
     bit_idx = tl.arange(0, 32)
     cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
-    # A row not opted in reads nothing: its column limit becomes 0.
-    limit = tl.where(tl.load(opt_in_ptr + row) != 0, vocab, 0)
+    # A row not opted in reads nothing: its column limit becomes 0. ALL_ROWS
+    # (no opt-in mask given) saves the caller a fill launch for the mask.
+    if ALL_ROWS:
+        limit = vocab
+    else:
+        limit = tl.where(tl.load(opt_in_ptr + row) != 0, vocab, 0)
     inside = cols < limit
     x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
     x = x.to(tl.float32)
@@ -174,60 +288,143 @@ def mark_kernel(
 
 
 @triton.jit
+def scan_kernel(
+    counts_ptr, n_chunks, opt_in_ptr, batch, vocab, max_tokens,
+    sizes_ptr, lengths_ptr, status_ptr, forms_ptr, offsets_ptr, id_offsets_ptr,
+    STATUS_ON_OVERFLOW: tl.constexpr, ALL_ROWS: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+):
+    """One program: per-row sizes from the chunk counts, statuses, forms,
+    lengths, and the exclusive scans of the lengths (offsets) and of the id
+    lengths (id_offsets)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    n_words = (vocab + 31) // 32
+    carry = tl.zeros([], dtype=tl.int32)
+    id_carry = tl.zeros([], dtype=tl.int32)
+    chunk_idx = tl.arange(0, CHUNKS_PAD)
+    for start in range(0, batch, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        in_batch = rows < batch
+        tile = tl.load(counts_ptr + rows[:, None] * n_chunks + chunk_idx[None, :],
+                       mask=in_batch[:, None] & (chunk_idx[None, :] < n_chunks), other=0)
+        size = tl.sum(tile, axis=1)
+        if ALL_ROWS:
+            opted = in_batch
+        else:
+            opted = tl.load(opt_in_ptr + rows, mask=in_batch, other=0) != 0
+        status = row_status(size, opted, max_tokens, STATUS_ON_OVERFLOW)
+        length = tl.where(status == 0, size, 0)
+        bitmask = is_bitmask(length, status, max_tokens, vocab)
+        id_length = tl.where(bitmask, n_words, length)
+        tl.store(sizes_ptr + rows, size, mask=in_batch)
+        tl.store(lengths_ptr + rows, length, mask=in_batch)
+        tl.store(status_ptr + rows, status, mask=in_batch)
+        tl.store(forms_ptr + rows, bitmask.to(tl.int32), mask=in_batch)
+        tl.store(offsets_ptr + rows, carry + tl.cumsum(length, axis=0) - length, mask=in_batch)
+        tl.store(id_offsets_ptr + rows, id_carry + tl.cumsum(id_length, axis=0) - id_length,
+                 mask=in_batch)
+        carry += tl.sum(length, axis=0)
+        id_carry += tl.sum(id_length, axis=0)
+    tl.store(offsets_ptr + batch, carry)
+    tl.store(id_offsets_ptr + batch, id_carry)
+
+
+@triton.jit
 def expand_kernel(
     x_ptr, stride_row, vocab, bits_ptr, counts_ptr, n_chunks,
-    status_ptr, offsets_ptr, out_ids_ptr, out_vals_ptr,
-    ROW_LOCAL: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    status_ptr, forms_ptr, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr,
+    ROW_LOCAL: tl.constexpr, PDL: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,
 ):
     """Program (b, g) turns the bitmasks of chunks [g*GROUP, (g+1)*GROUP) of
-    row b into ascending ids and gathers their values from x. Destination: CSR
-    (offsets[b], rows with status OK only) or, with ROW_LOCAL, row b's own
-    slice out[b * V:]; either way plus the counts of the chunks before. Each
-    step peels the lowest set bits of every word, so the loop runs as often as
-    the fullest word has bits / 4 (once for a sparse row)."""
+    row b into ascending ids and gathers their values from x.
+
+    ROW_LOCAL (capture's candidates): ids and values go to row b's own slice
+    out[b * V:], after the counts of the chunks before. Otherwise
+    (compaction's result, after scan_kernel): an OK row's values go to
+    offsets[b] + the counts of the chunks before, its ids (ids form) to
+    id_offsets[b] + the same, or its words verbatim (bitmask form).
+
+    Each step peels the lowest set bits of every word (four per step) and
+    gathers their values, so the loop runs as often as the fullest word has
+    bits / 4 (once for a sparse row). The first step's gathers are issued
+    before the block-wide scans that place them, so their memory latency
+    overlaps the scans."""
     WORDS: tl.constexpr = GROUP * (CHUNK // 32)
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     first_chunk = tl.program_id(1) * GROUP
+    word_idx = tl.arange(0, WORDS)
+    first_word = first_chunk * (CHUNK // 32)
+    in_row = (first_chunk + word_idx // (CHUNK // 32)) < n_chunks
+    words = tl.load(bits_ptr + (row * n_chunks).to(tl.int64) * (CHUNK // 32) + first_word
+                    + word_idx, mask=in_row, other=0)
     chunk_idx = tl.arange(0, CHUNKS_PAD)
     counts = tl.load(counts_ptr + row * n_chunks + chunk_idx, mask=chunk_idx < n_chunks, other=0)
-    before = tl.sum(tl.where(chunk_idx < first_chunk, counts, 0), axis=0)
     if ROW_LOCAL:
-        dst = row.to(tl.int64) * vocab + before
-        active = True
+        dst = row.to(tl.int64) * vocab
+        id_dst = dst  # ids sit beside their values
     else:
-        dst = tl.load(offsets_ptr + row).to(tl.int64) + before
-        active = tl.load(status_ptr + row) == 0
-    word_idx = tl.arange(0, WORDS)
-    in_row = (first_chunk + word_idx // (CHUNK // 32)) < n_chunks
-    words = tl.load(bits_ptr + (row * n_chunks + first_chunk).to(tl.int64) * (CHUNK // 32)
-                    + word_idx, mask=in_row, other=0)
-    words = tl.where(active, words, 0).to(tl.uint32, bitcast=True)
-    per_word = popcount(words)
-    slots = dst + (tl.cumsum(per_word, axis=0) - per_word)
-    rounds = tl.max(per_word, axis=0)
+        ok = tl.load(status_ptr + row) == 0
+        bitmask = tl.load(forms_ptr + row) != 0
+        dst = tl.load(offsets_ptr + row).to(tl.int64)
+        id_dst = tl.load(id_offsets_ptr + row).to(tl.int64)
+        # A bitmask row's words are its id data as they stand. (A scalar
+        # predicate goes into a mask through tl.where: `block & scalar` is
+        # not a bool mask in Triton's interpreter.)
+        n_words = (vocab + 31) // 32
+        tl.store(out_ids_ptr + id_dst + first_word + word_idx, words,
+                 mask=tl.where(bitmask, first_word + word_idx < n_words, False))
+        words = tl.where(ok, words, 0)
+        id_dst = tl.where(bitmask, -1, id_dst)  # the ids form only: below, -1 = none
+    words = words.to(tl.uint32, bitcast=True)
     col_base = first_chunk * CHUNK + word_idx * 32
     x_row = x_ptr + row.to(tl.int64) * stride_row
-    # Four bits per word per step, their loads issued before any store, so a
-    # step waits for memory once rather than four times.
-    for _ in range(0, rounds, 4):
-        cols_a, live_a, words = _peel(words, col_base)
-        cols_b, live_b, words = _peel(words, col_base)
-        cols_c, live_c, words = _peel(words, col_base)
-        cols_d, live_d, words = _peel(words, col_base)
+    cols_a, live_a, words_left = _peel(words, col_base)
+    cols_b, live_b, words_left = _peel(words_left, col_base)
+    cols_c, live_c, words_left = _peel(words_left, col_base)
+    cols_d, live_d, words_left = _peel(words_left, col_base)
+    vals_a = tl.load(x_row + cols_a, mask=live_a)
+    vals_b = tl.load(x_row + cols_b, mask=live_b)
+    vals_c = tl.load(x_row + cols_c, mask=live_c)
+    vals_d = tl.load(x_row + cols_d, mask=live_d)
+    per_word = popcount(words)
+    before = tl.sum(tl.where(chunk_idx < first_chunk, counts, 0), axis=0)
+    slots = before + tl.cumsum(per_word, axis=0) - per_word  # rank in the row
+    rounds = tl.max(per_word, axis=0)
+    _place(out_ids_ptr, out_vals_ptr, dst, id_dst, slots, cols_a, vals_a, live_a,
+           cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d)
+    for _ in range(4, rounds, 4):
+        slots += 4
+        cols_a, live_a, words_left = _peel(words_left, col_base)
+        cols_b, live_b, words_left = _peel(words_left, col_base)
+        cols_c, live_c, words_left = _peel(words_left, col_base)
+        cols_d, live_d, words_left = _peel(words_left, col_base)
         vals_a = tl.load(x_row + cols_a, mask=live_a)
         vals_b = tl.load(x_row + cols_b, mask=live_b)
         vals_c = tl.load(x_row + cols_c, mask=live_c)
         vals_d = tl.load(x_row + cols_d, mask=live_d)
-        tl.store(out_ids_ptr + slots, cols_a, mask=live_a)
-        tl.store(out_vals_ptr + slots, vals_a.to(tl.float32), mask=live_a)
-        tl.store(out_ids_ptr + slots + 1, cols_b, mask=live_b)
-        tl.store(out_vals_ptr + slots + 1, vals_b.to(tl.float32), mask=live_b)
-        tl.store(out_ids_ptr + slots + 2, cols_c, mask=live_c)
-        tl.store(out_vals_ptr + slots + 2, vals_c.to(tl.float32), mask=live_c)
-        tl.store(out_ids_ptr + slots + 3, cols_d, mask=live_d)
-        tl.store(out_vals_ptr + slots + 3, vals_d.to(tl.float32), mask=live_d)
-        slots += 4
+        _place(out_ids_ptr, out_vals_ptr, dst, id_dst, slots, cols_a, vals_a, live_a,
+               cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d)
+
+
+@triton.jit
+def _place(out_ids_ptr, out_vals_ptr, dst, id_dst, slots, cols_a, vals_a, live_a,
+           cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d):
+    """Store one peel step: values at dst + slot, ids at id_dst + slot unless
+    id_dst is -1 (a bitmask row, whose words are its ids)."""
+    ids = id_dst >= 0
+    tl.store(out_vals_ptr + dst + slots, vals_a.to(tl.float32), mask=live_a)
+    tl.store(out_vals_ptr + dst + slots + 1, vals_b.to(tl.float32), mask=live_b)
+    tl.store(out_vals_ptr + dst + slots + 2, vals_c.to(tl.float32), mask=live_c)
+    tl.store(out_vals_ptr + dst + slots + 3, vals_d.to(tl.float32), mask=live_d)
+    tl.store(out_ids_ptr + id_dst + slots, cols_a, mask=tl.where(ids, live_a, False))
+    tl.store(out_ids_ptr + id_dst + slots + 1, cols_b, mask=tl.where(ids, live_b, False))
+    tl.store(out_ids_ptr + id_dst + slots + 2, cols_c, mask=tl.where(ids, live_c, False))
+    tl.store(out_ids_ptr + id_dst + slots + 3, cols_d, mask=tl.where(ids, live_d, False))
 
 
 @triton.jit
@@ -240,36 +437,87 @@ def _peel(words, col_base):
     return col_base + bit, live, words & (words - 1)
 
 
+def pdl_default(device: torch.device) -> bool:
+    """Programmatic dependent launch where the GPU has it (sm90+) and the
+    kernels are compiled (Triton's interpreter has no grid dependencies)."""
+    return (device.type == "cuda" and not _interpreted()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _interpreted() -> bool:
+    """Whether launches run in Triton's interpreter (the knob kernels/__init__
+    sets, or TRITON_INTERPRET set by the host before triton was imported)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return bool(getattr(runtime, "interpret", False)) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch_options(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
+
+
 def launch_mark(
-    x: torch.Tensor, opt_in: torch.Tensor, key_floor: torch.Tensor | None, mode: int,
-    chunk: int = CHUNK, num_warps: int = 4,
+    x: torch.Tensor, opt_in: torch.Tensor | None, key_floor: torch.Tensor | None, mode: int,
+    chunk: int = CHUNK, num_warps: int = 4, pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Run mark_kernel; returns (bits, counts, n_chunks)."""
+    """Run mark_kernel; returns (bits, counts, n_chunks). ``opt_in`` None:
+    every row."""
     batch, vocab = x.shape
     n_chunks = triton.cdiv(vocab, chunk)
     bits = torch.empty(batch * n_chunks * (chunk // WORD_BITS), dtype=torch.int32,
                        device=x.device)
     counts = torch.empty(batch * n_chunks, dtype=torch.int32, device=x.device)
     mark_kernel[(batch, n_chunks)](
-        x, x.stride(0), vocab, opt_in, key_floor if key_floor is not None else opt_in,
-        bits, counts, n_chunks, MODE=mode, CHUNK=chunk, num_warps=num_warps,
+        x, x.stride(0), vocab, counts if opt_in is None else opt_in,
+        counts if key_floor is None else key_floor, bits, counts, n_chunks,
+        MODE=mode, CHUNK=chunk, ALL_ROWS=opt_in is None, PDL=pdl, num_warps=num_warps,
+        **_launch_options(pdl),
     )
     return bits, counts, n_chunks
 
 
-def launch_expand(
+def launch_expand_local(
     x: torch.Tensor, bits: torch.Tensor, counts: torch.Tensor, n_chunks: int,
-    status: torch.Tensor | None, offsets: torch.Tensor | None,
-    out_ids: torch.Tensor, out_vals: torch.Tensor, chunk: int = CHUNK, num_warps: int = 8,
-    expand_words: int | None = None,
+    out_ids: torch.Tensor, out_vals: torch.Tensor, chunk: int = CHUNK,
 ) -> None:
-    """Run expand_kernel: CSR placement when status/offsets are given, else row-local."""
+    """expand_kernel, row-local: row b's kept ids and values at out[b * V:]."""
     batch, vocab = x.shape
-    row_local = status is None
-    group = max(1, (expand_words or EXPAND_WORDS) // (chunk // WORD_BITS))
+    group = max(1, EXPAND_WORDS // (chunk // WORD_BITS))
     expand_kernel[(batch, triton.cdiv(n_chunks, group))](
-        x, x.stride(0), vocab, bits, counts, n_chunks,
-        counts if row_local else status, counts if row_local else offsets,
-        out_ids, out_vals, ROW_LOCAL=row_local, CHUNK=chunk, GROUP=group,
-        CHUNKS_PAD=triton.next_power_of_2(n_chunks), num_warps=num_warps,
+        x, x.stride(0), vocab, bits, counts, n_chunks, counts, counts, counts, counts,
+        out_ids, out_vals, ROW_LOCAL=True, PDL=False, CHUNK=chunk, GROUP=group,
+        CHUNKS_PAD=triton.next_power_of_2(n_chunks), num_warps=8,
     )
+
+
+def compact_rows(
+    x: torch.Tensor, mode: int, opt_in: torch.Tensor | None, max_tokens: int, overflow: str,
+    out_ids: torch.Tensor, out_vals: torch.Tensor, *, chunk: int = CHUNK, mark_warps: int = 4,
+    expand_words: int = EXPAND_WORDS, expand_warps: int = 8, pdl: bool = False,
+) -> Rows:
+    """mark + scan + expand: the compaction result in out_ids/out_vals."""
+    batch, vocab = x.shape
+    device = x.device
+    bits, counts, n_chunks = launch_mark(x, opt_in, None, mode, chunk, mark_warps, pdl)
+    sizes = torch.empty(batch, dtype=torch.int32, device=device)
+    status = torch.empty_like(sizes)
+    lengths = torch.empty_like(sizes)
+    forms = torch.empty_like(sizes)
+    offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
+    id_offsets = torch.empty_like(offsets)
+    chunks_pad = triton.next_power_of_2(n_chunks)
+    scan_kernel[(1,)](
+        counts, n_chunks, sizes if opt_in is None else opt_in, batch, vocab, max_tokens,
+        sizes, lengths, status, forms, offsets, id_offsets,
+        STATUS_ON_OVERFLOW=overflow == "status", ALL_ROWS=opt_in is None, PDL=pdl,
+        # one tile of rows x chunks per step; a batch of up to 16384 /
+        # chunks_pad rows (512 at V=151936) is a single step
+        ROWS=max(1, min(triton.next_power_of_2(batch), 16384 // chunks_pad)),
+        CHUNKS_PAD=chunks_pad, num_warps=8, **_launch_options(pdl),
+    )
+    group = max(1, expand_words // (chunk // WORD_BITS))
+    expand_kernel[(batch, triton.cdiv(n_chunks, group))](
+        x, x.stride(0), vocab, bits, counts, n_chunks, status, forms, offsets, id_offsets,
+        out_ids, out_vals, ROW_LOCAL=False, PDL=pdl, CHUNK=chunk, GROUP=group,
+        CHUNKS_PAD=chunks_pad, num_warps=expand_warps, **_launch_options(pdl),
+    )
+    return Rows(offsets, lengths, status, sizes, forms, id_offsets, out_ids, out_vals, vocab)

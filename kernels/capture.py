@@ -23,8 +23,11 @@ kept, so the support can be larger than ``top_k``.
 * status, first match wins: INVALID (a NaN, inf or negative ``w`` in the row,
   ``y`` outside ``[0, V)`` or outside the support, ``Z == 0``, a non-finite
   logprob), SKIPPED (row not opted in: thresholds and the selected logprob are
-  still computed, no id is written), OVERFLOW (support larger than
-  ``max_tokens``: no id written), OK.
+  still computed, no id is written), OVERFLOW (``overflow="status"`` only:
+  support larger than ``max_tokens``, no id written), OK.
+* an OK row travels in the cheaper exact form (see :class:`._common.Form`):
+  its ids while ``32 L < V`` and ``L <= max_tokens``, else its bitmask; its
+  logprobs in both forms.
 
 Masses are float32 sums in the kernel and float64 in the reference; a top-p
 target within rounding (about 1e-6 relative) of a cumulative mass may fall on
@@ -43,8 +46,10 @@ Kernels, each a single pass over its data:
 4. resolve (program per row): exact cutoffs by bisection over the float bits of
    the candidates (held in registers when they fit), ``Z``, the selected
    logprob or, in :mod:`.sample`, the Gumbel-max draw; status and length.
-5. write (program per row): the support at CSR offsets computed from the
-   lengths.
+5. write (program per row): the support's logprobs at offsets[b] and its
+   ids or bitmask words at id_offsets[b], both computed from the lengths and
+   forms of the rows before (a bitmask row is zeroed, then each run of
+   support ids in one word is OR-ed by a segmented scan and stored once).
 """
 
 from __future__ import annotations
@@ -55,14 +60,18 @@ from ._common import (
     KEEP_AT_LEAST,
     Rows,
     Status,
+    bitmask_words,
     check_matrix,
     check_max_tokens,
-    launch_expand,
+    is_bitmask,
+    launch_expand_local,
     launch_mark,
+    pack_rows,
     per_row,
     row_mask,
     tl,
     triton,
+    values_capacity,
 )
 
 __all__ = ["ORDERS", "capture", "reference_capture"]
@@ -77,6 +86,7 @@ EXPONENT_BASE = 96
 STATS_CHUNK = 8192
 STATS_WARPS = 8
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
+WRITE_BLOCK = 4096  # candidates per step of the write program
 INF_KEY = tl.constexpr(0x7F800000)  # float bits of +inf: a floor no candidate reaches
 
 
@@ -199,9 +209,9 @@ def _resolve_kernel(
     floor_ptr, total_ptr, rowmax_ptr, bad_ptr,
     top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr, opt_in_ptr, token_ptr, seed_ptr,
     max_tokens,
-    cutoff_ptr, logz_ptr, sizes_ptr, lengths_ptr, status_ptr, selected_ptr,
-    SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
+    cutoff_ptr, logz_ptr, sizes_ptr, lengths_ptr, status_ptr, forms_ptr, selected_ptr,
+    SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk_idx = tl.arange(0, CHUNKS_PAD)
@@ -289,36 +299,70 @@ def _resolve_kernel(
     size = tl.where(greedy, 1, size)
     z = tl.where(greedy, w_y, z)
     opted = tl.load(opt_in_ptr + row) != 0
-    status = tl.where(invalid, 2, tl.where(~opted, 3, tl.where(size > max_tokens, 1, 0)))
+    over = (size > max_tokens) & STATUS_ON_OVERFLOW
+    status = tl.where(invalid, 2, tl.where(~opted, 3, tl.where(over, 1, 0)))
+    length = tl.where(status == 0, size, 0)
     tl.store(cutoff_ptr + row, cutoff)
     tl.store(logz_ptr + row, tl.log(z))
     tl.store(sizes_ptr + row, size)
-    tl.store(lengths_ptr + row, tl.where(status == 0, size, 0))
+    tl.store(lengths_ptr + row, length)
     tl.store(status_ptr + row, status)
+    tl.store(forms_ptr + row, is_bitmask(length, status, max_tokens, vocab).to(tl.int32))
     tl.store(selected_ptr + row, tl.where(invalid, float("nan"), selected))
     if SAMPLE:
         tl.store(token_ptr + row, tl.where(invalid, -1, token))
 
 
 @triton.jit
+def _or_in_word(word_a, bits_a, word_b, bits_b):
+    """Scan step of a segmented OR over candidates sorted by id: the bits of
+    the trailing run of equal words (ids ascend, so a run never resumes)."""
+    return word_b, tl.where(word_a == word_b, bits_a | bits_b, bits_b)
+
+
+@triton.jit
 def _write_kernel(
     cand_ids_ptr, cand_vals_ptr, counts_ptr, n_chunks, vocab, batch,
-    cutoff_ptr, logz_ptr, lengths_ptr, status_ptr, greedy_ptr, token_ptr,
-    offsets_ptr, out_ids_ptr, out_vals_ptr,
+    cutoff_ptr, logz_ptr, lengths_ptr, status_ptr, forms_ptr, greedy_ptr, token_ptr,
+    offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROWS_BLOCK: tl.constexpr,
 ):
+    """Program b places row b's support: values at offsets[b], and at
+    id_offsets[b] its ids (ids form) or its bitmask words (bitmask form).
+    Both offsets are sums over the rows before b of what resolve decided."""
     row = tl.program_id(0)
-    # CSR offset of this row: the lengths of the rows before it.
+    n_words = (vocab + 31) // 32
     offset = tl.zeros([], dtype=tl.int32)
-    for start in range(0, batch, ROWS_BLOCK):
+    id_offset = tl.zeros([], dtype=tl.int32)
+    for start in range(0, row, ROWS_BLOCK):
         r = start + tl.arange(0, ROWS_BLOCK)
-        offset += tl.sum(tl.load(lengths_ptr + r, mask=r < row, other=0), axis=0)
+        earlier = r < row
+        length_r = tl.load(lengths_ptr + r, mask=earlier, other=0)
+        bitmask_r = tl.load(forms_ptr + r, mask=earlier, other=0) != 0
+        offset += tl.sum(length_r, axis=0)
+        id_offset += tl.sum(tl.where(bitmask_r, n_words, length_r), axis=0)
+    length = tl.load(lengths_ptr + row)
+    bitmask = tl.load(forms_ptr + row) != 0
     tl.store(offsets_ptr + row, offset)
+    tl.store(id_offsets_ptr + row, id_offset)
     if row == batch - 1:
-        tl.store(offsets_ptr + batch, offset + tl.load(lengths_ptr + row))
+        tl.store(offsets_ptr + batch, offset + length)
+        tl.store(id_offsets_ptr + batch, id_offset + tl.where(bitmask, n_words, length))
     if tl.load(status_ptr + row) == 0:
+        words_ptr = out_ids_ptr + id_offset
+        if bitmask:
+            # Words with no support id are written only here; the barrier
+            # orders these stores before the ones below that set bits.
+            for start in range(0, n_words, BLOCK):
+                w = start + tl.arange(0, BLOCK)
+                tl.store(words_ptr + w, tl.zeros([BLOCK], dtype=tl.int32), mask=w < n_words)
+            tl.debug_barrier()
         if tl.load(greedy_ptr + row) != 0:
-            tl.store(out_ids_ptr + offset, tl.load(token_ptr + row).to(tl.int32))
+            token = tl.load(token_ptr + row).to(tl.int32)
+            if bitmask:
+                tl.store(words_ptr + token // 32, 1 << (token % 32))
+            else:
+                tl.store(out_ids_ptr + id_offset, token)
             tl.store(out_vals_ptr + offset, 0.0)
         else:
             chunk_idx = tl.arange(0, CHUNKS_PAD)
@@ -327,17 +371,35 @@ def _write_kernel(
             cutoff = tl.load(cutoff_ptr + row)
             logz = tl.load(logz_ptr + row)
             base = row.to(tl.int64) * vocab
+            # the bits of the word that the previous block's last run was in
+            carry_word = tl.full([], -1, tl.int32)
+            carry_bits = tl.zeros([], dtype=tl.int32)
+            written = tl.zeros([], dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 idx = start + tl.arange(0, BLOCK)
                 live = idx < n
                 v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
                 hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
                 hit_i = hit.to(tl.int32)
-                dst = offset + tl.cumsum(hit_i, axis=0) - 1
-                ids = tl.load(cand_ids_ptr + base + idx, mask=hit)
-                tl.store(out_ids_ptr + dst, ids, mask=hit)
-                tl.store(out_vals_ptr + dst, tl.log(v) - logz, mask=hit)
-                offset += tl.sum(hit_i, axis=0)
+                rank = written + tl.cumsum(hit_i, axis=0) - 1
+                ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
+                tl.store(out_vals_ptr + offset + rank, tl.log(v) - logz, mask=hit)
+                if bitmask:
+                    # Padding sorts after every id, so the runs stay contiguous.
+                    word = tl.where(live, ids // 32, n_words)
+                    bits = tl.where(hit, 1 << (ids % 32), 0)
+                    _, run_bits = tl.associative_scan((word, bits), 0, _or_in_word)
+                    run_bits |= tl.where(word == carry_word, carry_bits, 0)
+                    # a run ends where the next candidate (maybe the next
+                    # block's first) lies in another word
+                    next_id = tl.load(cand_ids_ptr + base + idx + 1, mask=idx + 1 < n, other=-32)
+                    tl.store(words_ptr + word, run_bits, mask=live & (next_id // 32 != word))
+                    last = tl.minimum(n - start, BLOCK) - 1
+                    carry_word = tl.max(tl.where(live, word, -1), axis=0)
+                    carry_bits = tl.sum(tl.where(idx - start == last, run_bits, 0), axis=0)
+                else:
+                    tl.store(out_ids_ptr + id_offset + rank, ids, mask=hit)
+                written += tl.sum(hit_i, axis=0)
 
 
 def run_capture(
@@ -352,6 +414,7 @@ def run_capture(
     order: str,
     rows: torch.Tensor | None,
     greedy: torch.Tensor | None,
+    overflow: str,
 ) -> Rows:
     """Shared launcher of capture() and sample(); exactly one of sampled/seeds."""
     probs = check_matrix(probs, "probs")
@@ -359,7 +422,7 @@ def run_capture(
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     batch, vocab = probs.shape
     device = probs.device
-    check_max_tokens(max_tokens, batch)
+    check_max_tokens(max_tokens, batch, vocab, overflow)
     top_k = per_row(top_k, batch, torch.int32, device, "top_k", 0)
     top_p = per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0)
     min_p = per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0)
@@ -396,38 +459,44 @@ def run_capture(
         floor, total, rowmax, rowbad,
         SEQUENTIAL=sequential, BUCKETS=BUCKETS, BASE=EXPONENT_BASE, num_warps=4,
     )
-    all_rows = torch.ones(batch, dtype=torch.int8, device=device)
-    bits, counts, n_chunks = launch_mark(probs, all_rows, floor, KEEP_AT_LEAST)
+    bits, counts, n_chunks = launch_mark(probs, None, floor, KEEP_AT_LEAST)
     chunks_pad = triton.next_power_of_2(n_chunks)
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
     cand_vals = torch.empty(batch * vocab, dtype=torch.float32, device=device)
-    launch_expand(probs, bits, counts, n_chunks, None, None, cand_ids, cand_vals)
+    launch_expand_local(probs, bits, counts, n_chunks, cand_ids, cand_vals)
     cutoff = torch.empty(batch, dtype=torch.int32, device=device)
     logz = torch.empty(batch, dtype=torch.float32, device=device)
     sizes = torch.empty(batch, dtype=torch.int32, device=device)
     lengths = torch.empty_like(sizes)
     status = torch.empty_like(sizes)
+    forms = torch.empty_like(sizes)
     selected = torch.empty(batch, dtype=torch.float32, device=device)
     _resolve_kernel[(batch,)](
         probs, probs.stride(0), vocab, cand_ids, cand_vals, counts, n_chunks,
         floor, total, rowmax, rowbad, top_k, top_p, min_p, greedy_i8, opt_in,
-        tokens, seeds, max_tokens, cutoff, logz, sizes, lengths, status, selected,
-        SEQUENTIAL=sequential, SAMPLE=sample_mode, BLOCK=RESOLVE_BLOCK,
-        CHUNKS_PAD=chunks_pad, num_warps=8,
+        tokens, seeds, max_tokens, cutoff, logz, sizes, lengths, status, forms, selected,
+        SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
+        BLOCK=RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad, num_warps=8,
     )
-    capacity = batch * min(max_tokens, vocab)
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
-    ids = torch.empty(capacity, dtype=torch.int32, device=device)
-    values = torch.empty(capacity, dtype=torch.float32, device=device)
+    id_offsets = torch.empty_like(offsets)
+    ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=device)
+    values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow),
+                         dtype=torch.float32, device=device)
     _write_kernel[(batch,)](
         cand_ids, cand_vals, counts, n_chunks, vocab, batch,
-        cutoff, logz, lengths, status, greedy_i8, tokens, offsets, ids, values,
-        BLOCK=1024, CHUNKS_PAD=chunks_pad, ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)),
-        num_warps=4,
+        cutoff, logz, lengths, status, forms, greedy_i8, tokens, offsets, id_offsets, ids,
+        # A program walks its row's candidates one block at a time, so a
+        # row past max_tokens (tens of thousands of candidates) sets the
+        # kernel's duration: blocks of 4096 over 16 warps (110 registers, no
+        # spills; on the H200, 2026-11-30, blocks of 1024 made a batch with
+        # 10% such rows 450 us slower than with overflow="status").
+        values, BLOCK=WRITE_BLOCK, CHUNKS_PAD=chunks_pad,
+        ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)), num_warps=16,
     )
-    return Rows(offsets, lengths, status, sizes, ids, values, selected,
-                tokens if sample_mode else None)
+    return Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
+                selected, tokens if sample_mode else None)
 
 
 def capture(
@@ -441,6 +510,7 @@ def capture(
     order: str = "joint",
     rows: torch.Tensor | None = None,
     greedy: torch.Tensor | bool | None = None,
+    overflow: str = "exact",
 ) -> Rows:
     """Support, support logprobs and selected logprob of each row.
 
@@ -449,12 +519,13 @@ def capture(
     ``top_k`` int (<= 0 or >= V: off), ``top_p`` float in [0, 1] (1: off),
     ``min_p`` float in [0, 1] (0: off), each a scalar or a [B] tensor.
     ``rows`` bool[B] opts rows in for materialisation; ``greedy`` bool[B].
+    ``overflow`` and the output capacity as in :func:`.compact.compact`.
     Returns :class:`Rows` with ``values`` = support logprobs and
     ``selected_logprob`` (NaN for INVALID rows).
     """
     return run_capture(probs, sampled=sampled, seeds=None, top_k=top_k, top_p=top_p,
                        min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
-                       greedy=greedy)
+                       greedy=greedy, overflow=overflow)
 
 
 # ---------------------------------------------------------------- reference
@@ -501,6 +572,7 @@ def reference_capture(
     order: str = "joint",
     rows: torch.Tensor | None = None,
     greedy: torch.Tensor | bool | None = None,
+    overflow: str = "exact",
     compute_dtype: torch.dtype = torch.float64,
 ) -> Rows:
     """Plain-torch capture (full sort per row) with the semantics of :func:`capture`."""
@@ -509,7 +581,7 @@ def reference_capture(
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     batch, vocab = probs.shape
     device = probs.device
-    check_max_tokens(max_tokens, batch)
+    check_max_tokens(max_tokens, batch, vocab, overflow)
     support, bad, w = reference_support(probs, top_k, top_p, min_p, order, compute_dtype)
     is_greedy = per_row(greedy, batch, torch.bool, device, "greedy", False)
     opted = torch.ones(batch, dtype=torch.bool, device=device) if rows is None else rows
@@ -525,19 +597,14 @@ def reference_capture(
     invalid = torch.where(is_greedy, bad | ~y_ok, invalid)
     selected = torch.where(is_greedy, 0.0, selected)
     sizes = torch.where(is_greedy, 1, support.sum(1))
-    status = torch.where(sizes > max_tokens, Status.OVERFLOW, Status.OK)
+    over = (sizes > max_tokens) & (overflow == "status")
+    status = torch.where(over, Status.OVERFLOW, Status.OK)
     status = torch.where(opted, status, Status.SKIPPED)
     status = torch.where(invalid, Status.INVALID, status).to(torch.int32)
-    ok = status == Status.OK
     greedy_mask = torch.zeros_like(support)
     greedy_mask.scatter_(1, y_safe, True)
-    out_mask = torch.where(is_greedy[:, None], greedy_mask, support) & ok[:, None]
-    row_idx, col_idx = out_mask.nonzero(as_tuple=True)
-    logprobs = torch.log(wd[row_idx, col_idx]) - torch.log(z[row_idx])
-    logprobs = torch.where(is_greedy[row_idx], 0.0, logprobs)
-    lengths = out_mask.sum(1).to(torch.int32)
-    offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    offsets[1:] = torch.cumsum(lengths, 0)
+    kept = torch.where(is_greedy[:, None], greedy_mask, support)
+    logprobs = torch.log(wd) - torch.log(z)[:, None]
+    logprobs = torch.where(is_greedy[:, None], 0.0, logprobs)
     selected = torch.where(invalid, float("nan"), selected).float()
-    return Rows(offsets, lengths, status, sizes.to(torch.int32), col_idx.to(torch.int32),
-                logprobs.float(), selected)
+    return pack_rows(kept, logprobs, status, sizes, max_tokens, selected)

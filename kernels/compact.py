@@ -1,5 +1,5 @@
-"""Compaction: ``[B, V]`` logits or weights to the ascending ids of the kept
-entries of each row, as CSR over the batch.
+"""Compaction: ``[B, V]`` logits or weights to the kept entries of each row,
+every row exact, each in the cheaper of two forms.
 
 Semantics
 ---------
@@ -8,21 +8,28 @@ Semantics
   logprobs in one call.
 * ``keep="positive"`` (weights / probabilities): entry kept iff ``> 0``
   (NaN is dropped, ``+inf`` kept).
-* Row b's support size is ``sizes[b]``. If it exceeds ``max_tokens`` the row
-  gets ``Status.OVERFLOW`` and length 0: no partial row is ever written.
+* Row b's support size is ``sizes[b]`` (L). An OK row travels as its L
+  ascending ids (``Form.IDS``) while ``32 L < V`` and ``L <= max_tokens``,
+  else as a ``ceil(V / 32)``-word bitmask (``Form.BITMASK``); its values
+  (the kept inputs as float32, ascending id order) travel in both forms.
+* ``overflow="exact"`` (default): no row is dropped; max_tokens bounds only
+  the ids form. ``overflow="status"`` (engines that abort such a request):
+  a row with ``L > max_tokens`` gets ``Status.OVERFLOW`` and writes nothing.
 * Rows with ``rows[b] == False`` are not read at all: ``Status.SKIPPED``,
   length 0.
-* ``ids`` are int32 ascending within a row; ``values`` are the kept inputs
-  as float32; ``offsets`` int32[B + 1] are computed on the GPU.
+* ``offsets``/``id_offsets`` int32[B + 1] are computed on the GPU.
 
 Kernels: (1) mark: program (b, c) reads one 8192-column chunk of row b once
 and writes a bitmask of its kept entries plus their count (little arithmetic
 per element, so it streams at memory speed); (2) scan: one program turns the
-counts into sizes, statuses and CSR offsets; (3) expand: program (b, c) turns
-its chunk's bitmask into ascending ids at offsets[b] + the counts of the
-chunks before it, and gathers their values. Only (1) reads the whole [B, V]
-input (1/32 of it comes back as bits), so the call costs about one read of
-the logits plus a few bytes per kept entry.
+counts into sizes, statuses, forms and both offsets; (3) expand: program
+(b, c) stores its chunk's words verbatim (bitmask rows) or peels them into
+ascending ids (ids rows), and gathers the kept values. Only (1) reads the
+whole [B, V] input (1/32 of it comes back as bits), so the call costs about
+one read of the logits plus a few bytes per kept entry. On Hopper and later
+the three are chained by programmatic dependent launch (each waits for the
+one before at its first instruction, so the next one's launch overlaps the
+tail of the last).
 """
 
 from __future__ import annotations
@@ -31,61 +38,24 @@ import torch
 
 from ._common import (
     CHUNK,
+    EXPAND_WORDS,
     KEEP_FINITE,
     KEEP_POSITIVE,
     Rows,
     Status,
+    bitmask_words,
     check_matrix,
     check_max_tokens,
-    launch_expand,
-    launch_mark,
+    compact_rows,
+    pack_rows,
+    pdl_default,
     row_mask,
-    tl,
-    triton,
+    values_capacity,
 )
 
 __all__ = ["compact", "reference_compact"]
 
 _KEEP_MODES = {"finite": KEEP_FINITE, "positive": KEEP_POSITIVE}
-
-
-@triton.jit
-def _scan_kernel(
-    counts_ptr,
-    n_chunks,
-    opt_in_ptr,
-    batch,
-    max_tokens,
-    sizes_ptr,
-    lengths_ptr,
-    status_ptr,
-    offsets_ptr,
-    ROWS: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
-):
-    """One program: per-row sizes from the chunk counts, statuses, lengths and
-    the exclusive scan of lengths into offsets (offsets[batch] = total)."""
-    carry = tl.zeros([], dtype=tl.int32)
-    chunk_idx = tl.arange(0, CHUNKS_PAD)
-    for start in range(0, batch, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        in_batch = rows < batch
-        tile = tl.load(
-            counts_ptr + rows[:, None] * n_chunks + chunk_idx[None, :],
-            mask=in_batch[:, None] & (chunk_idx[None, :] < n_chunks),
-            other=0,
-        )
-        size = tl.sum(tile, axis=1)
-        opted = tl.load(opt_in_ptr + rows, mask=in_batch, other=0) != 0
-        status = tl.where(opted, tl.where(size > max_tokens, 1, 0), 3)
-        length = tl.where(status == 0, size, 0)
-        inclusive = tl.cumsum(length, axis=0)
-        tl.store(sizes_ptr + rows, size, mask=in_batch)
-        tl.store(lengths_ptr + rows, length, mask=in_batch)
-        tl.store(status_ptr + rows, status, mask=in_batch)
-        tl.store(offsets_ptr + rows, carry + inclusive - length, mask=in_batch)
-        carry += tl.sum(length, axis=0)
-    tl.store(offsets_ptr + batch, carry)
 
 
 def compact(
@@ -94,62 +64,59 @@ def compact(
     *,
     keep: str = "finite",
     rows: torch.Tensor | None = None,
+    overflow: str = "exact",
     chunk: int = CHUNK,
     num_warps: int = 4,
+    expand_words: int = EXPAND_WORDS,
+    expand_warps: int = 8,
+    pdl: bool | None = None,
 ) -> Rows:
-    """Kept ids of every opted-in row of ``x`` [B, V] (fp32/bf16/fp16), as CSR.
+    """Kept entries of every opted-in row of ``x`` [B, V] (fp32/bf16/fp16).
 
-    ``rows`` (bool[B], default all) opts rows in. Capacity of the output
-    buffers is ``B * min(max_tokens, V)``; their valid prefix is
-    ``offsets[B]``.
+    ``rows`` (bool[B], default all) opts rows in. ``chunk``, ``num_warps``
+    (mark), ``expand_words``, ``expand_warps`` and ``pdl`` (None: on where
+    the GPU has it) are launch parameters; none changes the result.
+    Output capacity: ``ids``
+    ``B * ceil(V / 32)`` words (a row's id data never exceeds its bitmask);
+    ``values`` ``B * V`` entries with ``overflow="exact"`` (every row may be
+    the whole vocabulary), ``B * min(max_tokens, V)`` with ``"status"``.
+    Valid prefixes: ``id_offsets[B]`` and ``offsets[B]``.
     """
     x = check_matrix(x, "x")
     if keep not in _KEEP_MODES:
         raise ValueError(f"keep must be one of {sorted(_KEEP_MODES)}, got {keep!r}")
     batch, vocab = x.shape
-    check_max_tokens(max_tokens, batch)
-    opt_in = row_mask(rows, batch, x.device)
-    bits, counts, n_chunks = launch_mark(x, opt_in, None, _KEEP_MODES[keep], chunk, num_warps)
-    sizes = torch.empty(batch, dtype=torch.int32, device=x.device)
-    lengths = torch.empty_like(sizes)
-    status = torch.empty_like(sizes)
-    offsets = torch.empty(batch + 1, dtype=torch.int32, device=x.device)
-    chunks_pad = triton.next_power_of_2(n_chunks)
-    _scan_kernel[(1,)](
-        counts, n_chunks, opt_in, batch, max_tokens, sizes, lengths, status, offsets,
-        # one tile of rows x chunks per step; a batch of up to 16384 / chunks_pad
-        # rows (512 at V=151936) is a single step
-        ROWS=max(1, min(triton.next_power_of_2(batch), 16384 // chunks_pad)),
-        CHUNKS_PAD=chunks_pad, num_warps=8,
-    )
-    capacity = batch * min(max_tokens, vocab)
-    ids = torch.empty(capacity, dtype=torch.int32, device=x.device)
-    values = torch.empty(capacity, dtype=torch.float32, device=x.device)
-    launch_expand(x, bits, counts, n_chunks, status, offsets, ids, values, chunk)
-    return Rows(offsets, lengths, status, sizes, ids, values)
+    check_max_tokens(max_tokens, batch, vocab, overflow)
+    opt_in = None if rows is None else row_mask(rows, batch, x.device)
+    ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=x.device)
+    values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow),
+                         dtype=torch.float32, device=x.device)
+    return compact_rows(x, _KEEP_MODES[keep], opt_in, max_tokens, overflow, ids, values,
+                        chunk=chunk, mark_warps=num_warps, expand_words=expand_words,
+                        expand_warps=expand_warps,
+                        pdl=pdl_default(x.device) if pdl is None else pdl)
 
 
 def reference_compact(
-    x: torch.Tensor, max_tokens: int, *, keep: str = "finite", rows: torch.Tensor | None = None
+    x: torch.Tensor,
+    max_tokens: int,
+    *,
+    keep: str = "finite",
+    rows: torch.Tensor | None = None,
+    overflow: str = "exact",
 ) -> Rows:
     """Plain-torch compaction with the same semantics as :func:`compact`."""
     x = check_matrix(x, "x")
     if keep not in _KEEP_MODES:
         raise ValueError(f"keep must be one of {sorted(_KEEP_MODES)}, got {keep!r}")
     batch, vocab = x.shape
-    check_max_tokens(max_tokens, batch)
+    check_max_tokens(max_tokens, batch, vocab, overflow)
     xf = x.float()
     kept = torch.isfinite(xf) if keep == "finite" else xf > 0
     opted = torch.ones(batch, dtype=torch.bool, device=x.device) if rows is None else rows
     kept &= opted[:, None]
     sizes = kept.sum(1).to(torch.int32)
-    status = torch.where(sizes > max_tokens, Status.OVERFLOW, Status.OK)
+    over = (sizes > max_tokens) & (overflow == "status")
+    status = torch.where(over, Status.OVERFLOW, Status.OK)
     status = torch.where(opted, status, Status.SKIPPED).to(torch.int32)
-    kept &= (status == Status.OK)[:, None]
-    lengths = kept.sum(1).to(torch.int32)
-    offsets = torch.zeros(batch + 1, dtype=torch.int32, device=x.device)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    row_idx, col_idx = kept.nonzero(as_tuple=True)  # row-major: ascending ids per row
-    return Rows(
-        offsets, lengths, status, sizes, col_idx.to(torch.int32), xf[row_idx, col_idx].float()
-    )
+    return pack_rows(kept, xf, status, sizes, max_tokens)

@@ -1,9 +1,11 @@
-"""Host side: move CSR rows from the GPU into pinned host buffers and hand
+"""Host side: move exact rows from the GPU into pinned host buffers and hand
 numpy views of those buffers to the transport, with no further host copy.
 
-Per step: one small copy (offsets, lengths, statuses, selected logprobs), a
-sync to learn ``offsets[B]``, then one copy of exactly the realized ids and
-values (``ids[:offsets[B]]``) -- never a padded ``[B, capacity]`` buffer.
+Per step: one small copy (offsets, id offsets, lengths, statuses, forms,
+selected logprobs), a sync to learn the totals, then one copy of exactly the
+realized id data and values (``ids[:id_offsets[B]]``, ``values[:offsets[B]]``)
+-- never a padded ``[B, capacity]`` buffer. A bitmask row moves its
+``ceil(V / 32)`` words, an ids row its L ids.
 Buffers are pinned page-locked memory when CUDA is present (so the copies are
 DMA at full PCIe/NVLink-C2C speed), plain host memory otherwise; they grow
 on demand and are reused, so a step allocates nothing in steady state.
@@ -31,13 +33,16 @@ __all__ = ["HostRows", "HostStaging", "publish"]
 class HostRows:
     """Numpy views into :class:`HostStaging`'s buffers (no copies)."""
 
-    offsets: np.ndarray  # int32[B + 1]
-    lengths: np.ndarray  # int32[B]
+    offsets: np.ndarray  # int32[B + 1], into values
+    lengths: np.ndarray  # int32[B], support size of OK rows
     status: np.ndarray  # int32[B]
-    ids: np.ndarray  # int32[offsets[B]], flat CSR
+    ids: np.ndarray  # int32[id_offsets[B]], each row's id data (ids or bitmask words)
     values: np.ndarray  # float32[offsets[B]]
     selected_logprob: np.ndarray | None  # float32[B]
     tokens: np.ndarray | None  # int32[B]
+    forms: np.ndarray  # int32[B], Form values
+    id_offsets: np.ndarray  # int32[B + 1], into ids
+    vocab: int
 
 
 class HostStaging:
@@ -63,6 +68,8 @@ class HostStaging:
             return
         self._batch = batch
         self.offsets = self._empty(batch + 1, torch.int32)
+        self.id_offsets = self._empty(batch + 1, torch.int32)
+        self.forms = self._empty(batch, torch.int32)
         self.lengths = self._empty(batch, torch.int32)
         self.status = self._empty(batch, torch.int32)
         self.selected = self._empty(batch, torch.float32)
@@ -80,12 +87,15 @@ class HostStaging:
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
 
-    def fetch(self, rows: Rows) -> HostRows:
-        """Copy ``rows`` to the host buffers; returns views of them."""
+    def fetch(self, rows: Rows, values: bool = True) -> HostRows:
+        """Copy ``rows`` to the host buffers; returns views of them. Without
+        ``values`` (selected mode needs only the selected logprobs) the
+        support values stay on the device and ``HostRows.values`` is empty."""
         batch = rows.lengths.numel()
         self._grow_batch(batch)
         small = [(self.offsets[: batch + 1], rows.offsets), (self.lengths[:batch], rows.lengths),
-                 (self.status[:batch], rows.status)]
+                 (self.status[:batch], rows.status), (self.forms[:batch], rows.forms),
+                 (self.id_offsets[: batch + 1], rows.id_offsets)]
         if rows.selected_logprob is not None:
             small.append((self.selected[:batch], rows.selected_logprob))
         if rows.tokens is not None:
@@ -93,20 +103,25 @@ class HostStaging:
         for host, device in small:
             host.copy_(device, non_blocking=self.pinned)
         self._wait(rows.offsets)
-        total = int(self.offsets[batch])
-        self._grow_entries(total)
+        words, total = int(self.id_offsets[batch]), int(self.offsets[batch]) if values else 0
+        self._grow_entries(max(words, total))
+        if words:
+            self.ids[:words].copy_(rows.ids[:words], non_blocking=self.pinned)
         if total:
-            self.ids[:total].copy_(rows.ids[:total], non_blocking=self.pinned)
             self.values[:total].copy_(rows.values[:total], non_blocking=self.pinned)
+        if words or total:
             self._wait(rows.ids)
         return HostRows(
             offsets=self.offsets[: batch + 1].numpy(),
             lengths=self.lengths[:batch].numpy(),
             status=self.status[:batch].numpy(),
-            ids=self.ids[:total].numpy(),
+            ids=self.ids[:words].numpy(),
             values=self.values[:total].numpy(),
             selected_logprob=None if rows.selected_logprob is None else self.selected[:batch].numpy(),
             tokens=None if rows.tokens is None else self.tokens[:batch].numpy(),
+            forms=self.forms[:batch].numpy(),
+            id_offsets=self.id_offsets[: batch + 1].numpy(),
+            vocab=rows.vocab,
         )
 
 
@@ -117,13 +132,16 @@ def publish(
     mode: str = "support",
 ) -> np.ndarray:
     """Append one step's rows to the transport: ``writer.append_step(slots,
-    lengths, ids, logprobs)`` with ``ids``/``logprobs`` the staging views.
+    lengths, ids, logprobs, status=, forms=, vocab=)`` with ``ids`` /
+    ``logprobs`` the staging views.
 
     ``slots[b]`` is row b's RowQueue handle (int64 array) or RowQueue. Rows that
-    were not opted in (SKIPPED) are left out; OVERFLOW and INVALID rows are
-    sent with length 0 (their status is returned for the caller to report).
-    ``mode`` "support" sends the support logprobs, "selected" the selected
-    logprob of each row. Returns the statuses of the rows sent.
+    were not opted in (SKIPPED) are left out. Every other row travels exactly
+    as it is: in its form (ids or bitmask), with its status, so an OVERFLOW
+    (overflow="status") or INVALID row reaches the reader as that status and
+    is never mistaken for an empty support. ``mode`` "support" sends the
+    support logprobs, "selected" the selected logprob of each row. Returns
+    the statuses of the rows sent.
     """
     if mode not in ("support", "selected"):
         raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
@@ -131,16 +149,21 @@ def publish(
     if len(slots) != batch:
         raise ValueError(f"slots has {len(slots)} entries; expected one per row ({batch})")
     sent = rows.status != Status.SKIPPED
+    every = bool(sent.all())
     if isinstance(slots, np.ndarray):
-        chosen: Any = slots if sent.all() else slots[sent]
+        chosen: Any = slots if every else slots[sent]
     else:
         chosen = [queue for queue, keep in zip(slots, sent, strict=True) if keep]
-    lengths = rows.lengths if sent.all() else rows.lengths[sent]
+    # A skipped row has no id data and no values, so the flat arrays need no filtering.
+    lengths = rows.lengths if every else rows.lengths[sent]
+    status = rows.status if every else rows.status[sent]
+    forms = rows.forms if every else rows.forms[sent]
     if mode == "support":
         logprobs = rows.values
     else:
         if rows.selected_logprob is None:
             raise ValueError("mode 'selected' needs rows from capture() or sample()")
-        logprobs = rows.selected_logprob if sent.all() else rows.selected_logprob[sent]
-    writer.append_step(chosen, lengths, rows.ids, logprobs)
-    return rows.status[sent]
+        logprobs = rows.selected_logprob if every else rows.selected_logprob[sent]
+    writer.append_step(chosen, lengths, rows.ids, logprobs, status=status, forms=forms,
+                       vocab=rows.vocab)
+    return status

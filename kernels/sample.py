@@ -34,6 +34,7 @@ def sample(
     order: str = "joint",
     rows: torch.Tensor | None = None,
     greedy: torch.Tensor | bool | None = None,
+    overflow: str = "exact",
 ) -> Rows:
     """Sampled tokens (``Rows.tokens`` int32[B]) and their captured support.
 
@@ -43,7 +44,7 @@ def sample(
     """
     return run_capture(probs, sampled=None, seeds=seeds, top_k=top_k, top_p=top_p,
                        min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
-                       greedy=greedy)
+                       greedy=greedy, overflow=overflow)
 
 
 def reference_sample(
@@ -57,6 +58,7 @@ def reference_sample(
     order: str = "joint",
     rows: torch.Tensor | None = None,
     greedy: torch.Tensor | bool | None = None,
+    overflow: str = "exact",
 ) -> Rows:
     """Plain-torch sample with capture: an exponential race per row on a
     ``torch.Generator`` seeded with the row's seed (CPU streams)."""
@@ -78,7 +80,7 @@ def reference_sample(
             tokens[b] = int(torch.argmax(score)) if support[b].any() else -1
     result = reference_capture(probs, tokens.to(probs.device), top_k=top_k, top_p=top_p,
                                min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
-                               greedy=greedy)
+                               greedy=greedy, overflow=overflow)
     tokens = torch.where(result.status == 2, -1, tokens.to(probs.device))
     result.tokens = tokens.to(torch.int32)
     return result

@@ -46,11 +46,11 @@ def dyadic_probs(batch: int, vocab: int, gen: torch.Generator, scale: float = 3.
 
 
 def assert_same(got, want) -> None:
-    for field in ("offsets", "lengths", "status", "sizes"):
+    for field in ("offsets", "lengths", "status", "sizes", "forms", "id_offsets"):
         assert torch.equal(getattr(got, field).cpu(), getattr(want, field).cpu()), (
             field, getattr(got, field).cpu(), getattr(want, field).cpu())
     total = int(want.offsets[-1])
-    assert torch.equal(got.ids[:total].cpu(), want.ids.cpu())
+    assert torch.equal(got.ids[:int(want.id_offsets[-1])].cpu(), want.ids.cpu())
     torch.testing.assert_close(got.values[:total].cpu(), want.values.cpu(), atol=2e-5, rtol=0)
     torch.testing.assert_close(got.selected_logprob.cpu(), want.selected_logprob.cpu(),
                                atol=2e-5, rtol=0, equal_nan=True)
@@ -89,6 +89,8 @@ def run_both(probs, sampled, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("order", ["joint", "sequential"])
 def test_random_rows_match_reference(seed: int, dtype: torch.dtype, order: str) -> None:
+    """Random max_tokens: some rows past it (bitmask rows, or OVERFLOW under
+    overflow="status", which the bf16 cases use)."""
     gen = torch.Generator().manual_seed(seed)
     vocab, batch = (70001, 3) if seed == 2 else (1000 + 37 * seed, 8)
     probs = dyadic_probs(batch, vocab, gen, scale=1.0 + 2.0 * seed).to(dtype)
@@ -97,8 +99,9 @@ def test_random_rows_match_reference(seed: int, dtype: torch.dtype, order: str) 
     rows = torch.rand(batch, generator=gen) > 0.2
     greedy = torch.rand(batch, generator=gen) > 0.85
     max_tokens = int(torch.randint(20, 800, (1,), generator=gen))
+    overflow = "status" if dtype == torch.bfloat16 else "exact"
     run_both(probs, sampled, max_tokens=max_tokens, order=order, rows=rows, greedy=greedy,
-             **settings)
+             overflow=overflow, **settings)
 
 
 @pytest.mark.parametrize("order", ["joint", "sequential"])
@@ -187,9 +190,14 @@ def test_edge_rows() -> None:
     assert got.row(7)[0].cpu().tolist() == [top] and got.row(7)[1].item() == 0.0  # greedy
     assert got.lengths[8].item() == 0 and math.isfinite(got.selected_logprob[8].item())
     # around max_tokens: the whole vocabulary fits at max_tokens = its size, not one less
-    over = run_both(probs[5:6], sampled[5:6], max_tokens=positive - 1)
+    over = run_both(probs[5:6], sampled[5:6], max_tokens=positive - 1, overflow="status")
     assert over.status.item() == Status.OVERFLOW and over.lengths.item() == 0
     assert over.sizes.item() == positive and int(over.offsets[-1]) == 0
+    assert int(over.id_offsets[-1]) == 0
+    # by default the same row travels whole, as a bitmask
+    exact = run_both(probs[5:6], sampled[5:6], max_tokens=positive - 1)
+    assert exact.status.item() == Status.OK and exact.forms.item() == 1
+    assert exact.row(0)[0].cpu().tolist() == (base > 0).nonzero()[:, 0].tolist()
 
 
 def test_min_p_only_and_opted_out_rows_untouched() -> None:
@@ -217,3 +225,5 @@ def test_bad_arguments_are_named() -> None:
         capture(probs, sampled[:1], max_tokens=4)
     with pytest.raises(TypeError, match="sampled"):
         capture(probs, sampled.float(), max_tokens=4)
+    with pytest.raises(ValueError, match="overflow"):
+        capture(probs, sampled, max_tokens=4, overflow="truncate")

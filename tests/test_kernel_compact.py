@@ -17,20 +17,23 @@ NEG_INF = float("-inf")
 
 
 def assert_same(got, want) -> None:
-    for field in ("offsets", "lengths", "status", "sizes"):
+    for field in ("offsets", "lengths", "status", "sizes", "forms", "id_offsets"):
         assert torch.equal(getattr(got, field).cpu(), getattr(want, field).cpu()), field
-    total = int(want.offsets[-1])
-    assert torch.equal(got.ids[:total].cpu(), want.ids.cpu())
-    assert torch.equal(got.values[:total].cpu(), want.values.cpu())
+    assert got.vocab == want.vocab
+    assert torch.equal(got.ids[:int(want.id_offsets[-1])].cpu(), want.ids.cpu())
+    assert torch.equal(got.values[:int(want.offsets[-1])].cpu(), want.values.cpu())
     for b in range(got.lengths.numel()):
-        ids, _ = got.row(b)
+        ids, values = got.row(b)
+        assert ids.numel() == values.numel() == int(got.lengths[b]), f"row {b}"
         assert bool((ids[1:] > ids[:-1]).all()), f"row {b} ids not ascending"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [300, 4097, 70001])
-def test_random_rows_match_reference(seed: int, dtype: torch.dtype, vocab: int) -> None:
+@pytest.mark.parametrize("overflow", ["exact", "status"])
+def test_random_rows_match_reference(seed: int, dtype: torch.dtype, vocab: int,
+                                     overflow: str) -> None:
     gen = torch.Generator().manual_seed(seed * 1000 + vocab)
     batch = 3 if vocab > 65536 else 6
     x = torch.randn(batch, vocab, generator=gen)
@@ -47,8 +50,8 @@ def test_random_rows_match_reference(seed: int, dtype: torch.dtype, vocab: int) 
     rows = torch.rand(batch, generator=gen) > 0.25
     x = x.to(dtype).to(DEVICE)
     rows = rows.to(DEVICE)
-    got = compact(x, max_tokens, keep=keep, rows=rows)
-    want = reference_compact(x, max_tokens, keep=keep, rows=rows)
+    got = compact(x, max_tokens, keep=keep, rows=rows, overflow=overflow)
+    want = reference_compact(x, max_tokens, keep=keep, rows=rows, overflow=overflow)
     assert_same(got, want)
 
 
@@ -66,10 +69,10 @@ def edge_rows(vocab: int = 300, max_tokens: int = 40) -> tuple[torch.Tensor, tor
     return x, rows
 
 
-def test_edge_rows() -> None:
+def test_edge_rows_status_policy() -> None:
     x, rows = edge_rows()
-    got = compact(x.to(DEVICE), 40, rows=rows.to(DEVICE))
-    assert_same(got, reference_compact(x, 40, rows=rows))
+    got = compact(x.to(DEVICE), 40, rows=rows.to(DEVICE), overflow="status")
+    assert_same(got, reference_compact(x, 40, rows=rows, overflow="status"))
     assert got.status.cpu().tolist() == [
         Status.OK, Status.OK, Status.OK, Status.OVERFLOW, Status.OK, Status.SKIPPED, Status.OK,
         Status.OVERFLOW,
@@ -81,12 +84,25 @@ def test_edge_rows() -> None:
     assert got.row(6)[0].tolist() == [299]
     # The overflowing row wrote nothing: row 4 starts right after row 2.
     assert int(got.offsets[4]) == int(got.offsets[3]) == 41
+    assert int(got.id_offsets[4]) == int(got.id_offsets[3])
 
+
+def test_edge_rows_exact_policy_drops_nothing() -> None:
+    x, rows = edge_rows()
+    got = compact(x.to(DEVICE), 40, rows=rows.to(DEVICE))
+    assert_same(got, reference_compact(x, 40, rows=rows))
+    assert got.status.cpu().tolist() == [Status.OK] * 5 + [Status.SKIPPED] + [Status.OK] * 2
+    # V = 300: ids while 32 L < 300 (L <= 9) and L <= 40, else the 10-word bitmask
+    assert got.forms.cpu().tolist() == [0, 0, 1, 1, 1, 0, 0, 1]
+    assert got.lengths.cpu().tolist() == [0, 1, 40, 41, 39, 0, 1, 300]
+    assert got.row(3)[0].cpu().tolist() == list(range(0, 287, 7))
+    assert torch.equal(got.row(7)[1].cpu(), x[7])
+    assert got.id_offsets.cpu().tolist() == [0, 0, 1, 11, 21, 31, 31, 32, 42]
 
 def test_whole_vocabulary_fits_when_max_tokens_is_vocab() -> None:
     x, rows = edge_rows()
-    got = compact(x.to(DEVICE), 300, rows=rows.to(DEVICE))
-    assert_same(got, reference_compact(x, 300, rows=rows))
+    got = compact(x.to(DEVICE), 300, rows=rows.to(DEVICE), overflow="status")
+    assert_same(got, reference_compact(x, 300, rows=rows, overflow="status"))
     assert got.status[7].item() == Status.OK
     assert got.row(7)[0].cpu().tolist() == list(range(300))
     assert torch.equal(got.row(7)[1].cpu(), x[7])
@@ -110,3 +126,7 @@ def test_bad_arguments_are_named() -> None:
         compact(torch.zeros(2, 3, device=DEVICE), 4, keep="nonzero")
     with pytest.raises(ValueError, match="rows"):
         compact(torch.zeros(2, 3, device=DEVICE), 4, rows=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="overflow"):
+        compact(torch.zeros(2, 3, device=DEVICE), 4, overflow="drop")
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        compact(torch.zeros(1, 151936, device=DEVICE).expand(15000, -1), 8)  # B * V
