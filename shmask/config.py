@@ -37,7 +37,8 @@ class Config:
     lease_s: float = 60.0
     """A published chunk not released within this time is reclaimed."""
     max_tokens: int = 8192
-    """Largest support (entries in one row) accepted."""
+    """Longest row accepted in ids form (a wider row travels, exactly, as a
+    V-bit bitmask, which this does not bound)."""
     queue_rows: int = 64
     """Rows a new RowQueue buffer holds before it first doubles (the emission
     interval is a good value)."""
