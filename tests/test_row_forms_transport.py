@@ -323,3 +323,46 @@ def test_plain_rows_over_recycled_flags(writer, reader):
                 assert chunk.row(0)[0].tolist() == list(range(64))
     assert int(writer._ring.head) > 2 * writer.ring_usage()[1]  # the ring wrapped twice
     queue.close()
+
+
+def test_fuzzed_rows_in_shared_memory_never_crash_or_overrun(writer, reader):
+    """Random bytes of a published chunk's lengths, flags and id data
+    rewritten by another process: every open and decode either raises a
+    ShmaskError or returns as many ids as the lengths say (an id rewritten
+    inside an ids row is that request's own garbage: ids rows are opaque
+    int32); nothing crashes or raises anything else."""
+    vocab = 1000
+    rng = np.random.default_rng(11)
+    oracle = Oracle(vocab, "support", seed=11)
+    rows = [oracle.row(*case) for case in sizes_for(vocab, 20)]
+    arrays = oracle.step_arrays(rows)
+    outcomes = {"refused": 0, "read": 0}
+    for trial in range(300):
+        queue = writer.open_queue("support")
+        writer.append_step(np.full(len(rows), queue.handle, np.int64), arrays["lengths"],
+                           arrays["ids"], arrays["logprobs"], status=arrays["status"],
+                           forms=arrays["forms"], vocab=vocab)
+        ref = queue.take()
+        assert ref.kind == shmask.refs.KIND_SHM
+        flags, data = _record_arrays(writer, ref)
+        view = np.frombuffer(writer.segment.buffer, np.uint8)
+        lengths_at = lib.SHM_HEADER_BYTES + (ref.position & (int(writer._ring.capacity) - 1)) + 128
+        target = trial % 3
+        for _ in range(int(rng.integers(1, 4))):
+            if target == 0:
+                view[lengths_at + int(rng.integers(0, 4 * ref.rows))] = rng.integers(0, 256)
+            elif target == 1:
+                flags[int(rng.integers(0, ref.rows))] = rng.integers(0, 256)
+            else:
+                data[int(rng.integers(0, data.size))] ^= np.int32(1 << int(rng.integers(0, 31)))
+        try:
+            with reader.open(ref) as chunk:
+                ids, offsets = chunk.csr()
+                assert ids.size == offsets[-1] == chunk.lengths.sum()
+                chunk.to_json()
+                outcomes["read"] += 1
+        except shmask.ShmaskError:
+            outcomes["refused"] += 1
+            reader.discard(ref)  # give the refused record back, or the ring fills up
+        queue.close()
+    assert outcomes["refused"] > 150 and sum(outcomes.values()) == 300
