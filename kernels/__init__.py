@@ -78,10 +78,12 @@ with _interpreter_scope():
     from .admission import check_admission
     from .capture import capture, reference_capture
     from .compact import compact, reference_compact
+    from .direct import DirectPublisher, reference_direct
     from .host import HostRows, HostStaging, publish
     from .sample import reference_sample, sample
 
 __all__ = [
+    "DirectPublisher",
     "Form",
     "HostRows",
     "HostStaging",
@@ -93,6 +95,7 @@ __all__ = [
     "publish",
     "reference_capture",
     "reference_compact",
+    "reference_direct",
     "reference_sample",
     "sample",
     "use_interpreter",

@@ -1239,3 +1239,157 @@ int64_t shm_json_nest(const char *flat, uint64_t flat_len, const int32_t *length
     *o++ = ']';
     return (int64_t)(o - out);
 }
+
+/* ------------------------------------------------- GPU-direct publishing */
+/* The table of shmask_core.h's "GPU-direct publishing". Ordering (see
+ * docs/architecture.md, "GPU-direct publishing"): the CPU pushes only while
+ * no kernel that could write the table is in flight (after its event), and
+ * pulls only after that event too; the event's completion is what makes the
+ * kernel's stores to this mapped memory visible to the host. So the table
+ * needs no atomics on the CPU side except the diverted counter, which a
+ * kernel bumps with a device atomic. */
+
+_Static_assert(sizeof(shm_direct_entry) == 64, "a direct entry is one cache line");
+
+#define DIRECT_COUNT_MAX 0x7fffffffull /* the kernel does 32-bit signed arithmetic */
+
+static inline shm_direct_entry *direct_entry(const shm_direct *direct, uint64_t slot) {
+    return (shm_direct_entry *)((char *)direct->table + SHM_DIRECT_HEADER_BYTES) + slot;
+}
+
+int shm_direct_init(shm_direct *direct, uint64_t slots, int64_t ring_offset) {
+    memset(direct, 0, sizeof *direct);
+    if (!slots || slots > HANDLE_SLOT_MASK + 1) return SHM_E_OVERFLOW;
+    uint64_t bytes = SHM_DIRECT_HEADER_BYTES + slots * sizeof(shm_direct_entry);
+    bytes = (bytes + 4095) & ~(uint64_t)4095; /* whole pages: cudaHostRegister maps pages */
+    void *table = aligned_alloc(4096, bytes);
+    uint64_t *seen = calloc(slots, sizeof *seen);
+    if (!table || !seen) {
+        free(table);
+        free(seen);
+        return SHM_E_NO_MEMORY;
+    }
+    memset(table, 0, bytes);
+    direct->table = table;
+    direct->table_bytes = bytes;
+    direct->slots = slots;
+    direct->ring_offset = ring_offset;
+    direct->seen_serial = seen;
+    return SHM_OK;
+}
+
+void shm_direct_free(shm_direct *direct) {
+    free(direct->table);
+    free(direct->seen_serial);
+    direct->table = NULL;
+    direct->seen_serial = NULL;
+    direct->slots = 0;
+}
+
+uint64_t shm_direct_diverted(const shm_direct *direct) {
+    return __atomic_load_n((const uint64_t *)direct->table, __ATOMIC_ACQUIRE);
+}
+
+int shm_direct_check(const shm_ring *ring, shm_direct *direct, const int64_t *handles,
+                     uint64_t batch, uint32_t mode, int64_t *bad_row) {
+    uint64_t serial = ++direct->serial;
+    for (uint64_t i = 0; i < batch; i++) {
+        *bad_row = (int64_t)i;
+        int64_t slot = queue_slot(ring, handles[i]);
+        if (slot < 0) return SHM_E_BAD_SLOT;
+        if ((uint64_t)slot >= direct->slots) return SHM_E_DIRECT_SLOT;
+        if (ring->queues[slot].mode != mode) return SHM_E_MODE;
+        /* Two rows of one queue in a step would race for the same counts. */
+        if (direct->seen_serial[slot] == serial) return SHM_E_DIRECT_REPEAT;
+        direct->seen_serial[slot] = serial;
+    }
+    *bad_row = -1;
+    return SHM_OK;
+}
+
+static inline uint32_t clamp_count(uint64_t n) {
+    return (uint32_t)min_u64(n, DIRECT_COUNT_MAX);
+}
+
+void shm_direct_push_all(shm_ring *ring, shm_direct *direct) {
+    uint64_t n = min_u64(ring->n_queues, direct->slots);
+    for (uint64_t slot = 0; slot < n; slot++) {
+        shm_queue *q = &ring->queues[slot];
+        shm_direct_entry *e = direct_entry(direct, slot);
+        /* Only ring buffers are registered with the device: private memory,
+         * a lost ring or no buffer at all publish zero capacities, so every
+         * row for them diverts to the CPU path. */
+        if (!q->mode || !q->in_ring || !q->rows_capacity || q->lost || !ring_usable(ring) ||
+            q->rows > DIRECT_COUNT_MAX || q->words > DIRECT_COUNT_MAX ||
+            q->nnz > DIRECT_COUNT_MAX) {
+            memset(e, 0, sizeof *e);
+            continue;
+        }
+        settle_flags(q); /* the kernel writes a flags byte for every row it stores */
+        int64_t off = direct->ring_offset;
+        e->lengths = (uint64_t)((int64_t)(uintptr_t)q->lengths + off);
+        e->flags = (uint64_t)((int64_t)(uintptr_t)q->flags + off);
+        e->ids = (uint64_t)((int64_t)(uintptr_t)q->ids + off);
+        e->logprobs = (uint64_t)((int64_t)(uintptr_t)q->logprobs + off);
+        e->rows = (uint32_t)q->rows;
+        e->rows_capacity = clamp_count(q->rows_capacity);
+        e->words = (uint32_t)q->words;
+        e->words_capacity = clamp_count(q->words_capacity);
+        e->nnz = (uint32_t)q->nnz;
+        e->nnz_capacity = q->mode == SHM_MODE_SUPPORT ? clamp_count(q->nnz_capacity) : 0;
+        e->vocab = q->vocab;
+        e->diverted = 0;
+    }
+}
+
+int shm_direct_pull_all(shm_ring *ring, shm_direct *direct, uint64_t *bad_slot) {
+    uint64_t n = min_u64(ring->n_queues, direct->slots);
+    int64_t off = direct->ring_offset;
+    for (uint64_t slot = 0; slot < n; slot++) {
+        shm_queue *q = &ring->queues[slot];
+        const shm_direct_entry *e = direct_entry(direct, slot);
+        /* An entry counts only while it still describes this buffer (push
+         * wrote it and nothing changed the buffer since). */
+        if (!q->mode || !q->in_ring || !e->rows_capacity ||
+            e->lengths != (uint64_t)((int64_t)(uintptr_t)q->lengths + off))
+            continue;
+        if (e->rows == q->rows) continue; /* the GPU stored nothing here */
+        /* The GPU only appends: counts never go back or past a capacity. */
+        if (e->rows < q->rows || e->words < q->words || e->nnz < q->nnz ||
+            e->rows > q->rows_capacity || e->words > q->words_capacity ||
+            (q->mode == SHM_MODE_SUPPORT && e->nnz > q->nnz_capacity) ||
+            (q->vocab && e->vocab != q->vocab)) {
+            *bad_slot = slot;
+            return SHM_E_DIRECT_COUNTS;
+        }
+        q->rows = e->rows;
+        q->words = e->words;
+        q->nnz = e->nnz;
+        q->vocab = e->vocab;
+        q->flagged = 1;
+    }
+    return SHM_OK;
+}
+
+void shm_direct_diverted_rows(const shm_ring *ring, const shm_direct *direct,
+                              const int64_t *handles, uint64_t batch, uint8_t *out) {
+    for (uint64_t i = 0; i < batch; i++) {
+        int64_t slot = queue_slot(ring, handles[i]);
+        out[i] = slot >= 0 && (uint64_t)slot < direct->slots &&
+                 direct_entry(direct, (uint64_t)slot)->diverted;
+    }
+}
+
+int shm_direct_reserve(shm_ring *ring, uint64_t slot, uint64_t rows, uint64_t words,
+                       uint64_t nnz) {
+    if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;
+    shm_queue *q = &ring->queues[slot];
+    if (!q->in_ring && q->rows_capacity) return SHM_OK; /* private until its take */
+    if (fits(q, q->rows + rows, q->words + words, q->nnz + nnz)) return SHM_OK;
+    /* shm_queue_grow sizes from the pending counts (doubling): these rows. */
+    q->pending_rows = rows;
+    q->pending_words = words;
+    q->pending_nnz = nnz;
+    q->pending_serial = 0;
+    return shm_queue_grow(ring, slot, 1);
+}

@@ -296,4 +296,78 @@ int shm_reclaim(shm_ring *ring, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_
 /* Offset of a record from the start of the mapping (producer's arithmetic). */
 uint64_t shm_record_offset(const shm_ring *ring, uint64_t position);
 
+/* ------------------------------------------------------------------
+ * GPU-direct publishing (issue 10, kernels/direct.py). A device-visible
+ * queue table lets a GPU kernel store each step's rows straight into the
+ * queue buffers in the (CUDA-registered) ring. The table is C memory,
+ * page-aligned so that it can be registered too:
+ *
+ *   byte 0               u64 diverted   rows the GPU refused, ever (atomic add)
+ *   byte 8..63           zero
+ *   byte 64 + 64 * slot  shm_direct_entry of queue slot `slot`
+ *
+ * Only this core writes an entry on the CPU side (push); the GPU kernel
+ * writes an entry's rows/words/nnz/vocab when it stores a row, or its
+ * `diverted` flag (and bumps the header's counter) when the row does not
+ * fit; pull copies the GPU's counts back into the shm_queue. Counts are
+ * 32 bits: a capacity past 2^31 - 1 is published clamped (the GPU diverts
+ * beyond it and the CPU path takes over). Capacities of 0 (no buffer, a
+ * privately staged queue, a lost ring, a closed slot) divert every row. */
+typedef struct {
+    uint64_t lengths;      /* device addresses of the queue buffer's arrays */
+    uint64_t flags;
+    uint64_t ids;
+    uint64_t logprobs;
+    uint32_t rows;         /* counts: written by the GPU as it stores rows */
+    uint32_t rows_capacity;
+    uint32_t words;
+    uint32_t words_capacity;
+    uint32_t nnz;
+    uint32_t nnz_capacity; /* support logprobs; 0 in selected mode (unused) */
+    uint32_t vocab;        /* of the bitmask rows in the buffer (0: none yet) */
+    uint32_t diverted;     /* sticky: a row did not fit; later rows divert too */
+} shm_direct_entry;
+
+/* The producer's private side of a direct table (never seen by the GPU). */
+typedef struct {
+    void *table;           /* the device-visible table: page-aligned C memory */
+    uint64_t table_bytes;  /* a multiple of the page size */
+    uint64_t slots;        /* entries in the table: queues at slot >= slots go the CPU path */
+    int64_t ring_offset;   /* device address - host address of the ring mapping */
+    uint64_t *seen_serial; /* per slot: the last check that saw it (one row per queue per step) */
+    uint64_t serial;
+} shm_direct;
+
+#define SHM_DIRECT_HEADER_BYTES 64
+#define SHM_E_DIRECT_SLOT -30   /* a queue slot past the direct table: the step takes the CPU path */
+#define SHM_E_DIRECT_REPEAT -31 /* a queue has two rows in one step: the step takes the CPU path */
+#define SHM_E_DIRECT_COUNTS -32 /* the table's counts went backwards or past a capacity */
+
+/* Allocates a table of `slots` entries (zeroed: every row diverts). */
+int shm_direct_init(shm_direct *direct, uint64_t slots, int64_t ring_offset);
+void shm_direct_free(shm_direct *direct);
+/* Rows the GPU diverted since the table was made (an acquire load). */
+uint64_t shm_direct_diverted(const shm_direct *direct);
+/* Checks one step before launch: every handle names an open queue of this
+ * ring of mode `mode`, at a slot the table holds, at most once. Returns 0,
+ * or a negative error with *bad_row set (the step takes the CPU path). */
+int shm_direct_check(const shm_ring *ring, shm_direct *direct, const int64_t *handles,
+                     uint64_t batch, uint32_t mode, int64_t *bad_row);
+/* Writes every slot's entry from the queue table (addresses, counts,
+ * capacities, vocab; diverted cleared) and makes each queue's flags
+ * explicit for its rows so far (the GPU writes a flags byte per row). */
+void shm_direct_push_all(shm_ring *ring, shm_direct *direct);
+/* Copies the GPU's counts of every entry that still describes its queue's
+ * buffer back into the queue table. Call only once the GPU's writes are
+ * complete (after the last kernel's event). */
+int shm_direct_pull_all(shm_ring *ring, shm_direct *direct, uint64_t *bad_slot);
+/* Marks out[i] = 1 for each row i of a step whose queue's entry is diverted. */
+void shm_direct_diverted_rows(const shm_ring *ring, const shm_direct *direct,
+                              const int64_t *handles, uint64_t batch, uint8_t *out);
+/* Gives the queue of `slot` room for `rows` more rows of `words` id words
+ * and `nnz` support entries, growing it in the ring (SHM_FULL: no room now;
+ * the next rows divert again). A privately staged queue is left alone. */
+int shm_direct_reserve(shm_ring *ring, uint64_t slot, uint64_t rows, uint64_t words,
+                       uint64_t nnz);
+
 #endif

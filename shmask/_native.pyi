@@ -79,6 +79,13 @@ class ShmRing(CData):
     queues: Any  # shm_queue[n_queues]
     free_slots: Any
 
+class ShmDirect(CData):
+    table: CData
+    table_bytes: int
+    slots: int
+    ring_offset: int
+    serial: int
+
 class IntPointer(CData):
     def __getitem__(self, index: int | slice, /) -> Any: ...  # an int for an int index
 
@@ -103,6 +110,8 @@ class _NativeFFI:
     def new(self, cdecl: Literal["shm_info *"], init: Any = None) -> ShmInfo: ...
     @overload
     def new(self, cdecl: Literal["shm_ring *"], init: Any = None) -> ShmRing: ...
+    @overload
+    def new(self, cdecl: Literal["shm_direct *"], init: Any = None) -> ShmDirect: ...
     @overload
     def new(
         self, cdecl: Literal["int *", "int64_t *", "uint64_t *", "int32_t *", "uint32_t *"], init: Any = None
@@ -240,5 +249,25 @@ class _Lib:
         self, ring: CData, now_ns: int, lease_ns: int, out: ShmReclaimResult, /
     ) -> int: ...
     def shm_record_offset(self, ring: CData, position: int, /) -> int: ...
+    # GPU-direct publishing (kernels/direct.py)
+    SHM_DIRECT_HEADER_BYTES: int
+    SHM_E_DIRECT_SLOT: int
+    SHM_E_DIRECT_REPEAT: int
+    SHM_E_DIRECT_COUNTS: int
+    def shm_direct_init(self, direct: CData, slots: int, ring_offset: int, /) -> int: ...
+    def shm_direct_free(self, direct: CData, /) -> None: ...
+    def shm_direct_diverted(self, direct: CData, /) -> int: ...
+    def shm_direct_check(
+        self, ring: CData, direct: CData, handles: CData, batch: int, mode: int,
+        bad_row: IntPointer, /,
+    ) -> int: ...
+    def shm_direct_push_all(self, ring: CData, direct: CData, /) -> None: ...
+    def shm_direct_pull_all(self, ring: CData, direct: CData, bad_slot: IntPointer, /) -> int: ...
+    def shm_direct_diverted_rows(
+        self, ring: CData, direct: CData, handles: CData, batch: int, out: CData, /,
+    ) -> None: ...
+    def shm_direct_reserve(
+        self, ring: CData, slot: int, rows: int, words: int, nnz: int, /,
+    ) -> int: ...
 
 lib: _Lib

@@ -21,6 +21,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -136,6 +137,10 @@ class Writer:
                 self.segment.close()
             raise SegmentError(f"ring of {capacity} bytes rejected by the native core ({rc})")
         self._queues: dict[int, RowQueue] = {}
+        # kernels.direct.DirectPublisher, when one publishes into this ring:
+        # the GPU then owns the queues' counts between steps, so every CPU
+        # change of a queue runs inside its quiesce()/resume() (hooks below).
+        self._direct: Any = None
         self._bad_row = ffi.new("int64_t *")
         self._position = ffi.new("uint64_t *")
         self._given_back = ffi.new("uint64_t *")
@@ -250,6 +255,11 @@ class Writer:
         """
         if self.closed:  # _begin_call, inlined: this runs every decode step
             raise ShmaskError("Writer is closed")
+        direct = self._direct
+        if direct is not None and not direct.quiet:
+            with direct.quiesced():  # the GPU's rows first, then these
+                return self.append_step(queues, lengths, ids, logprobs, selected_logprobs,
+                                        status=status, forms=forms, vocab=vocab)
         self._deadline = None  # the SIGBUS guard covers the copy: no fstat here
         handles = self._handles(queues)
         lengths = _as_array(lengths, np.int32, "lengths")
@@ -316,6 +326,12 @@ class Writer:
         Ring buffers are published in place and each queue gets its next
         buffer, all in one native call; `final` drops the buffers instead
         (the requests ended)."""
+        direct = self._direct
+        if direct is not None and not direct.quiet:
+            # Waits for the last step's kernel only: nothing is published
+            # before the GPU's writes into these buffers completed.
+            with direct.quiesced():
+                return self.take_batch(queues, final)
         self._begin_call()
         entries, inline_chunks = self._take_into_entries(self._handles(queues), final)
         segments = [(self.segment_name, self.epoch, host_id())] if self.segment else []
@@ -331,6 +347,10 @@ class Writer:
         the way (to the head, else to private memory), each at most once."""
         if self.segment is None:
             return
+        direct = self._direct
+        if move_staging and direct is not None and not direct.quiet:
+            with direct.quiesced():  # relocation moves buffers the GPU may be writing
+                return self.reclaim(move_staging)
         moved: set[int] = set()
         while True:
             lib.shm_reclaim(self._ring, time.monotonic_ns(), self._lease_ns, self._reclaim_result)
@@ -356,6 +376,8 @@ class Writer:
         views keep their pages; new opens of this segment fail cleanly."""
         if self.closed:
             return
+        if self._direct is not None:
+            self._direct.close()  # waits for the last kernel, then unregisters the ring
         self.closed = True
         for queue in self._queues.values():
             queue.closed = True
@@ -575,6 +597,11 @@ class Writer:
     def _close_queue(self, queue: RowQueue, abort: bool) -> int:
         if self.closed:
             return 0
+        direct = self._direct
+        if direct is not None and not direct.quiet:
+            # No kernel still in flight may write a buffer that is dropped here.
+            with direct.quiesced():
+                return self._close_queue(queue, abort)
         self._queues.pop(queue.slot, None)
         if abort:
             rc = lib.shm_queue_abort(self._ring, queue.handle, self._given_back)
@@ -620,6 +647,8 @@ class RowQueue:
     def rows(self) -> int:
         if self.closed:
             return 0
+        if self.writer._direct is not None:
+            self.writer._direct.wait()  # the GPU's counts, once its writes completed
         return int(self.writer._ring.queues[self.slot].rows)
 
     def close(self) -> None:

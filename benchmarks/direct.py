@@ -1,0 +1,359 @@
+"""Issue 10: the decode loop on a GPU with the real capture kernel, three ways.
+
+256 requests x 512 tokens; each step is a real GPU step (a chain of bf16
+matmuls calibrated to ~14 ms, then logits, softmax and argmax), the tokens
+come back to the host (the engine's one sync per step), and then the masks:
+
+  off      masks off: no capture, emissions carry no rows
+  cpu      today's path: capture, HostStaging.fetch (D2H + sync), kernels.publish
+           (Writer.append_step copies the rows into the ring's RowQueue buffers)
+  direct   GPU-direct: capture, DirectPublisher.publish (the GPU stores the rows
+           straight into the registered ring; the CPU checks handles and launches)
+
+Every 50 tokens (and at the finish) the scheduler takes the queues and sends
+one RefBatch; the detokenizer and tokenizer processes of benchmarks/transport.py
+forward it, open every chunk, build the response lists, check-sum the rows and
+release them. Columns:
+
+  masks us/step     the scheduler's wall time in the mask calls per step (fetch + publish,
+                    or DirectPublisher.publish), the issue's "scheduler CPU time for masks"
+  masks cpu us      the same calls' thread CPU time per step
+  emit us/step      take_batch + send per emission, divided by the steps it covers
+  tokens/s          256 x 512 / the scheduler's wall time, first step to last emission
+  step->readable    per emission: from the tokens' sync of its last step until the
+                    tokenizer holds its chunks (median, ms)
+  rows equal        the tokenizer's checksums of every emission equal the cpu run's
+
+Run: python benchmarks/direct.py [--quick] [--repeats N] [--out FILE]
+(--quick: a small CPU-interpreter smoke run of the same code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import transport as part1
+import zmq
+from _common import console, now, print_table, ring_mb_for
+
+SCRIPT = Path(__file__).resolve()
+STEP_S = 0.014
+EMIT_TOKENS = 50
+PATHS = ("off", "cpu", "direct")
+
+
+def gpu_step_fn(spec: dict[str, Any]):
+    """A closure running one decode step on the device; returns probs, sampled."""
+    import torch
+
+    device = spec["device"]
+    batch, vocab, hidden = spec["batch"], spec["vocab"], spec["hidden"]
+    gen = torch.Generator(device=device).manual_seed(spec["seed"])
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    weights = torch.randn(hidden, vocab, generator=gen, device=device, dtype=dtype) / hidden**0.5
+    square = torch.randn(spec["square"], spec["square"], generator=gen, device=device,
+                         dtype=dtype) / spec["square"] ** 0.5
+    work = torch.randn(spec["square"], spec["square"], generator=gen, device=device, dtype=dtype)
+    states = torch.randn(64, batch, hidden, generator=gen, device=device, dtype=dtype) * 3
+
+    def step(index: int):
+        x = work
+        for _ in range(spec["matmuls"]):  # the model's ~14 ms of work
+            x = x @ square
+        logits = states[index % states.shape[0]] @ weights
+        logits = logits + x[0, 0].to(logits.dtype) * 0  # the step depends on the work
+        probs = torch.softmax(logits.float(), -1)
+        return probs, probs.argmax(1)
+
+    return step
+
+
+def calibrate(spec: dict[str, Any]) -> int:
+    """Matmuls of the square matrix that take ~STEP_S on this device."""
+    import torch
+
+    if spec["device"] != "cuda":
+        return 1
+    n = spec["square"]
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    return max(1, round(STEP_S / ((time.perf_counter() - started) / 20)))
+
+
+def run_scheduler(spec: dict[str, Any]) -> None:
+    import torch
+    from shmask.kernels import HostStaging, capture, publish
+    from shmask.kernels.direct import DirectPublisher
+
+    import shmask
+
+    path = spec["path"]
+    spec["matmuls"] = spec.get("matmuls") or calibrate(spec)
+    step_fn = gpu_step_fn(spec)
+    sync = torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)
+    config = shmask.Config(ring_mb=spec["ring_mb"], name_prefix=part1.SEGMENT_PREFIX,
+                           full_wait_ms=50, lease_s=600)
+
+    def capture_rows(probs, sampled):
+        return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"])
+
+    # Warm-up on a throwaway ring: compiles the step, capture and the direct kernel.
+    if path != "off":
+        with shmask.Writer(config) as writer:
+            queues = np.array([writer.open_queue().handle for _ in range(spec["batch"])])
+            publisher = DirectPublisher(writer) if path == "direct" else None
+            staging = HostStaging()
+            for index in range(3):
+                probs, sampled = step_fn(index)
+                rows = capture_rows(probs, sampled)
+                if publisher is not None:
+                    publisher.publish(queues, rows)
+                else:
+                    publish(writer, queues, staging.fetch(rows))
+                writer.take_batch(queues)
+            sync()
+    else:
+        step_fn(0)
+        sync()
+
+    writer = shmask.Writer(config) if path != "off" else None
+    publisher = None
+    if writer is not None:
+        queues = [writer.open_queue() for _ in range(spec["batch"])]
+        handles = np.array([q.handle for q in queues], np.int64)
+        if path == "direct":
+            publisher = DirectPublisher(writer)
+            if not publisher.active:
+                raise RuntimeError(f"direct path inactive: {publisher.reason}")
+    staging = HostStaging()
+    context = zmq.Context()
+    links = part1.endpoints(spec["dir"])
+    out = part1.socket(context, zmq.PUSH, links["rows"], bind=True)
+    acks = part1.socket(context, zmq.PULL, links["acks"], bind=True)
+    total, interval = spec["total_tokens"], spec["tokens"]
+    result: dict[str, Any] = {}
+    try:
+        out.send(part1.HEADER.pack(part1.MARK, now()))
+        part1.wait_readable(acks)
+        acks.recv()
+        started = now()
+        mask_s = mask_cpu_s = emit_s = 0.0
+        per_step: list[float] = []
+        emission = 0
+        for step in range(total):
+            probs, sampled = step_fn(step)
+            rows = capture_rows(probs, sampled) if writer is not None else None
+            sampled.cpu()  # the engine's one sync per step: it needs the tokens
+            synced = now()
+            if rows is not None:
+                clock = time.thread_time()
+                if publisher is not None:
+                    publisher.publish(handles, rows)
+                else:
+                    publish(writer, handles, staging.fetch(rows))
+                mask_cpu_s += time.thread_time() - clock
+                took = now() - synced
+                mask_s += took
+                per_step.append(took)
+            if (step + 1) % interval == 0 or step + 1 == total:
+                emitted = now()
+                if writer is not None:
+                    frames = [writer.take_batch(queues, final=step + 1 == total).to_bytes()]
+                else:
+                    frames = []
+                # The header carries the step's sync: the tokenizer's latency is step -> readable.
+                out.send_multipart([part1.HEADER.pack(emission, synced), *frames])
+                emit_s += now() - emitted
+                emission += 1
+        finished = now()
+        out.send(part1.HEADER.pack(part1.STOP, now()))
+        part1.wait_readable(acks)
+        acks.recv()
+        result = {"started": started, "finished": finished, "mask_s": mask_s,
+                  "mask_cpu_s": mask_cpu_s, "emit_s": emit_s, "matmuls": spec["matmuls"],
+                  "mask_p50_s": float(np.median(per_step)) if per_step else 0.0,
+                  "mask_p99_s": float(np.percentile(per_step, 99)) if per_step else 0.0,
+                  "stats": dict(publisher.stats) if publisher is not None else {},
+                  "inline_chunks": writer.stats.inline_chunks if writer is not None else 0}
+    finally:
+        if writer is not None:
+            writer.close()
+        context.destroy(linger=part1.LINGER_MS)
+    part1.write_result(spec["dir"], "scheduler", result)
+
+
+def breakdown(base: dict[str, Any]) -> None:
+    """Where DirectPublisher.publish's time goes, call by call, on idle
+    hardware (medians of 300): the pieces of the common step."""
+    import torch
+    from shmask.kernels import capture
+    from shmask.kernels.direct import _BLOCK, DirectPublisher, _direct_kernel
+
+    import shmask
+    from shmask._native import ffi, lib
+
+    spec = {**base, "matmuls": 1}
+    probs, sampled = gpu_step_fn(spec)(0)
+    rows = capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"])
+    config = shmask.Config(ring_mb=base["ring_mb"], name_prefix=part1.SEGMENT_PREFIX,
+                           lease_s=600)
+    sync = torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)
+
+    def timed(fn, n: int = 300, between=sync) -> float:
+        samples = []
+        for _ in range(n):
+            between()
+            started = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - started)
+        return 1e6 * float(np.median(samples))
+
+    with shmask.Writer(config) as writer:
+        queues = [writer.open_queue() for _ in range(spec["batch"])]
+        handles = np.array([q.handle for q in queues], np.int64)
+        publisher = DirectPublisher(writer)
+        results = {}
+        steps = [0]
+
+        def one_step() -> None:
+            publisher.publish(handles, rows)
+            steps[0] += 1
+
+        def take_every_40() -> None:
+            sync()
+            if steps[0] % 40 == 39:
+                writer.take_batch(queues)
+                writer.reclaim()
+
+        for _ in range(5):
+            one_step()
+        results["DirectPublisher.publish (whole)"] = timed(one_step, between=take_every_40)
+        writer.take_batch(queues)
+        sync()
+        event = torch.cuda.Event() if spec["device"] == "cuda" else None
+        if event is not None:
+            event.record()
+            sync()
+            results["event.synchronize (done)"] = timed(event.synchronize)
+        results["shm_direct_diverted (counter read)"] = timed(
+            lambda: lib.shm_direct_diverted(publisher._direct))
+        c_handles = ffi.from_buffer("int64_t[]", handles)
+        results["shm_direct_check (256 handles)"] = timed(
+            lambda: lib.shm_direct_check(writer._ring, publisher._direct, c_handles,
+                                         handles.size, lib.SHM_MODE_SUPPORT, publisher._bad_row))
+        results["handles unchanged (array_equal)"] = timed(
+            lambda: publisher._handles_on_device(handles))
+        skipped = torch.full_like(rows.status, 3)  # every row SKIPPED: the kernel writes nothing
+        device_handles = publisher._handles_on_device(handles)
+        args = (publisher._table_device, device_handles, skipped, rows.forms, rows.lengths,
+                rows.id_offsets, rows.offsets, rows.ids, rows.values, rows.values, rows.vocab)
+        compiled = _direct_kernel[(handles.size,)](*args, SUPPORT=True, BLOCK=_BLOCK)
+        results["triton launch (JIT dispatch)"] = timed(
+            lambda: _direct_kernel[(handles.size,)](*args, SUPPORT=True, BLOCK=_BLOCK))
+        if spec["device"] == "cuda":
+            runner = compiled[(handles.size, 1, 1)]
+            results["triton launch (compiled runner)"] = timed(lambda: runner(*args, True, _BLOCK))
+            results["event.record"] = timed(lambda: torch.cuda.Event().record())
+        publisher.close()
+    print_table("DirectPublisher.publish, piece by piece (median us of 300 calls)",
+                ("call", "us"), list(results.items()))
+
+
+def run_once(path: str, base: dict[str, Any]) -> dict[str, Any]:
+    spec = {**base, "path": path, "transport": "off" if path == "off" else "shmask"}
+    # A scheduler that fails must not hold the others (and the GPU) for 10 minutes.
+    results = part1.run_pipeline(spec, scheduler_script=SCRIPT, timeout_s=150)
+    scheduler, tok = results["scheduler"], results["tokenizer"]
+    total, batch = spec["total_tokens"], spec["batch"]
+    wall = scheduler["finished"] - scheduler["started"]
+    latency = [h - e for h, e in zip(tok["held_at"], tok["emitted_at"], strict=True)]
+    return {"path": path, "tokens_per_s": batch * total / wall, "wall_s": wall,
+            "mask_us": 1e6 * scheduler["mask_s"] / total,
+            "mask_cpu_us": 1e6 * scheduler["mask_cpu_s"] / total,
+            "mask_p50_us": 1e6 * scheduler["mask_p50_s"], "mask_p99_us": 1e6 * scheduler["mask_p99_s"],
+            "emit_us": 1e6 * scheduler["emit_s"] / total,
+            "readable_ms": 1e3 * float(np.median(latency)), "crc": tok["crc"],
+            "stats": scheduler["stats"], "inline": scheduler["inline_chunks"],
+            "matmuls": scheduler["matmuls"]}
+
+
+def run(quick: bool, repeats: int) -> list[dict[str, Any]]:
+    if quick:
+        base = {"device": "cpu", "batch": 8, "total_tokens": 12, "tokens": 5, "vocab": 4096,
+                "hidden": 64, "square": 64, "top_k": 100, "max_tokens": 256, "matmuls": 1}
+    else:
+        base = {"device": "cuda", "batch": 256, "total_tokens": 512, "tokens": EMIT_TOKENS,
+                "vocab": 151_936, "hidden": 4096, "square": 8192, "top_k": 1000,
+                "max_tokens": 2048, "matmuls": 0}
+    base.update({"mode": "support", "width": base["top_k"], "warmup": 0, "seed": 1, "ack": False,
+                 "ring_mb": ring_mb_for(base["batch"], base["tokens"], base["top_k"], copies=4)})
+    if not quick:  # calibrate once, so every run does the same work
+        base["matmuls"] = calibrate(base)
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
+    for _ in range(repeats):
+        for path in PATHS:
+            result = run_once(path, base)
+            runs[path].append(result)
+            console().log(f"{path:>6}: {result['tokens_per_s']:,.0f} tokens/s, masks "
+                          f"{result['mask_us']:.1f} us/step, stats {result['stats']}")
+    reference = runs["cpu"][0]["crc"]
+    off = float(np.median([r["tokens_per_s"] for r in runs["off"]]))
+    rows = []
+    for path in PATHS:
+        results = runs[path]
+
+        def med(key: str, results: list[dict[str, Any]] = results) -> float:
+            return float(np.median([r[key] for r in results]))
+
+        equal = "-" if path == "off" else str(all(r["crc"] == reference for r in results))
+        rows.append((path, len(results), med("tokens_per_s"),
+                     f"{100 * (med('tokens_per_s') / off - 1):+.2f}%", med("mask_us"),
+                     med("mask_p50_us"), med("mask_p99_us"), med("mask_cpu_us"), med("emit_us"),
+                     med("readable_ms"), equal, sum(r["inline"] for r in results)))
+    console().print(__doc__)
+    print_table(
+        f"Issue 10 - decode loop on {base['device']}: {base['batch']} requests x "
+        f"{base['total_tokens']} tokens, step = {base.get('matmuls')} bf16 matmuls "
+        f"{base['square']}^3 + logits (V = {base['vocab']}), top_k {base['top_k']} support, "
+        f"emission every {base['tokens']} tokens (median of runs)",
+        ("path", "runs", "tokens/s", "vs off", "masks us/step", "p50 us", "p99 us",
+         "masks cpu us", "emit us/step", "step->readable ms", "rows equal", "inline"),
+        rows)
+    return [{"path": p, **{k: v for k, v in r.items() if k != "crc"}} for p in PATHS
+            for r in runs[p]]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "child":
+        if sys.argv[2] == "scheduler":
+            if json.loads(sys.argv[3])["device"] == "cpu":
+                os.environ.setdefault("TRITON_INTERPRET", "1")
+            run_scheduler(json.loads(sys.argv[3]))
+        else:
+            part1.ROLES[sys.argv[2]](json.loads(sys.argv[3]))
+    else:
+        repeats = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else 2
+        quick = "--quick" in sys.argv
+        if quick:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        results = run(quick, 1 if quick else repeats)
+        if "--breakdown" in sys.argv:
+            base = {"device": "cpu" if quick else "cuda", "batch": 8 if quick else 256,
+                    "vocab": 4096 if quick else 151_936, "hidden": 64 if quick else 4096,
+                    "square": 64, "top_k": 100 if quick else 1000, "seed": 1,
+                    "max_tokens": 256 if quick else 2048, "ring_mb": 64 if quick else 512}
+            breakdown(base)
+        if "--out" in sys.argv:
+            Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps(results, indent=1))

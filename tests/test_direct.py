@@ -1,0 +1,284 @@
+"""GPU-direct publishing (kernels/direct.py) against a real Writer and Reader.
+
+Without a GPU the kernel runs in Triton's interpreter and writes the ring
+through host addresses; with SHMASK_TEST_GPU=1 it runs on CUDA against the
+registered ring. Either way every chunk must be bit-identical to what the
+CPU path (HostStaging + kernels.publish) sends for the same steps, and to
+the rows the kernels produced, through growth (diverted rows), wrap-around,
+inline fallback and aborted queues."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from shmask.kernels import HostStaging, capture, publish
+from shmask.kernels.direct import DirectPublisher, reference_direct
+
+import shmask
+from shmask.errors import InvalidRowsError
+
+GPU = os.environ.get("SHMASK_TEST_GPU") == "1"
+DEVICE = "cuda" if GPU else "cpu"
+VOCAB = 2048
+MAX_TOKENS = 48  # an OK row is a bitmask iff L > 48 or 32 L >= 2048 (L >= 64)
+BATCH = 8
+
+
+def rows_pool(count: int, seed: int, batch: int = BATCH) -> list:
+    """Captured steps of mixed forms and statuses: ids rows, bitmask rows
+    (past max_tokens, or dense), OVERFLOW (overflow="status"), INVALID
+    (sampled outside the support) and SKIPPED (not opted in)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = []
+    for index in range(count):
+        probs = torch.softmax(torch.randn(batch, VOCAB, generator=gen) * 4, -1)
+        top_k = torch.tensor([1, 3, 40, 47, 60, 120, 700, 1500][:batch] * (batch // 8 + 1),
+                             dtype=torch.int32)[:batch]
+        top_k = top_k[torch.randperm(batch, generator=gen)]
+        sampled = probs.argmax(1)
+        wrong = torch.rand(batch, generator=gen) < 0.1  # INVALID: outside its support
+        sampled = torch.where(wrong, (sampled + VOCAB // 2) % VOCAB, sampled)
+        opted = torch.rand(batch, generator=gen) > 0.1  # SKIPPED rows
+        overflow = "status" if index % 3 == 0 else "exact"
+        pool.append(capture(probs.to(DEVICE), sampled.to(DEVICE), top_k=top_k.to(DEVICE),
+                            rows=opted.to(DEVICE), max_tokens=MAX_TOKENS, overflow=overflow))
+    return pool
+
+
+def chunk_rows(chunk: shmask.Chunk) -> tuple:
+    """A chunk's rows exactly as stored: lengths, flags, id data, logprob bits."""
+    flags = chunk.flags if chunk.flags is not None else np.zeros(chunk.rows, np.uint8)
+    return (chunk.lengths.tolist(), flags.tolist(), chunk.ids.tolist(),
+            np.asarray(chunk.logprobs, np.float32).view(np.uint32).tolist())
+
+
+def expected_rows(rows: list) -> tuple:
+    """What chunk_rows gives for a queue that received `rows` (reference_direct's)."""
+    lengths = [r[1] for r in rows]
+    flags = [r[0] for r in rows]
+    ids = [i for r in rows for i in r[2]]
+    bits = np.asarray([v for r in rows for v in r[3]], np.float32).view(np.uint32).tolist()
+    return lengths, flags, ids, bits
+
+
+class Producer:
+    """One Writer and its queues, fed by the CPU path or the direct path."""
+
+    def __init__(self, config: shmask.Config, direct: bool, mode: str) -> None:
+        self.writer = shmask.Writer(config)
+        self.mode = mode
+        self.publisher = DirectPublisher(self.writer) if direct else None
+        self.staging = HostStaging()
+        self.queues = [self.writer.open_queue(mode) for _ in range(BATCH)]
+
+    def step(self, rows) -> None:
+        handles = np.array([q.handle for q in self.queues], np.int64)
+        if self.publisher is not None:
+            self.publisher.publish(handles, rows, self.mode)
+        else:
+            publish(self.writer, handles, self.staging.fetch(rows, values=self.mode == "support"),
+                    self.mode)
+
+    def take(self) -> shmask.RefBatch:
+        return self.writer.take_batch(self.queues)
+
+    def replace(self, index: int, abort: bool) -> None:
+        if abort:
+            self.queues[index].abort()
+        else:
+            self.queues[index].close()
+        self.queues[index] = self.writer.open_queue(self.mode)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_batch(reader: shmask.Reader, batch: shmask.RefBatch, held: list) -> list:
+    """Each chunk's rows; some chunks stay open a while (ring pressure)."""
+    out = []
+    for ref in batch:
+        chunk = reader.open(ref)
+        out.append(chunk_rows(chunk))
+        held.append(chunk)
+    while len(held) > 8 * BATCH:
+        release(held.pop(0))
+    return out
+
+
+def table_entry(publisher: DirectPublisher, slot: int):
+    """The device-visible table's entry of a queue slot (read only)."""
+    from shmask._native import ffi, lib
+
+    table = ffi.cast("char *", publisher._direct.table) + lib.SHM_DIRECT_HEADER_BYTES
+    return ffi.cast("shm_direct_entry *", table)[slot]
+
+
+def release(chunk: shmask.Chunk) -> None:
+    try:
+        chunk.release()
+    except shmask.StaleChunkError:
+        pass  # an aborted queue's chunks were given back already
+
+
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: str) -> None:
+    """Growth (2-row first buffers: diverted rows), a 1 MiB ring that wraps
+    and fills (private staging, inline chunks), closed and aborted queues:
+    the direct path's chunks equal the CPU path's and the kernels' rows."""
+    steps = 400 if GPU else 200
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=1, lease_s=60,
+                           queue_rows=2, max_tokens=MAX_TOKENS)
+    pool = rows_pool(12 if GPU else 6, seed=1)
+    rng = np.random.default_rng(7)
+    cpu, gpu = Producer(config, False, mode), Producer(config, True, mode)
+    assert gpu.publisher is not None and gpu.publisher.active
+    reader = shmask.Reader(config)
+    held_cpu: list = []
+    held_gpu: list = []
+    pending: list[list] = [[] for _ in range(BATCH)]  # reference rows per queue since its take
+    compared = 0
+    try:
+        for step in range(steps):
+            rows = pool[int(rng.integers(len(pool)))]
+            cpu.step(rows)
+            gpu.step(rows)
+            for b, row in enumerate(reference_direct(rows, mode)):
+                if row is not None:
+                    pending[b].append(row)
+            if rng.random() < 0.08 or step == steps - 1:
+                got_cpu = read_batch(reader, cpu.take(), held_cpu)
+                got_gpu = read_batch(reader, gpu.take(), held_gpu)
+                for b in range(BATCH):
+                    want = expected_rows(pending[b]) if pending[b] else ([], [], [], [])
+                    assert got_gpu[b] == got_cpu[b], f"step {step} queue {b}"
+                    assert got_gpu[b] == want, f"step {step} queue {b}"
+                    compared += len(pending[b])
+                pending = [[] for _ in range(BATCH)]
+            if rng.random() < 0.05:  # a request ends or is aborted mid-emission
+                b, abort = int(rng.integers(BATCH)), bool(rng.random() < 0.5)
+                cpu.replace(b, abort)
+                gpu.replace(b, abort)
+                pending[b] = []
+        stats = gpu.publisher.stats
+        # The run exercised what it claims: kernel steps, diverted rows
+        # (growth), the ring's wrap and its inline fallback.
+        assert stats["direct_steps"] == steps and stats["diverted_rows"] > 0
+        if mode == "support":  # selected rows are too small to fill the ring in this run
+            assert gpu.writer._ring.head > 2 * gpu.writer._ring.capacity, "the ring wrapped"
+            assert gpu.writer.stats.inline_ring_full > 0
+        assert compared > steps
+    finally:
+        for chunk in held_cpu + held_gpu:
+            release(chunk)
+        reader.close()
+        cpu.close()
+        gpu.close()
+
+
+def test_a_step_the_table_cannot_take_goes_the_cpu_path_in_order(prefix: str) -> None:
+    """Two rows of one queue in a step (speculative decoding) take the CPU
+    path, after the GPU's earlier rows; a closed queue's handle is refused."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    pool = rows_pool(2, seed=3)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        publisher = DirectPublisher(writer)
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        publisher.publish(handles, pool[0])
+        repeated = handles.copy()
+        repeated[1] = handles[0]
+        publisher.publish(repeated, pool[1])
+        assert publisher.stats == {"direct_steps": 1, "cpu_steps": 1,
+                                   "diverted_rows": publisher.stats["diverted_rows"]}
+        batch = writer.take_batch(queues)
+        first, second = reference_direct(pool[0]), reference_direct(pool[1])
+        want0 = [r for r in (first[0], second[0], second[1]) if r is not None]
+        chunk = reader.open(batch[0])
+        assert chunk_rows(chunk) == expected_rows(want0)
+        chunk.release()
+        for ref in list(batch)[1:]:
+            reader.open(ref).release()
+        queues[2].close()
+        with pytest.raises(InvalidRowsError, match="handle"):
+            publisher.publish(handles, pool[0])
+
+
+def test_close_waits_and_unregisters_and_the_writer_hook_is_removed(prefix: str) -> None:
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    pool = rows_pool(1, seed=4)
+    writer = shmask.Writer(config)
+    publisher = DirectPublisher(writer)
+    queues = [writer.open_queue() for _ in range(BATCH)]
+    publisher.publish(np.array([q.handle for q in queues], np.int64), pool[0])
+    want = [r for r in reference_direct(pool[0])]
+    assert [q.rows for q in queues] == [0 if r is None else 1 for r in want]
+    with pytest.raises(ValueError, match="already has a DirectPublisher"):
+        DirectPublisher(writer)
+    writer.close()
+    assert writer._direct is None and not publisher.active and not publisher._registered
+
+
+def test_no_ring_means_the_cpu_path_with_one_warning(prefix: str, caplog) -> None:
+    config = shmask.Config(transport="inline", name_prefix=prefix, max_tokens=MAX_TOKENS)
+    pool = rows_pool(1, seed=5)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        with caplog.at_level(logging.WARNING, logger="shmask"):
+            publisher = DirectPublisher(writer)
+        assert not publisher.active and "no ring" in publisher.reason
+        assert sum("GPU-direct publishing is off" in r.message for r in caplog.records) == 1
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        publisher.publish(np.array([q.handle for q in queues], np.int64), pool[0])
+        assert publisher.stats["cpu_steps"] == 1
+        batch = writer.take_batch(queues)
+        for ref, row in zip(batch, reference_direct(pool[0]), strict=True):
+            chunk = reader.open(ref)
+            assert chunk_rows(chunk) == (expected_rows([row]) if row else ([], [], [], []))
+            chunk.release()
+
+
+def test_reused_slots_never_receive_rows_into_a_closed_queues_buffer(prefix: str) -> None:
+    """Close (or abort) a queue every step, without a take, so slots come
+    back (oldest first) while the table is live: each new queue's rows must
+    land in its own buffer, never in the buffer its slot had before."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    pool = rows_pool(3, seed=6, batch=2)
+    rng = np.random.default_rng(11)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        publisher = DirectPublisher(writer)
+        queues = [writer.open_queue() for _ in range(2)]
+        pending: list[list] = [[] for _ in range(2)]
+        reused = 0
+        for step in range(600):
+            rows = pool[step % len(pool)]
+            publisher.publish(np.array([q.handle for q in queues], np.int64), rows)
+            for b, row in enumerate(reference_direct(rows)):
+                if row is not None:
+                    pending[b].append(row)
+            if step % 10 == 9:
+                for b, ref in enumerate(writer.take_batch(queues)):
+                    chunk = reader.open(ref)
+                    assert chunk_rows(chunk) == expected_rows(pending[b]), f"step {step}"
+                    chunk.release()
+                pending = [[] for _ in range(2)]
+                writer.reclaim()
+                continue
+            if step % 3:
+                continue  # so that no diversion (a fresh queue's first row) pushes the table
+            b = int(rng.integers(2))
+            old_slot = queues[b].slot
+            if step % 2:
+                queues[b].abort()
+            else:
+                queues[b].close()
+            # The GPU gets no room in a closed queue's buffer (its kernel
+            # could otherwise write into memory the ring reuses).
+            assert table_entry(publisher, old_slot).rows_capacity == 0
+            queues[b] = writer.open_queue()
+            reused += queues[b].slot != old_slot and queues[b].slot < 64
+            pending[b] = []
+        assert publisher.stats["direct_steps"] == 600
+        assert writer._ring.n_queues == 64 and reused > 100  # slots came back
