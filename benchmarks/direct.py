@@ -1,30 +1,42 @@
-"""Issue 10: the decode loop on a GPU with the real capture kernel, three ways.
+"""Issue 10: the decode loop on a GPU with the real capture kernel, four ways.
 
 256 requests x 512 tokens; each step is a real GPU step (a chain of bf16
 matmuls calibrated to ~14 ms, then logits, softmax and argmax), the tokens
 come back to the host (the engine's one sync per step), and then the masks:
 
   off      masks off: no capture, emissions carry no rows
-  cpu      today's path: capture, HostStaging.fetch (D2H + sync), kernels.publish
-           (Writer.append_step copies the rows into the ring's RowQueue buffers)
-  direct   GPU-direct: capture, DirectPublisher.publish (the GPU stores the rows
-           straight into the registered ring; the CPU checks handles and launches)
+  capture  the capture kernel runs, its rows are dropped: the GPU time of
+           computing the masks, which no transport can remove
+  cpu      the CPU path: capture, HostStaging.fetch (D2H + sync), kernels.publish
+           of HostRows (Writer.append_step copies the rows into the ring)
+  direct   the default with CUDA: capture, kernels.publish of the device Rows
+           (the GPU stores them straight into the registered ring; the CPU makes
+           one native call and one launch)
+  *-spin   (--spin) the same, but the scheduler waits for the step's end spinning on
+           an event query (its CPU kept busy) before the usual sync
 
 Every 50 tokens (and at the finish) the scheduler takes the queues and sends
 one RefBatch; the detokenizer and tokenizer processes of benchmarks/transport.py
-forward it, open every chunk, build the response lists, check-sum the rows and
-release them. Columns:
+forward it, open every chunk, build the response (to_json, or to_lists with
+--lists), check-sum the rows and release them. Columns:
 
   masks us/step     the scheduler's wall time in the mask calls per step (fetch + publish,
-                    or DirectPublisher.publish), the issue's "scheduler CPU time for masks"
+                    or publish of device rows), the issue's "scheduler CPU time for masks"
   masks cpu us      the same calls' thread CPU time per step
   emit us/step      take_batch + send per emission, divided by the steps it covers
+  launch p50        the store kernel's launch inside publish (median per step)
+  probe             a fixed few-microsecond piece of Python work, timed back to back
+                    (warm) and right after the step's sync: how much slower this CPU
+                    runs code just after the wait
   tokens/s          256 x 512 / the scheduler's wall time, first step to last emission
+  vs off, vs capture  throughput against masks off, and against capture-only (the
+                    transport's own cost)
   step->readable    per emission: from the tokens' sync of its last step until the
                     tokenizer holds its chunks (median, ms)
   rows equal        the tokenizer's checksums of every emission equal the cpu run's
 
-Run: python benchmarks/direct.py [--quick] [--repeats N] [--out FILE]
+Run: python benchmarks/direct.py [--quick] [--repeats N] [--lists] [--spin] [--breakdown]
+[--out FILE]
 (--quick: a small CPU-interpreter smoke run of the same code).
 """
 
@@ -45,7 +57,8 @@ from _common import console, now, print_table, ring_mb_for
 SCRIPT = Path(__file__).resolve()
 STEP_S = 0.014
 EMIT_TOKENS = 50
-PATHS = ("off", "cpu", "direct")
+PATHS = ("off", "capture", "cpu", "direct")
+SPIN_PATHS = ("capture-spin", "direct-spin")  # with --spin
 
 
 def gpu_step_fn(spec: dict[str, Any]):
@@ -74,6 +87,16 @@ def gpu_step_fn(spec: dict[str, Any]):
     return step
 
 
+def probe() -> float:
+    """Seconds of a fixed piece of Python and numpy work (a few microseconds)."""
+    began = now()
+    total = 0
+    for value in range(200):
+        total += value
+    np.add(np.arange(64), total)
+    return now() - began
+
+
 def calibrate(spec: dict[str, Any]) -> int:
     """Matmuls of the square matrix that take ~STEP_S on this device."""
     import torch
@@ -94,12 +117,12 @@ def calibrate(spec: dict[str, Any]) -> int:
 
 def run_scheduler(spec: dict[str, Any]) -> None:
     import torch
-    from shmask.kernels import HostStaging, capture, publish
-    from shmask.kernels.direct import DirectPublisher
+    from shmask.kernels import HostStaging, capture, publish, publisher_for
 
     import shmask
 
-    path = spec["path"]
+    path = spec["path"].removesuffix("-spin")
+    spin = spec["path"].endswith("-spin")  # wait for the step spinning, the CPU kept busy
     spec["matmuls"] = spec.get("matmuls") or calibrate(spec)
     step_fn = gpu_step_fn(spec)
     sync = torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)
@@ -110,31 +133,32 @@ def run_scheduler(spec: dict[str, Any]) -> None:
         return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"])
 
     # Warm-up on a throwaway ring: compiles the step, capture and the direct kernel.
-    if path != "off":
+    if path in ("cpu", "direct"):
         with shmask.Writer(config) as writer:
             queues = np.array([writer.open_queue().handle for _ in range(spec["batch"])])
-            publisher = DirectPublisher(writer) if path == "direct" else None
             staging = HostStaging()
             for index in range(3):
                 probs, sampled = step_fn(index)
                 rows = capture_rows(probs, sampled)
-                if publisher is not None:
-                    publisher.publish(queues, rows)
+                if path == "direct":
+                    publish(writer, queues, rows)
                 else:
                     publish(writer, queues, staging.fetch(rows))
                 writer.take_batch(queues)
             sync()
     else:
-        step_fn(0)
+        probs, sampled = step_fn(0)
+        if path == "capture":
+            capture_rows(probs, sampled)
         sync()
 
-    writer = shmask.Writer(config) if path != "off" else None
+    writer = shmask.Writer(config) if path in ("cpu", "direct") else None
     publisher = None
     if writer is not None:
         queues = [writer.open_queue() for _ in range(spec["batch"])]
         handles = np.array([q.handle for q in queues], np.int64)
         if path == "direct":
-            publisher = DirectPublisher(writer)
+            publisher = publisher_for(writer)  # what kernels.publish uses for device rows
             if not publisher.active:
                 raise RuntimeError(f"direct path inactive: {publisher.reason}")
     staging = HostStaging()
@@ -151,16 +175,39 @@ def run_scheduler(spec: dict[str, Any]) -> None:
         started = now()
         mask_s = mask_cpu_s = emit_s = 0.0
         per_step: list[float] = []
+        launches: list[float] = []
+        if publisher is not None:  # time the launch inside publish, step by step
+            launch = publisher._launch
+
+            def timed_launch(batch: int, support: bool) -> None:
+                began = now()
+                launch(batch, support)
+                launches.append(now() - began)
+
+            publisher._launch = timed_launch
+        # The same fixed piece of CPU work, timed warm (back to back) and right
+        # after each step's sync: how much slower the CPU runs there.
+        warm_probe = float(np.median([probe() for _ in range(200)]))
+        probes: list[float] = []
         emission = 0
         for step in range(total):
             probs, sampled = step_fn(step)
-            rows = capture_rows(probs, sampled) if writer is not None else None
+            rows = capture_rows(probs, sampled) if path != "off" else None
+            if spin:
+                ready = torch.cuda.Event() if spec["device"] == "cuda" else None
+                if ready is not None:
+                    ready.record()
+                    while not ready.query():
+                        pass
             sampled.cpu()  # the engine's one sync per step: it needs the tokens
             synced = now()
-            if rows is not None:
+            if step % 8 == 7:  # a sample of steps (the probe's time counts in the loop)
+                probes.append(probe())
+                synced = now()
+            if writer is not None:
                 clock = time.thread_time()
                 if publisher is not None:
-                    publisher.publish(handles, rows)
+                    publish(writer, handles, rows)  # device rows: GPU-direct
                 else:
                     publish(writer, handles, staging.fetch(rows))
                 mask_cpu_s += time.thread_time() - clock
@@ -184,8 +231,14 @@ def run_scheduler(spec: dict[str, Any]) -> None:
         result = {"started": started, "finished": finished, "mask_s": mask_s,
                   "mask_cpu_s": mask_cpu_s, "emit_s": emit_s, "matmuls": spec["matmuls"],
                   "mask_p50_s": float(np.median(per_step)) if per_step else 0.0,
+                  "launch_p50_s": float(np.median(launches)) if launches else 0.0,
+                  "probe_warm_s": warm_probe, "probe_loop_s": float(np.median(probes)),
+                  "launcher": publisher.launcher if publisher is not None else "-",
                   "mask_p99_s": float(np.percentile(per_step, 99)) if per_step else 0.0,
                   "stats": dict(publisher.stats) if publisher is not None else {},
+                  "writer": ({k: v for k, v in vars(writer.stats).items()
+                              if k in ("inline_ring_full", "full_waits", "staging_moves")}
+                             if writer is not None else {}),
                   "inline_chunks": writer.stats.inline_chunks if writer is not None else 0}
     finally:
         if writer is not None:
@@ -195,21 +248,25 @@ def run_scheduler(spec: dict[str, Any]) -> None:
 
 
 def breakdown(base: dict[str, Any]) -> None:
-    """Where DirectPublisher.publish's time goes, call by call, on idle
-    hardware (medians of 300): the pieces of the common step."""
+    """Where publish's time goes, call by call, on idle hardware (medians
+    of 300), and the GPU time of the store kernel and of capture."""
     import torch
-    from shmask.kernels import capture
-    from shmask.kernels.direct import _BLOCK, DirectPublisher, _direct_kernel
+    from shmask.kernels import capture, publish, publisher_for
 
     import shmask
     from shmask._native import ffi, lib
 
     spec = {**base, "matmuls": 1}
     probs, sampled = gpu_step_fn(spec)(0)
-    rows = capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"])
+
+    def captured():
+        return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"])
+
+    rows = captured()
     config = shmask.Config(ring_mb=base["ring_mb"], name_prefix=part1.SEGMENT_PREFIX,
                            lease_s=600)
-    sync = torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)
+    cuda = spec["device"] == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def timed(fn, n: int = 300, between=sync) -> float:
         samples = []
@@ -220,59 +277,102 @@ def breakdown(base: dict[str, Any]) -> None:
             samples.append(time.perf_counter() - started)
         return 1e6 * float(np.median(samples))
 
-    with shmask.Writer(config) as writer:
+    busy_input = torch.randn(4096, 4096, device=spec["device"])
+
+    def gpu_timed(fn, n: int = 100, between=sync) -> float:
+        """GPU time between events around fn's kernels, queued behind ~1 ms of
+        other work so that the CPU's launch time is not in it."""
+        samples = []
+        for _ in range(n):
+            between()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(8):
+                busy_input @ busy_input
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(1e3 * start.elapsed_time(end))
+        return float(np.median(samples))
+
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
         queues = [writer.open_queue() for _ in range(spec["batch"])]
         handles = np.array([q.handle for q in queues], np.int64)
-        publisher = DirectPublisher(writer)
+        publisher = publisher_for(writer)
         results = {}
         steps = [0]
 
         def one_step() -> None:
-            publisher.publish(handles, rows)
+            publish(writer, handles, rows)
             steps[0] += 1
 
         def take_every_40() -> None:
             sync()
-            if steps[0] % 40 == 39:
-                writer.take_batch(queues)
+            if steps[0] % 40 == 39:  # a consumer gives every chunk back
+                reader.discard_batch(writer.take_batch(queues))
                 writer.reclaim()
 
         for _ in range(5):
             one_step()
-        results["DirectPublisher.publish (whole)"] = timed(one_step, between=take_every_40)
-        writer.take_batch(queues)
+        results["kernels.publish(device rows), whole"] = timed(one_step, between=take_every_40)
+        results["DirectPublisher.publish, whole"] = timed(
+            lambda: publisher.publish(handles, rows), between=take_every_40)
+        reader.discard_batch(writer.take_batch(queues))
+        writer.reclaim()
         sync()
-        event = torch.cuda.Event() if spec["device"] == "cuda" else None
-        if event is not None:
-            event.record()
-            sync()
-            results["event.synchronize (done)"] = timed(event.synchronize)
-        results["shm_direct_diverted (counter read)"] = timed(
-            lambda: lib.shm_direct_diverted(publisher._direct))
+        results["8 x Tensor.data_ptr()"] = timed(lambda: [
+            t.data_ptr() for t in (rows.status, rows.forms, rows.lengths, rows.id_offsets,
+                                   rows.offsets, rows.ids, rows.values, rows.values)])
         c_handles = ffi.from_buffer("int64_t[]", handles)
-        results["shm_direct_check (256 handles)"] = timed(
-            lambda: lib.shm_direct_check(writer._ring, publisher._direct, c_handles,
-                                         handles.size, lib.SHM_MODE_SUPPORT, publisher._bad_row))
-        results["handles unchanged (array_equal)"] = timed(
-            lambda: publisher._handles_on_device(handles))
-        skipped = torch.full_like(rows.status, 3)  # every row SKIPPED: the kernel writes nothing
-        device_handles = publisher._handles_on_device(handles)
-        args = (publisher._table_device, device_handles, skipped, rows.forms, rows.lengths,
-                rows.id_offsets, rows.offsets, rows.ids, rows.values, rows.values, rows.vocab)
-        compiled = _direct_kernel[(handles.size,)](*args, SUPPORT=True, BLOCK=_BLOCK)
-        results["triton launch (JIT dispatch)"] = timed(
-            lambda: _direct_kernel[(handles.size,)](*args, SUPPORT=True, BLOCK=_BLOCK))
-        if spec["device"] == "cuda":
-            runner = compiled[(handles.size, 1, 1)]
-            results["triton launch (compiled runner)"] = timed(lambda: runner(*args, True, _BLOCK))
-            results["event.record"] = timed(lambda: torch.cuda.Event().record())
-        publisher.close()
-    print_table("DirectPublisher.publish, piece by piece (median us of 300 calls)",
+        step_args = (writer._ring, publisher._direct, c_handles, handles.size,
+                     lib.SHM_MODE_SUPPORT, 4748, spec["max_tokens"], publisher._addresses,
+                     rows.vocab, publisher._bad_row)
+
+        def prepare_only() -> None:
+            rc = lib.shm_direct_step(*step_args)
+            if rc:
+                raise RuntimeError(f"shm_direct_step returned {rc}")
+            lib.shm_direct_cancel(publisher._direct)
+
+        results[f"shm_direct_step ({handles.size} rows) + cancel"] = timed(prepare_only)
+        results["shm_direct_idle (one load)"] = timed(lambda: lib.shm_direct_idle(publisher._direct))
+
+        def gpu_pieces(results: dict[str, Any]) -> None:
+            def prepared() -> None:
+                take_every_40()
+                steps[0] += 1
+                rc = lib.shm_direct_step(*step_args)
+                while rc > 0:  # the last kernel still running, or diverted rows
+                    publisher.wait()
+                    rc = lib.shm_direct_step(*step_args)
+                if rc:
+                    raise RuntimeError(f"shm_direct_step returned {rc}")
+
+            results[f"launch ({publisher.launcher})"] = timed(
+                lambda: publisher._launch(handles.size, True), between=prepared)
+            results["GPU: store kernel, 256 x 1000 rows (us)"] = gpu_timed(
+                lambda: publisher._launch(handles.size, True), between=prepared)
+            results["GPU: capture, top_k 1000 (us)"] = gpu_timed(captured)
+            results["probe (warm)"] = timed(probe, between=lambda: None)
+            results["probe (after a sync)"] = timed(probe)
+
+        if cuda:
+            try:
+                gpu_pieces(results)
+            except Exception as exc:  # noqa: BLE001 - print what was measured, and why not the rest
+                results["stopped"] = repr(exc)
+        results["stats after the breakdown"] = str(publisher.stats)
+        try:
+            publisher.close()
+        except RuntimeError as exc:
+            results["close"] = repr(exc)
+    print_table("publish of device rows, piece by piece (median us of 300 calls; GPU: 100)",
                 ("call", "us"), list(results.items()))
 
 
 def run_once(path: str, base: dict[str, Any]) -> dict[str, Any]:
-    spec = {**base, "path": path, "transport": "off" if path == "off" else "shmask"}
+    spec = {**base, "path": path,
+            "transport": "off" if path.startswith(("off", "capture")) else "shmask"}
     # A scheduler that fails must not hold the others (and the GPU) for 10 minutes.
     results = part1.run_pipeline(spec, scheduler_script=SCRIPT, timeout_s=150)
     scheduler, tok = results["scheduler"], results["tokenizer"]
@@ -284,12 +384,17 @@ def run_once(path: str, base: dict[str, Any]) -> dict[str, Any]:
             "mask_cpu_us": 1e6 * scheduler["mask_cpu_s"] / total,
             "mask_p50_us": 1e6 * scheduler["mask_p50_s"], "mask_p99_us": 1e6 * scheduler["mask_p99_s"],
             "emit_us": 1e6 * scheduler["emit_s"] / total,
+            "launch_p50_us": 1e6 * scheduler["launch_p50_s"],
+            "probe_warm_us": 1e6 * scheduler["probe_warm_s"],
+            "probe_loop_us": 1e6 * scheduler["probe_loop_s"], "launcher": scheduler["launcher"],
             "readable_ms": 1e3 * float(np.median(latency)), "crc": tok["crc"],
-            "stats": scheduler["stats"], "inline": scheduler["inline_chunks"],
+            "stats": {**scheduler["stats"], **scheduler["writer"]},
+            "inline": scheduler["inline_chunks"],
             "matmuls": scheduler["matmuls"]}
 
 
-def run(quick: bool, repeats: int) -> list[dict[str, Any]]:
+def run(quick: bool, repeats: int, build: str, spin: bool = False) -> list[dict[str, Any]]:
+    paths = PATHS + (SPIN_PATHS if spin else ())
     if quick:
         base = {"device": "cpu", "batch": 8, "total_tokens": 12, "tokens": 5, "vocab": 4096,
                 "hidden": 64, "square": 64, "top_k": 100, "max_tokens": 256, "matmuls": 1}
@@ -297,41 +402,54 @@ def run(quick: bool, repeats: int) -> list[dict[str, Any]]:
         base = {"device": "cuda", "batch": 256, "total_tokens": 512, "tokens": EMIT_TOKENS,
                 "vocab": 151_936, "hidden": 4096, "square": 8192, "top_k": 1000,
                 "max_tokens": 2048, "matmuls": 0}
+    # A ring of 8 emissions: the tokenizer holds one while the next ones arrive.
     base.update({"mode": "support", "width": base["top_k"], "warmup": 0, "seed": 1, "ack": False,
-                 "ring_mb": ring_mb_for(base["batch"], base["tokens"], base["top_k"], copies=4)})
+                 "build": build,
+                 "ring_mb": ring_mb_for(base["batch"], base["tokens"], base["top_k"], copies=8)})
     if not quick:  # calibrate once, so every run does the same work
         base["matmuls"] = calibrate(base)
-    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
     for _ in range(repeats):
-        for path in PATHS:
+        for path in paths:
             result = run_once(path, base)
             runs[path].append(result)
             console().log(f"{path:>6}: {result['tokens_per_s']:,.0f} tokens/s, masks "
-                          f"{result['mask_us']:.1f} us/step, stats {result['stats']}")
+                          f"{result['mask_us']:.1f} us/step (launch p50 "
+                          f"{result['launch_p50_us']:.1f} us by {result['launcher']}), probe "
+                          f"warm {result['probe_warm_us']:.1f} us, after the sync "
+                          f"{result['probe_loop_us']:.1f} us, stats {result['stats']}")
     reference = runs["cpu"][0]["crc"]
     off = float(np.median([r["tokens_per_s"] for r in runs["off"]]))
+    captured = {kind: float(np.median([r["tokens_per_s"] for r in runs["capture" + kind]]))
+                for kind in ("", "-spin") if "capture" + kind in runs}
     rows = []
-    for path in PATHS:
+    for path in paths:
         results = runs[path]
 
         def med(key: str, results: list[dict[str, Any]] = results) -> float:
             return float(np.median([r[key] for r in results]))
 
-        equal = "-" if path == "off" else str(all(r["crc"] == reference for r in results))
+        kind = "-spin" if path.endswith("-spin") else ""
+        equal = "-" if path.startswith(("off", "capture")) else str(
+            all(r["crc"] == reference for r in results))
         rows.append((path, len(results), med("tokens_per_s"),
-                     f"{100 * (med('tokens_per_s') / off - 1):+.2f}%", med("mask_us"),
+                     f"{100 * (med('tokens_per_s') / off - 1):+.2f}%",
+                     f"{100 * (med('tokens_per_s') / captured[kind] - 1):+.2f}%",
+                     med("mask_us"),
                      med("mask_p50_us"), med("mask_p99_us"), med("mask_cpu_us"), med("emit_us"),
+                     med("launch_p50_us"), med("probe_warm_us"), med("probe_loop_us"),
                      med("readable_ms"), equal, sum(r["inline"] for r in results)))
     console().print(__doc__)
     print_table(
         f"Issue 10 - decode loop on {base['device']}: {base['batch']} requests x "
         f"{base['total_tokens']} tokens, step = {base.get('matmuls')} bf16 matmuls "
         f"{base['square']}^3 + logits (V = {base['vocab']}), top_k {base['top_k']} support, "
-        f"emission every {base['tokens']} tokens (median of runs)",
-        ("path", "runs", "tokens/s", "vs off", "masks us/step", "p50 us", "p99 us",
-         "masks cpu us", "emit us/step", "step->readable ms", "rows equal", "inline"),
+        f"emission every {base['tokens']} tokens, responses by {build} (median of runs)",
+        ("path", "runs", "tokens/s", "vs off", "vs capture", "masks us/step", "p50 us", "p99 us",
+         "masks cpu us", "emit us/step", "launch p50 us", "probe warm us", "probe after sync us",
+         "step->readable ms", "rows equal", "inline"),
         rows)
-    return [{"path": p, **{k: v for k, v in r.items() if k != "crc"}} for p in PATHS
+    return [{"path": p, **{k: v for k, v in r.items() if k != "crc"}} for p in paths
             for r in runs[p]]
 
 
@@ -348,12 +466,13 @@ if __name__ == "__main__":
         quick = "--quick" in sys.argv
         if quick:
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        results = run(quick, 1 if quick else repeats)
+        results = run(quick, 1 if quick else repeats, "lists" if "--lists" in sys.argv else "json",
+                      spin="--spin" in sys.argv)
+        if "--out" in sys.argv:
+            Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps(results, indent=1))
         if "--breakdown" in sys.argv:
             base = {"device": "cpu" if quick else "cuda", "batch": 8 if quick else 256,
                     "vocab": 4096 if quick else 151_936, "hidden": 64 if quick else 4096,
                     "square": 64, "top_k": 100 if quick else 1000, "seed": 1,
                     "max_tokens": 256 if quick else 2048, "ring_mb": 64 if quick else 512}
             breakdown(base)
-        if "--out" in sys.argv:
-            Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps(results, indent=1))

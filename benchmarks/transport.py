@@ -335,6 +335,8 @@ class Shmask(Transport):
         return [self.reader.open(ref) for ref in shmask.RefBatch.from_bytes(frames[0])]
 
     def build(self, rows: Any) -> Any:
+        if self.spec.get("build") == "json":  # response bytes, no Python object per row
+            return [chunk.to_json() for chunk in rows]
         return [chunk.to_lists() for chunk in rows]
 
     def crc(self, rows: Any) -> int:

@@ -78,7 +78,7 @@ with _interpreter_scope():
     from .admission import check_admission
     from .capture import capture, reference_capture
     from .compact import compact, reference_compact
-    from .direct import DirectPublisher, reference_direct
+    from .direct import DirectPublisher, publisher_for, reference_direct
     from .host import HostRows, HostStaging, publish
     from .sample import reference_sample, sample
 
@@ -93,6 +93,7 @@ __all__ = [
     "check_admission",
     "compact",
     "publish",
+    "publisher_for",
     "reference_capture",
     "reference_compact",
     "reference_direct",

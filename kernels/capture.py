@@ -54,6 +54,8 @@ Kernels, each a single pass over its data:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._common import (
@@ -73,6 +75,7 @@ from ._common import (
     triton,
     values_capacity,
 )
+from .host import check_into, publish_into
 
 __all__ = ["ORDERS", "capture", "reference_capture"]
 
@@ -415,8 +418,10 @@ def run_capture(
     rows: torch.Tensor | None,
     greedy: torch.Tensor | None,
     overflow: str,
+    into: tuple[Any, ...] | None = None,
 ) -> Rows:
     """Shared launcher of capture() and sample(); exactly one of sampled/seeds."""
+    target = check_into(into, selected=True)  # refused before any kernel runs
     probs = check_matrix(probs, "probs")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -495,8 +500,9 @@ def run_capture(
         values, BLOCK=WRITE_BLOCK, CHUNKS_PAD=chunks_pad,
         ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)), num_warps=16,
     )
-    return Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
-                selected, tokens if sample_mode else None)
+    rows_out = Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
+                    selected, tokens if sample_mode else None)
+    return publish_into(target, rows_out)
 
 
 def capture(
@@ -511,6 +517,7 @@ def capture(
     rows: torch.Tensor | None = None,
     greedy: torch.Tensor | bool | None = None,
     overflow: str = "exact",
+    into: tuple[Any, ...] | None = None,
 ) -> Rows:
     """Support, support logprobs and selected logprob of each row.
 
@@ -522,10 +529,13 @@ def capture(
     ``overflow`` and the output capacity as in :func:`.compact.compact`.
     Returns :class:`Rows` with ``values`` = support logprobs and
     ``selected_logprob`` (NaN for INVALID rows).
+    ``into=(writer, handles)`` (or ``(writer, handles, mode)``, mode
+    "support" by default) also publishes the rows to those RowQueues, row b
+    to ``handles[b]``: GPU-direct where CUDA is present (``kernels.publish``).
     """
     return run_capture(probs, sampled=sampled, seeds=None, top_k=top_k, top_p=top_p,
                        min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
-                       greedy=greedy, overflow=overflow)
+                       greedy=greedy, overflow=overflow, into=into)
 
 
 # ---------------------------------------------------------------- reference

@@ -34,6 +34,8 @@ tail of the last).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._common import (
@@ -52,6 +54,7 @@ from ._common import (
     row_mask,
     values_capacity,
 )
+from .host import check_into, publish_into
 
 __all__ = ["compact", "reference_compact"]
 
@@ -70,6 +73,7 @@ def compact(
     expand_words: int = EXPAND_WORDS,
     expand_warps: int = 8,
     pdl: bool | None = None,
+    into: tuple[Any, ...] | None = None,
 ) -> Rows:
     """Kept entries of every opted-in row of ``x`` [B, V] (fp32/bf16/fp16).
 
@@ -81,20 +85,24 @@ def compact(
     ``values`` ``B * V`` entries with ``overflow="exact"`` (every row may be
     the whole vocabulary), ``B * min(max_tokens, V)`` with ``"status"``.
     Valid prefixes: ``id_offsets[B]`` and ``offsets[B]``.
+    ``into=(writer, handles)`` also publishes the rows (support mode) to
+    those RowQueues, row b to ``handles[b]``: GPU-direct where CUDA is
+    present (``kernels.publish``).
     """
     x = check_matrix(x, "x")
     if keep not in _KEEP_MODES:
         raise ValueError(f"keep must be one of {sorted(_KEEP_MODES)}, got {keep!r}")
+    target = check_into(into, selected=False)
     batch, vocab = x.shape
     check_max_tokens(max_tokens, batch, vocab, overflow)
     opt_in = None if rows is None else row_mask(rows, batch, x.device)
     ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=x.device)
     values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow),
                          dtype=torch.float32, device=x.device)
-    return compact_rows(x, _KEEP_MODES[keep], opt_in, max_tokens, overflow, ids, values,
-                        chunk=chunk, mark_warps=num_warps, expand_words=expand_words,
-                        expand_warps=expand_warps,
-                        pdl=pdl_default(x.device) if pdl is None else pdl)
+    return publish_into(target, compact_rows(
+        x, _KEEP_MODES[keep], opt_in, max_tokens, overflow, ids, values, chunk=chunk,
+        mark_warps=num_warps, expand_words=expand_words, expand_warps=expand_warps,
+        pdl=pdl_default(x.device) if pdl is None else pdl))
 
 
 def reference_compact(

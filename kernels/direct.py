@@ -1,26 +1,33 @@
 """GPU-direct publishing (issue 10): the GPU stores each step's rows straight
 into their requests' RowQueue buffers in the ring, so the scheduler's CPU
-work per step is one counter read, a handle check and one launch.
+work per step is one native call and one kernel launch.
 
 The ring (and a small device-visible queue table, C memory owned by the
 native core) are registered with CUDA as mapped host memory. Each queue's
 table entry (``shm_direct_entry`` in native/shmask_core.h) holds the
-addresses of its buffer's arrays, its counts and capacities. The kernel,
-one program per row, stores an OK row's id data, values, length and flags
-byte where the counts say, then advances the counts; a row that does not fit
-(or a queue already diverted this step) sets the entry's sticky ``diverted``
-flag and bumps a global counter instead, writing nothing. At the next step
-(or before any CPU operation on the queues) the CPU waits for the kernel's
-event, copies the counts back (``shm_direct_pull_all``), fetches the
-diverted rows to the host and appends them with ``Writer.append_step`` in
-order (growing those queues), then pushes the table again.
+addresses of its buffer's arrays, its counts and capacities; a step
+descriptor holds the addresses of the step's Rows and the row -> queue
+slot array. The kernel, one program per row, stores an OK row's id data,
+values, length and flags byte where the counts say, then advances the
+counts; a row that does not fit (or a queue already diverted this step)
+sets the entry's sticky ``diverted`` flag and bumps a counter instead,
+writing nothing. The last program of a step stores the step's target into
+the table's ``done`` word (release, system scope): that is how the CPU
+knows, with one load and no CUDA call, that the step's stores are visible.
+
+Before each launch, ``shm_direct_step`` (one native call) pulls the last
+step's counts, checks the handles, gives every queue room for one more row
+(growing it in the ring, so rows divert only when the ring is full) and
+pushes the entries. Diverted rows are fetched to the host and appended
+with ``Writer.append_step`` in order, before anything else touches the
+queues.
 
 Without CUDA, or when registration fails, :class:`DirectPublisher` falls
 back to today's path (:class:`.host.HostStaging` + :func:`.host.publish`)
 with one warning; ``DirectPublisher.active`` says which. Under Triton's
 interpreter (the CPU tests) the kernel runs on the host and writes the ring
 through plain host addresses, so the same code is tested against a real
-Writer and Reader; the interpreter needs no registration and no event.
+Writer and Reader.
 
 The memory-ordering argument is in docs/architecture.md ("GPU-direct
 publishing").
@@ -30,6 +37,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,7 +52,7 @@ import triton.language as tl
 from ._common import Rows, Status, bitmask_words
 from .host import HostStaging, publish
 
-__all__ = ["DirectPublisher", "reference_direct"]
+__all__ = ["DirectPublisher", "publisher_for", "reference_direct"]
 
 log = logging.getLogger("shmask")
 
@@ -56,19 +65,34 @@ _BLOCK = 1024  # entries a program stores per loop iteration
 # ------------------------------------------------------------------ kernel
 @triton.jit
 def _direct_kernel(
-    table,  # int64: device address of the table (header line, then 64-byte entries)
-    handles_ptr, status_ptr, forms_ptr, lengths_ptr, id_offsets_ptr, offsets_ptr,
-    ids_ptr, values_ptr, selected_ptr,
-    vocab,
+    table,  # int64: device address of the table (native/shmask_core.h's layout)
+    arrivals,  # int64[1] on the device: programs that finished, ever
     SUPPORT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """One program per row of the step the table's descriptor describes
+    (shm_direct_step wrote it): store the row into its queue's buffer if it
+    fits, else mark the queue diverted. The last program to arrive says the
+    step is done (`done` = the step's target, release at system scope)."""
     b = tl.program_id(0)
     table = table.to(tl.int64)  # Triton types a small integer argument as i32
+    header = table.to(tl.pointer_type(tl.int64))
+    desc = header + 8  # shm_direct_step_desc at byte 64: eight addresses, target, slots
+    status_ptr = tl.load(desc + 0).to(tl.pointer_type(tl.int32))
+    forms_ptr = tl.load(desc + 1).to(tl.pointer_type(tl.int32))
+    lengths_ptr = tl.load(desc + 2).to(tl.pointer_type(tl.int32))
+    id_offsets_ptr = tl.load(desc + 3).to(tl.pointer_type(tl.int32))
+    offsets_ptr = tl.load(desc + 4).to(tl.pointer_type(tl.int32))
+    ids_ptr = tl.load(desc + 5).to(tl.pointer_type(tl.int32))
+    values_ptr = tl.load(desc + 6).to(tl.pointer_type(tl.float32))
+    selected_ptr = tl.load(desc + 7).to(tl.pointer_type(tl.float32))
+    target = tl.load(desc + 8)
+    slots_ptr = tl.load(desc + 9).to(tl.pointer_type(tl.int32))
+    vocab = tl.load((desc + 10).to(tl.pointer_type(tl.int32)))
     status = tl.load(status_ptr + b)
     if status != 3:  # Status.SKIPPED: not opted in, nothing travels
-        slot = tl.load(handles_ptr + b) & 0xFFFFFF
-        entry = table + 64 + slot * 64
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        entry = table + 256 + slot * 64  # SHM_DIRECT_HEADER_BYTES, one line per entry
         words32 = entry.to(tl.pointer_type(tl.int32))  # counts start at int32 word 8
         rows = tl.load(words32 + 8).to(tl.int64)
         rows_capacity = tl.load(words32 + 9).to(tl.int64)
@@ -109,7 +133,6 @@ def _direct_kernel(
                 tl.store(dest_logprobs + rows, tl.load(selected_ptr + b))
             tl.store(dest_lengths + rows, length.to(tl.int32))
             tl.store(dest_flags + rows, (status | (form << 2)).to(tl.uint8))
-            # Counts last; the CPU reads none of this before the kernel's event.
             tl.store(words32 + 8, (rows + 1).to(tl.int32))
             tl.store(words32 + 10, (words + n_words).to(tl.int32))
             tl.store(words32 + 12, (nnz + length).to(tl.int32))
@@ -117,7 +140,13 @@ def _direct_kernel(
                 tl.store(words32 + 14, vocab)
         else:
             tl.store(words32 + 15, 1)
-            tl.atomic_add(table.to(tl.pointer_type(tl.int64)), 1)
+            tl.atomic_add(header, 1)  # the diverted counter (GPU-side atomicity suffices)
+    # Every thread's stores of this program, then its arrival; the last
+    # arrival publishes `done` (the CPU's acquire load of it sees them all).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+    if arrived == target - 1:
+        tl.atomic_xchg(header + 1, target, sem="release", scope="sys")
 
 
 # --------------------------------------------------------------- reference
@@ -152,13 +181,12 @@ def reference_direct(rows: Rows, mode: str = "support") -> list[tuple[int, int, 
 # -------------------------------------------------------------- publisher
 @dataclass
 class _Step:
-    """A launched step: its rows must stay alive until the CPU has seen the
-    kernel finish (the diverted rows are fetched from them)."""
+    """The last launched step: its rows stay referenced until the next step
+    (a diverted row is fetched from them)."""
 
     handles: np.ndarray
     rows: Rows
     mode: str
-    event: Any  # torch.cuda.Event, or None under the interpreter (it ran synchronously)
 
 
 class DirectPublisher:
@@ -170,7 +198,9 @@ class DirectPublisher:
     row per queue per step; a step that breaks that, or names a queue the
     table cannot hold, takes the CPU path). ``active`` is False when the
     direct path is unavailable (no CUDA, a registration error, an inline
-    transport); every call then takes the CPU path.
+    transport, ``SHMASK_GPU_DIRECT=off``); every call then takes the CPU path.
+    Engines normally get one through :func:`publisher_for` (what
+    ``kernels.publish`` uses for device rows).
 
     Not thread-safe, like the Writer. ``close()`` (or the Writer's close)
     waits for the last kernel and unregisters the memory.
@@ -186,21 +216,24 @@ class DirectPublisher:
         self.device = torch.device(device) if device is not None else (
             torch.device("cpu") if self.interpreted or not torch.cuda.is_available()
             else torch.device("cuda", torch.cuda.current_device()))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if reserve_tokens is None:
             reserve_tokens = writer.config.max_tokens
         if reserve_tokens < 1:
             raise ValueError(f"reserve_tokens must be >= 1, got {reserve_tokens}")
         self.reserve_tokens = reserve_tokens
         self.staging = HostStaging()  # the CPU path and the diverted rows
-        self.stats = {"direct_steps": 0, "cpu_steps": 0, "diverted_rows": 0}
+        self._stats = {"direct_steps": 0, "cpu_steps": 0, "diverted_rows": 0,
+                       "diverted_steps": 0, "waits": 0}
         self._direct: Any = None
         self._registered: list[int] = []
-        self._inflight: _Step | None = None
+        self._last: _Step | None = None
         self._depth = 0  # quiesce() nesting: > 0 while the CPU owns the queues
-        self._seen = 0  # the table's diverted counter when last read
-        self._host_handles: np.ndarray | None = None
-        self._device_handles: torch.Tensor | None = None
-        self._compiled: dict[tuple, Any] = {}  # specialization -> compiled kernel
+        self._launchers: dict[bool, Any] = {}  # support -> the compiled kernel's launch
+        self.launcher = "none yet"  # which launch later steps use (the benchmark reports it)
+        self._reserve_words: tuple[int, int] = (-1, 0)  # (vocab, id words reserved per row)
+        self._addresses = ffi.new("uint64_t[8]")
         self._bad_row = ffi.new("int64_t *")
         self._bad_slot = ffi.new("uint64_t *")
         self.active = False
@@ -208,11 +241,15 @@ class DirectPublisher:
         if writer.segment is None:
             self._give_up("the Writer has no ring (SHMASK_TRANSPORT=inline)")
             return
+        if getattr(writer.config, "gpu_direct", "auto") == "off":
+            self._give_up("SHMASK_GPU_DIRECT=off")
+            return
         if writer._direct is not None:
             raise ValueError("this Writer already has a DirectPublisher; close that one first")
         if not self.interpreted and self.device.type != "cuda":
             self._give_up(f"rows live on {self.device}, not on a CUDA device")
             return
+        self._device_index = -1 if self.device.type != "cuda" else int(self.device.index)
         try:
             ring_offset = 0 if self.interpreted else self._register(
                 int(ffi.cast("uintptr_t", writer.segment.base)), writer.segment.size)
@@ -221,14 +258,15 @@ class DirectPublisher:
             if rc:
                 raise RuntimeError(f"shm_direct_init({table_slots} slots) failed ({rc})")
             table = int(ffi.cast("uintptr_t", direct.table))
-            table_device = table if self.interpreted else table + self._register(
-                table, int(direct.table_bytes))
+            table_offset = 0 if self.interpreted else self._register(table, int(direct.table_bytes))
+            direct.table_offset = table_offset  # private C memory: the table's device address
+            self._arrivals = torch.zeros(1, dtype=torch.int64, device=self.device)
         except Exception as exc:  # noqa: BLE001 - any failure means: the CPU path, said once
             self._unregister()
             self._give_up(f"registration failed: {exc}")
             return
         self._direct = direct
-        self._table_device = table_device
+        self._table_device = table + table_offset
         self.active = True
         writer._direct = self  # the Writer's hooks: quiesce()/resume() around CPU changes
         lib.shm_direct_push_all(writer._ring, direct)
@@ -237,75 +275,113 @@ class DirectPublisher:
     def publish(self, handles: np.ndarray, rows: Rows, mode: str = "support") -> None:
         """Publish one step's rows: row b goes to the queue of ``handles[b]``.
         SKIPPED rows are left out; every other row travels with its status
-        and form, exactly as ``kernels.publish`` sends it."""
-        if mode not in ("support", "selected"):
+        and form, exactly as ``kernels.publish`` sends it.
+
+        The common step is one native call (``shm_direct_step``: the last
+        step's counts, the handle checks, room for this step, the table) and
+        one launch; nothing waits for the GPU unless the last step's kernel
+        is still running."""
+        if mode != "support" and mode != "selected":
             raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
         if self._depth:
             raise RuntimeError("publish() inside quiesce(): resume() first")
         batch = rows.lengths.numel()
-        if not isinstance(handles, np.ndarray) or handles.dtype != np.int64 or handles.ndim != 1:
+        if type(handles) is not np.ndarray or handles.dtype != np.int64 or handles.ndim != 1:
             handles = np.ascontiguousarray(handles, dtype=np.int64).ravel()
         if handles.size != batch:
             raise ValueError(f"handles has {handles.size} entries; expected one per row ({batch})")
-        if not self.active:
+        if not self.active or batch == 0 or rows.ids.get_device() != self._device_index:
             self._publish_on_cpu(handles, rows, mode)
             return
-        if mode == "selected" and rows.selected_logprob is None:
+        support = mode == "support"
+        if support:
+            selected = rows.values
+        elif rows.selected_logprob is None:
             raise ValueError("mode 'selected' needs rows from capture() or sample()")
-        # (a) the last step's diverted rows go first, in order.
-        self._depth += 1
-        try:
-            self._finish_inflight()
-        finally:
-            self._depth -= 1
-        if batch == 0:
-            return
-        lib = self._lib
-        code = lib.SHM_MODE_SUPPORT if mode == "support" else lib.SHM_MODE_SELECTED
-        c_handles = self._ffi.from_buffer("int64_t[]", handles)
-        if lib.shm_direct_check(self.writer._ring, self._direct, c_handles, batch, code,
-                                self._bad_row):
+        else:
+            selected = rows.selected_logprob
+        vocab = rows.vocab
+        if self._reserve_words[0] != vocab:  # id words a row may need: its ids or its bitmask
+            self._reserve_words = (vocab, max(self.reserve_tokens, bitmask_words(vocab)))
+        lib, ffi = self._lib, self._ffi
+        addresses = self._addresses
+        addresses[0] = rows.status.data_ptr()
+        addresses[1] = rows.forms.data_ptr()
+        addresses[2] = rows.lengths.data_ptr()
+        addresses[3] = rows.id_offsets.data_ptr()
+        addresses[4] = rows.offsets.data_ptr()
+        addresses[5] = rows.ids.data_ptr()
+        addresses[6] = rows.values.data_ptr()
+        addresses[7] = selected.data_ptr()
+        c_handles = ffi.from_buffer("int64_t[]", handles)
+        args = (self.writer._ring, self._direct, c_handles, batch,
+                lib.SHM_MODE_SUPPORT if support else lib.SHM_MODE_SELECTED,
+                self._reserve_words[1], self.reserve_tokens if support else 0, addresses, vocab,
+                self._bad_row)
+        rc = lib.shm_direct_step(*args)
+        while rc > 0:  # the last step is still running, or left diverted rows
+            self._stats["waits" if rc == lib.SHM_DIRECT_IN_FLIGHT else "diverted_steps"] += 1
+            self._settle(pull=False)
+            rc = lib.shm_direct_step(*args)
+        if rc < 0:
+            if rc == lib.SHM_E_DIRECT_COUNTS:
+                raise RuntimeError(f"GPU-direct table is inconsistent ({rc}): the kernel and "
+                                   "the table disagree")
             # A closed queue, two rows of one queue, a slot past the table:
             # the CPU path takes the step (and names a bad handle).
             self._publish_on_cpu(handles, rows, mode)
             return
-        # (b) one launch; its rows stay referenced until (a) of the next step.
-        device_handles = self._handles_on_device(handles)
-        selected = rows.selected_logprob if rows.selected_logprob is not None else rows.values
-        self._launch(batch, (self._table_device, device_handles, rows.status, rows.forms,
-                             rows.lengths, rows.id_offsets, rows.offsets, rows.ids, rows.values,
-                             selected, rows.vocab), mode == "support")
-        event = None
-        if not self.interpreted:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self._inflight = _Step(handles, rows, mode, event)
-        self.stats["direct_steps"] += 1
-
-    def _launch(self, batch: int, args: tuple, support: bool) -> None:
-        """One launch of the kernel. Triton's JIT dispatch binds and
-        specializes every argument on each call (tens of microseconds, most
-        of the step's budget); once a kernel is compiled, later steps launch
-        the compiled kernel directly while the properties Triton specializes
-        on (16-byte alignment of each pointer, integers equal to 1 or
-        divisible by 16) are unchanged, else they go through the dispatch."""
-        if self.interpreted:
-            _direct_kernel[(batch,)](*args, SUPPORT=support, BLOCK=_BLOCK)
+        self._last = _Step(handles.copy(), rows, mode)
+        try:
+            self._launch(batch, support)
+        except Exception as exc:  # noqa: BLE001 - the step must still travel
+            lib.shm_direct_cancel(self._direct)
+            self._last = None
+            self.close()
+            self._give_up(f"launching the store kernel failed: {exc}")
+            self._publish_on_cpu(handles, rows, mode)
             return
-        key = (support, *[(a.data_ptr() if isinstance(a, torch.Tensor) else a) % 16 == 0
-                          for a in args], args[-1] == 1)
-        runner = self._compiled.get(key)
-        if runner is not None:
+        self._stats["direct_steps"] += 1
+
+    def _launch(self, batch: int, support: bool) -> None:
+        """One launch of the kernel (two arguments: the table and the arrival
+        counter). Triton's JIT dispatch binds and specializes every argument
+        on each call (tens of microseconds); once compiled, later steps launch
+        it with one native call (cuLaunchKernel from the core, where the
+        kernel needs nothing else), else through Triton's own launcher."""
+        if self.interpreted:
+            _direct_kernel[(batch,)](self._table_device, self._arrivals, SUPPORT=support,
+                                     BLOCK=_BLOCK)
+            return
+        launch = self._launchers.get(support)
+        if launch is not None:
             try:
-                runner[(batch, 1, 1)](*args, support, _BLOCK,
-                                      stream=torch.cuda.current_stream(self.device).cuda_stream)
-                return
+                if launch(batch, torch._C._cuda_getCurrentRawStream(self._device_index)):
+                    return
             except (TypeError, ValueError, SystemError) as exc:  # another Triton's launcher
-                log.warning("GPU-direct: launching the compiled kernel failed (%s); using "
-                            "Triton's dispatch from now on", exc)
-                self._compiled = _NoCache()
-        compiled = _direct_kernel[(batch,)](*args, SUPPORT=support, BLOCK=_BLOCK)
-        self._compiled[key] = compiled
+                log.warning("GPU-direct: the compiled kernel's launcher refused its arguments "
+                            "(%s); launching through Triton's dispatch from now on", exc)
+                self._launchers = {True: None, False: None}
+        compiled = _direct_kernel[(batch,)](self._table_device, self._arrivals,
+                                            SUPPORT=support, BLOCK=_BLOCK)
+        if support not in self._launchers:
+            native, why = _native_launcher(self._lib, compiled, self._table_device,
+                                           self._arrivals)
+            self._launchers[support] = native or _fast_launcher(
+                compiled, self._table_device, self._arrivals, support)
+            self.launcher = "cuLaunchKernel from the core" if native else (
+                ("Triton's launcher" if self._launchers[support] else "Triton's dispatch")
+                + f" ({why})")
+            if native is None:
+                log.info("GPU-direct: the store kernel launches through Triton: %s", why)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Steps by path, rows diverted (and the steps that had any), steps
+        that found the last kernel still running (waits), and queues given
+        room before a launch (grown: new buffers and larger ones)."""
+        grown = int(self._direct.grown) if self._direct is not None else 0
+        return {**self._stats, "grown": grown}
 
     def wait(self) -> None:
         """Block until the last step's rows are in the ring (diverted ones
@@ -319,8 +395,7 @@ class DirectPublisher:
         its diverted rows, and copy the GPU's counts into the queue table."""
         self._depth += 1
         if self._depth == 1 and self.active:
-            self._finish_inflight()
-            self._pull()
+            self._settle(pull=True)
 
     def resume(self) -> None:
         """After the CPU changed queues: the table describes them again."""
@@ -348,17 +423,17 @@ class DirectPublisher:
             self._depth += 1
             try:
                 if not self.writer.closed:
-                    self._finish_inflight()
-                    self._pull()
-                elif self._inflight is not None and self._inflight.event is not None:
-                    self._inflight.event.synchronize()
+                    self._settle(pull=True)
+                else:
+                    self._wait_idle()
             finally:
                 self._depth -= 1
-                self._inflight = None
+                self._last = None
                 self.active = False
         self._unregister()
         if self.writer._direct is self:
             self.writer._direct = None
+        _PUBLISHERS.pop(self.writer, None)
 
     def __enter__(self) -> DirectPublisher:
         return self
@@ -367,37 +442,55 @@ class DirectPublisher:
         self.close()
 
     # ------------------------------------------------------------ internals
-    def _finish_inflight(self) -> None:
-        """(a): wait for the last kernel; if it diverted rows, append them
-        with the CPU (after pulling, so they land after the GPU's rows) and
-        give their queues room for another step. Called with _depth > 0, so
-        the Writer's hooks inside append_step do nothing."""
-        step = self._inflight
-        if step is None:
+    def _wait_idle(self) -> None:
+        """Until the last kernel completed (its `done` store seen). A step's
+        kernel takes microseconds once it runs; if it is queued behind long
+        work, wait for the device (which also raises a CUDA error)."""
+        lib = self._lib
+        if lib.shm_direct_wait(self._direct, 100_000_000):
             return
-        if step.event is not None:
-            step.event.synchronize()
-        self._inflight = None
-        diverted = int(self._lib.shm_direct_diverted(self._direct))
-        if diverted == self._seen:
-            return
-        self._seen = diverted
-        self._pull()
+        if not self.interpreted:
+            torch.cuda.synchronize(self.device)
+        if not lib.shm_direct_idle(self._direct):
+            raise RuntimeError("GPU-direct: the last step's kernel completed without "
+                               "reporting done: the table and the device disagree")
+
+    def _settle(self, pull: bool) -> None:
+        """Wait for the last kernel; if it diverted rows, append them with the
+        CPU (after pulling, so they land after the GPU's rows) and give their
+        queues room for another row; with ``pull``, copy every queue's
+        counts back (the CPU is about to change queues)."""
+        self._wait_idle()
         lib, ffi = self._lib, self._ffi
-        marks = np.zeros(step.handles.size, np.uint8)
-        lib.shm_direct_diverted_rows(self.writer._ring, self._direct,
-                                     ffi.from_buffer("int64_t[]", step.handles), step.handles.size,
-                                     ffi.from_buffer("uint8_t[]", marks, require_writable=True))
-        host = self.staging.fetch(step.rows, values=step.mode == "support")
-        chosen = (marks != 0) & (host.status != Status.SKIPPED)
-        self.stats["diverted_rows"] += int(chosen.sum())
-        self._append_rows(step.handles, host, chosen, step.mode)
-        words = max(self.reserve_tokens, bitmask_words(host.vocab) if host.vocab else 0)
-        nnz = self.reserve_tokens if step.mode == "support" else 0
-        for handle in step.handles[chosen]:
-            # SHM_FULL here only means the next rows divert again.
-            lib.shm_direct_reserve(self.writer._ring, int(handle) & ((1 << _SLOT_BITS) - 1),
-                                   1, words, nnz)
+        diverted = lib.shm_direct_diverted(self._direct) != self._direct.diverted_seen
+        if pull or diverted:
+            self._pull()
+        step = self._last
+        if not diverted:
+            return
+        self._depth += 1  # the Writer's hooks inside append_step do nothing
+        try:
+            marks = np.zeros(0 if step is None else step.handles.size, np.uint8)
+            if step is not None:
+                lib.shm_direct_diverted_rows(self.writer._ring, self._direct,
+                                             ffi.from_buffer("int64_t[]", step.handles),
+                                             step.handles.size,
+                                             ffi.from_buffer("uint8_t[]", marks,
+                                                             require_writable=True))
+            if step is not None and marks.any():
+                host = self.staging.fetch(step.rows, values=step.mode == "support")
+                chosen = (marks != 0) & (host.status != Status.SKIPPED)
+                self._stats["diverted_rows"] += int(chosen.sum())
+                self._append_rows(step.handles, host, chosen, step.mode)
+                nnz = self.reserve_tokens if step.mode == "support" else 0
+                words = max(self.reserve_tokens, bitmask_words(host.vocab) if host.vocab else 0)
+                for handle in step.handles[chosen]:
+                    # SHM_FULL here only means the next rows divert again.
+                    lib.shm_direct_reserve(self.writer._ring,
+                                           int(handle) & ((1 << _SLOT_BITS) - 1), 1, words, nnz)
+        finally:
+            self._depth -= 1
+        lib.shm_direct_diverted_done(self._direct)
         lib.shm_direct_push_all(self.writer._ring, self._direct)
 
     def _append_rows(self, handles: np.ndarray, host: Any, chosen: np.ndarray,
@@ -426,17 +519,7 @@ class DirectPublisher:
     def _publish_on_cpu(self, handles: np.ndarray, rows: Rows, mode: str) -> None:
         host = self.staging.fetch(rows, values=mode == "support")
         publish(self.writer, handles, host, mode)  # the Writer's hooks quiesce around it
-        self.stats["cpu_steps"] += 1
-
-    def _handles_on_device(self, handles: np.ndarray) -> torch.Tensor:
-        """The handles as a device tensor, copied only when they changed
-        (engines keep one handle array while the batch keeps its requests)."""
-        if (self._device_handles is None or self._host_handles is None
-                or self._host_handles.shape != handles.shape
-                or not np.array_equal(self._host_handles, handles)):
-            self._host_handles = handles.copy()
-            self._device_handles = torch.from_numpy(self._host_handles).to(self.device)
-        return self._device_handles
+        self._stats["cpu_steps"] += 1
 
     def _register(self, address: int, size: int) -> int:
         """cudaHostRegister(Mapped | Portable); returns device address - host
@@ -472,11 +555,92 @@ class DirectPublisher:
                     "Writer.append_step", reason)
 
 
-class _NoCache(dict):
-    """A launch cache that keeps nothing (the compiled-kernel launch failed)."""
+_PUBLISHERS: weakref.WeakKeyDictionary[Any, DirectPublisher] = weakref.WeakKeyDictionary()
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
+
+def publisher_for(writer: Any) -> DirectPublisher:
+    """The Writer's DirectPublisher, made on first use: GPU-direct where
+    CUDA is present and SHMASK_GPU_DIRECT is not "off", else one that
+    takes the CPU path (said once, in a warning)."""
+    publisher = _PUBLISHERS.get(writer)
+    if publisher is None:
+        publisher = writer._direct if writer._direct is not None else DirectPublisher(writer)
+        _PUBLISHERS[writer] = publisher
+    return publisher
+
+
+def _native_launcher(lib: Any, compiled: Any, table: int,
+                     arrivals: torch.Tensor) -> tuple[Any, str]:
+    """A launch of the compiled kernel by the core's cuLaunchKernel: one
+    native call per step. Only for a kernel whose parameters are 8 bytes
+    (the table's address: 4 or 8), the first two ours (the rest the compiler's scratch pointers,
+    passed NULL, so only when it asked for no scratch memory), one CTA per
+    program, no cluster or cooperative launch. Returns (launch, "") or
+    (None, why not): then Triton launches it."""
+    metadata = getattr(compiled, "metadata", None)
+    asm = getattr(compiled, "asm", None)
+    ptx = asm.get("ptx") if asm is not None else None
+    if metadata is None or not isinstance(ptx, str):
+        return None, "no metadata or PTX on the compiled kernel"
+    for name in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(metadata, name, 0):
+            return None, f"the kernel asks for scratch memory ({name})"
+    if (getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_pdl", False)
+            or getattr(metadata, "launch_cooperative_grid", False)):
+        return None, "a cluster, PDL or cooperative launch"
+    entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", ptx, re.S)
+    if entry is None:
+        return None, "no .entry in the PTX"
+    params = [p.strip() for p in entry.group(1).split(",") if ".param" in p]
+    # Triton types an integer argument by its value: the table's address is
+    # .u32 where the heap lies below 2^31 (a non-PIE Python). The core hands
+    # cuLaunchKernel a pointer to a u64 per parameter; a 4-byte parameter
+    # reads its low half (little-endian), which holds the value.
+    if not 2 <= len(params) <= 8 or not all(re.search(r"\.[bsu](64|32)\b", p) for p in params) \
+            or not all(re.search(r"\.[bsu]64\b", p) for p in params[1:]):
+        return None, f"parameters other than 2 to 8 of 8 bytes (the first 4 or 8): {params}"
+    try:
+        compiled._init_handles()
+        function = int(compiled.function)
+        threads = int(metadata.num_warps) * int(getattr(metadata, "warp_size", 32))
+        shared = int(metadata.shared)
+    except (AttributeError, TypeError, ValueError) as exc:
+        return None, f"no function handle or launch size ({exc})"
+    arrivals_address = arrivals.data_ptr()
+    n_params = len(params)
+
+    def launch(batch: int, stream: int) -> bool:
+        rc = lib.shm_direct_launch(function, batch, threads, shared, stream, table,
+                                   arrivals_address, n_params)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel of the store kernel failed ({rc})")
+        return True
+
+    return launch, ""
+
+
+def _fast_launcher(compiled: Any, table: int, arrivals: torch.Tensor, support: bool) -> Any:
+    """A launch of the compiled kernel without Triton's per-call binding:
+    its launcher with the grid, stream and the two fixed arguments. Returns
+    a function that says False when it cannot launch (another Triton's
+    launcher signature, or launch hooks set: then Triton's dispatch runs)."""
+    from triton import knobs
+
+    try:
+        compiled._init_handles()
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    except AttributeError:
+        return None
+
+    def launch(batch: int, stream: int) -> bool:
+        runtime = knobs.runtime
+        if runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+            return False
+        run(batch, 1, 1, stream, function, packed, None, None, None, table, arrivals, support,
+            _BLOCK)
+        return True
+
+    return launch
 
 
 def _interpreted() -> bool:

@@ -28,6 +28,8 @@ from ._common import Rows, Status
 
 __all__ = ["HostRows", "HostStaging", "publish"]
 
+_MODES = ("support", "selected")
+
 
 @dataclass
 class HostRows:
@@ -128,12 +130,21 @@ class HostStaging:
 def publish(
     writer: Any,
     slots: np.ndarray | Sequence[Any],
-    rows: HostRows,
+    rows: HostRows | Rows,
     mode: str = "support",
-) -> np.ndarray:
-    """Append one step's rows to the transport: ``writer.append_step(slots,
-    lengths, ids, logprobs, status=, forms=, vocab=)`` with ``ids`` /
-    ``logprobs`` the staging views.
+) -> np.ndarray | None:
+    """Append one step's rows to the transport.
+
+    Device ``Rows`` (what capture / sample / compact return) go through the
+    Writer's :class:`.direct.DirectPublisher` (:func:`.direct.publisher_for`):
+    with CUDA (and ``SHMASK_GPU_DIRECT`` not "off") the GPU stores them into
+    the ring, one native call and one launch on the CPU; else they are
+    fetched into pinned host buffers and appended as below. Returns None
+    (their statuses stay on the device).
+
+    ``HostRows`` (from :meth:`HostStaging.fetch`) are appended by the CPU:
+    ``writer.append_step(slots, lengths, ids, logprobs, status=, forms=,
+    vocab=)`` with ``ids`` / ``logprobs`` the staging views.
 
     ``slots[b]`` is row b's RowQueue handle (int64 array) or RowQueue. Rows that
     were not opted in (SKIPPED) are left out. Every other row travels exactly
@@ -143,8 +154,13 @@ def publish(
     support logprobs, "selected" the selected logprob of each row. Returns
     the statuses of the rows sent.
     """
-    if mode not in ("support", "selected"):
+    if mode not in _MODES:
         raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
+    if isinstance(rows, Rows):
+        from .direct import publisher_for  # direct.py builds on this module
+
+        publisher_for(writer).publish(_handle_array(slots), rows, mode)
+        return None
     batch = rows.lengths.size
     if len(slots) != batch:
         raise ValueError(f"slots has {len(slots)} entries; expected one per row ({batch})")
@@ -167,3 +183,37 @@ def publish(
     writer.append_step(chosen, lengths, rows.ids, logprobs, status=status, forms=forms,
                        vocab=rows.vocab)
     return status
+
+
+def check_into(into: Any, selected: bool) -> tuple[Any, Any, str] | None:
+    """The ``into=`` argument of capture / sample / compact: ``(writer,
+    handles)`` or ``(writer, handles, mode)``; checked before any kernel
+    runs. ``selected``: whether the rows will carry a selected logprob."""
+    if into is None:
+        return None
+    if not isinstance(into, tuple) or len(into) not in (2, 3):
+        raise ValueError("into must be (writer, handles) or (writer, handles, mode), "
+                         f"got {type(into).__name__}")
+    writer, handles, mode = into if len(into) == 3 else (*into, "support")
+    if not hasattr(writer, "append_step"):
+        raise ValueError(f"into[0] must be a shmask.Writer, got {type(writer).__name__}")
+    if mode not in _MODES:
+        raise ValueError(f"into's mode must be 'support' or 'selected', got {mode!r}")
+    if mode == "selected" and not selected:
+        raise ValueError("into's mode 'selected' needs rows from capture() or sample()")
+    return writer, handles, mode
+
+
+def publish_into(target: tuple[Any, Any, str] | None, rows: Rows) -> Rows:
+    """Publish ``rows`` where check_into's ``target`` says (if anywhere)."""
+    if target is not None:
+        writer, handles, mode = target
+        publish(writer, handles, rows, mode)
+    return rows
+
+
+def _handle_array(slots: np.ndarray | Sequence[Any]) -> np.ndarray:
+    """RowQueue handles as an int64 array (RowQueues or handles given)."""
+    if isinstance(slots, np.ndarray):
+        return slots
+    return np.array([getattr(s, "handle", s) for s in slots], np.int64)

@@ -15,6 +15,8 @@ kernel in distribution, not draw by draw.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._common import Rows, check_matrix, per_row
@@ -35,16 +37,17 @@ def sample(
     rows: torch.Tensor | None = None,
     greedy: torch.Tensor | bool | None = None,
     overflow: str = "exact",
+    into: tuple[Any, ...] | None = None,
 ) -> Rows:
     """Sampled tokens (``Rows.tokens`` int32[B]) and their captured support.
 
     Arguments as :func:`.capture.capture`, with ``seeds`` int64[B] (or one
     int for every row) in place of ``sampled``. Every row is sampled; ``rows``
-    only chooses which supports are materialised.
+    only chooses which supports are materialised; ``into`` publishes them.
     """
     return run_capture(probs, sampled=None, seeds=seeds, top_k=top_k, top_p=top_p,
                        min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
-                       greedy=greedy, overflow=overflow)
+                       greedy=greedy, overflow=overflow, into=into)
 
 
 def reference_sample(

@@ -84,7 +84,14 @@ class ShmDirect(CData):
     table_bytes: int
     slots: int
     ring_offset: int
+    table_offset: int
     serial: int
+    launched: int
+    diverted_seen: int
+    last_batch: int
+    row_words: int
+    row_nnz: int
+    grown: int
 
 class IntPointer(CData):
     def __getitem__(self, index: int | slice, /) -> Any: ...  # an int for an int index
@@ -251,16 +258,28 @@ class _Lib:
     def shm_record_offset(self, ring: CData, position: int, /) -> int: ...
     # GPU-direct publishing (kernels/direct.py)
     SHM_DIRECT_HEADER_BYTES: int
+    SHM_DIRECT_DESC_OFFSET: int
+    SHM_DIRECT_IN_FLIGHT: int
+    SHM_DIRECT_DIVERTED: int
     SHM_E_DIRECT_SLOT: int
     SHM_E_DIRECT_REPEAT: int
     SHM_E_DIRECT_COUNTS: int
+    SHM_E_DIRECT_LAUNCH: int
     def shm_direct_init(self, direct: CData, slots: int, ring_offset: int, /) -> int: ...
     def shm_direct_free(self, direct: CData, /) -> None: ...
     def shm_direct_diverted(self, direct: CData, /) -> int: ...
-    def shm_direct_check(
-        self, ring: CData, direct: CData, handles: CData, batch: int, mode: int,
-        bad_row: IntPointer, /,
+    def shm_direct_idle(self, direct: CData, /) -> int: ...
+    def shm_direct_wait(self, direct: CData, timeout_ns: int, /) -> int: ...
+    def shm_direct_step(
+        self, ring: CData, direct: CData, handles: CData, batch: int, mode: int, words: int,
+        nnz: int, addresses: CData, vocab: int, bad_row: IntPointer, /,
     ) -> int: ...
+    def shm_direct_launch(
+        self, function: int, grid: int, threads: int, shared_bytes: int, stream: int, table: int,
+        arrivals: int, n_params: int, /,
+    ) -> int: ...
+    def shm_direct_cancel(self, direct: CData, /) -> None: ...
+    def shm_direct_diverted_done(self, direct: CData, /) -> None: ...
     def shm_direct_push_all(self, ring: CData, direct: CData, /) -> None: ...
     def shm_direct_pull_all(self, ring: CData, direct: CData, bad_slot: IntPointer, /) -> int: ...
     def shm_direct_diverted_rows(

@@ -44,6 +44,8 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
     lib.SHM_E_DIRECT_REPEAT: (ShmaskError, "a queue has more than one row in this step"),
     lib.SHM_E_DIRECT_COUNTS: (ShmaskError, "the GPU-direct table's counts went backwards or "
                               "past a capacity"),
+    lib.SHM_E_DIRECT_LAUNCH: (ShmaskError, "the GPU-direct store kernel could not be launched "
+                              "(no CUDA driver loaded, or an unexpected kernel signature)"),
 }
 
 

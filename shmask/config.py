@@ -15,9 +15,11 @@ from dataclasses import dataclass, fields
 from .errors import ConfigError
 
 TRANSPORTS = ("shm", "inline")
+GPU_DIRECT = ("auto", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
-_NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": str.upper}
+_NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": str.upper,
+              "SHMASK_GPU_DIRECT": str.lower}
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Config:
     queue_rows: int = 64
     """Rows a new RowQueue buffer holds before it first doubles (the emission
     interval is a good value)."""
+    gpu_direct: str = "auto"
+    """"auto": device rows given to shmask.kernels.publish are stored into the
+    ring by the GPU where CUDA is present (docs/kernels.md); "off": they are
+    copied to the host and appended by the CPU."""
     log_level: str = "WARNING"
     """Level of the `shmask` logger, applied by the CLI and the examples
     (Config.apply_log_level); the library never sets it on its own."""
@@ -60,6 +66,7 @@ class Config:
         # A fresh buffer holds queue_rows rows of the step's length: a bound
         # here keeps one setting from asking for gigabytes per request.
         _check_range("SHMASK_QUEUE_ROWS", self.queue_rows, 1, 1 << 16)
+        _check_choice("SHMASK_GPU_DIRECT", self.gpu_direct, GPU_DIRECT)
         _check_choice("SHMASK_LOG_LEVEL", self.log_level, LOG_LEVELS)
 
     @property

@@ -21,3 +21,18 @@ def test_quick_benchmark_runs_and_verifies_rows():
         assert re.search(rf"^\W*{name}\s", output, re.MULTILINE), f"no result row for {name}"
     assert re.search(r"^mismatches: 0$", output, re.MULTILINE), output[-4000:]
     assert re.search(r"^segments left in /dev/shm: 0", output, re.MULTILINE), output[-4000:]
+
+
+def test_quick_gpu_direct_benchmark_runs_and_rows_match_the_cpu_path(tmp_path):
+    """benchmarks/direct.py --quick: the decode loop through the whole
+    pipeline, CPU path and GPU-direct path (the store kernel in Triton's
+    interpreter), the tokenizer's checksums equal for both."""
+    out = tmp_path / "direct.json"
+    done = subprocess.run([sys.executable, "direct.py", "--quick", "--out", str(out)],
+                          cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    for path in ("off", "capture", "cpu", "direct"):
+        assert re.search(rf"^\W*{path}\s.*\s(True|-)\s", output, re.MULTILINE), f"no row for {path}"
+    assert not re.search(r"\sFalse\s", output), output[-4000:]
+    assert '"direct_steps": 12' in out.read_text()

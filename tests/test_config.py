@@ -7,8 +7,10 @@ import shmask
 
 def test_defaults_and_env_parsing():
     config = shmask.Config.from_env({"SHMASK_RING_MB": "3", "SHMASK_TRANSPORT": "INLINE",
-                                     "SHMASK_LEASE_S": "2.5", "SHMASK_LOG_LEVEL": "debug"})
+                                     "SHMASK_LEASE_S": "2.5", "SHMASK_LOG_LEVEL": "debug",
+                                     "SHMASK_GPU_DIRECT": "OFF"})
     assert config.transport == "inline" and config.lease_s == 2.5 and config.log_level == "DEBUG"
+    assert config.gpu_direct == "off" and shmask.Config().gpu_direct == "auto"
     assert config.ring_capacity_bytes == 4 * 2**20  # rounded up to a power of two
     assert shmask.Config.from_env({}).ring_capacity_bytes == 2**30
 
@@ -23,6 +25,7 @@ def test_defaults_and_env_parsing():
     ("SHMASK_QUEUE_ROWS", "0", "1 to"),
     ("SHMASK_NAME_PREFIX", "a/b", "letters"),
     ("SHMASK_LOG_LEVEL", "LOUD", "DEBUG"),
+    ("SHMASK_GPU_DIRECT", "always", "auto, off"),
 ])
 def test_bad_values_name_the_variable_and_range(name, value, accepted):
     with pytest.raises(shmask.ConfigError) as info:

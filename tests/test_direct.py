@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from shmask.kernels import HostStaging, capture, publish
+from shmask.kernels import HostStaging, capture, compact, publish, publisher_for, sample
 from shmask.kernels.direct import DirectPublisher, reference_direct
 
 import shmask
@@ -126,7 +126,7 @@ def release(chunk: shmask.Chunk) -> None:
 
 @pytest.mark.parametrize("mode", ["support", "selected"])
 def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: str) -> None:
-    """Growth (2-row first buffers: diverted rows), a 1 MiB ring that wraps
+    """Growth (2-row first buffers), diverted rows, a 1 MiB ring that wraps
     and fills (private staging, inline chunks), closed and aborted queues:
     the direct path's chunks equal the CPU path's and the kernels' rows."""
     steps = 400 if GPU else 200
@@ -164,9 +164,13 @@ def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: st
                 gpu.replace(b, abort)
                 pending[b] = []
         stats = gpu.publisher.stats
-        # The run exercised what it claims: kernel steps, diverted rows
-        # (growth), the ring's wrap and its inline fallback.
-        assert stats["direct_steps"] == steps and stats["diverted_rows"] > 0
+        # The run exercised what it claims: kernel steps, the ring's wrap
+        # and its inline fallback; in support mode diverted rows (rows of
+        # more values than the room kept per step, MAX_TOKENS); in selected
+        # mode the room kept ahead (one row of a whole bitmask per queue per
+        # step, growth on the CPU before the launch) means no row diverts.
+        assert stats["direct_steps"] == steps
+        assert (stats["diverted_rows"] > 0) == (mode == "support")
         if mode == "support":  # selected rows are too small to fill the ring in this run
             assert gpu.writer._ring.head > 2 * gpu.writer._ring.capacity, "the ring wrapped"
             assert gpu.writer.stats.inline_ring_full > 0
@@ -192,8 +196,7 @@ def test_a_step_the_table_cannot_take_goes_the_cpu_path_in_order(prefix: str) ->
         repeated = handles.copy()
         repeated[1] = handles[0]
         publisher.publish(repeated, pool[1])
-        assert publisher.stats == {"direct_steps": 1, "cpu_steps": 1,
-                                   "diverted_rows": publisher.stats["diverted_rows"]}
+        assert publisher.stats["direct_steps"] == 1 and publisher.stats["cpu_steps"] == 1
         batch = writer.take_batch(queues)
         first, second = reference_direct(pool[0]), reference_direct(pool[1])
         want0 = [r for r in (first[0], second[0], second[1]) if r is not None]
@@ -282,3 +285,133 @@ def test_reused_slots_never_receive_rows_into_a_closed_queues_buffer(prefix: str
             pending[b] = []
         assert publisher.stats["direct_steps"] == 600
         assert writer._ring.n_queues == 64 and reused > 100  # slots came back
+
+
+def test_kernels_publish_of_device_rows_is_gpu_direct_unless_switched_off(prefix: str) -> None:
+    """The default an engine gets: kernels.publish(writer, queues, rows) with
+    the device Rows goes through the Writer's publisher (made on first use,
+    the same one every step); SHMASK_GPU_DIRECT=off sends the same rows
+    through the host copy. Both deliver the kernels' rows exactly."""
+    pool = rows_pool(3, seed=8)
+    delivered = {}
+    for setting in ("auto", "off"):
+        config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS,
+                               gpu_direct=setting)
+        with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+            queues = [writer.open_queue() for _ in range(BATCH)]
+            for rows in pool:
+                assert publish(writer, queues, rows) is None  # statuses stay on the device
+            publisher = publisher_for(writer)
+            assert publisher is publisher_for(writer)
+            assert publisher.active == (setting == "auto")
+            assert publisher.stats["direct_steps" if setting == "auto" else "cpu_steps"] == 3
+            chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+            delivered[setting] = [chunk_rows(chunk) for chunk in chunks]
+            for chunk in chunks:
+                chunk.release()
+    want = [expected_rows([r for r in rows if r is not None])
+            for rows in zip(*(reference_direct(rows) for rows in pool), strict=True)]
+    assert delivered["auto"] == delivered["off"] == want
+
+
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_capture_into_publishes_the_rows_it_returns(prefix: str, mode: str) -> None:
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    gen = torch.Generator().manual_seed(9)
+    probs = torch.softmax(torch.randn(BATCH, VOCAB, generator=gen) * 4, -1).to(DEVICE)
+    sampled = probs.argmax(1)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue(mode) for _ in range(BATCH)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        top_k = torch.tensor([1, 5, 40, 60, 700, 2, 3, 9], dtype=torch.int32, device=DEVICE)
+        published = [capture(probs, sampled, top_k=top_k, max_tokens=MAX_TOKENS,
+                             into=(writer, handles, mode)),
+                     sample(probs, 7, top_p=0.9, max_tokens=MAX_TOKENS,
+                            into=(writer, handles, mode))]
+        if mode == "support":
+            published.append(compact(probs, MAX_TOKENS, keep="positive", into=(writer, handles)))
+        assert publisher_for(writer).stats["direct_steps"] == len(published)
+        for b, ref in enumerate(writer.take_batch(queues)):
+            chunk = reader.open(ref)
+            want = [reference_direct(rows, mode)[b] for rows in published]
+            assert chunk_rows(chunk) == expected_rows(want), f"row {b}"
+            chunk.release()
+        # A wrong into= is refused before any kernel runs.
+        with pytest.raises(ValueError, match="selected"):
+            compact(probs, MAX_TOKENS, into=(writer, handles, "selected"))
+        with pytest.raises(ValueError, match="into must be"):
+            capture(probs, sampled, top_k=3, max_tokens=MAX_TOKENS, into=(writer,))
+        with pytest.raises(ValueError, match="mode"):
+            capture(probs, sampled, top_k=3, max_tokens=MAX_TOKENS, into=(writer, handles, "all"))
+
+
+def test_a_failed_launch_sends_the_step_by_the_cpu_path_and_turns_direct_off(
+        prefix: str, caplog) -> None:
+    """If the store kernel cannot be launched (a driver error), that step's
+    rows still arrive, in order, and later steps take the CPU path."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    pool = rows_pool(3, seed=10)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        publisher = DirectPublisher(writer)
+        publisher.publish(handles, pool[0])
+
+        def broken(batch: int, support: bool) -> None:
+            raise RuntimeError("CUDA error: launch failure")
+
+        publisher._launch = broken  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="shmask"):
+            publisher.publish(handles, pool[1])
+        assert not publisher.active and "launch" in publisher.reason
+        assert writer._direct is None and not publisher._registered
+        publisher.publish(handles, pool[2])
+        assert publisher.stats["direct_steps"] == 1 and publisher.stats["cpu_steps"] == 2
+        for b, ref in enumerate(writer.take_batch(queues)):
+            chunk = reader.open(ref)
+            want = [r for r in (reference_direct(p)[b] for p in pool) if r is not None]
+            assert chunk_rows(chunk) == expected_rows(want), f"queue {b}"
+            chunk.release()
+
+
+def test_the_core_launches_only_kernels_whose_parameters_it_knows() -> None:
+    """The store kernel is launched by the core's cuLaunchKernel only when
+    its compiled signature is what the core passes (the table, the arrival
+    counter, then NULL scratch pointers); anything else (scratch memory, a
+    cluster launch, other parameters) stays with Triton's launcher, and says
+    why. Without a CUDA driver in the process the launch fails cleanly."""
+    from types import SimpleNamespace
+
+    from shmask.kernels.direct import _native_launcher
+
+    from shmask._native import lib
+
+    good = [".param .u32 _direct_kernel_param_0",  # the table below 2^31: Triton makes it u32
+            ".param .u64 .ptr .global .align 1 _direct_kernel_param_1",
+            ".param .u64 .ptr .global .align 1 _direct_kernel_param_2"]
+
+    def compiled(params: list[str], **changes: object) -> SimpleNamespace:
+        ptx = ".version 8.0\n.visible .entry _direct_kernel(\n\t" + ",\n\t".join(params) + "\n)\n{\n}"
+        metadata = {"num_warps": 4, "warp_size": 32, "shared": 0, "global_scratch_size": 0,
+                    "profile_scratch_size": 0, "num_ctas": 1, **changes}
+        return SimpleNamespace(metadata=SimpleNamespace(**metadata), asm={"ptx": ptx},
+                               function=0x1234, _init_handles=lambda: None)
+
+    arrivals = torch.zeros(1, dtype=torch.int64)
+    launch, why = _native_launcher(lib, compiled(good), 1 << 20, arrivals)
+    assert launch is not None and why == ""
+    refused = [
+        (compiled(good, global_scratch_size=128), "scratch"),
+        (compiled(good, num_ctas=2), "cluster"),
+        (compiled(good[:1]), "parameters"),
+        (compiled([good[1], ".param .u32 _direct_kernel_param_1"]), "parameters"),
+        (compiled([".param .b8 _direct_kernel_param_0[16]", good[1]]), "parameters"),
+        (SimpleNamespace(metadata=None, asm={}), "PTX"),
+    ]
+    for kernel, reason in refused:
+        launch_other, why = _native_launcher(lib, kernel, 1 << 20, arrivals)
+        assert launch_other is None and reason in why, why
+    if not torch.cuda.is_available():  # no driver loaded: refused, nothing launched
+        with pytest.raises(RuntimeError, match="cuLaunchKernel"):
+            launch(8, 0)
+        assert lib.shm_direct_launch(0x1234, 8, 128, 0, 0, 1 << 20, 0, 3) == lib.SHM_E_DIRECT_LAUNCH
