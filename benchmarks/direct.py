@@ -1,4 +1,4 @@
-"""Issue 10: the decode loop on a GPU with the real capture kernel, four ways.
+"""Issue 10: the decode loop on a GPU with the real capture kernel, five ways.
 
 256 requests x 512 tokens; each step is a real GPU step (a chain of bf16
 matmuls calibrated to ~14 ms, then logits, softmax and argmax), the tokens
@@ -12,6 +12,9 @@ come back to the host (the engine's one sync per step), and then the masks:
   direct   the default with CUDA: capture, kernels.publish of the device Rows
            (the GPU stores them straight into the registered ring; the CPU makes
            one native call and one launch)
+  fused    capture(..., into=(writer, handles)) before the sync: capture's own write
+           kernel stores each row into the ring as it computes it (masks us/step:
+           the step's claim inside that call, its only extra CPU work)
   *-spin   (--spin) the same, but the scheduler waits for the step's end spinning on
            an event query (its CPU kept busy) before the usual sync
 
@@ -33,10 +36,11 @@ forward it, open every chunk, build the response (to_json, or to_lists with
                     transport's own cost)
   step->readable    per emission: from the tokens' sync of its last step until the
                     tokenizer holds its chunks (median, ms)
-  rows equal        the tokenizer's checksums of every emission equal the cpu run's
+  rows equal        the tokenizer's checksums of every emission equal the first masks-on
+                    path's (the cpu path's when it runs)
 
-Run: python benchmarks/direct.py [--quick] [--repeats N] [--lists] [--spin] [--breakdown]
-[--out FILE]
+Run: python benchmarks/direct.py [--quick] [--repeats N] [--paths off,capture,...] [--lists]
+[--spin] [--breakdown] [--out FILE]
 (--quick: a small CPU-interpreter smoke run of the same code).
 """
 
@@ -57,7 +61,7 @@ from _common import console, now, print_table, ring_mb_for
 SCRIPT = Path(__file__).resolve()
 STEP_S = 0.014
 EMIT_TOKENS = 50
-PATHS = ("off", "capture", "cpu", "direct")
+PATHS = ("off", "capture", "cpu", "direct", "fused")
 SPIN_PATHS = ("capture-spin", "direct-spin")  # with --spin
 
 
@@ -129,21 +133,23 @@ def run_scheduler(spec: dict[str, Any]) -> None:
     config = shmask.Config(ring_mb=spec["ring_mb"], name_prefix=part1.SEGMENT_PREFIX,
                            full_wait_ms=50, lease_s=600)
 
-    def capture_rows(probs, sampled):
-        return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"])
+    def capture_rows(probs, sampled, into=None):
+        return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"],
+                       into=into)
 
     # Warm-up on a throwaway ring: compiles the step, capture and the direct kernel.
-    if path in ("cpu", "direct"):
+    if path in ("cpu", "direct", "fused"):
         with shmask.Writer(config) as writer:
             queues = np.array([writer.open_queue().handle for _ in range(spec["batch"])])
             staging = HostStaging()
             for index in range(3):
                 probs, sampled = step_fn(index)
-                rows = capture_rows(probs, sampled)
-                if path == "direct":
-                    publish(writer, queues, rows)
+                if path == "fused":
+                    capture_rows(probs, sampled, into=(writer, queues))
+                elif path == "direct":
+                    publish(writer, queues, capture_rows(probs, sampled))
                 else:
-                    publish(writer, queues, staging.fetch(rows))
+                    publish(writer, queues, staging.fetch(capture_rows(probs, sampled)))
                 writer.take_batch(queues)
             sync()
     else:
@@ -152,12 +158,12 @@ def run_scheduler(spec: dict[str, Any]) -> None:
             capture_rows(probs, sampled)
         sync()
 
-    writer = shmask.Writer(config) if path in ("cpu", "direct") else None
+    writer = shmask.Writer(config) if path in ("cpu", "direct", "fused") else None
     publisher = None
     if writer is not None:
         queues = [writer.open_queue() for _ in range(spec["batch"])]
         handles = np.array([q.handle for q in queues], np.int64)
-        if path == "direct":
+        if path in ("direct", "fused"):
             publisher = publisher_for(writer)  # what kernels.publish uses for device rows
             if not publisher.active:
                 raise RuntimeError(f"direct path inactive: {publisher.reason}")
@@ -185,6 +191,19 @@ def run_scheduler(spec: dict[str, Any]) -> None:
                 launches.append(now() - began)
 
             publisher._launch = timed_launch
+        claims: list[float] = []
+        if path == "fused":  # the masks' only CPU work: the step's claim inside capture
+            claim = publisher.claim
+
+            def timed_claim(*args: Any, **kwargs: Any) -> bool:
+                began, cpu_began = now(), time.thread_time()
+                taken = claim(*args, **kwargs)
+                claims.append(now() - began)
+                claims_cpu.append(time.thread_time() - cpu_began)
+                return taken
+
+            claims_cpu: list[float] = []
+            publisher.claim = timed_claim
         # The same fixed piece of CPU work, timed warm (back to back) and right
         # after each step's sync: how much slower the CPU runs there.
         warm_probe = float(np.median([probe() for _ in range(200)]))
@@ -192,7 +211,10 @@ def run_scheduler(spec: dict[str, Any]) -> None:
         emission = 0
         for step in range(total):
             probs, sampled = step_fn(step)
-            rows = capture_rows(probs, sampled) if path != "off" else None
+            if path == "fused":  # the rows are stored by capture's own kernel
+                rows = capture_rows(probs, sampled, into=(writer, handles))
+            else:
+                rows = capture_rows(probs, sampled) if path != "off" else None
             if spin:
                 ready = torch.cuda.Event() if spec["device"] == "cuda" else None
                 if ready is not None:
@@ -204,7 +226,11 @@ def run_scheduler(spec: dict[str, Any]) -> None:
             if step % 8 == 7:  # a sample of steps (the probe's time counts in the loop)
                 probes.append(probe())
                 synced = now()
-            if writer is not None:
+            if path == "fused":
+                mask_s += claims[-1]
+                mask_cpu_s += claims_cpu[-1]
+                per_step.append(claims[-1])
+            elif writer is not None:
                 clock = time.thread_time()
                 if publisher is not None:
                     publish(writer, handles, rows)  # device rows: GPU-direct
@@ -393,8 +419,9 @@ def run_once(path: str, base: dict[str, Any]) -> dict[str, Any]:
             "matmuls": scheduler["matmuls"]}
 
 
-def run(quick: bool, repeats: int, build: str, spin: bool = False) -> list[dict[str, Any]]:
-    paths = PATHS + (SPIN_PATHS if spin else ())
+def run(quick: bool, repeats: int, build: str, spin: bool = False,
+        paths: tuple[str, ...] = PATHS) -> list[dict[str, Any]]:
+    paths = paths + (SPIN_PATHS if spin else ())
     if quick:
         base = {"device": "cpu", "batch": 8, "total_tokens": 12, "tokens": 5, "vocab": 4096,
                 "hidden": 64, "square": 64, "top_k": 100, "max_tokens": 256, "matmuls": 1}
@@ -418,10 +445,11 @@ def run(quick: bool, repeats: int, build: str, spin: bool = False) -> list[dict[
                           f"{result['launch_p50_us']:.1f} us by {result['launcher']}), probe "
                           f"warm {result['probe_warm_us']:.1f} us, after the sync "
                           f"{result['probe_loop_us']:.1f} us, stats {result['stats']}")
-    reference = runs["cpu"][0]["crc"]
+    # Every masks-on run's checksums against the first masks-on path's (cpu when run).
+    reference = next(runs[p][0]["crc"] for p in paths if not p.startswith(("off", "capture")))
     off = float(np.median([r["tokens_per_s"] for r in runs["off"]]))
     captured = {kind: float(np.median([r["tokens_per_s"] for r in runs["capture" + kind]]))
-                for kind in ("", "-spin") if "capture" + kind in runs}
+                if "capture" + kind in runs else float("nan") for kind in ("", "-spin")}
     rows = []
     for path in paths:
         results = runs[path]
@@ -466,8 +494,10 @@ if __name__ == "__main__":
         quick = "--quick" in sys.argv
         if quick:
             os.environ.setdefault("TRITON_INTERPRET", "1")
+        chosen = (tuple(sys.argv[sys.argv.index("--paths") + 1].split(","))
+                  if "--paths" in sys.argv else PATHS)
         results = run(quick, 1 if quick else repeats, "lists" if "--lists" in sys.argv else "json",
-                      spin="--spin" in sys.argv)
+                      spin="--spin" in sys.argv, paths=chosen)
         if "--out" in sys.argv:
             Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps(results, indent=1))
         if "--breakdown" in sys.argv:

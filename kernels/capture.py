@@ -75,6 +75,7 @@ from ._common import (
     triton,
     values_capacity,
 )
+from .direct import claim_step, launching, ring_arrive, ring_claim, ring_commit
 from .host import check_into, publish_into
 
 __all__ = ["ORDERS", "capture", "reference_capture"]
@@ -327,12 +328,19 @@ def _or_in_word(word_a, bits_a, word_b, bits_b):
 def _write_kernel(
     cand_ids_ptr, cand_vals_ptr, counts_ptr, n_chunks, vocab, batch,
     cutoff_ptr, logz_ptr, lengths_ptr, status_ptr, forms_ptr, greedy_ptr, token_ptr,
-    offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr,
+    offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, selected_ptr, table, arrivals,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROWS_BLOCK: tl.constexpr,
+    DIRECT: tl.constexpr, SUPPORT: tl.constexpr,
 ):
     """Program b places row b's support: values at offsets[b], and at
     id_offsets[b] its ids (ids form) or its bitmask words (bitmask form).
-    Both offsets are sums over the rows before b of what resolve decided."""
+    Both offsets are sums over the rows before b of what resolve decided.
+
+    DIRECT (``into=`` on the GPU-direct path, kernels/direct.py): every store
+    of the row's data is made a second time into its queue's buffer in the
+    ring (where it fits: ``ring_claim``), then its length, flags and counts
+    (``ring_commit``), and the program arrives (``ring_arrive``); SUPPORT
+    says whether the ring gets the values or the selected logprob."""
     row = tl.program_id(0)
     n_words = (vocab + 31) // 32
     offset = tl.zeros([], dtype=tl.int32)
@@ -346,12 +354,22 @@ def _write_kernel(
         id_offset += tl.sum(tl.where(bitmask_r, n_words, length_r), axis=0)
     length = tl.load(lengths_ptr + row)
     bitmask = tl.load(forms_ptr + row) != 0
+    status = tl.load(status_ptr + row)
     tl.store(offsets_ptr + row, offset)
     tl.store(id_offsets_ptr + row, id_offset)
     if row == batch - 1:
         tl.store(offsets_ptr + batch, offset + length)
         tl.store(id_offsets_ptr + batch, id_offset + tl.where(bitmask, n_words, length))
-    if tl.load(status_ptr + row) == 0:
+    if DIRECT:
+        # (Block masks are tl.where(fits, mask, False): Triton's interpreter
+        # refuses a block mask and-ed with a scalar.)
+        row_words = tl.where(bitmask, n_words, length).to(tl.int64)
+        fits, entry, q_rows, q_words, q_nnz, ring_ids, ring_vals = ring_claim(
+            table, row, status, bitmask.to(tl.int32), length.to(tl.int64), row_words, vocab,
+            SUPPORT)
+        if not SUPPORT:
+            tl.store(ring_vals, tl.load(selected_ptr + row), mask=fits)
+    if status == 0:
         words_ptr = out_ids_ptr + id_offset
         if bitmask:
             # Words with no support id are written only here; the barrier
@@ -359,14 +377,24 @@ def _write_kernel(
             for start in range(0, n_words, BLOCK):
                 w = start + tl.arange(0, BLOCK)
                 tl.store(words_ptr + w, tl.zeros([BLOCK], dtype=tl.int32), mask=w < n_words)
+                if DIRECT:
+                    tl.store(ring_ids + w, tl.zeros([BLOCK], dtype=tl.int32),
+                             mask=tl.where(fits, w < n_words, False))
             tl.debug_barrier()
         if tl.load(greedy_ptr + row) != 0:
             token = tl.load(token_ptr + row).to(tl.int32)
             if bitmask:
                 tl.store(words_ptr + token // 32, 1 << (token % 32))
+                if DIRECT:
+                    tl.store(ring_ids + token // 32, 1 << (token % 32), mask=fits)
             else:
                 tl.store(out_ids_ptr + id_offset, token)
+                if DIRECT:
+                    tl.store(ring_ids, token, mask=fits)
             tl.store(out_vals_ptr + offset, 0.0)
+            if DIRECT:
+                if SUPPORT:
+                    tl.store(ring_vals, 0.0, mask=fits)
         else:
             chunk_idx = tl.arange(0, CHUNKS_PAD)
             n = tl.sum(tl.load(counts_ptr + row * n_chunks + chunk_idx,
@@ -387,6 +415,9 @@ def _write_kernel(
                 rank = written + tl.cumsum(hit_i, axis=0) - 1
                 ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
                 tl.store(out_vals_ptr + offset + rank, tl.log(v) - logz, mask=hit)
+                if DIRECT:
+                    if SUPPORT:
+                        tl.store(ring_vals + rank, tl.log(v) - logz, mask=tl.where(fits, hit, False))
                 if bitmask:
                     # Padding sorts after every id, so the runs stay contiguous.
                     word = tl.where(live, ids // 32, n_words)
@@ -396,13 +427,22 @@ def _write_kernel(
                     # a run ends where the next candidate (maybe the next
                     # block's first) lies in another word
                     next_id = tl.load(cand_ids_ptr + base + idx + 1, mask=idx + 1 < n, other=-32)
-                    tl.store(words_ptr + word, run_bits, mask=live & (next_id // 32 != word))
+                    run_end = live & (next_id // 32 != word)
+                    tl.store(words_ptr + word, run_bits, mask=run_end)
+                    if DIRECT:
+                        tl.store(ring_ids + word, run_bits, mask=tl.where(fits, run_end, False))
                     last = tl.minimum(n - start, BLOCK) - 1
                     carry_word = tl.max(tl.where(live, word, -1), axis=0)
                     carry_bits = tl.sum(tl.where(idx - start == last, run_bits, 0), axis=0)
                 else:
                     tl.store(out_ids_ptr + id_offset + rank, ids, mask=hit)
+                    if DIRECT:
+                        tl.store(ring_ids + rank, ids, mask=tl.where(fits, hit, False))
                 written += tl.sum(hit_i, axis=0)
+    if DIRECT:
+        ring_commit(table, entry, fits, q_rows, q_words, q_nnz, status, bitmask.to(tl.int32),
+                    length.to(tl.int64), row_words, vocab)
+        ring_arrive(table, arrivals)
 
 
 def run_capture(
@@ -489,19 +529,29 @@ def run_capture(
     ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=device)
     values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow),
                          dtype=torch.float32, device=device)
-    _write_kernel[(batch,)](
-        cand_ids, cand_vals, counts, n_chunks, vocab, batch,
-        cutoff, logz, lengths, status, forms, greedy_i8, tokens, offsets, id_offsets, ids,
-        # A program walks its row's candidates one block at a time, so a
-        # row past max_tokens (tens of thousands of candidates) sets the
-        # kernel's duration: blocks of 4096 over 16 warps (110 registers, no
-        # spills; on the H200, 2026-11-30, blocks of 1024 made a batch with
-        # 10% such rows 450 us slower than with overflow="status").
-        values, BLOCK=WRITE_BLOCK, CHUNKS_PAD=chunks_pad,
-        ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)), num_warps=16,
-    )
+    # into= on the GPU-direct path: the table is prepared for this step now
+    # and the write kernel stores each row into the ring as it computes it.
+    direct = claim_step(target, batch, vocab)
+    with launching(direct):
+        _write_kernel[(batch,)](
+            cand_ids, cand_vals, counts, n_chunks, vocab, batch,
+            cutoff, logz, lengths, status, forms, greedy_i8, tokens, offsets, id_offsets, ids,
+            # A program walks its row's candidates one block at a time, so a
+            # row past max_tokens (tens of thousands of candidates) sets the
+            # kernel's duration: blocks of 4096 over 16 warps (110 registers, no
+            # spills; on the H200, 2026-11-30, blocks of 1024 made a batch with
+            # 10% such rows 450 us slower than with overflow="status").
+            values, selected, 0 if direct is None else direct.publisher.table,
+            counts if direct is None else direct.publisher.arrivals,
+            BLOCK=WRITE_BLOCK, CHUNKS_PAD=chunks_pad,
+            ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)), num_warps=16,
+            DIRECT=direct is not None, SUPPORT=target is None or target[2] == "support",
+        )
     rows_out = Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
                     selected, tokens if sample_mode else None)
+    if direct is not None:
+        direct.launched(rows_out)
+        return rows_out
     return publish_into(target, rows_out)
 
 

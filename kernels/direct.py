@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._common import Rows, Status, bitmask_words
-from .host import HostStaging, publish
+from .host import HostStaging, _handle_array, publish
 
 __all__ = ["DirectPublisher", "publisher_for", "reference_direct"]
 
@@ -63,6 +63,75 @@ _BLOCK = 1024  # entries a program stores per loop iteration
 
 
 # ------------------------------------------------------------------ kernel
+# The pieces every kernel that stores rows into the ring uses (the store
+# kernel below, and capture's write kernel with into=): one program per row
+# of the step that shm_direct_step described.
+
+
+@triton.jit
+def ring_claim(table, b, status, form, length, n_words, vocab, SUPPORT: tl.constexpr):
+    """Where row b of the step goes in its queue's buffer. Returns (fits,
+    entry, rows, words, nnz, ids, logprobs): `ids` and `logprobs` point at
+    the row's first id word and first value (selected mode: its one value);
+    `fits` is False for a SKIPPED row and for one that does not fit."""
+    table = table.to(tl.int64)  # Triton types a small integer argument as i32
+    desc = table.to(tl.pointer_type(tl.int64)) + 8  # shm_direct_step_desc at byte 64
+    slot = tl.load(tl.load(desc + 9).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
+    entry = table + 256 + slot * 64  # SHM_DIRECT_HEADER_BYTES, one line per entry
+    counts = entry.to(tl.pointer_type(tl.int32))  # counts start at int32 word 8
+    rows = tl.load(counts + 8).to(tl.int64)
+    words = tl.load(counts + 10).to(tl.int64)
+    nnz = tl.load(counts + 12).to(tl.int64)
+    queue_vocab = tl.load(counts + 14)
+    fits = (status != 3) & (tl.load(counts + 15) == 0)  # SKIPPED; a queue diverted this step
+    fits = fits & (rows < tl.load(counts + 9)) & (words + n_words <= tl.load(counts + 11))
+    if SUPPORT:
+        fits = fits & (nnz + length <= tl.load(counts + 13))
+    # One vocabulary per buffer (what the CPU path enforces with SHM_E_VOCAB).
+    bitmask = (status == 0) & (form == 1)
+    fits = fits & ((bitmask == 0) | (queue_vocab == 0) | (queue_vocab == vocab))
+    addresses = entry.to(tl.pointer_type(tl.int64))
+    ids = tl.load(addresses + 2).to(tl.pointer_type(tl.int32)) + words
+    logprobs = tl.load(addresses + 3).to(tl.pointer_type(tl.float32))
+    logprobs += nnz if SUPPORT else rows
+    return fits, entry, rows, words, nnz, ids, logprobs
+
+
+@triton.jit
+def ring_commit(table, entry, fits, rows, words, nnz, status, form, length, n_words, vocab):
+    """After the row's data: its length, flags byte and the counts (a row
+    that fits), or the queue's diverted flag and the counter (one that does
+    not, unless SKIPPED)."""
+    counts = entry.to(tl.pointer_type(tl.int32))
+    if fits:
+        addresses = entry.to(tl.pointer_type(tl.int64))
+        tl.store(tl.load(addresses).to(tl.pointer_type(tl.int32)) + rows, length.to(tl.int32))
+        tl.store(tl.load(addresses + 1).to(tl.pointer_type(tl.uint8)) + rows,
+                 (status | (form << 2)).to(tl.uint8))
+        tl.store(counts + 8, (rows + 1).to(tl.int32))
+        tl.store(counts + 10, (words + n_words).to(tl.int32))
+        tl.store(counts + 12, (nnz + length).to(tl.int32))
+        if (status == 0) & (form == 1):
+            tl.store(counts + 14, vocab)
+    elif status != 3:
+        tl.store(counts + 15, 1)
+        # The diverted counter: GPU-side atomicity is all it needs.
+        tl.atomic_add(table.to(tl.int64).to(tl.pointer_type(tl.int64)), 1)
+
+
+@triton.jit
+def ring_arrive(table, arrivals):
+    """Every thread's stores of this program, then its arrival; the last
+    arrival of the step publishes `done` (the CPU's acquire load of it sees
+    every store of the step)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+    header = table.to(tl.int64).to(tl.pointer_type(tl.int64))
+    target = tl.load(header + 16)  # shm_direct_step_desc.target
+    if arrived == target - 1:
+        tl.atomic_xchg(header + 1, target, sem="release", scope="sys")
+
+
 @triton.jit
 def _direct_kernel(
     table,  # int64: device address of the table (native/shmask_core.h's layout)
@@ -70,83 +139,37 @@ def _direct_kernel(
     SUPPORT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per row of the step the table's descriptor describes
-    (shm_direct_step wrote it): store the row into its queue's buffer if it
-    fits, else mark the queue diverted. The last program to arrive says the
-    step is done (`done` = the step's target, release at system scope)."""
+    """Stores row b of the step the table's descriptor describes (the
+    addresses of its Rows tensors) into its queue's buffer, or diverts it."""
     b = tl.program_id(0)
-    table = table.to(tl.int64)  # Triton types a small integer argument as i32
-    header = table.to(tl.pointer_type(tl.int64))
-    desc = header + 8  # shm_direct_step_desc at byte 64: eight addresses, target, slots
-    status_ptr = tl.load(desc + 0).to(tl.pointer_type(tl.int32))
-    forms_ptr = tl.load(desc + 1).to(tl.pointer_type(tl.int32))
-    lengths_ptr = tl.load(desc + 2).to(tl.pointer_type(tl.int32))
+    desc = table.to(tl.int64).to(tl.pointer_type(tl.int64)) + 8
+    status = tl.load(tl.load(desc + 0).to(tl.pointer_type(tl.int32)) + b)
+    form = tl.load(tl.load(desc + 1).to(tl.pointer_type(tl.int32)) + b)
+    length = tl.load(tl.load(desc + 2).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
     id_offsets_ptr = tl.load(desc + 3).to(tl.pointer_type(tl.int32))
-    offsets_ptr = tl.load(desc + 4).to(tl.pointer_type(tl.int32))
-    ids_ptr = tl.load(desc + 5).to(tl.pointer_type(tl.int32))
-    values_ptr = tl.load(desc + 6).to(tl.pointer_type(tl.float32))
-    selected_ptr = tl.load(desc + 7).to(tl.pointer_type(tl.float32))
-    target = tl.load(desc + 8)
-    slots_ptr = tl.load(desc + 9).to(tl.pointer_type(tl.int32))
+    id_start = tl.load(id_offsets_ptr + b).to(tl.int64)
+    n_words = tl.load(id_offsets_ptr + b + 1).to(tl.int64) - id_start
     vocab = tl.load((desc + 10).to(tl.pointer_type(tl.int32)))
-    status = tl.load(status_ptr + b)
-    if status != 3:  # Status.SKIPPED: not opted in, nothing travels
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        entry = table + 256 + slot * 64  # SHM_DIRECT_HEADER_BYTES, one line per entry
-        words32 = entry.to(tl.pointer_type(tl.int32))  # counts start at int32 word 8
-        rows = tl.load(words32 + 8).to(tl.int64)
-        rows_capacity = tl.load(words32 + 9).to(tl.int64)
-        words = tl.load(words32 + 10).to(tl.int64)
-        words_capacity = tl.load(words32 + 11).to(tl.int64)
-        nnz = tl.load(words32 + 12).to(tl.int64)
-        nnz_capacity = tl.load(words32 + 13).to(tl.int64)
-        queue_vocab = tl.load(words32 + 14)
-        diverted = tl.load(words32 + 15)
-        form = tl.load(forms_ptr + b)
-        length = tl.load(lengths_ptr + b).to(tl.int64)
-        id_start = tl.load(id_offsets_ptr + b).to(tl.int64)
-        n_words = tl.load(id_offsets_ptr + b + 1).to(tl.int64) - id_start
-        bitmask = (status == 0) & (form == 1)
-        fits = (diverted == 0) & (rows < rows_capacity) & (words + n_words <= words_capacity)
+    fits, entry, rows, words, nnz, dest_ids, dest_logprobs = ring_claim(
+        table, b, status, form, length, n_words, vocab, SUPPORT)
+    if fits:
+        ids_ptr = tl.load(desc + 5).to(tl.pointer_type(tl.int32))
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, n_words, BLOCK):
+            m = start + offs < n_words
+            tl.store(dest_ids + start + offs, tl.load(ids_ptr + id_start + start + offs, mask=m),
+                     mask=m)
         if SUPPORT:
-            fits = fits & (nnz + length <= nnz_capacity)
-        # One vocabulary per buffer (what the CPU path enforces with SHM_E_VOCAB).
-        fits = fits & ((bitmask == 0) | (queue_vocab == 0) | (queue_vocab == vocab))
-        if fits:
-            addresses = entry.to(tl.pointer_type(tl.int64))
-            dest_lengths = tl.load(addresses).to(tl.pointer_type(tl.int32))
-            dest_flags = tl.load(addresses + 1).to(tl.pointer_type(tl.uint8))
-            dest_ids = tl.load(addresses + 2).to(tl.pointer_type(tl.int32))
-            dest_logprobs = tl.load(addresses + 3).to(tl.pointer_type(tl.float32))
-            offs = tl.arange(0, BLOCK)
-            for start in range(0, n_words, BLOCK):
-                m = start + offs < n_words
-                data = tl.load(ids_ptr + id_start + start + offs, mask=m)
-                tl.store(dest_ids + words + start + offs, data, mask=m)
-            if SUPPORT:
-                value_start = tl.load(offsets_ptr + b).to(tl.int64)
-                for start in range(0, length, BLOCK):
-                    m = start + offs < length
-                    data = tl.load(values_ptr + value_start + start + offs, mask=m)
-                    tl.store(dest_logprobs + nnz + start + offs, data, mask=m)
-            else:
-                tl.store(dest_logprobs + rows, tl.load(selected_ptr + b))
-            tl.store(dest_lengths + rows, length.to(tl.int32))
-            tl.store(dest_flags + rows, (status | (form << 2)).to(tl.uint8))
-            tl.store(words32 + 8, (rows + 1).to(tl.int32))
-            tl.store(words32 + 10, (words + n_words).to(tl.int32))
-            tl.store(words32 + 12, (nnz + length).to(tl.int32))
-            if bitmask:
-                tl.store(words32 + 14, vocab)
+            values_ptr = tl.load(desc + 6).to(tl.pointer_type(tl.float32))
+            value_start = tl.load(tl.load(desc + 4).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
+            for start in range(0, length, BLOCK):
+                m = start + offs < length
+                data = tl.load(values_ptr + value_start + start + offs, mask=m)
+                tl.store(dest_logprobs + start + offs, data, mask=m)
         else:
-            tl.store(words32 + 15, 1)
-            tl.atomic_add(header, 1)  # the diverted counter (GPU-side atomicity suffices)
-    # Every thread's stores of this program, then its arrival; the last
-    # arrival publishes `done` (the CPU's acquire load of it sees them all).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-    if arrived == target - 1:
-        tl.atomic_xchg(header + 1, target, sem="release", scope="sys")
+            tl.store(dest_logprobs, tl.load(tl.load(desc + 7).to(tl.pointer_type(tl.float32)) + b))
+    ring_commit(table, entry, fits, rows, words, nnz, status, form, length, n_words, vocab)
+    ring_arrive(table, arrivals)
 
 
 # --------------------------------------------------------------- reference
@@ -218,13 +241,14 @@ class DirectPublisher:
             else torch.device("cuda", torch.cuda.current_device()))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = -1 if self.device.type != "cuda" else int(self.device.index)
         if reserve_tokens is None:
             reserve_tokens = writer.config.max_tokens
         if reserve_tokens < 1:
             raise ValueError(f"reserve_tokens must be >= 1, got {reserve_tokens}")
         self.reserve_tokens = reserve_tokens
         self.staging = HostStaging()  # the CPU path and the diverted rows
-        self._stats = {"direct_steps": 0, "cpu_steps": 0, "diverted_rows": 0,
+        self._stats = {"direct_steps": 0, "fused_steps": 0, "cpu_steps": 0, "diverted_rows": 0,
                        "diverted_steps": 0, "waits": 0}
         self._direct: Any = None
         self._registered: list[int] = []
@@ -249,7 +273,6 @@ class DirectPublisher:
         if not self.interpreted and self.device.type != "cuda":
             self._give_up(f"rows live on {self.device}, not on a CUDA device")
             return
-        self._device_index = -1 if self.device.type != "cuda" else int(self.device.index)
         try:
             ring_offset = 0 if self.interpreted else self._register(
                 int(ffi.cast("uintptr_t", writer.segment.base)), writer.segment.size)
@@ -279,42 +302,56 @@ class DirectPublisher:
 
         The common step is one native call (``shm_direct_step``: the last
         step's counts, the handle checks, room for this step, the table) and
-        one launch; nothing waits for the GPU unless the last step's kernel
-        is still running."""
-        if mode != "support" and mode != "selected":
-            raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
-        if self._depth:
-            raise RuntimeError("publish() inside quiesce(): resume() first")
+        one launch of the store kernel; nothing waits for the GPU unless the
+        last step's kernel is still running."""
         batch = rows.lengths.numel()
-        if type(handles) is not np.ndarray or handles.dtype != np.int64 or handles.ndim != 1:
-            handles = np.ascontiguousarray(handles, dtype=np.int64).ravel()
-        if handles.size != batch:
-            raise ValueError(f"handles has {handles.size} entries; expected one per row ({batch})")
-        if not self.active or batch == 0 or rows.ids.get_device() != self._device_index:
+        handles = self._checked(handles, batch, mode)
+        if rows.ids.get_device() != self._device_index or not self.claim(handles, mode, rows):
             self._publish_on_cpu(handles, rows, mode)
             return
-        support = mode == "support"
-        if support:
-            selected = rows.values
-        elif rows.selected_logprob is None:
+        try:
+            self._launch(batch, mode == "support")
+        except Exception as exc:  # noqa: BLE001 - the step must still travel
+            self.launch_failed(exc, "the store kernel")
+            self._publish_on_cpu(handles, rows, mode)
+            return
+        self.launched(handles, rows, mode)
+
+    def claim(self, handles: np.ndarray, mode: str, rows: Rows | None = None,
+              vocab: int | None = None) -> bool:
+        """Prepare the table for one step of ``handles`` (``shm_direct_step``);
+        True when a kernel may now store the step's rows: the caller then
+        launches exactly one program per row that ends in ``ring_arrive``
+        (the store kernel for ``rows``; capture's write kernel with
+        ``rows=None``, which computes them), then calls :meth:`launched`, or
+        :meth:`launch_failed`. False: the CPU path must take the step."""
+        if not self.active or handles.size == 0:
+            return False
+        if mode == "selected" and rows is not None and rows.selected_logprob is None:
             raise ValueError("mode 'selected' needs rows from capture() or sample()")
-        else:
-            selected = rows.selected_logprob
-        vocab = rows.vocab
+        if vocab is None:
+            assert rows is not None
+            vocab = rows.vocab
         if self._reserve_words[0] != vocab:  # id words a row may need: its ids or its bitmask
             self._reserve_words = (vocab, max(self.reserve_tokens, bitmask_words(vocab)))
         lib, ffi = self._lib, self._ffi
+        support = mode == "support"
         addresses = self._addresses
-        addresses[0] = rows.status.data_ptr()
-        addresses[1] = rows.forms.data_ptr()
-        addresses[2] = rows.lengths.data_ptr()
-        addresses[3] = rows.id_offsets.data_ptr()
-        addresses[4] = rows.offsets.data_ptr()
-        addresses[5] = rows.ids.data_ptr()
-        addresses[6] = rows.values.data_ptr()
-        addresses[7] = selected.data_ptr()
+        if rows is not None:  # where the store kernel reads the step's rows
+            addresses[0] = rows.status.data_ptr()
+            addresses[1] = rows.forms.data_ptr()
+            addresses[2] = rows.lengths.data_ptr()
+            addresses[3] = rows.id_offsets.data_ptr()
+            addresses[4] = rows.offsets.data_ptr()
+            addresses[5] = rows.ids.data_ptr()
+            addresses[6] = rows.values.data_ptr()
+            selected = rows.values if support else rows.selected_logprob
+            addresses[7] = selected.data_ptr()  # type: ignore[union-attr]
+        else:
+            for index in range(8):
+                addresses[index] = 0
         c_handles = ffi.from_buffer("int64_t[]", handles)
-        args = (self.writer._ring, self._direct, c_handles, batch,
+        args = (self.writer._ring, self._direct, c_handles, handles.size,
                 lib.SHM_MODE_SUPPORT if support else lib.SHM_MODE_SELECTED,
                 self._reserve_words[1], self.reserve_tokens if support else 0, addresses, vocab,
                 self._bad_row)
@@ -323,25 +360,46 @@ class DirectPublisher:
             self._stats["waits" if rc == lib.SHM_DIRECT_IN_FLIGHT else "diverted_steps"] += 1
             self._settle(pull=False)
             rc = lib.shm_direct_step(*args)
-        if rc < 0:
-            if rc == lib.SHM_E_DIRECT_COUNTS:
-                raise RuntimeError(f"GPU-direct table is inconsistent ({rc}): the kernel and "
-                                   "the table disagree")
-            # A closed queue, two rows of one queue, a slot past the table:
-            # the CPU path takes the step (and names a bad handle).
-            self._publish_on_cpu(handles, rows, mode)
-            return
+        if rc == lib.SHM_E_DIRECT_COUNTS:
+            raise RuntimeError(f"GPU-direct table is inconsistent ({rc}): the kernel and "
+                               "the table disagree")
+        # rc < 0: a closed queue, two rows of one queue, a slot past the
+        # table: the CPU path takes the step (and names a bad handle).
+        return rc == 0
+
+    def launched(self, handles: np.ndarray, rows: Rows, mode: str) -> None:
+        """The claimed step's kernel is launched; ``rows`` are its rows (kept
+        until the next step: a diverted row is fetched from them)."""
         self._last = _Step(handles.copy(), rows, mode)
-        try:
-            self._launch(batch, support)
-        except Exception as exc:  # noqa: BLE001 - the step must still travel
-            lib.shm_direct_cancel(self._direct)
-            self._last = None
-            self.close()
-            self._give_up(f"launching the store kernel failed: {exc}")
-            self._publish_on_cpu(handles, rows, mode)
-            return
         self._stats["direct_steps"] += 1
+
+    def launch_failed(self, exc: BaseException, what: str) -> None:
+        """The claimed step's launch failed: nothing is in flight; the
+        publisher closes and every later step takes the CPU path."""
+        self._lib.shm_direct_cancel(self._direct)
+        self.close()
+        self._give_up(f"launching {what} failed: {exc}")
+
+    @property
+    def table(self) -> int:
+        """The table's device address (a kernel argument)."""
+        return self._table_device
+
+    @property
+    def arrivals(self) -> torch.Tensor:
+        """The device counter of finished programs (a kernel argument)."""
+        return self._arrivals
+
+    def _checked(self, handles: Any, batch: int, mode: str) -> np.ndarray:
+        if mode != "support" and mode != "selected":
+            raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
+        if self._depth:
+            raise RuntimeError("publish() inside quiesce(): resume() first")
+        if type(handles) is not np.ndarray or handles.dtype != np.int64 or handles.ndim != 1:
+            handles = np.ascontiguousarray(handles, dtype=np.int64).ravel()
+        if handles.size != batch:
+            raise ValueError(f"handles has {handles.size} entries; expected one per row ({batch})")
+        return handles
 
     def _launch(self, batch: int, support: bool) -> None:
         """One launch of the kernel (two arguments: the table and the arrival
@@ -377,7 +435,8 @@ class DirectPublisher:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Steps by path, rows diverted (and the steps that had any), steps
+        """Steps by path (direct_steps: stored by the GPU, fused_steps of them
+        by capture's own write kernel), rows diverted (and the steps that had any), steps
         that found the last kernel still running (waits), and queues given
         room before a launch (grown: new buffers and larger ones)."""
         grown = int(self._direct.grown) if self._direct is not None else 0
@@ -556,6 +615,49 @@ class DirectPublisher:
 
 
 _PUBLISHERS: weakref.WeakKeyDictionary[Any, DirectPublisher] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Claim:
+    """A step claimed for a kernel that computes the rows and stores them
+    into the ring itself (capture's write kernel with ``into=``)."""
+
+    publisher: DirectPublisher
+    handles: np.ndarray
+    mode: str
+
+    def launched(self, rows: Rows) -> None:
+        self.publisher.launched(self.handles, rows, self.mode)
+        self.publisher._stats["fused_steps"] += 1
+
+
+def claim_step(target: tuple[Any, Any, str] | None, batch: int, vocab: int) -> Claim | None:
+    """For ``into=(writer, handles, mode)`` (check_into's target): the
+    step, claimed on the Writer's GPU-direct table, or None where the rows
+    must be published after they are computed (no target, the CPU path, a
+    step the table cannot take)."""
+    if target is None:
+        return None
+    writer, handles, mode = target
+    publisher = publisher_for(writer)
+    if not publisher.active:
+        return None
+    handles = publisher._checked(_handle_array(handles), batch, mode)
+    if not publisher.claim(handles, mode, vocab=vocab):
+        return None
+    return Claim(publisher, handles, mode)
+
+
+@contextmanager
+def launching(claim: Claim | None) -> Iterator[None]:
+    """Around the launch of a claimed step's kernel: if it raises, nothing
+    is in flight (the claim is cancelled, the publisher closed)."""
+    try:
+        yield
+    except BaseException as exc:
+        if claim is not None:
+            claim.publisher.launch_failed(exc, "capture's write kernel")
+        raise
 
 
 def publisher_for(writer: Any) -> DirectPublisher:

@@ -32,7 +32,7 @@ def test_quick_gpu_direct_benchmark_runs_and_rows_match_the_cpu_path(tmp_path):
                           cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    for path in ("off", "capture", "cpu", "direct"):
+    for path in ("off", "capture", "cpu", "direct", "fused"):
         assert re.search(rf"^\W*{path}\s.*\s(True|-)\s", output, re.MULTILINE), f"no row for {path}"
     assert not re.search(r"\sFalse\s", output), output[-4000:]
-    assert '"direct_steps": 12' in out.read_text()
+    assert '"direct_steps": 12' in out.read_text() and '"fused_steps": 12' in out.read_text()

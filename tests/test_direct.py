@@ -28,10 +28,10 @@ MAX_TOKENS = 48  # an OK row is a bitmask iff L > 48 or 32 L >= 2048 (L >= 64)
 BATCH = 8
 
 
-def rows_pool(count: int, seed: int, batch: int = BATCH) -> list:
-    """Captured steps of mixed forms and statuses: ids rows, bitmask rows
-    (past max_tokens, or dense), OVERFLOW (overflow="status"), INVALID
-    (sampled outside the support) and SKIPPED (not opted in)."""
+def inputs_pool(count: int, seed: int, batch: int = BATCH) -> list[dict]:
+    """capture()'s arguments for steps of mixed forms and statuses: ids rows,
+    bitmask rows (past max_tokens, or dense), OVERFLOW (overflow="status"),
+    INVALID (sampled outside the support), greedy and SKIPPED (not opted in)."""
     gen = torch.Generator().manual_seed(seed)
     pool = []
     for index in range(count):
@@ -43,10 +43,18 @@ def rows_pool(count: int, seed: int, batch: int = BATCH) -> list:
         wrong = torch.rand(batch, generator=gen) < 0.1  # INVALID: outside its support
         sampled = torch.where(wrong, (sampled + VOCAB // 2) % VOCAB, sampled)
         opted = torch.rand(batch, generator=gen) > 0.1  # SKIPPED rows
-        overflow = "status" if index % 3 == 0 else "exact"
-        pool.append(capture(probs.to(DEVICE), sampled.to(DEVICE), top_k=top_k.to(DEVICE),
-                            rows=opted.to(DEVICE), max_tokens=MAX_TOKENS, overflow=overflow))
+        greedy = torch.rand(batch, generator=gen) < 0.1
+        pool.append({"probs": probs.to(DEVICE), "sampled": sampled.to(DEVICE),
+                     "top_k": top_k.to(DEVICE), "rows": opted.to(DEVICE),
+                     "greedy": greedy.to(DEVICE), "max_tokens": MAX_TOKENS,
+                     "overflow": "status" if index % 3 == 0 else "exact"})
     return pool
+
+
+def rows_pool(count: int, seed: int, batch: int = BATCH) -> list:
+    """Captured steps of inputs_pool's mix."""
+    return [capture(inputs.pop("probs"), inputs.pop("sampled"), **inputs)
+            for inputs in inputs_pool(count, seed, batch)]
 
 
 def chunk_rows(chunk: shmask.Chunk) -> tuple:
@@ -175,6 +183,57 @@ def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: st
             assert gpu.writer._ring.head > 2 * gpu.writer._ring.capacity, "the ring wrapped"
             assert gpu.writer.stats.inline_ring_full > 0
         assert compared > steps
+    finally:
+        for chunk in held_cpu + held_gpu:
+            release(chunk)
+        reader.close()
+        cpu.close()
+        gpu.close()
+
+
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_capture_into_stores_from_its_own_kernel_over_a_long_random_run(
+        prefix: str, mode: str) -> None:
+    """capture(..., into=) on the GPU-direct path: its write kernel stores
+    each row into the ring as it computes it. Every chunk equals what the
+    CPU path sends for the same rows, through growth, diverted rows (support
+    rows past the room kept), a ring that fills, takes at random and
+    requests that end or abort."""
+    steps = 300 if GPU else 40
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=1, lease_s=60,
+                           queue_rows=2, max_tokens=MAX_TOKENS)
+    pool = inputs_pool(6, seed=12)
+    rng = np.random.default_rng(13)
+    cpu, gpu = Producer(config, False, mode), Producer(config, True, mode)
+    reader = shmask.Reader(config)
+    held_cpu: list = []
+    held_gpu: list = []
+    pending: list[list] = [[] for _ in range(BATCH)]
+    try:
+        for step in range(steps):
+            inputs = dict(pool[int(rng.integers(len(pool)))])
+            handles = np.array([q.handle for q in gpu.queues], np.int64)
+            rows = capture(inputs.pop("probs"), inputs.pop("sampled"), **inputs,
+                           into=(gpu.writer, handles, mode))
+            cpu.step(rows)
+            for b, row in enumerate(reference_direct(rows, mode)):
+                if row is not None:
+                    pending[b].append(row)
+            if rng.random() < 0.1 or step == steps - 1:
+                got_cpu = read_batch(reader, cpu.take(), held_cpu)
+                got_gpu = read_batch(reader, gpu.take(), held_gpu)
+                for b in range(BATCH):
+                    want = expected_rows(pending[b]) if pending[b] else ([], [], [], [])
+                    assert got_gpu[b] == got_cpu[b] == want, f"step {step} queue {b}"
+                pending = [[] for _ in range(BATCH)]
+            if rng.random() < 0.05:
+                b, abort = int(rng.integers(BATCH)), bool(rng.random() < 0.5)
+                cpu.replace(b, abort)
+                gpu.replace(b, abort)
+                pending[b] = []
+        stats = gpu.publisher.stats
+        assert stats["fused_steps"] == stats["direct_steps"] == steps
+        assert (stats["diverted_rows"] > 0) == (mode == "support")
     finally:
         for chunk in held_cpu + held_gpu:
             release(chunk)
@@ -330,7 +389,10 @@ def test_capture_into_publishes_the_rows_it_returns(prefix: str, mode: str) -> N
                             into=(writer, handles, mode))]
         if mode == "support":
             published.append(compact(probs, MAX_TOKENS, keep="positive", into=(writer, handles)))
-        assert publisher_for(writer).stats["direct_steps"] == len(published)
+        stats = publisher_for(writer).stats
+        assert stats["direct_steps"] == len(published)
+        # capture and sample store their rows from their own write kernel.
+        assert stats["fused_steps"] == 2 and stats["cpu_steps"] == 0
         for b, ref in enumerate(writer.take_batch(queues)):
             chunk = reader.open(ref)
             want = [reference_direct(rows, mode)[b] for rows in published]
