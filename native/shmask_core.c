@@ -1454,15 +1454,22 @@ int shm_direct_step(shm_ring *ring, shm_direct *direct, const int64_t *handles,
         /* Room for one more row of the largest size asked for; a queue that
          * cannot grow now (ring full) diverts its row to the CPU path. */
         if (!fits(q, q->rows + 1, q->words + words, q->nnz + nnz) && ring_usable(ring)) {
+            /* Room for the buffer's remaining rows at the size rows had in
+             * the last step, plus one row of the largest size: not that many
+             * rows of the largest size (gigabytes for a batch of new
+             * requests), and not one row at a time (a relocation a step).
+             * A first buffer (none yet) holds next_rows rows so; a full one
+             * at least doubles (shm_queue_grow). Before any step has stored
+             * a row, the size is unknown: room for one largest row. */
+            uint64_t more = q->rows_capacity > q->rows ? q->rows_capacity - q->rows : q->next_rows;
+            uint64_t more_words = (more ? more - 1 : 0) * direct->row_words + words;
+            uint64_t more_nnz = (more ? more - 1 : 0) * direct->row_nnz + nnz;
             if (!q->rows_capacity && !q->next_words) {
-                /* A queue's first buffer: its first rows at the size rows had
-                 * in the last step, plus one row of the largest size (not
-                 * next_rows rows of the largest size: gigabytes for a batch
-                 * of new requests); it doubles from there if rows grow. */
-                q->next_words = q->next_rows * direct->row_words + words;
-                q->next_nnz = q->next_rows * direct->row_nnz + nnz;
+                q->next_words = q->words + more_words;
+                q->next_nnz = q->nnz + more_nnz;
             }
-            (void)shm_direct_reserve(ring, slot, 1, words, mode == SHM_MODE_SUPPORT ? nnz : 0);
+            (void)shm_direct_reserve(ring, slot, 1, more_words,
+                                     mode == SHM_MODE_SUPPORT ? more_nnz : 0);
             direct->grown++;
         }
         push_slot(ring, direct, slot);

@@ -477,3 +477,31 @@ def test_the_core_launches_only_kernels_whose_parameters_it_knows() -> None:
         with pytest.raises(RuntimeError, match="cuLaunchKernel"):
             launch(8, 0)
         assert lib.shm_direct_launch(0x1234, 8, 128, 0, 0, 1 << 20, 0, 3) == lib.SHM_E_DIRECT_LAUNCH
+
+
+def test_queues_are_sized_from_the_rows_seen_so_a_first_emission_grows_twice(prefix: str) -> None:
+    """Room kept a row ahead must not mean a relocation every few steps: a
+    new queue's first buffer holds one row of the largest size (nothing is
+    known yet), the next growth sizes it for the rest of its rows at the
+    size rows have (2 growths, not one per doubling), and after a take the
+    next buffer fits the next emission (no growth)."""
+    config = shmask.Config(ring_mb=4, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    probs = torch.softmax(torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(14))
+                          * 4, -1).to(DEVICE)
+    rows = capture(probs, probs.argmax(1), top_k=40, max_tokens=MAX_TOKENS)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        publisher = DirectPublisher(writer)
+        for _ in range(50):
+            publisher.publish(handles, rows)
+        assert publisher.stats["grown"] == 2 * BATCH
+        reader.discard_batch(writer.take_batch(queues))
+        for _ in range(50):
+            publisher.publish(handles, rows)
+        assert publisher.stats["grown"] == 2 * BATCH and publisher.stats["diverted_rows"] == 0
+        want = reference_direct(rows)
+        for b, ref in enumerate(writer.take_batch(queues)):
+            chunk = reader.open(ref)
+            assert chunk_rows(chunk) == expected_rows([want[b]] * 50), f"queue {b}"
+            chunk.release()
