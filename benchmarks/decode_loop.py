@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import transport as part1
-import zmq
 from _common import BATCH, EMIT_TOKENS, console, make_pool, now, print_table, ring_mb_for
 
 SCRIPT = Path(__file__).resolve()
@@ -46,17 +45,12 @@ def emission_steps(total: int, interval: int) -> list[tuple[int, int]]:
 def run_scheduler(spec: dict[str, Any]) -> None:
     transport = part1.make_transport(spec, "scheduler")
     pool = make_pool(spec["batch"], spec["width"], spec["mode"], seed=spec["seed"])
-    context = zmq.Context()
-    links = part1.endpoints(spec["dir"])
-    out = part1.socket(context, zmq.PUSH, links["rows"], bind=True)
-    acks = part1.socket(context, zmq.PULL, links["acks"], bind=True)
+    context, out, acks = part1.scheduler_sockets(spec)
     total, interval = spec["total_tokens"], spec["tokens"]
     result: dict[str, Any] = {}
     try:
         # Every process up and connected before the clock starts.
-        out.send(part1.HEADER.pack(part1.MARK, now()))
-        part1.wait_readable(acks)
-        acks.recv()
+        part1.round_trip(out, acks, part1.MARK)
         started = now()
         emission = 0
         sleep_s = append_s = emit_s = 0.0  # where the scheduler's wall time went
@@ -74,9 +68,7 @@ def run_scheduler(spec: dict[str, Any]) -> None:
             append_s += emitted - appended
             emit_s += now() - emitted
         finished = now()
-        out.send(part1.HEADER.pack(part1.STOP, now()))
-        part1.wait_readable(acks)  # the tokenizer is done with every chunk
-        acks.recv()
+        part1.round_trip(out, acks, part1.STOP)  # the tokenizer is done with every chunk
         expected = [pool.emission_crc(first, steps) if spec["transport"] not in ROWLESS else 0
                     for first, steps in emission_steps(total, interval)]
         result = {"started": started, "finished": finished, "expected_crc": expected,

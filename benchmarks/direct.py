@@ -55,7 +55,6 @@ from typing import Any
 
 import numpy as np
 import transport as part1
-import zmq
 from _common import console, now, print_table, ring_mb_for
 
 SCRIPT = Path(__file__).resolve()
@@ -168,16 +167,11 @@ def run_scheduler(spec: dict[str, Any]) -> None:
             if not publisher.active:
                 raise RuntimeError(f"direct path inactive: {publisher.reason}")
     staging = HostStaging()
-    context = zmq.Context()
-    links = part1.endpoints(spec["dir"])
-    out = part1.socket(context, zmq.PUSH, links["rows"], bind=True)
-    acks = part1.socket(context, zmq.PULL, links["acks"], bind=True)
+    context, out, acks = part1.scheduler_sockets(spec)
     total, interval = spec["total_tokens"], spec["tokens"]
     result: dict[str, Any] = {}
     try:
-        out.send(part1.HEADER.pack(part1.MARK, now()))
-        part1.wait_readable(acks)
-        acks.recv()
+        part1.round_trip(out, acks, part1.MARK)
         started = now()
         mask_s = mask_cpu_s = emit_s = 0.0
         per_step: list[float] = []
@@ -251,9 +245,7 @@ def run_scheduler(spec: dict[str, Any]) -> None:
                 emit_s += now() - emitted
                 emission += 1
         finished = now()
-        out.send(part1.HEADER.pack(part1.STOP, now()))
-        part1.wait_readable(acks)
-        acks.recv()
+        part1.round_trip(out, acks, part1.STOP)
         result = {"started": started, "finished": finished, "mask_s": mask_s,
                   "mask_cpu_s": mask_cpu_s, "emit_s": emit_s, "matmuls": spec["matmuls"],
                   "mask_p50_s": float(np.median(per_step)) if per_step else 0.0,

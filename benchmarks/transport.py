@@ -555,6 +555,24 @@ def endpoints(directory: str) -> dict[str, str]:
     return {name: f"ipc://{directory}/{name}" for name in ("rows", "forwarded", "acks")}
 
 
+def scheduler_sockets(spec: dict[str, Any]) -> tuple[zmq.Context[Any], zmq.Socket[Any],
+                                                     zmq.Socket[Any]]:
+    """The scheduler's end of the pipeline: (context, PUSH to the
+    detokenizer, PULL of the tokenizer's acks)."""
+    context: zmq.Context[Any] = zmq.Context()
+    links = endpoints(spec["dir"])
+    return (context, socket(context, zmq.PUSH, links["rows"], bind=True),
+            socket(context, zmq.PULL, links["acks"], bind=True))
+
+
+def round_trip(out: zmq.Socket[Any], acks: zmq.Socket[Any], index: int) -> None:
+    """Send a control frame (MARK: every process up and connected, start the
+    clocks; STOP) through the pipeline and wait for the tokenizer's ack."""
+    out.send(HEADER.pack(index, now()))
+    wait_readable(acks)
+    acks.recv()
+
+
 # ------------------------------------------------------------------- roles
 
 def run_scheduler(spec: dict[str, Any]) -> None:
@@ -562,19 +580,14 @@ def run_scheduler(spec: dict[str, Any]) -> None:
     every `tokens` steps; wait for the tokenizer's ack before the next."""
     transport = make_transport(spec, "scheduler")
     pool = make_pool(spec["batch"], spec["width"], spec["mode"], seed=spec["seed"])
-    context = zmq.Context()
-    links = endpoints(spec["dir"])
-    out = socket(context, zmq.PUSH, links["rows"], bind=True)
-    acks = socket(context, zmq.PULL, links["acks"], bind=True)
+    context, out, acks = scheduler_sockets(spec)
     tokens, warmup = spec["tokens"], spec["warmup"]
     result: dict[str, Any] = {"append_s": [], "emit_s": [], "sent_bytes": [], "expected_crc": []}
     step = 0
     try:
         for emission in range(warmup + spec["measured"]):
             if emission == warmup:
-                out.send(HEADER.pack(MARK, now()))
-                wait_readable(acks)
-                acks.recv()
+                round_trip(out, acks, MARK)
                 cpu_start = cpu_seconds()
             measured = emission >= warmup
             for _ in range(tokens):
@@ -593,9 +606,7 @@ def run_scheduler(spec: dict[str, Any]) -> None:
                 result["emit_s"].append(emitted - started)
                 result["sent_bytes"].append(frame_bytes(frames))
             del frames
-        out.send(HEADER.pack(STOP, now()))
-        wait_readable(acks)
-        acks.recv()
+        round_trip(out, acks, STOP)
         result["cpu_s"] = cpu_seconds() - cpu_start
         result["stats"] = transport.stats()
         # The rows every emission carried, checksummed after the clock stopped.

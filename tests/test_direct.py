@@ -132,6 +132,54 @@ def release(chunk: shmask.Chunk) -> None:
         pass  # an aborted queue's chunks were given back already
 
 
+class Twins:
+    """The CPU path and the direct path fed the same steps, read by one
+    Reader: every take compares both with the kernels' rows."""
+
+    def __init__(self, config: shmask.Config, mode: str) -> None:
+        self.mode = mode
+        self.cpu, self.gpu = Producer(config, False, mode), Producer(config, True, mode)
+        assert self.gpu.publisher is not None and self.gpu.publisher.active
+        self.reader = shmask.Reader(config)
+        self.held: list = []
+        self.pending: list[list] = [[] for _ in range(BATCH)]  # rows per queue since its take
+        self.compared = 0
+
+    def handles(self) -> np.ndarray:
+        return np.array([q.handle for q in self.gpu.queues], np.int64)
+
+    def sent(self, rows) -> None:
+        """The direct path has this step's rows: the CPU path gets them too."""
+        self.cpu.step(rows)
+        for b, row in enumerate(reference_direct(rows, self.mode)):
+            if row is not None:
+                self.pending[b].append(row)
+
+    def take_and_compare(self, step: int) -> None:
+        got_cpu = read_batch(self.reader, self.cpu.take(), self.held)
+        got_gpu = read_batch(self.reader, self.gpu.take(), self.held)
+        for b in range(BATCH):
+            want = expected_rows(self.pending[b]) if self.pending[b] else ([], [], [], [])
+            assert got_gpu[b] == got_cpu[b], f"step {step} queue {b}"
+            assert got_gpu[b] == want, f"step {step} queue {b}"
+            self.compared += len(self.pending[b])
+        self.pending = [[] for _ in range(BATCH)]
+
+    def end_one(self, rng: np.random.Generator) -> None:
+        """A request ends or is aborted mid-emission; a new one takes its place."""
+        b, abort = int(rng.integers(BATCH)), bool(rng.random() < 0.5)
+        self.cpu.replace(b, abort)
+        self.gpu.replace(b, abort)
+        self.pending[b] = []
+
+    def close(self) -> None:
+        for chunk in self.held:
+            release(chunk)
+        self.reader.close()
+        self.cpu.close()
+        self.gpu.close()
+
+
 @pytest.mark.parametrize("mode", ["support", "selected"])
 def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: str) -> None:
     """Growth (2-row first buffers), diverted rows, a 1 MiB ring that wraps
@@ -142,36 +190,17 @@ def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: st
                            queue_rows=2, max_tokens=MAX_TOKENS)
     pool = rows_pool(12 if GPU else 6, seed=1)
     rng = np.random.default_rng(7)
-    cpu, gpu = Producer(config, False, mode), Producer(config, True, mode)
-    assert gpu.publisher is not None and gpu.publisher.active
-    reader = shmask.Reader(config)
-    held_cpu: list = []
-    held_gpu: list = []
-    pending: list[list] = [[] for _ in range(BATCH)]  # reference rows per queue since its take
-    compared = 0
+    twins = Twins(config, mode)
     try:
         for step in range(steps):
             rows = pool[int(rng.integers(len(pool)))]
-            cpu.step(rows)
-            gpu.step(rows)
-            for b, row in enumerate(reference_direct(rows, mode)):
-                if row is not None:
-                    pending[b].append(row)
+            twins.gpu.step(rows)
+            twins.sent(rows)
             if rng.random() < 0.08 or step == steps - 1:
-                got_cpu = read_batch(reader, cpu.take(), held_cpu)
-                got_gpu = read_batch(reader, gpu.take(), held_gpu)
-                for b in range(BATCH):
-                    want = expected_rows(pending[b]) if pending[b] else ([], [], [], [])
-                    assert got_gpu[b] == got_cpu[b], f"step {step} queue {b}"
-                    assert got_gpu[b] == want, f"step {step} queue {b}"
-                    compared += len(pending[b])
-                pending = [[] for _ in range(BATCH)]
-            if rng.random() < 0.05:  # a request ends or is aborted mid-emission
-                b, abort = int(rng.integers(BATCH)), bool(rng.random() < 0.5)
-                cpu.replace(b, abort)
-                gpu.replace(b, abort)
-                pending[b] = []
-        stats = gpu.publisher.stats
+                twins.take_and_compare(step)
+            if rng.random() < 0.05:
+                twins.end_one(rng)
+        stats = twins.gpu.publisher.stats
         # The run exercised what it claims: kernel steps, the ring's wrap
         # and its inline fallback; in support mode diverted rows (rows of
         # more values than the room kept per step, MAX_TOKENS); in selected
@@ -180,15 +209,12 @@ def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: st
         assert stats["direct_steps"] == steps
         assert (stats["diverted_rows"] > 0) == (mode == "support")
         if mode == "support":  # selected rows are too small to fill the ring in this run
-            assert gpu.writer._ring.head > 2 * gpu.writer._ring.capacity, "the ring wrapped"
-            assert gpu.writer.stats.inline_ring_full > 0
-        assert compared > steps
+            ring = twins.gpu.writer._ring
+            assert ring.head > 2 * ring.capacity, "the ring wrapped"
+            assert twins.gpu.writer.stats.inline_ring_full > 0
+        assert twins.compared > steps
     finally:
-        for chunk in held_cpu + held_gpu:
-            release(chunk)
-        reader.close()
-        cpu.close()
-        gpu.close()
+        twins.close()
 
 
 @pytest.mark.parametrize("mode", ["support", "selected"])
@@ -204,42 +230,23 @@ def test_capture_into_stores_from_its_own_kernel_over_a_long_random_run(
                            queue_rows=2, max_tokens=MAX_TOKENS)
     pool = inputs_pool(6, seed=12)
     rng = np.random.default_rng(13)
-    cpu, gpu = Producer(config, False, mode), Producer(config, True, mode)
-    reader = shmask.Reader(config)
-    held_cpu: list = []
-    held_gpu: list = []
-    pending: list[list] = [[] for _ in range(BATCH)]
+    twins = Twins(config, mode)
     try:
         for step in range(steps):
             inputs = dict(pool[int(rng.integers(len(pool)))])
-            handles = np.array([q.handle for q in gpu.queues], np.int64)
             rows = capture(inputs.pop("probs"), inputs.pop("sampled"), **inputs,
-                           into=(gpu.writer, handles, mode))
-            cpu.step(rows)
-            for b, row in enumerate(reference_direct(rows, mode)):
-                if row is not None:
-                    pending[b].append(row)
+                           into=(twins.gpu.writer, twins.handles(), mode))
+            twins.sent(rows)
             if rng.random() < 0.1 or step == steps - 1:
-                got_cpu = read_batch(reader, cpu.take(), held_cpu)
-                got_gpu = read_batch(reader, gpu.take(), held_gpu)
-                for b in range(BATCH):
-                    want = expected_rows(pending[b]) if pending[b] else ([], [], [], [])
-                    assert got_gpu[b] == got_cpu[b] == want, f"step {step} queue {b}"
-                pending = [[] for _ in range(BATCH)]
+                twins.take_and_compare(step)
             if rng.random() < 0.05:
-                b, abort = int(rng.integers(BATCH)), bool(rng.random() < 0.5)
-                cpu.replace(b, abort)
-                gpu.replace(b, abort)
-                pending[b] = []
-        stats = gpu.publisher.stats
+                twins.end_one(rng)
+        stats = twins.gpu.publisher.stats
         assert stats["fused_steps"] == stats["direct_steps"] == steps
         assert (stats["diverted_rows"] > 0) == (mode == "support")
+        assert twins.compared > steps
     finally:
-        for chunk in held_cpu + held_gpu:
-            release(chunk)
-        reader.close()
-        cpu.close()
-        gpu.close()
+        twins.close()
 
 
 def test_a_step_the_table_cannot_take_goes_the_cpu_path_in_order(prefix: str) -> None:
