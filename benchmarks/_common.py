@@ -219,7 +219,8 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
 
     table = Table(title=title, title_justify="left", caption=note or None, caption_justify="left")
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i == 0 else "right")
+        # the first column names the row: never cut (other columns wrap first)
+        table.add_column(column, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in rows:
         table.add_row(*(fmt(value) for value in row))
     console().print(table)

@@ -1,4 +1,5 @@
-"""Issue 10: the decode loop on a GPU with the real capture kernel, five ways.
+"""Issue 10: the decode loop on a GPU with the real capture kernel, five ways
+(and compaction, three).
 
 256 requests x 512 tokens; each step is a real GPU step (a chain of bf16
 matmuls calibrated to ~14 ms, then logits, softmax and argmax), the tokens
@@ -17,6 +18,10 @@ come back to the host (the engine's one sync per step), and then the masks:
            the step's claim inside that call, its only extra CPU work)
   *-spin   (--spin) the same, but the scheduler waits for the step's end spinning on
            an event query (its CPU kept busy) before the usual sync
+  compact, compact-direct, compact-fused  (--paths) the masks by compact() of the
+           step's top-k-masked logprobs instead of capture: rows dropped; kernels.publish
+           of the device rows (the store kernel); compact(..., into=) (its expand kernel
+           stores each row into the ring). "vs capture" is against compact there
 
 Every 50 tokens (and at the finish) the scheduler takes the queues and sends
 one RefBatch; the detokenizer and tokenizer processes of benchmarks/transport.py
@@ -33,11 +38,11 @@ forward it, open every chunk, build the response (to_json, or to_lists with
                     runs code just after the wait
   tokens/s          256 x 512 / the scheduler's wall time, first step to last emission
   vs off, vs capture  throughput against masks off, and against capture-only (the
-                    transport's own cost)
+                    transport's own cost; compact-* paths: against compact)
   step->readable    per emission: from the tokens' sync of its last step until the
                     tokenizer holds its chunks (median, ms)
   rows equal        the tokenizer's checksums of every emission equal the first masks-on
-                    path's (the cpu path's when it runs)
+                    path's with the same rows (the cpu path's when it runs; compact-direct's)
 
 Run: python benchmarks/direct.py [--quick] [--repeats N] [--paths off,capture,...] [--lists]
 [--spin] [--breakdown] [--out FILE]
@@ -62,6 +67,21 @@ STEP_S = 0.014
 EMIT_TOKENS = 50
 PATHS = ("off", "capture", "cpu", "direct", "fused")
 SPIN_PATHS = ("capture-spin", "direct-spin")  # with --spin
+COMPACT_PATHS = ("compact", "compact-direct", "compact-fused")  # --paths ...
+# compact-* paths run the capture paths' code with compact() making the rows
+AS_CAPTURE = {"compact": "capture", "compact-direct": "direct", "compact-fused": "fused"}
+
+
+def masks_only(path: str) -> bool:
+    """Paths whose scheduler sends no rows (no transport)."""
+    return path.startswith(("off", "capture")) or path == "compact"
+
+
+def baseline(path: str) -> str:
+    """The masks-only path whose rows this path's transport sends."""
+    if path.startswith("compact"):
+        return "compact"
+    return "capture-spin" if path.endswith("-spin") else "capture"
 
 
 def gpu_step_fn(spec: dict[str, Any]):
@@ -120,11 +140,12 @@ def calibrate(spec: dict[str, Any]) -> int:
 
 def run_scheduler(spec: dict[str, Any]) -> None:
     import torch
-    from shmask.kernels import HostStaging, capture, publish, publisher_for
+    from shmask.kernels import HostStaging, capture, compact, publish, publisher_for
 
     import shmask
 
-    path = spec["path"].removesuffix("-spin")
+    compacting = spec["path"] in AS_CAPTURE
+    path = AS_CAPTURE.get(spec["path"], spec["path"].removesuffix("-spin"))
     spin = spec["path"].endswith("-spin")  # wait for the step spinning, the CPU kept busy
     spec["matmuls"] = spec.get("matmuls") or calibrate(spec)
     step_fn = gpu_step_fn(spec)
@@ -133,6 +154,10 @@ def run_scheduler(spec: dict[str, Any]) -> None:
                            full_wait_ms=50, lease_s=600)
 
     def capture_rows(probs, sampled, into=None):
+        if compacting:  # the engine's own top-k masking, then compaction of the logprobs
+            kth = probs.topk(spec["top_k"], dim=1).values[:, -1:]
+            logprobs = torch.where(probs >= kth, probs.log(), -float("inf"))
+            return compact(logprobs, spec["max_tokens"], into=into)
         return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"],
                        into=into)
 
@@ -389,8 +414,7 @@ def breakdown(base: dict[str, Any]) -> None:
 
 
 def run_once(path: str, base: dict[str, Any]) -> dict[str, Any]:
-    spec = {**base, "path": path,
-            "transport": "off" if path.startswith(("off", "capture")) else "shmask"}
+    spec = {**base, "path": path, "transport": "off" if masks_only(path) else "shmask"}
     # A scheduler that fails must not hold the others (and the GPU) for 10 minutes.
     results = part1.run_pipeline(spec, scheduler_script=SCRIPT, timeout_s=150)
     scheduler, tok = results["scheduler"], results["tokenizer"]
@@ -437,11 +461,15 @@ def run(quick: bool, repeats: int, build: str, spin: bool = False,
                           f"{result['launch_p50_us']:.1f} us by {result['launcher']}), probe "
                           f"warm {result['probe_warm_us']:.1f} us, after the sync "
                           f"{result['probe_loop_us']:.1f} us, stats {result['stats']}")
-    # Every masks-on run's checksums against the first masks-on path's (cpu when run).
-    reference = next(runs[p][0]["crc"] for p in paths if not p.startswith(("off", "capture")))
+    # Every masks-on run's checksums against the first masks-on path's of the
+    # same rows (capture's: cpu when run; compaction's).
+    reference: dict[str, Any] = {}
+    for path in paths:
+        if not masks_only(path):
+            reference.setdefault(baseline(path), runs[path][0]["crc"])
     off = float(np.median([r["tokens_per_s"] for r in runs["off"]]))
-    captured = {kind: float(np.median([r["tokens_per_s"] for r in runs["capture" + kind]]))
-                if "capture" + kind in runs else float("nan") for kind in ("", "-spin")}
+    masks = {p: float(np.median([r["tokens_per_s"] for r in runs[p]])) if p in runs
+             else float("nan") for p in ("capture", "capture-spin", "compact")}
     rows = []
     for path in paths:
         results = runs[path]
@@ -449,12 +477,11 @@ def run(quick: bool, repeats: int, build: str, spin: bool = False,
         def med(key: str, results: list[dict[str, Any]] = results) -> float:
             return float(np.median([r[key] for r in results]))
 
-        kind = "-spin" if path.endswith("-spin") else ""
-        equal = "-" if path.startswith(("off", "capture")) else str(
-            all(r["crc"] == reference for r in results))
+        equal = "-" if masks_only(path) else str(
+            all(r["crc"] == reference[baseline(path)] for r in results))
         rows.append((path, len(results), med("tokens_per_s"),
                      f"{100 * (med('tokens_per_s') / off - 1):+.2f}%",
-                     f"{100 * (med('tokens_per_s') / captured[kind] - 1):+.2f}%",
+                     f"{100 * (med('tokens_per_s') / masks[baseline(path)] - 1):+.2f}%",
                      med("mask_us"),
                      med("mask_p50_us"), med("mask_p99_us"), med("mask_cpu_us"), med("emit_us"),
                      med("launch_p50_us"), med("probe_warm_us"), med("probe_loop_us"),

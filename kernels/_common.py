@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .ring import ring_arrive, ring_claim, ring_commit
+
 CHUNK = 8192  # columns per mark program (32 KiB of fp32 read per program)
 WORD_BITS = 32
 EXPAND_WORDS = 256  # bitmask words per expand program (8192 columns)
@@ -291,12 +293,20 @@ def mark_kernel(
 def scan_kernel(
     counts_ptr, n_chunks, opt_in_ptr, batch, vocab, max_tokens,
     sizes_ptr, lengths_ptr, status_ptr, forms_ptr, offsets_ptr, id_offsets_ptr,
+    table, claims_ptr,
     STATUS_ON_OVERFLOW: tl.constexpr, ALL_ROWS: tl.constexpr, PDL: tl.constexpr,
-    ROWS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+    ROWS: tl.constexpr, CHUNKS_PAD: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """One program: per-row sizes from the chunk counts, statuses, forms,
     lengths, and the exclusive scans of the lengths (offsets) and of the id
-    lengths (id_offsets)."""
+    lengths (id_offsets).
+
+    DIRECT (compact's ``into=`` on the GPU-direct path): also where each row
+    goes in its queue's buffer in the ring (``ring_claim``, a block of rows
+    at a time: it only reads the table), written to claims[8 b:8 b + 8] as
+    (entry, fits, rows, words, nnz, ring ids address, ring values address,
+    0: the row's expand programs that finished). The expand kernel's
+    programs store the row there a second time and its last one commits it."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -325,6 +335,21 @@ def scan_kernel(
         tl.store(offsets_ptr + rows, carry + tl.cumsum(length, axis=0) - length, mask=in_batch)
         tl.store(id_offsets_ptr + rows, id_carry + tl.cumsum(id_length, axis=0) - id_length,
                  mask=in_batch)
+        if DIRECT:
+            # Rows past the batch are SKIPPED (no claim); they read row
+            # batch - 1's slot so that no load leaves the step's arrays.
+            fits, entry, q_rows, q_words, q_nnz, ring_ids, ring_vals = ring_claim(
+                table, tl.minimum(rows, batch - 1), status, bitmask.to(tl.int32),
+                length.to(tl.int64), id_length.to(tl.int64), vocab, True)
+            claim = claims_ptr + rows.to(tl.int64) * 8
+            tl.store(claim, entry, mask=in_batch)
+            tl.store(claim + 1, fits.to(tl.int64), mask=in_batch)
+            tl.store(claim + 2, q_rows, mask=in_batch)
+            tl.store(claim + 3, q_words, mask=in_batch)
+            tl.store(claim + 4, q_nnz, mask=in_batch)
+            tl.store(claim + 5, ring_ids.to(tl.int64), mask=in_batch)
+            tl.store(claim + 6, ring_vals.to(tl.int64), mask=in_batch)
+            tl.store(claim + 7, tl.zeros_like(entry), mask=in_batch)
         carry += tl.sum(length, axis=0)
         id_carry += tl.sum(id_length, axis=0)
     tl.store(offsets_ptr + batch, carry)
@@ -335,8 +360,9 @@ def scan_kernel(
 def expand_kernel(
     x_ptr, stride_row, vocab, bits_ptr, counts_ptr, n_chunks,
     status_ptr, forms_ptr, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr,
+    table, arrivals, claims_ptr,
     ROW_LOCAL: tl.constexpr, PDL: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """Program (b, g) turns the bitmasks of chunks [g*GROUP, (g+1)*GROUP) of
     row b into ascending ids and gathers their values from x.
@@ -351,7 +377,14 @@ def expand_kernel(
     gathers their values, so the loop runs as often as the fullest word has
     bits / 4 (once for a sparse row). The first step's gathers are issued
     before the block-wide scans that place them, so their memory latency
-    overlaps the scans."""
+    overlaps the scans.
+
+    DIRECT (compaction only, after scan_kernel claimed the step's rows):
+    every store is made a second time at the row's place in its queue's
+    buffer in the ring, where it fits; the row's last program to finish
+    (counted in its claim) commits its length, flags and counts
+    (``ring_commit``) and arrives for it (``ring_arrive``), so the step is
+    done once every row's programs are."""
     WORDS: tl.constexpr = GROUP * (CHUNK // 32)
     if PDL:
         gdc_wait()
@@ -378,6 +411,14 @@ def expand_kernel(
         n_words = (vocab + 31) // 32
         tl.store(out_ids_ptr + id_dst + first_word + word_idx, words,
                  mask=tl.where(bitmask, first_word + word_idx < n_words, False))
+        if DIRECT:
+            claim = claims_ptr + row.to(tl.int64) * 8
+            fits = tl.load(claim + 1) != 0
+            ring_ids = tl.load(claim + 5).to(tl.pointer_type(tl.int32))
+            ring_vals = tl.load(claim + 6).to(tl.pointer_type(tl.float32))
+            tl.store(ring_ids + first_word + word_idx, words,
+                     mask=tl.where(bitmask & fits, first_word + word_idx < n_words, False))
+            ring_id_dst = tl.where(bitmask, -1, 0)
         words = tl.where(ok, words, 0)
         id_dst = tl.where(bitmask, -1, id_dst)  # the ids form only: below, -1 = none
     words = words.to(tl.uint32, bitcast=True)
@@ -397,6 +438,9 @@ def expand_kernel(
     rounds = tl.max(per_word, axis=0)
     _place(out_ids_ptr, out_vals_ptr, dst, id_dst, slots, cols_a, vals_a, live_a,
            cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d)
+    if DIRECT:
+        _place_ring(ring_ids, ring_vals, ring_id_dst, fits, slots, cols_a, vals_a, live_a,
+                    cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d)
     for _ in range(4, rounds, 4):
         slots += 4
         cols_a, live_a, words_left = _peel(words_left, col_base)
@@ -409,6 +453,20 @@ def expand_kernel(
         vals_d = tl.load(x_row + cols_d, mask=live_d)
         _place(out_ids_ptr, out_vals_ptr, dst, id_dst, slots, cols_a, vals_a, live_a,
                cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d)
+        if DIRECT:
+            _place_ring(ring_ids, ring_vals, ring_id_dst, fits, slots, cols_a, vals_a, live_a,
+                        cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d)
+    if DIRECT:
+        tl.debug_barrier()  # every thread's stores of this program, then its count
+        finished = tl.atomic_add(claim + 7, 1, sem="acq_rel", scope="gpu")
+        if finished == tl.num_programs(1) - 1:  # the row's last program
+            length = (tl.load(offsets_ptr + row + 1) - tl.load(offsets_ptr + row)).to(tl.int64)
+            row_words = (tl.load(id_offsets_ptr + row + 1)
+                         - tl.load(id_offsets_ptr + row)).to(tl.int64)
+            ring_commit(table, tl.load(claim), fits, tl.load(claim + 2), tl.load(claim + 3),
+                        tl.load(claim + 4), tl.load(status_ptr + row),
+                        tl.load(forms_ptr + row), length, row_words, vocab)
+            ring_arrive(table, arrivals)
 
 
 @triton.jit
@@ -425,6 +483,19 @@ def _place(out_ids_ptr, out_vals_ptr, dst, id_dst, slots, cols_a, vals_a, live_a
     tl.store(out_ids_ptr + id_dst + slots + 1, cols_b, mask=tl.where(ids, live_b, False))
     tl.store(out_ids_ptr + id_dst + slots + 2, cols_c, mask=tl.where(ids, live_c, False))
     tl.store(out_ids_ptr + id_dst + slots + 3, cols_d, mask=tl.where(ids, live_d, False))
+
+
+@triton.jit
+def _place_ring(ring_ids, ring_vals, id_dst, fits, slots, cols_a, vals_a, live_a,
+                cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d):
+    """The same peel step stored at the row's claimed place in the ring,
+    where it fits (a scalar and-ed into a block mask through tl.where: the
+    interpreter refuses `block & scalar`)."""
+    _place(ring_ids, ring_vals, 0, id_dst, slots,
+           cols_a, vals_a, tl.where(fits, live_a, False),
+           cols_b, vals_b, tl.where(fits, live_b, False),
+           cols_c, vals_c, tl.where(fits, live_c, False),
+           cols_d, vals_d, tl.where(fits, live_d, False))
 
 
 @triton.jit
@@ -451,7 +522,7 @@ def _interpreted() -> bool:
     return bool(getattr(runtime, "interpret", False)) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launch_options(pdl: bool) -> dict:
+def launch_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
@@ -470,7 +541,7 @@ def launch_mark(
         x, x.stride(0), vocab, counts if opt_in is None else opt_in,
         counts if key_floor is None else key_floor, bits, counts, n_chunks,
         MODE=mode, CHUNK=chunk, ALL_ROWS=opt_in is None, PDL=pdl, num_warps=num_warps,
-        **_launch_options(pdl),
+        **launch_options(pdl),
     )
     return bits, counts, n_chunks
 
@@ -484,40 +555,6 @@ def launch_expand_local(
     group = max(1, EXPAND_WORDS // (chunk // WORD_BITS))
     expand_kernel[(batch, triton.cdiv(n_chunks, group))](
         x, x.stride(0), vocab, bits, counts, n_chunks, counts, counts, counts, counts,
-        out_ids, out_vals, ROW_LOCAL=True, PDL=False, CHUNK=chunk, GROUP=group,
-        CHUNKS_PAD=triton.next_power_of_2(n_chunks), num_warps=8,
+        out_ids, out_vals, 0, counts, counts, ROW_LOCAL=True, PDL=False, CHUNK=chunk,
+        GROUP=group, CHUNKS_PAD=triton.next_power_of_2(n_chunks), DIRECT=False, num_warps=8,
     )
-
-
-def compact_rows(
-    x: torch.Tensor, mode: int, opt_in: torch.Tensor | None, max_tokens: int, overflow: str,
-    out_ids: torch.Tensor, out_vals: torch.Tensor, *, chunk: int = CHUNK, mark_warps: int = 4,
-    expand_words: int = EXPAND_WORDS, expand_warps: int = 8, pdl: bool = False,
-) -> Rows:
-    """mark + scan + expand: the compaction result in out_ids/out_vals."""
-    batch, vocab = x.shape
-    device = x.device
-    bits, counts, n_chunks = launch_mark(x, opt_in, None, mode, chunk, mark_warps, pdl)
-    sizes = torch.empty(batch, dtype=torch.int32, device=device)
-    status = torch.empty_like(sizes)
-    lengths = torch.empty_like(sizes)
-    forms = torch.empty_like(sizes)
-    offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
-    id_offsets = torch.empty_like(offsets)
-    chunks_pad = triton.next_power_of_2(n_chunks)
-    scan_kernel[(1,)](
-        counts, n_chunks, sizes if opt_in is None else opt_in, batch, vocab, max_tokens,
-        sizes, lengths, status, forms, offsets, id_offsets,
-        STATUS_ON_OVERFLOW=overflow == "status", ALL_ROWS=opt_in is None, PDL=pdl,
-        # one tile of rows x chunks per step; a batch of up to 16384 /
-        # chunks_pad rows (512 at V=151936) is a single step
-        ROWS=max(1, min(triton.next_power_of_2(batch), 16384 // chunks_pad)),
-        CHUNKS_PAD=chunks_pad, num_warps=8, **_launch_options(pdl),
-    )
-    group = max(1, expand_words // (chunk // WORD_BITS))
-    expand_kernel[(batch, triton.cdiv(n_chunks, group))](
-        x, x.stride(0), vocab, bits, counts, n_chunks, status, forms, offsets, id_offsets,
-        out_ids, out_vals, ROW_LOCAL=False, PDL=pdl, CHUNK=chunk, GROUP=group,
-        CHUNKS_PAD=chunks_pad, num_warps=expand_warps, **_launch_options(pdl),
-    )
-    return Rows(offsets, lengths, status, sizes, forms, id_offsets, out_ids, out_vals, vocab)

@@ -75,8 +75,9 @@ from ._common import (
     triton,
     values_capacity,
 )
-from .direct import claim_step, launching, ring_arrive, ring_claim, ring_commit
+from .direct import claim_step, launching
 from .host import check_into, publish_into
+from .ring import ring_arrive, ring_claim, ring_commit
 
 __all__ = ["ORDERS", "capture", "reference_capture"]
 
@@ -532,7 +533,7 @@ def run_capture(
     # into= on the GPU-direct path: the table is prepared for this step now
     # and the write kernel stores each row into the ring as it computes it.
     direct = claim_step(target, batch, vocab)
-    with launching(direct):
+    with launching(direct, "capture's write kernel"):
         _write_kernel[(batch,)](
             cand_ids, cand_vals, counts, n_chunks, vocab, batch,
             cutoff, logz, lengths, status, forms, greedy_i8, tokens, offsets, id_offsets, ids,

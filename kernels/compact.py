@@ -37,23 +37,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 
 from ._common import (
     CHUNK,
     EXPAND_WORDS,
     KEEP_FINITE,
     KEEP_POSITIVE,
+    WORD_BITS,
     Rows,
     Status,
     bitmask_words,
     check_matrix,
     check_max_tokens,
-    compact_rows,
+    expand_kernel,
+    launch_mark,
+    launch_options,
     pack_rows,
     pdl_default,
     row_mask,
+    scan_kernel,
     values_capacity,
 )
+from .direct import claim_step, launching
 from .host import check_into, publish_into
 
 __all__ = ["compact", "reference_compact"]
@@ -86,8 +92,10 @@ def compact(
     the whole vocabulary), ``B * min(max_tokens, V)`` with ``"status"``.
     Valid prefixes: ``id_offsets[B]`` and ``offsets[B]``.
     ``into=(writer, handles)`` also publishes the rows (support mode) to
-    those RowQueues, row b to ``handles[b]``: GPU-direct where CUDA is
-    present (``kernels.publish``).
+    those RowQueues, row b to ``handles[b]``: where CUDA is present the
+    scan and expand kernels store each row into its queue's buffer in the
+    ring as they compute it (GPU-direct, kernels/direct.py), else through
+    ``kernels.publish``.
     """
     x = check_matrix(x, "x")
     if keep not in _KEEP_MODES:
@@ -99,10 +107,60 @@ def compact(
     ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=x.device)
     values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow),
                          dtype=torch.float32, device=x.device)
-    return publish_into(target, compact_rows(
+    return _compact_rows(
         x, _KEEP_MODES[keep], opt_in, max_tokens, overflow, ids, values, chunk=chunk,
         mark_warps=num_warps, expand_words=expand_words, expand_warps=expand_warps,
-        pdl=pdl_default(x.device) if pdl is None else pdl))
+        pdl=pdl_default(x.device) if pdl is None else pdl, target=target)
+
+
+def _compact_rows(
+    x: torch.Tensor, mode: int, opt_in: torch.Tensor | None, max_tokens: int, overflow: str,
+    out_ids: torch.Tensor, out_vals: torch.Tensor, *, chunk: int, mark_warps: int,
+    expand_words: int, expand_warps: int, pdl: bool, target: tuple[Any, Any, str] | None,
+) -> Rows:
+    """mark + scan + expand: the rows in out_ids/out_vals, published where
+    ``target`` (check_into's) says."""
+    batch, vocab = x.shape
+    device = x.device
+    bits, counts, n_chunks = launch_mark(x, opt_in, None, mode, chunk, mark_warps, pdl)
+    sizes = torch.empty(batch, dtype=torch.int32, device=device)
+    status = torch.empty_like(sizes)
+    lengths = torch.empty_like(sizes)
+    forms = torch.empty_like(sizes)
+    offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
+    id_offsets = torch.empty_like(offsets)
+    chunks_pad = triton.next_power_of_2(n_chunks)
+    group = max(1, expand_words // (chunk // WORD_BITS))
+    # into= on the GPU-direct path: the table is prepared for this step now
+    # (mark already runs); scan claims each row's place in its queue's
+    # buffer and expand stores the row there as it computes it.
+    direct = claim_step(target, batch, vocab)
+    claims = counts if direct is None else torch.empty(batch * 8, dtype=torch.int64,
+                                                       device=device)
+    table = 0 if direct is None else direct.publisher.table
+    arrivals = counts if direct is None else direct.publisher.arrivals
+    with launching(direct, "compaction's scan and expand kernels"):
+        scan_kernel[(1,)](
+            counts, n_chunks, sizes if opt_in is None else opt_in, batch, vocab, max_tokens,
+            sizes, lengths, status, forms, offsets, id_offsets, table, claims,
+            STATUS_ON_OVERFLOW=overflow == "status", ALL_ROWS=opt_in is None, PDL=pdl,
+            # one tile of rows x chunks per step; a batch of up to 16384 /
+            # chunks_pad rows (512 at V=151936) is a single step
+            ROWS=max(1, min(triton.next_power_of_2(batch), 16384 // chunks_pad)),
+            CHUNKS_PAD=chunks_pad, DIRECT=direct is not None, num_warps=8,
+            **launch_options(pdl),
+        )
+        expand_kernel[(batch, triton.cdiv(n_chunks, group))](
+            x, x.stride(0), vocab, bits, counts, n_chunks, status, forms, offsets, id_offsets,
+            out_ids, out_vals, table, arrivals, claims, ROW_LOCAL=False, PDL=pdl, CHUNK=chunk,
+            GROUP=group, CHUNKS_PAD=chunks_pad, DIRECT=direct is not None,
+            num_warps=expand_warps, **launch_options(pdl),
+        )
+    rows = Rows(offsets, lengths, status, sizes, forms, id_offsets, out_ids, out_vals, vocab)
+    if direct is not None:
+        direct.launched(rows)
+        return rows
+    return publish_into(target, rows)
 
 
 def reference_compact(

@@ -51,6 +51,7 @@ import triton.language as tl
 
 from ._common import Rows, Status, bitmask_words
 from .host import HostStaging, _handle_array, publish
+from .ring import ring_arrive, ring_claim, ring_commit
 
 __all__ = ["DirectPublisher", "publisher_for", "reference_direct"]
 
@@ -63,75 +64,6 @@ _BLOCK = 1024  # entries a program stores per loop iteration
 
 
 # ------------------------------------------------------------------ kernel
-# The pieces every kernel that stores rows into the ring uses (the store
-# kernel below, and capture's write kernel with into=): one program per row
-# of the step that shm_direct_step described.
-
-
-@triton.jit
-def ring_claim(table, b, status, form, length, n_words, vocab, SUPPORT: tl.constexpr):
-    """Where row b of the step goes in its queue's buffer. Returns (fits,
-    entry, rows, words, nnz, ids, logprobs): `ids` and `logprobs` point at
-    the row's first id word and first value (selected mode: its one value);
-    `fits` is False for a SKIPPED row and for one that does not fit."""
-    table = table.to(tl.int64)  # Triton types a small integer argument as i32
-    desc = table.to(tl.pointer_type(tl.int64)) + 8  # shm_direct_step_desc at byte 64
-    slot = tl.load(tl.load(desc + 9).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
-    entry = table + 256 + slot * 64  # SHM_DIRECT_HEADER_BYTES, one line per entry
-    counts = entry.to(tl.pointer_type(tl.int32))  # counts start at int32 word 8
-    rows = tl.load(counts + 8).to(tl.int64)
-    words = tl.load(counts + 10).to(tl.int64)
-    nnz = tl.load(counts + 12).to(tl.int64)
-    queue_vocab = tl.load(counts + 14)
-    fits = (status != 3) & (tl.load(counts + 15) == 0)  # SKIPPED; a queue diverted this step
-    fits = fits & (rows < tl.load(counts + 9)) & (words + n_words <= tl.load(counts + 11))
-    if SUPPORT:
-        fits = fits & (nnz + length <= tl.load(counts + 13))
-    # One vocabulary per buffer (what the CPU path enforces with SHM_E_VOCAB).
-    bitmask = (status == 0) & (form == 1)
-    fits = fits & ((bitmask == 0) | (queue_vocab == 0) | (queue_vocab == vocab))
-    addresses = entry.to(tl.pointer_type(tl.int64))
-    ids = tl.load(addresses + 2).to(tl.pointer_type(tl.int32)) + words
-    logprobs = tl.load(addresses + 3).to(tl.pointer_type(tl.float32))
-    logprobs += nnz if SUPPORT else rows
-    return fits, entry, rows, words, nnz, ids, logprobs
-
-
-@triton.jit
-def ring_commit(table, entry, fits, rows, words, nnz, status, form, length, n_words, vocab):
-    """After the row's data: its length, flags byte and the counts (a row
-    that fits), or the queue's diverted flag and the counter (one that does
-    not, unless SKIPPED)."""
-    counts = entry.to(tl.pointer_type(tl.int32))
-    if fits:
-        addresses = entry.to(tl.pointer_type(tl.int64))
-        tl.store(tl.load(addresses).to(tl.pointer_type(tl.int32)) + rows, length.to(tl.int32))
-        tl.store(tl.load(addresses + 1).to(tl.pointer_type(tl.uint8)) + rows,
-                 (status | (form << 2)).to(tl.uint8))
-        tl.store(counts + 8, (rows + 1).to(tl.int32))
-        tl.store(counts + 10, (words + n_words).to(tl.int32))
-        tl.store(counts + 12, (nnz + length).to(tl.int32))
-        if (status == 0) & (form == 1):
-            tl.store(counts + 14, vocab)
-    elif status != 3:
-        tl.store(counts + 15, 1)
-        # The diverted counter: GPU-side atomicity is all it needs.
-        tl.atomic_add(table.to(tl.int64).to(tl.pointer_type(tl.int64)), 1)
-
-
-@triton.jit
-def ring_arrive(table, arrivals):
-    """Every thread's stores of this program, then its arrival; the last
-    arrival of the step publishes `done` (the CPU's acquire load of it sees
-    every store of the step)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-    header = table.to(tl.int64).to(tl.pointer_type(tl.int64))
-    target = tl.load(header + 16)  # shm_direct_step_desc.target
-    if arrived == target - 1:
-        tl.atomic_xchg(header + 1, target, sem="release", scope="sys")
-
-
 @triton.jit
 def _direct_kernel(
     table,  # int64: device address of the table (native/shmask_core.h's layout)
@@ -320,11 +252,12 @@ class DirectPublisher:
     def claim(self, handles: np.ndarray, mode: str, rows: Rows | None = None,
               vocab: int | None = None) -> bool:
         """Prepare the table for one step of ``handles`` (``shm_direct_step``);
-        True when a kernel may now store the step's rows: the caller then
-        launches exactly one program per row that ends in ``ring_arrive``
-        (the store kernel for ``rows``; capture's write kernel with
-        ``rows=None``, which computes them), then calls :meth:`launched`, or
-        :meth:`launch_failed`. False: the CPU path must take the step."""
+        True when kernels may now store the step's rows: the caller then
+        launches them so that each row commits once (``ring_commit``) and
+        arrives once (``ring_arrive``): the store kernel for ``rows``;
+        capture's write kernel, or compaction's expand kernel, with
+        ``rows=None`` (they compute the rows); then calls :meth:`launched`,
+        or :meth:`launch_failed`. False: the CPU path must take the step."""
         if not self.active or handles.size == 0:
             return False
         if mode == "selected" and rows is not None and rows.selected_logprob is None:
@@ -619,8 +552,8 @@ _PUBLISHERS: weakref.WeakKeyDictionary[Any, DirectPublisher] = weakref.WeakKeyDi
 
 @dataclass
 class Claim:
-    """A step claimed for a kernel that computes the rows and stores them
-    into the ring itself (capture's write kernel with ``into=``)."""
+    """A step claimed for kernels that compute the rows and store them into
+    the ring themselves (``into=`` of capture, sample and compact)."""
 
     publisher: DirectPublisher
     handles: np.ndarray
@@ -649,14 +582,16 @@ def claim_step(target: tuple[Any, Any, str] | None, batch: int, vocab: int) -> C
 
 
 @contextmanager
-def launching(claim: Claim | None) -> Iterator[None]:
-    """Around the launch of a claimed step's kernel: if it raises, nothing
-    is in flight (the claim is cancelled, the publisher closed)."""
+def launching(claim: Claim | None, what: str) -> Iterator[None]:
+    """Around the launches of a claimed step's kernels (``what``): if one
+    raises, nothing is in flight (the claim is cancelled, the publisher
+    closed). Only the last kernel may write the table: an earlier one that
+    did launch has read it, no more."""
     try:
         yield
     except BaseException as exc:
         if claim is not None:
-            claim.publisher.launch_failed(exc, "capture's write kernel")
+            claim.publisher.launch_failed(exc, what)
         raise
 
 

@@ -4,6 +4,7 @@ and every emission's rows verified at the tokenizer."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -25,14 +26,20 @@ def test_quick_benchmark_runs_and_verifies_rows():
 
 def test_quick_gpu_direct_benchmark_runs_and_rows_match_the_cpu_path(tmp_path):
     """benchmarks/direct.py --quick: the decode loop through the whole
-    pipeline, CPU path and GPU-direct path (the store kernel in Triton's
-    interpreter), the tokenizer's checksums equal for both."""
+    pipeline, CPU path and GPU-direct paths (the store kernel, capture's and
+    compaction's own kernels, in Triton's interpreter), the tokenizer's
+    checksums equal across the paths that send the same rows."""
     out = tmp_path / "direct.json"
-    done = subprocess.run([sys.executable, "direct.py", "--quick", "--out", str(out)],
+    paths = ("off", "capture", "cpu", "direct", "fused", "compact", "compact-direct",
+             "compact-fused")
+    done = subprocess.run([sys.executable, "direct.py", "--quick", "--out", str(out),
+                           "--paths", ",".join(paths)],
                           cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    for path in ("off", "capture", "cpu", "direct", "fused"):
+    for path in paths:
         assert re.search(rf"^\W*{path}\s.*\s(True|-)\s", output, re.MULTILINE), f"no row for {path}"
     assert not re.search(r"\sFalse\s", output), output[-4000:]
-    assert '"direct_steps": 12' in out.read_text() and '"fused_steps": 12' in out.read_text()
+    runs = {r["path"]: r["stats"] for r in json.loads(out.read_text())}
+    assert runs["direct"]["direct_steps"] == runs["compact-direct"]["direct_steps"] == 12
+    assert runs["fused"]["fused_steps"] == runs["compact-fused"]["fused_steps"] == 12

@@ -180,6 +180,28 @@ class Twins:
         self.gpu.close()
 
 
+def fused_run(config: shmask.Config, mode: str, steps: int, seed: int, step) -> dict:
+    """`steps` calls of ``step(rng, into)`` (a kernel called with into=, so
+    the direct path's rows come from the kernel itself) through Twins, with
+    takes at random (each compared) and requests that end or abort. Returns
+    the direct path's stats, every step checked fused."""
+    rng = np.random.default_rng(seed)
+    twins = Twins(config, mode)
+    try:
+        for index in range(steps):
+            twins.sent(step(rng, (twins.gpu.writer, twins.handles(), mode)))
+            if rng.random() < 0.1 or index == steps - 1:
+                twins.take_and_compare(index)
+            if rng.random() < 0.05:
+                twins.end_one(rng)
+        stats = twins.gpu.publisher.stats
+        assert stats["fused_steps"] == stats["direct_steps"] == steps
+        assert twins.compared > steps
+        return stats
+    finally:
+        twins.close()
+
+
 @pytest.mark.parametrize("mode", ["support", "selected"])
 def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: str) -> None:
     """Growth (2-row first buffers), diverted rows, a 1 MiB ring that wraps
@@ -229,24 +251,51 @@ def test_capture_into_stores_from_its_own_kernel_over_a_long_random_run(
     config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=1, lease_s=60,
                            queue_rows=2, max_tokens=MAX_TOKENS)
     pool = inputs_pool(6, seed=12)
-    rng = np.random.default_rng(13)
-    twins = Twins(config, mode)
-    try:
-        for step in range(steps):
-            inputs = dict(pool[int(rng.integers(len(pool)))])
-            rows = capture(inputs.pop("probs"), inputs.pop("sampled"), **inputs,
-                           into=(twins.gpu.writer, twins.handles(), mode))
-            twins.sent(rows)
-            if rng.random() < 0.1 or step == steps - 1:
-                twins.take_and_compare(step)
-            if rng.random() < 0.05:
-                twins.end_one(rng)
-        stats = twins.gpu.publisher.stats
-        assert stats["fused_steps"] == stats["direct_steps"] == steps
-        assert (stats["diverted_rows"] > 0) == (mode == "support")
-        assert twins.compared > steps
-    finally:
-        twins.close()
+
+    def step(rng: np.random.Generator, into: tuple):
+        inputs = dict(pool[int(rng.integers(len(pool)))])
+        return capture(inputs.pop("probs"), inputs.pop("sampled"), **inputs, into=into)
+
+    stats = fused_run(config, mode, steps, 13, step)
+    assert (stats["diverted_rows"] > 0) == (mode == "support")
+
+
+def compact_pool(count: int, seed: int) -> list[dict]:
+    """compact()'s arguments for steps of every kind of row: ids rows, bitmask
+    rows (past max_tokens, or dense), OVERFLOW (overflow="status"), empty
+    rows and SKIPPED rows. Columns of 256 and expand groups of two chunks make
+    four expand programs per row (each stores its part of the row)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = []
+    for index in range(count):
+        keep = torch.rand(BATCH, 1, generator=gen) ** 3  # row densities from ~0 to 1
+        kept = torch.rand(BATCH, VOCAB, generator=gen) < keep * 0.2
+        kept[torch.randperm(BATCH, generator=gen)[0]] = False  # an empty row
+        logits = torch.where(kept, torch.randn(BATCH, VOCAB, generator=gen), -float("inf"))
+        pool.append({"x": logits.to(DEVICE), "rows": (torch.rand(BATCH, generator=gen) > 0.1)
+                     .to(DEVICE), "overflow": "status" if index % 3 == 0 else "exact"})
+    return pool
+
+
+def test_compact_into_stores_from_its_expand_kernel_over_a_long_random_run(
+        prefix: str) -> None:
+    """compact(..., into=) on the GPU-direct path: the scan kernel claims
+    each row's place in its queue and the expand kernel's programs store
+    their parts of the row there; the row's last program commits it. Every
+    chunk equals what the CPU path sends for the same rows, through growth,
+    diverted rows, a ring that fills, takes at random and requests that end
+    or abort."""
+    steps = 300 if GPU else 40
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=1, lease_s=60,
+                           queue_rows=2, max_tokens=MAX_TOKENS)
+    pool = compact_pool(6, seed=15)
+
+    def step(rng: np.random.Generator, into: tuple):
+        inputs = pool[int(rng.integers(len(pool)))]
+        return compact(inputs["x"], MAX_TOKENS, rows=inputs["rows"],
+                       overflow=inputs["overflow"], chunk=256, expand_words=16, into=into)
+
+    assert fused_run(config, "support", steps, 16, step)["diverted_rows"] > 0
 
 
 def test_a_step_the_table_cannot_take_goes_the_cpu_path_in_order(prefix: str) -> None:
@@ -398,8 +447,9 @@ def test_capture_into_publishes_the_rows_it_returns(prefix: str, mode: str) -> N
             published.append(compact(probs, MAX_TOKENS, keep="positive", into=(writer, handles)))
         stats = publisher_for(writer).stats
         assert stats["direct_steps"] == len(published)
-        # capture and sample store their rows from their own write kernel.
-        assert stats["fused_steps"] == 2 and stats["cpu_steps"] == 0
+        # Each stores its rows from its own kernels (capture's and sample's
+        # write kernel, compaction's expand kernel): no store kernel launched.
+        assert stats["fused_steps"] == len(published) and stats["cpu_steps"] == 0
         for b, ref in enumerate(writer.take_batch(queues)):
             chunk = reader.open(ref)
             want = [reference_direct(rows, mode)[b] for rows in published]
