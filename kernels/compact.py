@@ -79,13 +79,16 @@ def compact(
     expand_words: int = EXPAND_WORDS,
     expand_warps: int = 8,
     pdl: bool | None = None,
+    scan_rows: int | None = None,
     into: tuple[Any, ...] | None = None,
 ) -> Rows:
     """Kept entries of every opted-in row of ``x`` [B, V] (fp32/bf16/fp16).
 
     ``rows`` (bool[B], default all) opts rows in. ``chunk``, ``num_warps``
-    (mark), ``expand_words``, ``expand_warps`` and ``pdl`` (None: on where
-    the GPU has it) are launch parameters; none changes the result.
+    (mark), ``expand_words``, ``expand_warps``, ``pdl`` (None: on where
+    the GPU has it) and ``scan_rows`` (rows the scan kernel takes per step,
+    a power of two; None: as many as a tile of 16384 chunk counts holds) are
+    launch parameters; none changes the result.
     Output capacity: ``ids``
     ``B * ceil(V / 32)`` words (a row's id data never exceeds its bitmask);
     ``values`` ``B * V`` entries with ``overflow="exact"`` (every row may be
@@ -101,6 +104,8 @@ def compact(
     if keep not in _KEEP_MODES:
         raise ValueError(f"keep must be one of {sorted(_KEEP_MODES)}, got {keep!r}")
     target = check_into(into, selected=False)
+    if scan_rows is not None and (scan_rows < 1 or scan_rows & (scan_rows - 1)):
+        raise ValueError(f"scan_rows must be a power of two >= 1, got {scan_rows}")
     batch, vocab = x.shape
     check_max_tokens(max_tokens, batch, vocab, overflow)
     opt_in = None if rows is None else row_mask(rows, batch, x.device)
@@ -110,13 +115,14 @@ def compact(
     return _compact_rows(
         x, _KEEP_MODES[keep], opt_in, max_tokens, overflow, ids, values, chunk=chunk,
         mark_warps=num_warps, expand_words=expand_words, expand_warps=expand_warps,
-        pdl=pdl_default(x.device) if pdl is None else pdl, target=target)
+        pdl=pdl_default(x.device) if pdl is None else pdl, scan_rows=scan_rows, target=target)
 
 
 def _compact_rows(
     x: torch.Tensor, mode: int, opt_in: torch.Tensor | None, max_tokens: int, overflow: str,
     out_ids: torch.Tensor, out_vals: torch.Tensor, *, chunk: int, mark_warps: int,
-    expand_words: int, expand_warps: int, pdl: bool, target: tuple[Any, Any, str] | None,
+    expand_words: int, expand_warps: int, pdl: bool, scan_rows: int | None,
+    target: tuple[Any, Any, str] | None,
 ) -> Rows:
     """mark + scan + expand: the rows in out_ids/out_vals, published where
     ``target`` (check_into's) says."""
@@ -146,7 +152,7 @@ def _compact_rows(
             STATUS_ON_OVERFLOW=overflow == "status", ALL_ROWS=opt_in is None, PDL=pdl,
             # one tile of rows x chunks per step; a batch of up to 16384 /
             # chunks_pad rows (512 at V=151936) is a single step
-            ROWS=max(1, min(triton.next_power_of_2(batch), 16384 // chunks_pad)),
+            ROWS=scan_rows or max(1, min(triton.next_power_of_2(batch), 16384 // chunks_pad)),
             CHUNKS_PAD=chunks_pad, DIRECT=direct is not None, num_warps=8,
             **launch_options(pdl),
         )

@@ -264,7 +264,8 @@ def compact_pool(count: int, seed: int) -> list[dict]:
     """compact()'s arguments for steps of every kind of row: ids rows, bitmask
     rows (past max_tokens, or dense), OVERFLOW (overflow="status"), empty
     rows and SKIPPED rows. Columns of 256 and expand groups of two chunks make
-    four expand programs per row (each stores its part of the row)."""
+    four expand programs per row (each stores its part of the row); scan
+    steps of 4 rows make the claims two blocks."""
     gen = torch.Generator().manual_seed(seed)
     pool = []
     for index in range(count):
@@ -293,7 +294,8 @@ def test_compact_into_stores_from_its_expand_kernel_over_a_long_random_run(
     def step(rng: np.random.Generator, into: tuple):
         inputs = pool[int(rng.integers(len(pool)))]
         return compact(inputs["x"], MAX_TOKENS, rows=inputs["rows"],
-                       overflow=inputs["overflow"], chunk=256, expand_words=16, into=into)
+                       overflow=inputs["overflow"], chunk=256, expand_words=16, scan_rows=4,
+                       into=into)
 
     assert fused_run(config, "support", steps, 16, step)["diverted_rows"] > 0
 

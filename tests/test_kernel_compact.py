@@ -50,7 +50,9 @@ def test_random_rows_match_reference(seed: int, dtype: torch.dtype, vocab: int,
     rows = torch.rand(batch, generator=gen) > 0.25
     x = x.to(dtype).to(DEVICE)
     rows = rows.to(DEVICE)
-    got = compact(x, max_tokens, keep=keep, rows=rows, overflow=overflow)
+    # scan_rows (a launch parameter): one scan step, or 3 or 2 of them
+    got = compact(x, max_tokens, keep=keep, rows=rows, overflow=overflow,
+                  scan_rows=(None, 2, 4)[seed])
     want = reference_compact(x, max_tokens, keep=keep, rows=rows, overflow=overflow)
     assert_same(got, want)
 
@@ -128,5 +130,7 @@ def test_bad_arguments_are_named() -> None:
         compact(torch.zeros(2, 3, device=DEVICE), 4, rows=torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="overflow"):
         compact(torch.zeros(2, 3, device=DEVICE), 4, overflow="drop")
+    with pytest.raises(ValueError, match="scan_rows"):
+        compact(torch.zeros(2, 3, device=DEVICE), 4, scan_rows=3)
     with pytest.raises(ValueError, match="2\\*\\*31"):
         compact(torch.zeros(1, 151936, device=DEVICE).expand(15000, -1), 8)  # B * V
