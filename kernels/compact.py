@@ -141,11 +141,12 @@ def _compact_rows(
     # (mark already runs); scan claims each row's place in its queue's
     # buffer and expand stores the row there as it computes it.
     direct = claim_step(target, batch, vocab)
-    claims = counts if direct is None else torch.empty(batch * 8, dtype=torch.int64,
-                                                       device=device)
-    table = 0 if direct is None else direct.publisher.table
-    arrivals = counts if direct is None else direct.publisher.arrivals
     with launching(direct, "compaction's scan and expand kernels"):
+        # (inside: a claimed step that raises before its kernels run is cancelled)
+        claims = counts if direct is None else torch.empty(batch * 8, dtype=torch.int64,
+                                                           device=device)
+        table = 0 if direct is None else direct.publisher.table
+        arrivals = counts if direct is None else direct.publisher.arrivals
         scan_kernel[(1,)](
             counts, n_chunks, sizes if opt_in is None else opt_in, batch, vocab, max_tokens,
             sizes, lengths, status, forms, offsets, id_offsets, table, claims,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -307,11 +306,20 @@ class DirectPublisher:
         self._stats["direct_steps"] += 1
 
     def launch_failed(self, exc: BaseException, what: str) -> None:
-        """The claimed step's launch failed: nothing is in flight; the
-        publisher closes and every later step takes the CPU path."""
+        """The claimed step's launch failed: none of its rows will arrive;
+        the publisher closes and every later step takes the CPU path. An
+        earlier kernel of the step that did launch (compaction's scan) may
+        still be reading the table: the device finishes its work before
+        the memory is unregistered."""
         self._lib.shm_direct_cancel(self._direct)
+        if not self.interpreted and self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception as error:  # noqa: BLE001 - a broken context runs nothing more
+                log.warning("GPU-direct: device sync after the failed launch: %s", error)
         self.close()
         self._give_up(f"launching {what} failed: {exc}")
+        self.writer._publisher = self  # publisher_for keeps giving this one: the CPU path
 
     @property
     def table(self) -> int:
@@ -369,7 +377,7 @@ class DirectPublisher:
     @property
     def stats(self) -> dict[str, int]:
         """Steps by path (direct_steps: stored by the GPU, fused_steps of them
-        by capture's own write kernel), rows diverted (and the steps that had any), steps
+        by the kernels that computed the rows: into=), rows diverted (and the steps that had any), steps
         that found the last kernel still running (waits), and queues given
         room before a launch (grown: new buffers and larger ones)."""
         grown = int(self._direct.grown) if self._direct is not None else 0
@@ -425,7 +433,8 @@ class DirectPublisher:
         self._unregister()
         if self.writer._direct is self:
             self.writer._direct = None
-        _PUBLISHERS.pop(self.writer, None)
+        if self.writer._publisher is self:
+            self.writer._publisher = None
 
     def __enter__(self) -> DirectPublisher:
         return self
@@ -547,9 +556,6 @@ class DirectPublisher:
                     "Writer.append_step", reason)
 
 
-_PUBLISHERS: weakref.WeakKeyDictionary[Any, DirectPublisher] = weakref.WeakKeyDictionary()
-
-
 @dataclass
 class Claim:
     """A step claimed for kernels that compute the rows and store them into
@@ -583,10 +589,11 @@ def claim_step(target: tuple[Any, Any, str] | None, batch: int, vocab: int) -> C
 
 @contextmanager
 def launching(claim: Claim | None, what: str) -> Iterator[None]:
-    """Around the launches of a claimed step's kernels (``what``): if one
-    raises, nothing is in flight (the claim is cancelled, the publisher
-    closed). Only the last kernel may write the table: an earlier one that
-    did launch has read it, no more."""
+    """Around the launches of a claimed step's kernels (``what``): if
+    anything raises, the claim is cancelled and the publisher closed (after
+    the device finished what was launched), and the exception goes to the
+    caller. Only the last kernel may write the table: an earlier one that
+    did launch has only read it."""
     try:
         yield
     except BaseException as exc:
@@ -599,10 +606,10 @@ def publisher_for(writer: Any) -> DirectPublisher:
     """The Writer's DirectPublisher, made on first use: GPU-direct where
     CUDA is present and SHMASK_GPU_DIRECT is not "off", else one that
     takes the CPU path (said once, in a warning)."""
-    publisher = _PUBLISHERS.get(writer)
+    publisher = writer._publisher
     if publisher is None:
         publisher = writer._direct if writer._direct is not None else DirectPublisher(writer)
-        _PUBLISHERS[writer] = publisher
+        writer._publisher = publisher
     return publisher
 
 

@@ -141,6 +141,10 @@ class Writer:
         # the GPU then owns the queues' counts between steps, so every CPU
         # change of a queue runs inside its quiesce()/resume() (hooks below).
         self._direct: Any = None
+        # The DirectPublisher that kernels.publisher_for gives for this Writer
+        # (active or taking the CPU path); an attribute, so the two are
+        # collected together.
+        self._publisher: Any = None
         self._bad_row = ffi.new("int64_t *")
         self._position = ffi.new("uint64_t *")
         self._given_back = ffi.new("uint64_t *")

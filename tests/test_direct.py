@@ -431,6 +431,27 @@ def test_kernels_publish_of_device_rows_is_gpu_direct_unless_switched_off(prefix
     assert delivered["auto"] == delivered["off"] == want
 
 
+def test_a_closed_writer_and_its_publisher_are_collected(prefix: str) -> None:
+    """The publisher kernels.publish makes lives as long as its Writer, not
+    longer: once the Writer is closed and dropped, both are collected (GPU
+    direct or the CPU path)."""
+    import gc
+    import weakref
+
+    rows = rows_pool(1, seed=18)[0]
+    for setting in ("auto", "off"):
+        config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS,
+                               gpu_direct=setting)
+        writer = shmask.Writer(config)
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        publish(writer, queues, rows)
+        writer_ref, publisher_ref = weakref.ref(writer), weakref.ref(publisher_for(writer))
+        writer.close()
+        del writer, queues
+        gc.collect()
+        assert writer_ref() is None and publisher_ref() is None, setting
+
+
 @pytest.mark.parametrize("mode", ["support", "selected"])
 def test_capture_into_publishes_the_rows_it_returns(prefix: str, mode: str) -> None:
     config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
@@ -491,6 +512,46 @@ def test_a_failed_launch_sends_the_step_by_the_cpu_path_and_turns_direct_off(
         for b, ref in enumerate(writer.take_batch(queues)):
             chunk = reader.open(ref)
             want = [r for r in (reference_direct(p)[b] for p in pool) if r is not None]
+            assert chunk_rows(chunk) == expected_rows(want), f"queue {b}"
+            chunk.release()
+
+
+def test_a_failed_expand_launch_after_the_scan_cancels_the_step(
+        prefix: str, monkeypatch) -> None:
+    """compact(..., into=) whose expand kernel cannot be launched after its
+    scan kernel claimed the step: the call raises, no row of that step
+    reaches a queue, the publisher closes, and the next compact(into=)
+    still publishes its rows (by the CPU path)."""
+    import importlib
+
+    compaction = importlib.import_module("shmask.kernels.compact")  # the module, not the function
+
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    pool = compact_pool(3, seed=17)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        first = compact(pool[0]["x"], MAX_TOKENS, rows=pool[0]["rows"], into=(writer, handles))
+        publisher = publisher_for(writer)
+        assert publisher.stats["fused_steps"] == 1
+
+        class Unlaunchable:
+            def __getitem__(self, grid: tuple):
+                def launch(*args: object, **kwargs: object) -> None:
+                    raise RuntimeError("CUDA error: too many resources requested for launch")
+                return launch
+
+        with monkeypatch.context() as patch:
+            patch.setattr(compaction, "expand_kernel", Unlaunchable())
+            with pytest.raises(RuntimeError, match="too many resources"):
+                compact(pool[1]["x"], MAX_TOKENS, rows=pool[1]["rows"], into=(writer, handles))
+        assert not publisher.active and "compaction" in publisher.reason
+        assert writer._direct is None and not publisher._registered
+        last = compact(pool[2]["x"], MAX_TOKENS, rows=pool[2]["rows"], into=(writer, handles))
+        assert publisher.stats["cpu_steps"] == 1
+        for b, ref in enumerate(writer.take_batch(queues)):
+            chunk = reader.open(ref)
+            want = [r for r in (reference_direct(first)[b], reference_direct(last)[b]) if r]
             assert chunk_rows(chunk) == expected_rows(want), f"queue {b}"
             chunk.release()
 
