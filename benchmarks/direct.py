@@ -67,8 +67,8 @@ STEP_S = 0.014
 EMIT_TOKENS = 50
 PATHS = ("off", "capture", "cpu", "direct", "fused")
 SPIN_PATHS = ("capture-spin", "direct-spin")  # with --spin
-COMPACT_PATHS = ("compact", "compact-direct", "compact-fused")  # --paths ...
-# compact-* paths run the capture paths' code with compact() making the rows
+# The compact paths (chosen with --paths) run the capture paths' code with
+# compact() making the rows.
 AS_CAPTURE = {"compact": "capture", "compact-direct": "direct", "compact-fused": "fused"}
 
 
