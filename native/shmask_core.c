@@ -134,9 +134,10 @@ static int grow_table(shm_ring *ring) {
 
 int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t capacity,
                   uint64_t epoch, uint64_t pid, uint64_t start, uint64_t created_ns,
-                  uint64_t handle_tag) {
+                  uint64_t handle_tag, uint64_t seal_seed) {
     memset(ring, 0, sizeof *ring);
     ring->handle_tag = handle_tag & HANDLE_TAG_MASK;
+    ring->seal_state = seal_seed;
     /* A fresh buffer's size is a guess (rows x this step's row length) until
      * the queue's first take; bound the guess so one odd setting cannot ask
      * for gigabytes (it still grows by doubling if rows really are that long). */
@@ -256,8 +257,21 @@ uint64_t shm_record_offset(const shm_ring *ring, uint64_t position) {
     return SHM_HEADER_BYTES + (position & (ring->capacity - 1));
 }
 
+/* The next seal: splitmix64 of a counter that starts at a random value. The
+ * mix is a bijection of the counter, so no two records of one ring share a
+ * seal in 2^64 publishes; 0 is skipped (no ref carries it). */
+static uint64_t next_seal(shm_ring *ring) {
+    for (;;) {
+        uint64_t z = (ring->seal_state += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        if (z) return z;
+    }
+}
+
 int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t words,
-                uint64_t nnz, uint32_t vocab, uint64_t now_ns) {
+                uint64_t nnz, uint32_t vocab, uint64_t now_ns, uint64_t *seal_out) {
     if (!ring_usable(ring)) return SHM_E_TRUNCATED;
     if (position < ring->tail || position >= ring->head || position % SHM_RECORD_ALIGN)
         return SHM_E_BAD_POSITION;
@@ -270,6 +284,7 @@ int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows,
     r->words = words;
     r->vocab = vocab;
     r->published_ns = now_ns;
+    r->seal = *seal_out = next_seal(ring);
     /* The commit word, written last: payload and header before it. */
     atomic_store_explicit(&r->state, SHM_STATE_WRITTEN, memory_order_release);
     bump(ring->base, SHM_COUNTER_PUBLISHED);
@@ -378,9 +393,20 @@ static int locate(const void *base, uint64_t mapped_bytes, uint64_t capacity, ui
     return SHM_OK;
 }
 
+/* A record whose seal is not the ref's, read while its tag says it is the
+ * record at `position`: the ref is wrong (garbled, or names another record),
+ * unless the ring moved on meanwhile and the header bytes are a newer
+ * record's (then it is stale). */
+static int wrong_record(const void *base, uint64_t position) {
+    atomic_thread_fence(memory_order_acquire);
+    uint64_t tail = atomic_load_explicit(&cseg(base)->tail, memory_order_acquire);
+    return position < tail ? SHM_E_STALE : SHM_E_WRONG_RECORD;
+}
+
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
-                    uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t words,
-                    uint64_t nnz, uint32_t vocab, uint32_t mode, uint64_t max_row_length,
+                    uint64_t position, uint64_t seal, uint64_t record_bytes, uint64_t rows,
+                    uint64_t words, uint64_t nnz, uint32_t vocab, uint32_t mode,
+                    uint64_t max_row_length, int32_t *lengths_out, uint8_t *flags_out,
                     shm_view *out) {
     uint64_t offset;
     int rc = locate(base, mapped_bytes, capacity, position, &offset);
@@ -391,6 +417,7 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
     const struct shm_record_header *r = record_at((void *)base, capacity, position);
     uint32_t state = atomic_load_explicit(&r->state, memory_order_acquire);
     if (r->tag != position) return SHM_E_STALE;
+    if (r->seal != seal) return wrong_record(base, position);
     if (state == SHM_STATE_EXPIRED) return SHM_E_STALE;
     if (state == SHM_STATE_RELEASED) return SHM_E_DOUBLE_RELEASE;
     if (state != SHM_STATE_WRITTEN) return SHM_E_NOT_WRITTEN;
@@ -407,32 +434,38 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
     out->flags_offset = out->record_offset + layout.flags_offset;
     out->ids_offset = out->record_offset + layout.ids_offset;
     out->logprobs_offset = out->record_offset + layout.logprobs_offset;
-    /* The rows themselves, before the caller builds a view of them. */
+    /* The rows' geometry, copied once and validated from the copies: a
+     * writer rewriting lengths or flags later changes nothing the reader
+     * uses to find a row. */
     const char *at = (const char *)base;
-    return shm_validate_rows((const int32_t *)(at + out->lengths_offset),
-                             (const uint8_t *)(at + out->flags_offset),
-                             (const int32_t *)(at + out->ids_offset), rows, words, nnz, vocab,
-                             max_row_length, &out->any_flags);
+    memcpy(lengths_out, at + out->lengths_offset, 4 * rows);
+    memcpy(flags_out, at + out->flags_offset, rows);
+    return shm_validate_rows(lengths_out, flags_out, (const int32_t *)(at + out->ids_offset),
+                             rows, words, nnz, vocab, max_row_length, &out->any_flags);
 }
 
-int shm_check_record(const void *base, uint64_t capacity, uint64_t position) {
+int shm_check_record(const void *base, uint64_t capacity, uint64_t position, uint64_t seal) {
     /* Payload loads above this fence cannot move below it. */
     atomic_thread_fence(memory_order_acquire);
     uint64_t tail = atomic_load_explicit(&cseg(base)->tail, memory_order_acquire);
     if (position < tail) return SHM_E_STALE;
     const struct shm_record_header *r = record_at((void *)base, capacity, position);
     uint32_t state = atomic_load_explicit(&r->state, memory_order_acquire);
-    if (r->tag != position || state == SHM_STATE_EXPIRED) return SHM_E_STALE;
+    if (r->tag != position || r->seal != seal || state == SHM_STATE_EXPIRED) return SHM_E_STALE;
     if (state != SHM_STATE_WRITTEN && state != SHM_STATE_RELEASED) return SHM_E_STALE;
     return SHM_OK;
 }
 
-int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t position) {
+int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t position,
+                uint64_t seal) {
     uint64_t offset;
     int rc = locate(base, mapped_bytes, capacity, position, &offset);
     if (rc) return rc;
     struct shm_record_header *r = record_at(base, capacity, position);
     if (r->tag != position) return SHM_E_STALE;
+    /* The seal is written before WRITTEN and never changes while the record
+     * lives, so comparing it before the exchange binds the release to it. */
+    if (r->seal != seal) return wrong_record(base, position);
     uint32_t expected = SHM_STATE_WRITTEN;
     if (atomic_compare_exchange_strong_explicit(&r->state, &expected, SHM_STATE_RELEASED,
                                                 memory_order_acq_rel, memory_order_acquire)) {
@@ -896,16 +929,18 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
                        max_row_length, bad_row, 0);
 }
 
-_Static_assert(sizeof(shm_ref_entry) == 40, "a RefBatch entry is 40 bytes");
+_Static_assert(sizeof(shm_ref_entry) == 48, "a RefBatch entry is 48 bytes");
 _Static_assert(offsetof(shm_ref_entry, rows) == 4 && offsetof(shm_ref_entry, position) == 8 &&
                    offsetof(shm_ref_entry, nnz) == 24 && offsetof(shm_ref_entry, words) == 32 &&
-                   offsetof(shm_ref_entry, vocab) == 36,
+                   offsetof(shm_ref_entry, vocab) == 36 && offsetof(shm_ref_entry, seal) == 40 &&
+                   sizeof(shm_ref_entry) == 48,
                "shm_ref_entry matches shmask.refs.ENTRY_DTYPE");
 
 /* Entry i of a take's output: a ring chunk of queue q's rows at `position`. */
 static void put_ring_ref(shm_ref_entry *e, uint64_t position, uint64_t record_bytes,
-                         const shm_queue *q) {
+                         uint64_t seal, const shm_queue *q) {
     e->kind = 1;
+    e->seal = seal;
     e->position = position;
     e->record_bytes = record_bytes;
     e->rows = (uint32_t)q->rows;
@@ -947,9 +982,10 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         }
         if (q->words > UINT32_MAX) return SHM_E_OVERFLOW; /* a ref's words field is 32 bits */
         settle_flags(q);
+        uint64_t seal = 0;
         if (q->in_ring && !ring->dead &&
             shm_publish(ring, q->position, q->mode, q->rows, q->words, q->nnz, q->vocab,
-                        now_ns) != SHM_OK) {
+                        now_ns, &seal) != SHM_OK) {
             /* Someone rewrote our staging record's header (or cut the file):
              * move the rows out and send them inline rather than publish a
              * record readers would reject; cut rows become lost below. */
@@ -960,7 +996,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
             /* A ref to where the rows were: its reader gets StaleChunkError. */
             shm_layout layout;
             shm_record_layout(q->mode, q->rows, q->words, q->nnz, &layout);
-            put_ring_ref(e, q->lost_position, layout.record_bytes, q);
+            put_ring_ref(e, q->lost_position, layout.record_bytes, 0, q);
             drop_buffer(ring, q);
             q->lost = 0;
             continue;
@@ -970,7 +1006,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         if (!q->in_ring) return (int64_t)i;
         shm_layout layout;
         shm_record_layout(q->mode, q->rows_capacity, q->words_capacity, q->nnz_capacity, &layout);
-        put_ring_ref(e, q->position, layout.record_bytes, q);
+        put_ring_ref(e, q->position, layout.record_bytes, seal, q);
         size_next_buffer(q);
         /* The published record is the reader's now: forget it, don't discard. */
         q->in_ring = 0;
@@ -1184,9 +1220,10 @@ int shm_mapping_truncated(const void *address) {
 }
 
 void shm_release_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
-                      const uint64_t *positions, uint64_t count, int32_t *results) {
+                      const uint64_t *positions, const uint64_t *seals, uint64_t count,
+                      int32_t *results) {
     for (uint64_t i = 0; i < count; i++)
-        results[i] = shm_release(base, mapped_bytes, capacity, positions[i]);
+        results[i] = shm_release(base, mapped_bytes, capacity, positions[i], seals[i]);
 }
 
 /* ------------------------------------------------------- response JSON */

@@ -22,6 +22,7 @@
 #define SHM_E_BAD_LENGTHS -8    /* negative length or sum != nnz */
 #define SHM_E_BAD_STATE -9      /* producer-side misuse (publish twice, ...) */
 #define SHM_E_OVERFLOW -10      /* a size computation would overflow */
+#define SHM_E_WRONG_RECORD -11  /* the record's seal is not the ref's: a garbled or misrouted ref */
 
 /* Where the arrays of a record live, relative to the record's start. */
 typedef struct {
@@ -85,14 +86,23 @@ uint64_t shm_bitmask_words(uint32_t vocab);
 /* Validates the segment header (magic, version, a power-of-two capacity
  * that fits segment_bytes) and copies it out; reads the header page only. */
 int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out);
-/* Validates the ref against the record and then the record's rows
- * (shm_validate_rows: SHM_E_BAD_LENGTHS); fills out, any_flags included. */
+/* Validates the ref against the record (its seal included: a ref opens only
+ * the record it was issued for, else SHM_E_WRONG_RECORD), copies the rows'
+ * geometry (lengths int32[rows], flags uint8[rows]) into the caller's
+ * private arrays and validates the rows from those copies
+ * (shm_validate_rows: SHM_E_BAD_LENGTHS), so the row boundaries a reader
+ * uses are the ones checked, whatever is written into the record later;
+ * fills out, any_flags included. */
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
-                    uint64_t position, uint64_t record_bytes, uint64_t rows, uint64_t words,
-                    uint64_t nnz, uint32_t vocab, uint32_t mode, uint64_t max_row_length,
+                    uint64_t position, uint64_t seal, uint64_t record_bytes, uint64_t rows,
+                    uint64_t words, uint64_t nnz, uint32_t vocab, uint32_t mode,
+                    uint64_t max_row_length, int32_t *lengths_out, uint8_t *flags_out,
                     shm_view *out);
-int shm_check_record(const void *base, uint64_t capacity, uint64_t position);
-int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t position);
+/* SHM_OK while the record at `position` is still the published one with this
+ * seal (WRITTEN or RELEASED), else SHM_E_STALE. */
+int shm_check_record(const void *base, uint64_t capacity, uint64_t position, uint64_t seal);
+int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t position,
+                uint64_t seal);
 /* Checks rows read from a ref or shared memory: flags valid, non-OK rows
  * empty, ids rows at most max_row_length long, bitmask rows with exactly L
  * bits set and none at ids >= vocab, lengths summing to nnz and id data to
@@ -156,6 +166,7 @@ typedef struct {
     uint64_t n_free;
     uint64_t free_head;
     uint64_t handle_tag;   /* random, 15 bits: another Writer's handles do not match */
+    uint64_t seal_state;   /* random start; each publish draws the next seal from it */
     uint64_t initial_nnz_cap; /* bound on a fresh buffer's guessed entries */
     uint64_t step_serial;  /* counts append_step validations (pending_serial) */
     uint32_t dead;         /* the segment was truncated: stage privately from now on */
@@ -168,7 +179,7 @@ typedef struct {
 
 int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t capacity,
                   uint64_t epoch, uint64_t pid, uint64_t start, uint64_t created_ns,
-                  uint64_t handle_tag);
+                  uint64_t handle_tag, uint64_t seal_seed);
 void shm_ring_free(shm_ring *ring);
 void shm_ring_mark_dead(shm_ring *ring);
 
@@ -214,7 +225,7 @@ int64_t shm_staging_owner(const shm_ring *ring, uint64_t position);
  * private memory, so it stops blocking reclaim. */
 int shm_queue_relocate(shm_ring *ring, uint64_t slot, int allow_ring);
 
-/* One entry of a RefBatch, byte for byte shmask.refs.ENTRY_DTYPE (40 bytes;
+/* One entry of a RefBatch, byte for byte shmask.refs.ENTRY_DTYPE (48 bytes;
  * tests/test_constants.py compares them), so a take writes the batch's
  * entries in place. */
 typedef struct {
@@ -227,6 +238,7 @@ typedef struct {
     uint64_t nnz;
     uint32_t words;
     uint32_t vocab;
+    uint64_t seal;         /* ring: the record's seal; other kinds: 0 */
 } shm_ref_entry;
 
 /* One emission: validates every handle, then publishes the ring buffers of
@@ -258,7 +270,8 @@ int shm_mapping_truncated(const void *address);
 /* Releases many records of one segment (a tokenizer dropping an aborted
  * request's chunks without opening them): results[i] is shm_release's code. */
 void shm_release_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
-                      const uint64_t *positions, uint64_t count, int32_t *results);
+                      const uint64_t *positions, const uint64_t *seals, uint64_t count,
+                      int32_t *results);
 
 /* Every row's support as ascending ids, back to back (out: sum of
  * lengths): ids rows copied, bitmask rows decoded. Rows come from shared
@@ -290,8 +303,9 @@ int shm_reserve(shm_ring *ring, uint32_t mode, uint64_t rows_capacity, uint64_t 
                 uint64_t nnz_capacity, uint64_t *position_out);
 /* Gives back a reserved record that will not be published (STAGING -> DISCARDED). */
 int shm_discard_record(shm_ring *ring, uint64_t position);
+/* Publishes a STAGING record: counts, a fresh seal (*seal_out), then WRITTEN. */
 int shm_publish(shm_ring *ring, uint64_t position, uint32_t mode, uint64_t rows, uint64_t words,
-                uint64_t nnz, uint32_t vocab, uint64_t now_ns);
+                uint64_t nnz, uint32_t vocab, uint64_t now_ns, uint64_t *seal_out);
 int shm_reclaim(shm_ring *ring, uint64_t now_ns, uint64_t lease_ns, shm_reclaim_result *out);
 /* Offset of a record from the start of the mapping (producer's arithmetic). */
 uint64_t shm_record_offset(const shm_ring *ring, uint64_t position);

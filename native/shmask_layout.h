@@ -47,7 +47,13 @@
  *   byte 64   u64 words            valid once WRITTEN (int32 words of ids)
  *   byte 72   u64 words_capacity
  *   byte 80   u32 vocab            V of the bitmask rows (0: none yet)
- *   byte 84   u32 pad, then zeros up to byte 128
+ *   byte 84   u32 pad
+ *   byte 88   u64 seal             valid once WRITTEN: drawn by the producer at
+ *                                  publish, unique within the ring, never 0; the
+ *                                  ref carries it and open, check and release
+ *                                  compare it, so a ref opens only the record it
+ *                                  was issued for
+ *   byte 96   zeros up to byte 128
  *   byte 128  int32 lengths[rows_capacity]            padded to 64
  *             u8    flags[rows_capacity]              padded to 64
  *             int32 ids[words_capacity]               padded to 64
@@ -78,7 +84,7 @@
 #include <stdint.h>
 
 #define SHM_MAGIC 0x31304b53414d4853ULL /* "SHMASK01" little-endian */
-#define SHM_LAYOUT_VERSION 2u /* 2: row flags, bitmask rows, 128-byte record header */
+#define SHM_LAYOUT_VERSION 3u /* 2: row flags, bitmask rows, 128-byte record header; 3: seal */
 #define SHM_HEADER_BYTES 4096u
 /* Records are multiples of the header size, so even the smallest padding
  * record at the end of the ring holds a whole header. */
@@ -140,7 +146,8 @@ struct shm_record_header {
     uint64_t words_capacity;
     uint32_t vocab;
     uint32_t pad;
-    uint64_t reserved[5];
+    uint64_t seal;
+    uint64_t reserved[4];
 };
 
 _Static_assert(offsetof(struct shm_segment_header, head) == 64, "head at byte 64");
@@ -174,5 +181,6 @@ _Static_assert(offsetof(struct shm_record_header, owner) == 56, "owner at 56");
 _Static_assert(offsetof(struct shm_record_header, words) == 64, "words at 64");
 _Static_assert(offsetof(struct shm_record_header, words_capacity) == 72, "words_capacity at 72");
 _Static_assert(offsetof(struct shm_record_header, vocab) == 80, "vocab at 80");
+_Static_assert(offsetof(struct shm_record_header, seal) == 88, "seal at 88");
 
 #endif

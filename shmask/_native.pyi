@@ -148,6 +148,7 @@ class _Lib:
     SHM_E_BAD_LENGTHS: int
     SHM_E_BAD_STATE: int
     SHM_E_OVERFLOW: int
+    SHM_E_WRONG_RECORD: int
     SHM_E_BAD_SLOT: int
     SHM_E_BAD_LENGTH: int
     SHM_E_SOURCE_OVERRUN: int
@@ -194,19 +195,21 @@ class _Lib:
     def shm_payload_bytes(self, mode: int, rows: int, words: int, nnz: int, /) -> int: ...
     def shm_read_info(self, base: CData, segment_bytes: int, out: ShmInfo, /) -> int: ...
     def shm_open_record(
-        self, base: CData, mapped_bytes: int, capacity: int, position: int, record_bytes: int,
-        rows: int, words: int, nnz: int, vocab: int, mode: int, max_row_length: int,
-        out: ShmView, /,
+        self, base: CData, mapped_bytes: int, capacity: int, position: int, seal: int,
+        record_bytes: int, rows: int, words: int, nnz: int, vocab: int, mode: int,
+        max_row_length: int, lengths_out: CData, flags_out: CData, out: ShmView, /,
     ) -> int: ...
-    def shm_check_record(self, base: CData, capacity: int, position: int, /) -> int: ...
-    def shm_release(self, base: CData, mapped_bytes: int, capacity: int, position: int, /) -> int: ...
+    def shm_check_record(self, base: CData, capacity: int, position: int, seal: int, /) -> int: ...
+    def shm_release(
+        self, base: CData, mapped_bytes: int, capacity: int, position: int, seal: int, /,
+    ) -> int: ...
     def shm_validate_rows(
         self, lengths: CData, flags: CData, ids: CData, rows: int, words: int, nnz: int,
         vocab: int, max_row_length: int, any_flags: IntPointer, /,
     ) -> int: ...
     def shm_ring_init(
         self, ring: CData, base: CData, mapped_bytes: int, capacity: int, epoch: int, pid: int,
-        start: int, created_ns: int, handle_tag: int, /,
+        start: int, created_ns: int, handle_tag: int, seal_seed: int, /,
     ) -> int: ...
     def shm_ring_free(self, ring: CData, /) -> None: ...
     def shm_ring_mark_dead(self, ring: CData, /) -> None: ...
@@ -232,8 +235,8 @@ class _Lib:
     def shm_unmap(self, address: CData, /) -> None: ...
     def shm_mapping_truncated(self, address: CData, /) -> int: ...
     def shm_release_many(
-        self, base: CData, mapped_bytes: int, capacity: int, positions: CData, count: int,
-        results: CData, /,
+        self, base: CData, mapped_bytes: int, capacity: int, positions: CData, seals: CData,
+        count: int, results: CData, /,
     ) -> None: ...
     def shm_decode_rows(
         self, lengths: CData, flags: CData, ids: CData, rows: int, words: int, vocab: int,
@@ -250,7 +253,7 @@ class _Lib:
     def shm_discard_record(self, ring: CData, position: int, /) -> int: ...
     def shm_publish(
         self, ring: CData, position: int, mode: int, rows: int, words: int, nnz: int, vocab: int,
-        now_ns: int, /
+        now_ns: int, seal_out: CData, /
     ) -> int: ...
     def shm_reclaim(
         self, ring: CData, now_ns: int, lease_ns: int, out: ShmReclaimResult, /

@@ -24,6 +24,9 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
                             "totals that do not match nnz and words"),
     lib.SHM_E_BAD_STATE: (ShmaskError, "record is not in the state this call needs"),
     lib.SHM_E_OVERFLOW: (InvalidRefError, "sizes overflow"),
+    lib.SHM_E_WRONG_RECORD: (InvalidRefError, "the record at this position is not the one this "
+                             "reference was issued for (its seal differs): a garbled or "
+                             "misrouted reference"),
     lib.SHM_E_BAD_SLOT: (InvalidRowsError, "not the handle of an open RowQueue of this Writer "
                          "(closed, never opened, or another Writer's)"),
     lib.SHM_E_BAD_LENGTH: (InvalidRowsError, "row length is negative or longer than allowed"),

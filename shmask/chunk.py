@@ -49,8 +49,12 @@ class Chunk:
     ascending ids either way; a non-OK row raises RowDroppedError from
     `row()` and is None / null in the lists and JSON, never an empty row.
 
-    The views point into shared memory: they are valid until release() (or
-    until the lease runs out; `check()` and `to_lists()` detect that).
+    `ids` and `logprobs` are views of shared memory: valid until release()
+    (or until the lease runs out; `check()` and every accessor that reads
+    rows detect that, and raise StaleChunkError). `lengths` and `flags` are
+    the chunk's own copies, made and validated at open, so which entries
+    belong to which row never changes, whatever is written into the record
+    afterwards.
     """
 
     __slots__ = ("mode", "lengths", "ids", "logprobs", "flags", "vocab", "_record", "_released",
@@ -167,7 +171,7 @@ class Chunk:
             else:
                 try:
                     ids = self._decode()
-                except ShmaskError:
+                except Exception:
                     self.check()  # rows overwritten under us: say so (StaleChunkError)
                     raise
                 self.check()  # a copy is only good if the record was not reclaimed under it
@@ -181,9 +185,19 @@ class Chunk:
     def row(self, index: int) -> tuple[np.ndarray, np.ndarray | float]:
         """(ids, logprobs) of one row; logprobs is a float in selected mode.
         An ids-form row gives views; a bitmask row its decoded ids (a copy).
-        Raises RowDroppedError for a row whose status is not OK."""
+        Raises RowDroppedError for a row whose status is not OK, and
+        StaleChunkError once the record was reclaimed."""
         if not -self.rows <= index < self.rows:
             raise IndexError(f"row {index} out of range for a chunk of {self.rows} rows")
+        try:
+            out = self._row(index)
+        except Exception:
+            self.check()  # a late read is StaleChunkError, whatever failed
+            raise
+        self.check()
+        return out
+
+    def _row(self, index: int) -> tuple[np.ndarray, np.ndarray | float]:
         index %= self.rows
         start, stop = int(self.offsets[index]), int(self.offsets[index + 1])
         ids = self.ids[start:stop]
@@ -191,11 +205,8 @@ class Chunk:
             self.check_rows(index, index + 1)
             if self.flags[index] == ROW_BITMASK:
                 begin, end = self.word_offsets[index:index + 2].tolist()
-                try:
-                    ids = _decode_rows(self.lengths[index:index + 1], self.flags[index:index + 1],
-                                       self.ids[begin:end], self.vocab, stop - start)
-                finally:
-                    self.check()  # the copy is good only if the record was not reclaimed
+                ids = _decode_rows(self.lengths[index:index + 1], self.flags[index:index + 1],
+                                   self.ids[begin:end], self.vocab, stop - start)
             else:
                 begin = int(self.word_offsets[index])
                 ids = self.ids[begin:begin + stop - start]
@@ -226,8 +237,17 @@ class Chunk:
         values exactly; bitmask rows come as their ascending ids. A row whose
         status is not OK is None in both lists (in place of its ids list, and
         of its logprobs list (support mode) or logprob (selected mode)).
-        Raises StaleChunkError if the record was reclaimed while the lists
-        were built."""
+        Raises StaleChunkError if the record was reclaimed before or while
+        the lists were built."""
+        try:
+            ids, logprobs = self._lists()
+        except Exception:
+            self.check()  # a late read is StaleChunkError, whatever failed
+            raise
+        self.check()
+        return ids, logprobs
+
+    def _lists(self) -> tuple[list[list[int] | None], list[Any]]:
         flat_ids, offsets = self.csr()
         bounds = offsets.tolist()
         all_ids = flat_ids.tolist()
@@ -241,7 +261,6 @@ class Chunk:
         if self.flags is not None:
             for dropped in np.flatnonzero(self.flags & ROW_STATUS_BITS).tolist():
                 ids[dropped] = logprobs[dropped] = None
-        self.check()
         return ids, logprobs
 
     def to_json(self, fields: Sequence[str] = DEFAULT_FIELDS) -> bytes:
@@ -265,8 +284,8 @@ class Chunk:
         of the lengths, null where a row is not OK)."""
         try:
             out = self._json()
-        except ShmaskError:
-            self.check()  # rows overwritten under us: say so (StaleChunkError)
+        except Exception:
+            self.check()  # a late read is StaleChunkError, whatever failed
             raise
         self.check()
         return out

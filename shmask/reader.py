@@ -10,9 +10,9 @@ pages, which every check then rejects with StaleChunkError.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -25,7 +25,9 @@ from .errors import InvalidRefError, RemoteChunkError, SegmentError, ShmaskError
 from .refs import (
     KIND_EMPTY,
     KIND_INLINE,
+    KIND_LOST,
     KIND_SHM,
+    LOST_STALE,
     MODE_SELECTED,
     MODE_SUPPORT,
     ChunkRef,
@@ -79,7 +81,9 @@ _SYNC_MASK = 255  # metrics are handed over every 256 opens, not per open
 
 
 class Reader:
-    """Opens ChunkRefs. One Reader per process (or thread) is enough."""
+    """Opens ChunkRefs. One Reader per process is enough: it may be shared by
+    threads (every open gets its own results from the native core; only
+    attaching a new segment takes a lock)."""
 
     def __init__(self, config: Config | None = None) -> None:
         self.config = config or Config.from_env()
@@ -89,8 +93,7 @@ class Reader:
         self._synced = ReaderStats()
         self._host = host_id()  # which /dev/shm this process sees
         self._attached: dict[str, _Attached] = {}
-        self._view = ffi.new("shm_view *")
-        self._any_flags = ffi.new("uint32_t *")
+        self._attach_lock = threading.Lock()
         if self.config.transport == "shm":
             # Rings of producers that died (SIGKILL leaves them) go now.
             collect_garbage(self.config.name_prefix)
@@ -159,11 +162,13 @@ class Reader:
                 continue  # the producer is gone, and its ring with it
             if attached.epoch != epoch:
                 continue
-            positions = np.ascontiguousarray(
-                entries["position"][shm & (entries["segment"] == index)], dtype=np.uint64)
+            these = shm & (entries["segment"] == index)
+            positions = np.ascontiguousarray(entries["position"][these], dtype=np.uint64)
+            seals = np.ascontiguousarray(entries["seal"][these], dtype=np.uint64)
             results = np.zeros(positions.size, np.int32)
             lib.shm_release_many(attached.base, attached.size, attached.capacity,
-                                 ffi.from_buffer("uint64_t[]", positions), positions.size,
+                                 ffi.from_buffer("uint64_t[]", positions),
+                                 ffi.from_buffer("uint64_t[]", seals), positions.size,
                                  ffi.from_buffer("int32_t[]", results))
             given_back += int(np.count_nonzero(results == lib.SHM_OK))
         self._discards += given_back
@@ -175,13 +180,19 @@ class Reader:
         if not isinstance(ref, ChunkRef):
             raise InvalidRefError(f"Reader.open takes a ChunkRef, got {type(ref).__name__}")
         if ref.kind == KIND_INLINE:
-            return _open_inline(ref, self.config.max_tokens, self._any_flags)
+            return _open_inline(ref, self.config.max_tokens)
+        if ref.kind == KIND_LOST:
+            if ref.position == LOST_STALE:
+                raise StaleChunkError(f"{ref!r}: the hop that forwarded this chunk could not read "
+                                      "it in time (reclaimed, aborted or truncated)")
+            raise InvalidRefError(f"{ref!r}: the hop that forwarded this chunk found its "
+                                  "reference malformed")
         if ref.kind == KIND_EMPTY:
             if type(ref.rows) is not int or type(ref.nnz) is not int or ref.rows or ref.nnz:
                 raise InvalidRefError(f"empty reference with rows={ref.rows!r} nnz={ref.nnz!r}")
             return Chunk.empty(ref.mode if ref.mode in (MODE_SELECTED, MODE_SUPPORT)
                                else MODE_SUPPORT)
-        raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2")
+        raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2, 3")
 
     def open_batch(self, batch: RefBatch) -> Iterator[Chunk]:
         """Open every ref of a batch, in order."""
@@ -218,33 +229,55 @@ class Reader:
                 f"ref epoch {ref.epoch} does not match segment {ref.segment!r} "
                 f"(epoch {attached.epoch}): the segment was recreated"
             )
-        # One native call checks the ref against the record and then the
-        # rows themselves (flags, lengths, bitmasks, totals).
+        rows, nnz, words = ref.rows, ref.nnz, ref.words
+        if not 0 <= rows <= attached.capacity // 5:
+            # Checked before sizing the geometry copy by it (a record of
+            # `rows` rows holds 5 bytes a row of lengths and flags).
+            raise InvalidRefError(f"{ref!r}: {rows} rows cannot fit a ring of "
+                                  f"{attached.capacity} bytes")
+        # The rows' geometry is copied out of the record by the native core
+        # and validated there: lengths (int32) then flags (uint8), private to
+        # this chunk. Per-call results (view, copy): a Reader may be shared
+        # by threads, and cffi lets go of the GIL inside the call.
+        geometry = np.empty(5 * rows, np.uint8)
+        view = ffi.new("shm_view *")
+        # One native call checks the ref against the record (its seal
+        # included) and then the rows (flags, lengths, bitmasks, totals).
         rc = lib.shm_open_record(attached.base, attached.size, attached.capacity, ref.position,
-                                 ref.record_bytes, ref.rows, ref.words, ref.nnz, ref.vocab,
-                                 ref.mode, self.config.max_tokens, self._view)
-        record = _ShmRecord(attached, ref.position)
+                                 ref.seal, ref.record_bytes, rows, words, nnz, ref.vocab,
+                                 ref.mode, self.config.max_tokens,
+                                 ffi.from_buffer("int32_t[]", geometry),
+                                 ffi.from_buffer("uint8_t[]", geometry, require_writable=True)
+                                 + 4 * rows, view)
+        record = _ShmRecord(attached, ref.position, ref.seal)
         if rc:
             if rc == lib.SHM_E_BAD_LENGTHS:
                 record.check()  # reclaimed or truncated meanwhile: say that instead
             attached.error(rc, f"open {ref!r}")
         # Re-check after reading the rows: a record reclaimed meanwhile must
         # not pass with someone else's lengths.
-        if lib.shm_check_record(attached.base, attached.capacity, ref.position):
+        if lib.shm_check_record(attached.base, attached.capacity, ref.position, ref.seal):
             record.check()  # raises, naming the reason
-        view = self._view
-        rows, nnz, words = ref.rows, ref.nnz, ref.words
         n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
         data = attached.view
-        lengths = data[view.lengths_offset:view.lengths_offset + 4 * rows].view(np.int32)
+        lengths = geometry[:4 * rows].view(np.int32)
         ids = data[view.ids_offset:view.ids_offset + 4 * words].view(np.int32)
         logprobs = data[view.logprobs_offset:view.logprobs_offset + 4 * n_logprobs].view(np.float32)
+        lengths.flags.writeable = False
         if not view.any_flags:  # OK ids rows only: the chunk needs no flags
             return Chunk(ref.mode, lengths, ids, logprobs, record)
-        flags = data[view.flags_offset:view.flags_offset + rows]
+        flags = geometry[4 * rows:]
+        flags.flags.writeable = False
         return Chunk(ref.mode, lengths, ids, logprobs, record, flags=flags, vocab=ref.vocab)
 
     def _attach(self, name: str) -> _Attached:
+        attached = self._attached.get(name)
+        if attached is not None:
+            return attached
+        with self._attach_lock:  # threads attaching one segment map it once
+            return self._attach_locked(name)
+
+    def _attach_locked(self, name: str) -> _Attached:
         attached = self._attached.get(name)
         if attached is not None:
             return attached
@@ -279,29 +312,32 @@ class Reader:
 class _ShmRecord:
     """What a Chunk needs to re-check and release its ring record."""
 
-    __slots__ = ("attached", "position")
+    __slots__ = ("attached", "position", "seal")
 
-    def __init__(self, attached: _Attached, position: int) -> None:
+    def __init__(self, attached: _Attached, position: int, seal: int) -> None:
         self.attached = attached
         self.position = position
+        self.seal = seal
 
     def check(self) -> None:
         attached = self.attached
         # A truncated segment reads as zero pages, which fail this check too.
-        if lib.shm_check_record(attached.base, attached.capacity, self.position):
+        if lib.shm_check_record(attached.base, attached.capacity, self.position, self.seal):
             attached.error(lib.SHM_E_STALE, f"chunk at {attached.name}@{self.position}")
 
     def release(self) -> None:
         attached = self.attached
-        rc = lib.shm_release(attached.base, attached.size, attached.capacity, self.position)
+        rc = lib.shm_release(attached.base, attached.size, attached.capacity, self.position,
+                             self.seal)
         if rc:
             attached.error(rc, f"release {attached.name}@{self.position}")
 
 
 def _check_rows(lengths: np.ndarray, flags: np.ndarray, ids: np.ndarray, nnz: int, vocab: int,
-                max_tokens: int, any_flags: Any) -> bool:
+                max_tokens: int) -> bool:
     """Validates a chunk's rows (native core); whether some row is not an OK
     ids row (the chunk then carries its flags)."""
+    any_flags = ffi.new("uint32_t *")  # per call: a Reader may be shared by threads
     rc = lib.shm_validate_rows(ffi.from_buffer("int32_t[]", lengths),
                                ffi.from_buffer("uint8_t[]", flags),
                                ffi.from_buffer("int32_t[]", ids), lengths.size, ids.size, nnz,
@@ -311,7 +347,7 @@ def _check_rows(lengths: np.ndarray, flags: np.ndarray, ids: np.ndarray, nnz: in
     return bool(any_flags[0])
 
 
-def _open_inline(ref: ChunkRef, max_tokens: int, any_flags: Any) -> Chunk:
+def _open_inline(ref: ChunkRef, max_tokens: int) -> Chunk:
     payload = ref.payload
     rows, nnz, words, vocab = ref.rows, ref.nnz, ref.words, ref.vocab
     if type(ref.mode) is not int or ref.mode not in (MODE_SELECTED, MODE_SUPPORT):
@@ -330,6 +366,6 @@ def _open_inline(ref: ChunkRef, max_tokens: int, any_flags: Any) -> Chunk:
     flags = data[flags_at:flags_at + rows]
     ids = data[ids_at:logprobs_at].view(np.int32)
     logprobs = data[logprobs_at:].view(np.float32)
-    plain = not _check_rows(lengths, flags, ids, nnz, vocab, max_tokens, any_flags)
+    plain = not _check_rows(lengths, flags, ids, nnz, vocab, max_tokens)
     return Chunk(ref.mode, lengths, ids, logprobs, None, flags=None if plain else flags,
                  vocab=vocab)

@@ -5,13 +5,13 @@ so pickling it, msgpacking it or sending it as a zmq frame costs O(1) Python
 objects however many requests it holds. Wire format (little-endian):
 
     offset 0   4s   magic b"SMRB"
-           4   u16  version (3)
+           4   u16  version (4)
            6   u16  n_segments
            8   u32  n_entries
           12   u32  inline_bytes
           16   segment table: n_segments x (u64 epoch, u64 host, u8 name_len, name)
                padded with zeros to a multiple of 8
-               entries: n_entries x ENTRY_DTYPE (40 bytes)
+               entries: n_entries x ENTRY_DTYPE (48 bytes)
                inline area: inline_bytes (packed chunks of entries of kind INLINE)
 
 An inline chunk is `lengths int32[rows] | flags uint8[rows], zero-padded to
@@ -30,12 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidRefError
+from .errors import InvalidRefError, ShmaskError, StaleChunkError
 
 MAGIC = b"SMRB"
 # 2: each segment says which host (boot + /dev/shm mount) holds it;
-# 3: entries carry words and vocab (row flags and bitmask rows)
-VERSION = 3
+# 3: entries carry words and vocab (row flags and bitmask rows);
+# 4: entries carry the record's seal (a ref opens only the record it was
+#    issued for), and kind LOST (a chunk a forwarding hop could not read)
+VERSION = 4
 _HEADER = struct.Struct("<4sHHII")
 _SEGMENT = struct.Struct("<QQB")
 MAX_NAME_BYTES = 64
@@ -44,6 +46,12 @@ MSGPACK_EXT_CODE = 83  # msgspec/msgpack extension type carrying RefBatch bytes
 KIND_EMPTY = 0  # a request that produced no rows since its last take
 KIND_SHM = 1
 KIND_INLINE = 2
+# A chunk that a forwarding hop (RefBatch.to_inline / for_host) could not
+# read: no rows, only why; opening it raises that error (`position` holds
+# LOST_STALE or LOST_INVALID), so one bad chunk costs one request.
+KIND_LOST = 3
+LOST_STALE = 1  # StaleChunkError: reclaimed, aborted or truncated before the hop read it
+LOST_INVALID = 2  # InvalidRefError: the hop found the reference malformed
 MODE_SELECTED = 1
 MODE_SUPPORT = 2
 MODES = {"selected": MODE_SELECTED, "support": MODE_SUPPORT}
@@ -60,9 +68,10 @@ ENTRY_DTYPE = np.dtype(
         ("nnz", "<u8"),  # support ids (sum of row lengths)
         ("words", "<u4"),  # int32 words of id data (== nnz unless a row is a bitmask or dropped)
         ("vocab", "<u4"),  # V of the chunk's bitmask rows (0: none)
+        ("seal", "<u8"),  # shm: the record's seal (native/shmask_layout.h); else 0
     ]
 )
-assert ENTRY_DTYPE.itemsize == 40
+assert ENTRY_DTYPE.itemsize == 48
 
 
 def mode_code(mode: str | int) -> int:
@@ -96,11 +105,12 @@ class ChunkRef:
     """A reference to one chunk (consecutive rows of one request)."""
 
     __slots__ = ("kind", "mode", "segment", "epoch", "position", "record_bytes", "rows", "nnz",
-                 "payload", "host", "words", "vocab")
+                 "payload", "host", "words", "vocab", "seal")
 
     def __init__(self, kind: int, mode: int, segment: str, epoch: int, position: int,
                  record_bytes: int, rows: int, nnz: int, payload: memoryview | None,
-                 host: int = 0, words: int | None = None, vocab: int = 0) -> None:
+                 host: int = 0, words: int | None = None, vocab: int = 0,
+                 seal: int = 0) -> None:
         self.kind = kind
         self.mode = mode
         self.segment = segment
@@ -114,6 +124,7 @@ class ChunkRef:
         # int32 words of the rows' id data; nnz when every row is an OK ids row
         self.words = nnz if words is None else words
         self.vocab = vocab  # V of the bitmask rows (0: none)
+        self.seal = seal  # the ring record's seal: the only record this ref opens
 
     @property
     def inline(self) -> bool:
@@ -138,7 +149,8 @@ class ChunkRef:
         return (ChunkRef.from_bytes, (self.to_bytes(),))
 
     def __repr__(self) -> str:
-        where = "inline" if self.inline else f"{self.segment}@{self.position}"
+        where = ("inline" if self.inline else "lost" if self.kind == KIND_LOST
+                 else f"{self.segment}@{self.position}")
         return f"ChunkRef({self.mode_name}, rows={self.rows}, nnz={self.nnz}, {where})"
 
 
@@ -193,6 +205,9 @@ class RefBatch:
                 key = (ref.segment, ref.epoch, ref.host)
                 entry["segment"] = segments.setdefault(key, len(segments))
                 entry["position"], entry["record_bytes"] = ref.position, ref.record_bytes
+                entry["seal"] = ref.seal
+            elif ref.kind == KIND_LOST:
+                entry["position"] = ref.position
             elif ref.kind == KIND_INLINE:
                 assert ref.payload is not None
                 entry["position"], entry["record_bytes"] = offset, len(ref.payload)
@@ -253,14 +268,14 @@ class RefBatch:
             yield self._ref(*fields)
 
     def _ref(self, kind: int, mode: int, segment_index: int, rows: int, position: int,
-             record_bytes: int, nnz: int, words: int, vocab: int) -> ChunkRef:
+             record_bytes: int, nnz: int, words: int, vocab: int, seal: int) -> ChunkRef:
         segment, epoch, host, payload = "", 0, 0, None
         if kind == KIND_SHM:
             segment, epoch, host = self._segments[segment_index]
         elif kind == KIND_INLINE:
             payload = self._inline[position:position + record_bytes]
         return ChunkRef(kind, mode, segment, epoch, position, record_bytes, rows, nnz, payload, host,
-                        words, vocab)
+                        words, vocab, seal)
 
     @property
     def entries(self) -> np.ndarray:
@@ -302,7 +317,11 @@ class RefBatch:
         """This batch with every ring chunk copied into the batch itself and
         given back to the ring: for a consumer that cannot see this host's
         /dev/shm (another host, a container with its own). `reader` is the
-        forwarding hop's shmask.Reader."""
+        forwarding hop's shmask.Reader.
+
+        Entry by entry: a chunk the hop cannot read (reclaimed, aborted,
+        malformed) becomes a LOST entry whose open raises that error for its
+        request alone; the others are forwarded, each released exactly once."""
         return self._inline_where(reader, lambda host: True)
 
     def for_host(self, host: int, reader: Any) -> RefBatch:
@@ -320,11 +339,13 @@ class RefBatch:
         payload: bytes | memoryview
         for i, ref in enumerate(self):
             if ref.kind == KIND_SHM and inline_host(ref.host):
-                with reader.open(ref) as chunk:
-                    payload = pack_payload(chunk.lengths, chunk.flags, chunk.ids,
-                                           chunk.logprobs)
-                    chunk.check()  # copied before any reclaim
-                entries[i]["kind"], entries[i]["segment"] = KIND_INLINE, 0
+                try:
+                    payload = _copy_out(reader, ref)
+                except ShmaskError as exc:
+                    lost = LOST_STALE if isinstance(exc, StaleChunkError) else LOST_INVALID
+                    entries[i] = (KIND_LOST, ref.mode, 0, 0, lost, 0, 0, 0, 0, 0)
+                    continue
+                entries[i]["kind"], entries[i]["segment"], entries[i]["seal"] = KIND_INLINE, 0, 0
             elif ref.kind == KIND_INLINE:
                 assert ref.payload is not None
                 payload = ref.payload
@@ -362,16 +383,35 @@ class RefBatch:
         return f"RefBatch({len(self)} refs, {self.nbytes} bytes)"
 
 
+def _copy_out(reader: Any, ref: ChunkRef) -> bytes:
+    """A ring chunk's rows as an inline payload, given back to the ring."""
+    chunk = reader.open(ref)
+    try:
+        payload = pack_payload(chunk.lengths, chunk.flags, chunk.ids, chunk.logprobs)
+        chunk.check()  # copied before any reclaim, or raises StaleChunkError
+    finally:
+        try:
+            chunk.release()
+        except ShmaskError:
+            pass  # reclaimed after the check passed: the copy is good, the record is gone
+    return payload
+
+
 def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> None:
     kind = entries["kind"]
-    if np.any(kind > KIND_INLINE):
-        raise InvalidRefError(f"reference kind {int(kind.max())} is invalid: accepted 0, 1, 2")
-    live = kind != KIND_EMPTY
+    if np.any(kind > KIND_LOST):
+        raise InvalidRefError(f"reference kind {int(kind.max())} is invalid: accepted 0, 1, 2, 3")
+    live = (kind == KIND_SHM) | (kind == KIND_INLINE)
     if np.any(~live & ((entries["rows"] != 0) | (entries["nnz"] != 0) | (entries["words"] != 0)
-                       | (entries["vocab"] != 0))):
-        raise InvalidRefError("an empty reference must have rows == nnz == words == vocab == 0")
+                       | (entries["vocab"] != 0) | (entries["seal"] != 0))):
+        raise InvalidRefError("an empty or lost reference must have rows == nnz == words == "
+                              "vocab == seal == 0")
+    lost = kind == KIND_LOST
+    if np.any(lost & (entries["position"] != LOST_STALE) & (entries["position"] != LOST_INVALID)):
+        raise InvalidRefError(f"a lost reference's reason must be {LOST_STALE} (stale) or "
+                              f"{LOST_INVALID} (invalid)")
     mode = entries["mode"]
-    if np.any(live & (mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
+    if np.any((live | lost) & (mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
         raise InvalidRefError("reference mode is invalid: accepted 1 (selected), 2 (support)")
     shm = kind == KIND_SHM
     if np.any(shm & (entries["segment"] >= n_segments)):

@@ -131,7 +131,7 @@ class Writer:
             self._view = np.frombuffer(self.segment.buffer, dtype=np.uint8)
         rc = lib.shm_ring_init(self._ring, base, size, capacity, self.epoch, os.getpid(),
                                process_start_ticks(os.getpid()), time.time_ns(),
-                               secrets.randbits(15))
+                               secrets.randbits(15), secrets.randbits(64))
         if rc != lib.SHM_OK:
             if self.segment is not None:
                 self.segment.close()
@@ -151,6 +151,7 @@ class Writer:
         self._reclaim_result = ffi.new("shm_reclaim_result *")
         self._layout = ffi.new("shm_layout *")
         self._any_flags = ffi.new("uint32_t *")
+        self._seal = ffi.new("uint64_t *")
 
     # ------------------------------------------------------------ identity
     @property
@@ -510,7 +511,8 @@ class Writer:
         return lengths, flags, ids, logprobs
 
     def _publish_record(self, position: int, mode: int, rows: int, nnz: int) -> ChunkRef:
-        rc = lib.shm_publish(self._ring, position, mode, rows, nnz, nnz, 0, time.monotonic_ns())
+        rc = lib.shm_publish(self._ring, position, mode, rows, nnz, nnz, 0, time.monotonic_ns(),
+                             self._seal)
         if rc:
             raise_for(rc, f"publish at position {position}")
         # The record's size comes from the producer's own numbers, never from
@@ -518,7 +520,8 @@ class Writer:
         lib.shm_record_layout(mode, rows, nnz, nnz, self._layout)
         self._count(rows, nnz, nnz, mode)
         return ChunkRef(KIND_SHM, mode, self.segment_name, self.epoch, position,
-                        int(self._layout.record_bytes), rows, nnz, None, host_id())
+                        int(self._layout.record_bytes), rows, nnz, None, host_id(),
+                        seal=int(self._seal[0]))
 
     def _count(self, rows: int, nnz: int, words: int, mode: int) -> None:
         self.stats.chunks += 1
@@ -571,7 +574,7 @@ class Writer:
             ref = self._take_private(int(handles[i]) & _SLOT_MASK)
             assert ref.payload is not None
             entries[i] = (KIND_INLINE, ref.mode, 0, ref.rows, inline_offset, len(ref.payload),
-                          ref.nnz, ref.words, ref.vocab)
+                          ref.nnz, ref.words, ref.vocab, 0)
             inline_chunks.append(bytes(ref.payload))
             inline_offset += len(ref.payload)
             start = i + 1

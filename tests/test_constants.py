@@ -38,7 +38,7 @@ def test_states_and_layout_constants():
     assert lib.SHM_RECORD_HEADER_BYTES == 128
     assert lib.SHM_RECORD_ALIGN == 128 and lib.SHM_HEADER_BYTES == 4096
     assert lib.SHM_MIN_CAPACITY <= lib.SHM_HEADER_BYTES  # segment.attach's size floor
-    assert lib.SHM_LAYOUT_VERSION == 2
+    assert lib.SHM_LAYOUT_VERSION == 3
 
 
 def test_record_layout_matches_python_payload_size():

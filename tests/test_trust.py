@@ -1,0 +1,237 @@
+"""Issue 17, items 1, 2, 3, 7 and 10: a request never sees another request's
+rows, whatever threads, garbled references or a writer rewriting the
+record do; a late read is StaleChunkError through every accessor; one
+unreadable chunk costs its own entry only when a hop carries rows inline.
+
+Rows here are recognisable by value: request q's row s holds ids
+q << 20 | s << 8 | k, so rows of another request are told apart."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import shmask
+from shmask.refs import ENTRY_DTYPE, KIND_LOST, KIND_SHM, RefBatch
+
+VOCAB = 1 << 30
+
+
+def _rows(request: int, steps: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR rows of one request: row s has `width - s % 3` ids."""
+    lengths = np.array([width - s % 3 for s in range(steps)], np.int32)
+    ids = np.concatenate([(request << 20 | s << 8) + np.arange(n, dtype=np.int64)
+                          for s, n in enumerate(lengths)]).astype(np.int32)
+    return lengths, ids, (ids % 1000).astype(np.float32) / -1000
+
+
+def _publish(writer: shmask.Writer, requests: int, steps: int = 4,
+             width: int = 12) -> list[shmask.ChunkRef]:
+    queues = [writer.open_queue("support") for _ in range(requests)]
+    handles = np.array([q.handle for q in queues], np.int64)
+    rows = [_rows(q, steps, width) for q in range(requests)]
+    for s in range(steps):
+        lengths = np.array([r[0][s] for r in rows], np.int32)
+        ids = np.zeros((requests, width), np.int32)
+        logprobs = np.zeros((requests, width), np.float32)
+        for q, (row_lengths, row_ids, row_logprobs) in enumerate(rows):
+            start = int(row_lengths[:s].sum())
+            ids[q, :lengths[q]] = row_ids[start:start + lengths[q]]
+            logprobs[q, :lengths[q]] = row_logprobs[start:start + lengths[q]]
+        writer.append_step(handles, lengths, ids, logprobs)
+    refs = list(writer.take_batch(queues))
+    for queue in queues:
+        queue.close()
+    return refs
+
+
+def _request_of(chunk: shmask.Chunk) -> set[int]:
+    return set((chunk.csr()[0] >> 20).tolist())
+
+
+def test_reader_shared_by_threads_returns_each_ref_its_own_rows(config):
+    """Item 1: threads share one Reader (cffi lets go of the GIL inside the
+    native open); every ref must come back with its own request's rows."""
+    threads, per_thread = 6, 150
+    previous = sys.getswitchinterval()
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        refs = _publish(writer, threads * per_thread, steps=2, width=6)
+        wrong: list[tuple[int, set[int]]] = []
+        errors: list[BaseException] = []
+
+        def work(first: int) -> None:
+            try:
+                for q in range(first, len(refs), threads):
+                    with reader.open(refs[q]) as chunk:
+                        lengths, ids, _ = _rows(q, 2, 6)
+                        got = chunk.to_lists()[0]
+                        if _request_of(chunk) != {q} or not np.array_equal(chunk.lengths, lengths) \
+                                or [x for row in got for x in row] != ids.tolist():
+                            wrong.append((q, _request_of(chunk)))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        sys.setswitchinterval(1e-6)
+        try:
+            workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(120)
+        finally:
+            sys.setswitchinterval(previous)
+        assert not errors, errors[:3]
+        assert not wrong, f"{len(wrong)} refs came back with other rows, e.g. {wrong[:3]}"
+        assert reader.stats.opens == len(refs)
+
+
+def test_ref_opens_only_the_record_it_was_issued_for(config):
+    """Item 2: a ref pointed at another live record of the same shape, or
+    with its position garbled, never opens that record."""
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        refs = _publish(writer, 2)
+        a, b = refs
+        assert (a.rows, a.nnz, a.record_bytes) == (b.rows, b.nnz, b.record_bytes)
+        a.position, b.position = b.position, a.position  # each names the other's record
+        for forged in (a, b):
+            with pytest.raises(shmask.InvalidRefError, match="seal"):
+                reader.open(forged)
+        # Every single-byte garble of the wire entry: refused, or its own rows.
+        a.position, b.position = b.position, a.position
+        wire = bytearray(a.to_bytes())
+        entry_at = len(wire) - ENTRY_DTYPE.itemsize
+        other = 0
+        for at in range(entry_at, len(wire)):
+            for flip in (0x01, 0x80, 0xFF):
+                garbled = bytearray(wire)
+                garbled[at] ^= flip
+                try:
+                    ref = RefBatch.from_bytes(bytes(garbled))[0]
+                    with reader.open(ref) as chunk:
+                        other += _request_of(chunk) != {0}
+                except shmask.ShmaskError:
+                    pass
+        assert other == 0
+        with reader.open(a) as chunk:  # the real ref still opens its own rows
+            assert _request_of(chunk) == {0}
+        reader.discard(b)
+
+
+def _record_geometry(reader: shmask.Reader, ref: shmask.ChunkRef) -> tuple[np.ndarray, int, int]:
+    """A writable view of the ring and where the record's lengths and flags are."""
+    attached = reader._attach(ref.segment)
+    memory = np.frombuffer(attached.segment.buffer, np.uint8)
+    record = 4096 + (ref.position & (attached.capacity - 1))
+    rows_capacity = int(memory[record + 28:record + 32].view(np.uint32)[0])
+    lengths_at = record + 128
+    return memory, lengths_at, lengths_at + -(-4 * rows_capacity // 64) * 64
+
+
+def test_rows_rewritten_after_open_keep_their_row_boundaries(writer, reader):
+    """Item 3: a writer rewriting lengths or flags after open changes values
+    at most, never which row they belong to."""
+    queue = writer.open_queue("support")
+    queue.append(np.array([10, 11, 12], np.int32), np.full(3, -1.0, np.float32))
+    queue.append(np.array([20], np.int32), np.full(1, -2.0, np.float32))
+    ref = queue.take()
+    chunk = reader.open(ref)
+    memory, lengths_at, flags_at = _record_geometry(reader, ref)
+    memory[lengths_at:lengths_at + 8].view(np.int32)[:] = [2, 2]
+    ids, _ = chunk.row(1)
+    assert ids.tolist() == [20]
+    assert chunk.to_lists()[0] == [[10, 11, 12], [20]]
+    chunk.release()
+    queue.close()
+
+    # A bitmask row whose flag is rewritten to "ids row" (0) or to garbage.
+    vocab = 100
+    mask = np.zeros(4, np.int32)
+    for i in (3, 40, 99):
+        mask[i // 32] |= 1 << (i % 32)
+    for forged_flag in (0, 0x80):
+        queue = writer.open_queue("support")
+        writer.append_step(np.array([queue.handle]), np.array([3], np.int32), mask,
+                           np.array([-1.0, -2.0, -3.0], np.float32), forms=np.array([1]),
+                           vocab=vocab)
+        ref = queue.take()
+        chunk = reader.open(ref)
+        memory, lengths_at, flags_at = _record_geometry(reader, ref)
+        memory[flags_at] = forged_flag
+        ids, _ = chunk.row(0)
+        assert ids.tolist() == [3, 40, 99], forged_flag
+        assert chunk.to_lists()[0] == [[3, 40, 99]]
+        chunk.release()
+        queue.close()
+
+
+def _bitmask_chunk_read_late(writer: shmask.Writer, reader: shmask.Reader) -> shmask.Chunk:
+    """A bitmask chunk opened, then given back by the producer and its bytes
+    written over by other rows (negative lengths, dropped and odd flags,
+    float bits for words): what a tokenizer past its lease holds."""
+    vocab = 64
+    queue = writer.open_queue("support")
+    mask = np.array([0b1011, 0], np.int32)
+    handle = np.array([queue.handle])
+    for _ in range(2):
+        writer.append_step(handle, np.array([3], np.int32), mask,
+                           np.array([-1.0, -2.0, -3.0], np.float32), forms=np.array([1]),
+                           vocab=vocab)
+    ref = queue.take()
+    chunk = reader.open(ref)
+    queue.abort()  # WRITTEN -> EXPIRED: the space is the producer's again
+    memory, lengths_at, flags_at = _record_geometry(reader, ref)
+    memory[lengths_at:lengths_at + 8].view(np.int32)[:] = [-5, 7]
+    memory[flags_at:flags_at + 2] = [2, 0x80]
+    memory[flags_at + 64:flags_at + 80].view(np.float32)[:] = -1.0
+    return chunk
+
+
+def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, reader):
+    """Item 7: every accessor of a chunk read past its lease (space reused)
+    raises StaleChunkError, never ValueError or RowDroppedError."""
+    accessors = {
+        "to_lists": lambda c: c.to_lists(),
+        "to_json": lambda c: c.to_json(),
+        "json_arrays": lambda c: c.json_arrays(),
+        "csr": lambda c: c.csr(),
+        "row": lambda c: c.row(1),
+        "slice": lambda c: c.slice(1).to_lists(),
+        "check": lambda c: c.check(),
+    }
+    for name, accessor in accessors.items():
+        chunk = _bitmask_chunk_read_late(writer, reader)
+        with pytest.raises(shmask.StaleChunkError):
+            accessor(chunk)
+        writer.reclaim()
+
+
+def test_one_unreadable_chunk_costs_only_its_entry_in_for_host(writer, reader):
+    """Item 10: for_host/to_inline mark the chunk they cannot read and
+    forward the others, each released exactly once."""
+    queues = [writer.open_queue("support") for _ in range(3)]
+    rows = [_rows(q, 3, 5) for q in range(3)]
+    for q, queue in enumerate(queues):
+        lengths, ids, logprobs = rows[q]
+        start = 0
+        for n in lengths:
+            queue.append(ids[start:start + n], logprobs[start:start + n])
+            start += n
+    batch = writer.take_batch(queues)
+    queues[1].abort()
+    other_host = shmask.host_id() ^ 1
+    forwarded = RefBatch.from_bytes(batch.for_host(other_host, reader).to_bytes())
+    assert forwarded.entries["kind"].tolist() == [2, KIND_LOST, 2]
+    for q in (0, 2):
+        with reader.open(forwarded[q]) as chunk:
+            assert chunk.lengths.tolist() == rows[q][0].tolist()
+            assert chunk.ids.tolist() == rows[q][1].tolist()
+    with pytest.raises(shmask.StaleChunkError, match="forwarded"):
+        reader.open(forwarded[1])
+    # The hop gave back the two it copied, once: nothing left to discard.
+    assert reader.discard_batch(batch) == 0
+    assert (batch.entries["kind"] == KIND_SHM).all()
+    for queue in queues:
+        queue.close()
