@@ -406,8 +406,7 @@ static int wrong_record(const void *base, uint64_t position) {
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
                     uint64_t position, uint64_t seal, uint64_t record_bytes, uint64_t rows,
                     uint64_t words, uint64_t nnz, uint32_t vocab, uint32_t mode,
-                    uint64_t max_row_length, int32_t *lengths_out, uint8_t *flags_out,
-                    shm_view *out) {
+                    uint64_t max_row_length, uint8_t *geometry, shm_view *out) {
     uint64_t offset;
     int rc = locate(base, mapped_bytes, capacity, position, &offset);
     if (rc) return rc;
@@ -438,10 +437,16 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
      * writer rewriting lengths or flags later changes nothing the reader
      * uses to find a row. */
     const char *at = (const char *)base;
-    memcpy(lengths_out, at + out->lengths_offset, 4 * rows);
-    memcpy(flags_out, at + out->flags_offset, rows);
-    return shm_validate_rows(lengths_out, flags_out, (const int32_t *)(at + out->ids_offset),
-                             rows, words, nnz, vocab, max_row_length, &out->any_flags);
+    int32_t *lengths = (int32_t *)geometry; /* numpy's allocation: aligned */
+    uint8_t *flags = geometry + 4 * rows;
+    memcpy(lengths, at + out->lengths_offset, 4 * rows);
+    memcpy(flags, at + out->flags_offset, rows);
+    rc = shm_validate_rows(lengths, flags, (const int32_t *)(at + out->ids_offset), rows, words,
+                           nnz, vocab, max_row_length, &out->any_flags);
+    /* Reclaimed while we read (the copies or the bitmask words may be a
+     * newer record's): stale, whatever the validation said. */
+    if (shm_check_record(base, capacity, position, seal)) return SHM_E_STALE;
+    return rc;
 }
 
 int shm_check_record(const void *base, uint64_t capacity, uint64_t position, uint64_t seal) {

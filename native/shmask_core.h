@@ -88,16 +88,16 @@ uint64_t shm_bitmask_words(uint32_t vocab);
 int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out);
 /* Validates the ref against the record (its seal included: a ref opens only
  * the record it was issued for, else SHM_E_WRONG_RECORD), copies the rows'
- * geometry (lengths int32[rows], flags uint8[rows]) into the caller's
- * private arrays and validates the rows from those copies
- * (shm_validate_rows: SHM_E_BAD_LENGTHS), so the row boundaries a reader
- * uses are the ones checked, whatever is written into the record later;
- * fills out, any_flags included. */
+ * geometry into the caller's private `geometry` (5 * rows bytes: lengths
+ * int32[rows], then flags uint8[rows]) and validates the rows from those
+ * copies (shm_validate_rows: SHM_E_BAD_LENGTHS), so the row boundaries a
+ * reader uses are the ones checked, whatever is written into the record
+ * later; then checks the record again (shm_check_record: SHM_E_STALE if it
+ * was reclaimed meanwhile). Fills out, any_flags included. */
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
                     uint64_t position, uint64_t seal, uint64_t record_bytes, uint64_t rows,
                     uint64_t words, uint64_t nnz, uint32_t vocab, uint32_t mode,
-                    uint64_t max_row_length, int32_t *lengths_out, uint8_t *flags_out,
-                    shm_view *out);
+                    uint64_t max_row_length, uint8_t *geometry, shm_view *out);
 /* SHM_OK while the record at `position` is still the published one with this
  * seal (WRITTEN or RELEASED), else SHM_E_STALE. */
 int shm_check_record(const void *base, uint64_t capacity, uint64_t position, uint64_t seal);

@@ -197,7 +197,7 @@ class _Lib:
     def shm_open_record(
         self, base: CData, mapped_bytes: int, capacity: int, position: int, seal: int,
         record_bytes: int, rows: int, words: int, nnz: int, vocab: int, mode: int,
-        max_row_length: int, lengths_out: CData, flags_out: CData, out: ShmView, /,
+        max_row_length: int, geometry: CData, out: ShmView, /,
     ) -> int: ...
     def shm_check_record(self, base: CData, capacity: int, position: int, seal: int, /) -> int: ...
     def shm_release(

@@ -43,7 +43,8 @@ class _Attached:
     """A segment this reader mapped, with the header values it validated once
     (later changes to the shared header cannot widen what it may read)."""
 
-    __slots__ = ("segment", "name", "base", "size", "capacity", "epoch", "view")
+    __slots__ = ("segment", "name", "base", "size", "capacity", "epoch", "view", "memory",
+                 "max_rows")
 
     def __init__(self, segment: Segment, capacity: int, epoch: int) -> None:
         self.segment = segment
@@ -57,6 +58,9 @@ class _Attached:
         self.epoch = epoch
         self.view = np.frombuffer(segment.buffer, dtype=np.uint8)
         self.view.flags.writeable = False
+        # What chunks' arrays are built on (read-only, like `view`).
+        self.memory = memoryview(segment.buffer).toreadonly()
+        self.max_rows = capacity // 5  # a row takes 5 bytes of lengths and flags
 
     def error(self, rc: int, context: str) -> None:
         """Raise for a native error code, saying so when the reason is that
@@ -94,6 +98,9 @@ class Reader:
         self._host = host_id()  # which /dev/shm this process sees
         self._attached: dict[str, _Attached] = {}
         self._attach_lock = threading.Lock()
+        # Native results per thread: cffi lets go of the GIL inside a call,
+        # so threads sharing this Reader must not share an out-struct.
+        self._scratch = threading.local()
         if self.config.transport == "shm":
             # Rings of producers that died (SIGKILL leaves them) go now.
             collect_garbage(self.config.name_prefix)
@@ -230,44 +237,40 @@ class Reader:
                 f"(epoch {attached.epoch}): the segment was recreated"
             )
         rows, nnz, words = ref.rows, ref.nnz, ref.words
-        if not 0 <= rows <= attached.capacity // 5:
+        if not 0 <= rows <= attached.max_rows:
             # Checked before sizing the geometry copy by it (a record of
             # `rows` rows holds 5 bytes a row of lengths and flags).
             raise InvalidRefError(f"{ref!r}: {rows} rows cannot fit a ring of "
                                   f"{attached.capacity} bytes")
         # The rows' geometry is copied out of the record by the native core
         # and validated there: lengths (int32) then flags (uint8), private to
-        # this chunk. Per-call results (view, copy): a Reader may be shared
-        # by threads, and cffi lets go of the GIL inside the call.
-        geometry = np.empty(5 * rows, np.uint8)
-        view = ffi.new("shm_view *")
+        # this chunk.
+        geometry = bytearray(5 * rows)
+        try:
+            view = self._scratch.view
+        except AttributeError:
+            view = self._scratch.view = ffi.new("shm_view *")
         # One native call checks the ref against the record (its seal
-        # included) and then the rows (flags, lengths, bitmasks, totals).
+        # included), then the rows (flags, lengths, bitmasks, totals), then
+        # the record again (reclaimed meanwhile: stale).
         rc = lib.shm_open_record(attached.base, attached.size, attached.capacity, ref.position,
                                  ref.seal, ref.record_bytes, rows, words, nnz, ref.vocab,
-                                 ref.mode, self.config.max_tokens,
-                                 ffi.from_buffer("int32_t[]", geometry),
-                                 ffi.from_buffer("uint8_t[]", geometry, require_writable=True)
-                                 + 4 * rows, view)
+                                 ref.mode, self.config.max_tokens, ffi.from_buffer(geometry),
+                                 view)
         record = _ShmRecord(attached, ref.position, ref.seal)
         if rc:
             if rc == lib.SHM_E_BAD_LENGTHS:
                 record.check()  # reclaimed or truncated meanwhile: say that instead
             attached.error(rc, f"open {ref!r}")
-        # Re-check after reading the rows: a record reclaimed meanwhile must
-        # not pass with someone else's lengths.
-        if lib.shm_check_record(attached.base, attached.capacity, ref.position, ref.seal):
-            record.check()  # raises, naming the reason
-        n_logprobs = nnz if ref.mode == MODE_SUPPORT else rows
-        data = attached.view
-        lengths = geometry[:4 * rows].view(np.int32)
-        ids = data[view.ids_offset:view.ids_offset + 4 * words].view(np.int32)
-        logprobs = data[view.logprobs_offset:view.logprobs_offset + 4 * n_logprobs].view(np.float32)
-        lengths.flags.writeable = False
+        memory = attached.memory  # read-only: so are ids and logprobs
+        geometry = bytes(geometry)  # immutable: the chunk's arrays are read-only
+        lengths = np.frombuffer(geometry, np.int32, rows)
+        ids = np.frombuffer(memory, np.int32, words, view.ids_offset)
+        logprobs = np.frombuffer(memory, np.float32, nnz if ref.mode == MODE_SUPPORT else rows,
+                                 view.logprobs_offset)
         if not view.any_flags:  # OK ids rows only: the chunk needs no flags
             return Chunk(ref.mode, lengths, ids, logprobs, record)
-        flags = geometry[4 * rows:]
-        flags.flags.writeable = False
+        flags = np.frombuffer(geometry, np.uint8, rows, 4 * rows)
         return Chunk(ref.mode, lengths, ids, logprobs, record, flags=flags, vocab=ref.vocab)
 
     def _attach(self, name: str) -> _Attached:
