@@ -1148,8 +1148,9 @@ static void on_sigbus(int signum, siginfo_t *info, void *context) {
             if (replace_with_zeros(&guards[i], start, end)) return;
             break;
         }
-    } else if (info && info->si_pid == getpid() && replace_cut_mappings()) {
-        return; /* our fault, re-raised by a handler in front of ours */
+    } else if (info && info->si_code == SI_TKILL && info->si_pid == getpid() &&
+               replace_cut_mappings()) {
+        return; /* our fault, re-raised (raise()) by a handler in front of ours */
     }
     /* Not ours: what would have happened without shmask. */
     if (sigbus_chained) {
