@@ -17,12 +17,15 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -203,7 +206,33 @@ void shm_ring_free(shm_ring *ring) {
     ring->n_queues = ring->n_free = 0;
 }
 
-void shm_ring_mark_dead(shm_ring *ring) { ring->dead = 1; }
+/* The segment was cut under us: nothing staged in it is trusted again, and
+ * its magic goes to zero, what a cut leaves (the file may have its size back,
+ * its pages zeros), so every reader of it is told the ring was lost. */
+void shm_ring_mark_dead(shm_ring *ring) {
+    ring->dead = 1;
+    if (ring->base) __atomic_store_n(&seg(ring->base)->magic, 0, __ATOMIC_RELEASE);
+}
+
+/* Whether rows just copied out of the queue buffer at `position` are the
+ * ones we wrote: the segment was not cut (no SIGBUS mark, its magic in
+ * place) and the record keeps the header we gave it, which a cut zeroes
+ * even when the file has its size again. Checked after the copy: a cut
+ * before or during it shows here. If not, the queue's rows are lost (its
+ * take gives a ref to where they were) and the ring is dead. */
+static int staged_rows_intact(shm_ring *ring, shm_queue *q, uint64_t position) {
+    atomic_thread_fence(memory_order_acquire); /* the copy's loads stay above */
+    const struct shm_record_header *r = ring_record(ring, position);
+    if (!ring->dead && !shm_mapping_truncated(ring->base) && r->tag == position &&
+        atomic_load_explicit(&r->state, memory_order_acquire) == SHM_STATE_STAGING)
+        return 1;
+    if (!q->lost) {
+        q->lost = 1;
+        q->lost_position = position;
+    }
+    shm_ring_mark_dead(ring);
+    return 0;
+}
 
 static int reserve_record(shm_ring *ring, uint32_t mode, uint64_t rows_capacity,
                           uint64_t words_capacity, uint64_t nnz_capacity, uint64_t owner,
@@ -673,6 +702,7 @@ static int restage_in_ring(shm_ring *ring, uint64_t slot, capacities cap) {
     point_at_record(ring, q, position);
     if (old.rows_capacity) {
         copy_rows(&old, q->lengths, q->flags, q->ids, q->logprobs);
+        if (old.in_ring) staged_rows_intact(ring, q, old.position); /* else: lost */
         old.rows = old.nnz = old.words = 0;
         drop_buffer(ring, &old);
     }
@@ -698,13 +728,9 @@ static int stage_private(shm_ring *ring, uint64_t slot, capacities cap) {
     shm_queue old = *q;
     if (old.rows_capacity && !q->lost) {
         copy_rows(&old, lengths, flags, ids, logprobs);
-        /* Rows read from a segment truncated under us (before or during the
-         * copy: the SIGBUS guard marks it) may be zero pages: never pass them
-         * on as rows. */
-        if (old.in_ring && (ring->dead || shm_mapping_truncated(ring->base))) {
-            q->lost = 1;
-            q->lost_position = old.position;
-        }
+        /* Rows read from a segment cut under us (before or during the copy;
+         * grown back or not) may be zero pages: never pass them on as rows. */
+        if (old.in_ring) staged_rows_intact(ring, q, old.position);
     }
     drop_buffer(ring, &old);
     q->lengths = lengths;
@@ -1107,6 +1133,7 @@ struct guard {
     _Atomic uintptr_t start; /* 0: free */
     _Atomic uintptr_t end;
     _Atomic uint32_t truncated;
+    _Atomic int fd; /* our own descriptor of the file: its size, from a handler */
 };
 static struct guard guards[GUARD_SLOTS];
 static _Atomic int guards_used; /* slots at or past this index were never used */
@@ -1118,25 +1145,53 @@ static struct sigaction previous_sigbus;
  * second time round the process dies, as it would have without shmask. */
 static volatile sig_atomic_t sigbus_chained;
 
+/* Zero pages over the whole mapping (mmap is a plain system call, safe in
+ * a handler); the faulting access then completes on them. */
+static int replace_with_zeros(struct guard *g, uintptr_t start, uintptr_t end) {
+    void *replaced = mmap((void *)start, end - start, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (replaced == MAP_FAILED) return 0;
+    atomic_store_explicit(&g->truncated, 1, memory_order_release);
+    return 1;
+}
+
+/* A SIGBUS that a handler installed after ours re-raised (faulthandler puts
+ * its predecessor back, then raise()s): the fault's address is gone, so
+ * every mapping whose file is now shorter than it gets zero pages. Returns
+ * how many; when one of them was the faulting one, the access completes on
+ * them once that handler returns. fstat is async-signal-safe. */
+static int replace_cut_mappings(void) {
+    int replaced = 0, used = atomic_load_explicit(&guards_used, memory_order_acquire);
+    for (int i = 0; i < used; i++) {
+        struct guard *g = &guards[i];
+        uintptr_t start = atomic_load_explicit(&g->start, memory_order_acquire);
+        uintptr_t end = atomic_load_explicit(&g->end, memory_order_acquire);
+        int fd = atomic_load_explicit(&g->fd, memory_order_acquire);
+        if (!start || fd < 0 || atomic_load_explicit(&g->truncated, memory_order_acquire))
+            continue;
+        struct stat st;
+        if (fstat(fd, &st) != 0 || (uint64_t)st.st_size >= end - start) continue;
+        /* Still the same mapping (not unmapped while we looked)? */
+        if (atomic_load_explicit(&g->start, memory_order_acquire) != start) continue;
+        replaced += replace_with_zeros(g, start, end);
+    }
+    return replaced;
+}
+
 static void on_sigbus(int signum, siginfo_t *info, void *context) {
-    /* Only faults (si_code > 0), never a SIGBUS sent with kill(). */
-    if (info && info->si_code > 0) {
+    if (info && info->si_code > 0) { /* a fault (never a SIGBUS sent with kill()) */
         uintptr_t address = (uintptr_t)info->si_addr;
         int used = atomic_load_explicit(&guards_used, memory_order_acquire);
         for (int i = 0; i < used; i++) {
             uintptr_t start = atomic_load_explicit(&guards[i].start, memory_order_acquire);
             uintptr_t end = atomic_load_explicit(&guards[i].end, memory_order_acquire);
             if (!start || address < start || address >= end) continue;
-            /* Zero pages over the whole mapping (mmap is a plain system call,
-             * safe here); the faulting access then completes on them. */
-            void *replaced = mmap((void *)start, end - start, PROT_READ | PROT_WRITE,
-                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-            if (replaced != MAP_FAILED) {
-                atomic_store_explicit(&guards[i].truncated, 1, memory_order_release);
-                return;
-            }
+            if (replace_with_zeros(&guards[i], start, end)) return;
             break;
         }
+    } else if (info && info->si_code == SI_TKILL && info->si_pid == getpid() &&
+               replace_cut_mappings()) {
+        return; /* our fault, re-raised (raise()) by a handler in front of ours */
     }
     /* Not ours: what would have happened without shmask. */
     if (sigbus_chained) {
@@ -1157,8 +1212,8 @@ static void on_sigbus(int signum, siginfo_t *info, void *context) {
     raise(SIGBUS);
 }
 
-/* Installed at every mapping, so a handler installed after ours (for
- * example faulthandler.enable()) gets chained rather than left in front. */
+/* Puts our handler in front (the one found there is chained). Called under
+ * guards_lock at every mapping and by shm_guard_front. */
 static void install_sigbus_handler(void) {
     struct sigaction current;
     if (sigaction(SIGBUS, NULL, &current) != 0) return;
@@ -1172,6 +1227,13 @@ static void install_sigbus_handler(void) {
     sigaction(SIGBUS, &ours, NULL);
 }
 
+void shm_guard_front(void) {
+    if (!atomic_load_explicit(&guards_used, memory_order_acquire)) return; /* nothing mapped */
+    pthread_mutex_lock(&guards_lock);
+    install_sigbus_handler();
+    pthread_mutex_unlock(&guards_lock);
+}
+
 void *shm_map(int fd, uint64_t bytes, int populate, int *errno_out) {
     *errno_out = 0;
     pthread_mutex_lock(&guards_lock);
@@ -1183,12 +1245,18 @@ void *shm_map(int fd, uint64_t bytes, int populate, int *errno_out) {
         *errno_out = EMFILE;
     } else {
         int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
-        void *mapped = mmap(NULL, bytes, PROT_READ | PROT_WRITE, flags, fd, 0);
+        /* Our own descriptor (the caller closes its one): it tells the
+         * handler the file's size when a fault reaches us re-raised. */
+        int own_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        void *mapped = own_fd < 0 ? MAP_FAILED
+                                  : mmap(NULL, bytes, PROT_READ | PROT_WRITE, flags, fd, 0);
         if (mapped == MAP_FAILED) {
             *errno_out = errno;
+            if (own_fd >= 0) close(own_fd);
         } else {
             address = mapped;
             atomic_store_explicit(&guards[slot].truncated, 0, memory_order_relaxed);
+            atomic_store_explicit(&guards[slot].fd, own_fd, memory_order_relaxed);
             atomic_store_explicit(&guards[slot].end, (uintptr_t)mapped + bytes, memory_order_release);
             atomic_store_explicit(&guards[slot].start, (uintptr_t)mapped, memory_order_release);
             if (slot >= atomic_load_explicit(&guards_used, memory_order_relaxed))
@@ -1210,7 +1278,9 @@ void shm_unmap(void *address) {
         /* Forget it first: once unmapped, the range may be mapped again by
          * someone else, whose faults are not ours to paper over. */
         atomic_store_explicit(&guards[i].start, 0, memory_order_release);
+        int fd = atomic_exchange_explicit(&guards[i].fd, -1, memory_order_acq_rel);
         munmap(address, end - start);
+        if (fd >= 0) close(fd);
         break;
     }
     pthread_mutex_unlock(&guards_lock);
@@ -1218,9 +1288,17 @@ void shm_unmap(void *address) {
 
 int shm_mapping_truncated(const void *address) {
     int used = atomic_load_explicit(&guards_used, memory_order_acquire);
-    for (int i = 0; i < used; i++)
-        if (atomic_load_explicit(&guards[i].start, memory_order_acquire) == (uintptr_t)address)
-            return (int)atomic_load_explicit(&guards[i].truncated, memory_order_acquire);
+    for (int i = 0; i < used; i++) {
+        if (atomic_load_explicit(&guards[i].start, memory_order_acquire) != (uintptr_t)address)
+            continue;
+        if (atomic_load_explicit(&guards[i].truncated, memory_order_acquire)) return 1;
+        /* Cut and grown back to its size (no fault then: the pages read as
+         * zeros), or declared lost by its producer: the magic reads zero. */
+        uint64_t bytes = atomic_load_explicit(&guards[i].end, memory_order_acquire) -
+                         (uintptr_t)address;
+        return bytes >= SHM_HEADER_BYTES &&
+               __atomic_load_n(&cseg(address)->magic, __ATOMIC_ACQUIRE) == 0;
+    }
     return 0;
 }
 

@@ -181,6 +181,7 @@ int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t ca
                   uint64_t epoch, uint64_t pid, uint64_t start, uint64_t created_ns,
                   uint64_t handle_tag, uint64_t seal_seed);
 void shm_ring_free(shm_ring *ring);
+/* The segment was cut: stage privately from now on; zeroes its magic. */
 void shm_ring_mark_dead(shm_ring *ring);
 
 /* Opens a queue: its handle (>= 0), or a negative error. */
@@ -262,9 +263,15 @@ int shm_queue_pack_private(shm_ring *ring, uint64_t slot, char *out, uint64_t ou
  * registered with a SIGBUS handler that replaces the whole mapping with
  * zero pages instead and marks it truncated, so every later check of the
  * ring fails cleanly (StaleChunkError) and the faulting load or store just
- * completes on the zero pages. */
+ * completes on the zero pages. A handler installed later (faulthandler)
+ * sees the fault first; the guard still holds when it re-raises, and
+ * shm_guard_front puts the guard back in front (a sigaction call). */
 void *shm_map(int fd, uint64_t bytes, int populate, int *errno_out);
 void shm_unmap(void *address);
+void shm_guard_front(void);
+/* 1 when the segment mapped at `address` was cut: a SIGBUS marked it, or its
+ * header's magic reads zero (cut and grown back, or declared lost by its
+ * producer). */
 int shm_mapping_truncated(const void *address);
 
 /* Releases many records of one segment (a tokenizer dropping an aborted

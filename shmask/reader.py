@@ -123,8 +123,10 @@ class Reader:
                     f"Reader.open takes a ChunkRef, got {type(ref).__name__}") from None
             raise InvalidRefError(f"malformed reference {ref!r}: {exc}") from None
         self._opens += 1
-        if not self._opens & _SYNC_MASK and metrics.enabled():
-            metrics.sync(self.stats, self._synced)
+        if not self._opens & _SYNC_MASK:
+            lib.shm_guard_front()  # back in front of a SIGBUS handler installed since
+            if metrics.enabled():
+                metrics.sync(self.stats, self._synced)
         return chunk
 
     @property

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import atexit
 import errno
+import faulthandler
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -34,9 +36,9 @@ import secrets
 import signal
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import posix_ipc
 
@@ -66,11 +68,13 @@ _host_id: tuple[int, int] | None = None  # (pid, id): recomputed after a fork
 
 
 def host_id() -> int:
-    """Which /dev/shm this process sees: a 63-bit hash of the boot id and of
-    the /dev/shm mount's device. Two processes with the same host id can
-    read each other's rings; refs carry the producer's, so a reader
-    elsewhere (another host, a container with a private /dev/shm) is told
-    so instead of failing to find the ring."""
+    """Which /dev/shm this process sees: a 63-bit hash of the boot id, of
+    the /dev/shm mount's device and of where /dev/shm lies within that
+    filesystem (a container whose /dev/shm is a bind mount of a directory
+    of the host's tmpfs sees other files on the same device). Two processes
+    with the same host id can read each other's rings; refs carry the
+    producer's, so a reader elsewhere (another host, a container with a
+    private /dev/shm) is told so instead of failing to find the ring."""
     global _host_id
     pid = os.getpid()
     if _host_id is None or _host_id[0] != pid:
@@ -83,9 +87,47 @@ def host_id() -> int:
             device = os.stat(SHM_DIR).st_dev
         except OSError:
             device = 0
-        digest = hashlib.blake2b(boot + b"/" + str(device).encode(), digest_size=8).digest()
+        where = shm_dir_within_filesystem(device)
+        digest = hashlib.blake2b(boot + b"/" + str(device).encode() + b"/" + where,
+                                 digest_size=8).digest()
         _host_id = (pid, (int.from_bytes(digest, "little") >> 1) or 1)
     return _host_id[1]
+
+
+def _unescape_mountinfo(field: bytes) -> bytes:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field)
+
+
+def shm_dir_within_filesystem(device: int, mountinfo: str = "/proc/self/mountinfo") -> bytes:
+    """The path of /dev/shm inside its filesystem: the root of the mount that
+    holds it (/proc/self/mountinfo, field 4) joined with the rest of the path
+    below that mount point. b"/" for a tmpfs mounted at /dev/shm, b"/sub" for
+    a bind mount of the tmpfs's directory sub; b"" when it cannot be told.
+    Processes in other mount namespaces that share the mount agree on it."""
+    try:
+        target = os.path.realpath(SHM_DIR).encode()
+        with open(mountinfo, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return b""
+    wanted = f"{os.major(device)}:{os.minor(device)}".encode()
+    best: tuple[int, bytes] | None = None
+    for line in lines:
+        fields = line.split(b" ")
+        if len(fields) < 5 or fields[2] != wanted:
+            continue
+        root, point = _unescape_mountinfo(fields[3]), _unescape_mountinfo(fields[4])
+        if target == point:
+            rest = b""
+        elif target.startswith(point.rstrip(b"/") + b"/"):
+            rest = target[len(point.rstrip(b"/")):]
+        else:
+            continue
+        # The deepest mount point wins; of equals, the last (mounted on top).
+        if best is None or len(point) >= best[0]:
+            best = (len(point), root.rstrip(b"/") + rest if rest else root)
+    return best[1] if best is not None else b""
 
 
 def _path(name: str) -> str:
@@ -142,6 +184,9 @@ class Segment:
         self.owner_pid = os.getpid() if owner_fd is not None else None
         # The producer's descriptor: it carries the lifetime lock.
         self._owner_fd = owner_fd
+        # Its file's mtime once allocated: writes through the mapping leave it
+        # alone, a truncation (grown back or not) or a write(2) moves it.
+        self._mtime_ns = os.fstat(owner_fd).st_mtime_ns if owner_fd is not None else 0
         self.closed = False
 
     @classmethod
@@ -199,17 +244,21 @@ class Segment:
 
     @property
     def truncated(self) -> bool:
-        """True once a SIGBUS showed that the file was cut short under us."""
+        """True once the file was seen cut under us: a SIGBUS marked the
+        mapping, or the header's magic reads zero (cut and grown back, or
+        declared lost by its producer)."""
         return not self.closed and bool(lib.shm_mapping_truncated(self.base))
 
     def file_intact(self) -> bool:
-        """The producer's check (one fstat) that nobody truncated its file."""
+        """The producer's check (one fstat) that nobody truncated its file,
+        even if it has its size again: its mtime moved."""
         if self._owner_fd is None:
             return True
         try:
-            return os.fstat(self._owner_fd).st_size >= self.size
+            info = os.fstat(self._owner_fd)
         except OSError:
             return False
+        return info.st_size >= self.size and info.st_mtime_ns == self._mtime_ns
 
     def close(self) -> None:
         """Drop our reference to the mapping; the producer also unlinks and
@@ -326,6 +375,38 @@ class _LiveSegments:
 
 _LIVE = _LiveSegments()
 os.register_at_fork(after_in_child=_LIVE.forget_in_child)
+
+
+# ------------------------------------------------------------ SIGBUS guard
+
+def _keep_guard_in_front(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` (faulthandler.enable or disable), then the SIGBUS guard back
+    in front: enable() puts faulthandler's handler before it, and disable()
+    of a faulthandler enabled before shmask restores what was there before
+    faulthandler, removing the guard. faulthandler's handler stays chained
+    behind the guard for every fault outside shmask's mappings."""
+    @functools.wraps(function)
+    def keeping_guard(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        finally:
+            lib.shm_guard_front()
+    keeping_guard.__dict__["shmask_guard"] = True
+    return keeping_guard
+
+
+def _guard_faulthandler() -> None:
+    """Wrap faulthandler.enable and disable (once). A handler installed by
+    other means (native code) is in front of the guard until shmask's next
+    mapping, take, publish or 256th open puts it back; meanwhile a fault in a
+    shmask mapping that such a handler re-raises is still the guard's."""
+    for name in ("enable", "disable"):
+        function = getattr(faulthandler, name)
+        if not getattr(function, "shmask_guard", False):
+            setattr(faulthandler, name, _keep_guard_in_front(function))
+
+
+_guard_faulthandler()
 
 
 def _chain_sigterm(cleanup) -> bool:  # type: ignore[no-untyped-def]

@@ -110,6 +110,7 @@ class Writer:
         self._deadline: float | None = None  # one full-ring wait per public call
         self._growing = -1  # the slot being grown: reclaim must not move it meanwhile
         self._next_fstat = 0.0  # when _check_segment may fstat the segment again
+        self._ring_lost = False  # the ring was cut and that was logged
         self._inline_warning = _RateLimitedWarning(
             "%d chunk(s) sent inline instead of through the ring since the last report "
             "(%s; raise SHMASK_RING_MB or release chunks sooner)")
@@ -419,20 +420,29 @@ class Writer:
 
     def _check_segment(self, force: bool = False) -> None:
         """Notice a segment truncated by another process: at once when a
-        SIGBUS marked our mapping, else by an fstat at most once a second (it
-        costs ~20 us on a 1 GiB tmpfs file, too much for every emission; the
-        SIGBUS guard keeps every access safe meanwhile)."""
+        SIGBUS marked our mapping or its header's magic reads zero (a file cut
+        and grown back to its size faults nowhere: its pages read as zeros),
+        else by an fstat of size and mtime at most once a second (it costs
+        ~20 us on a 1 GiB tmpfs file, too much for every emission; the SIGBUS
+        guard keeps every access safe meanwhile, and rows staged in a cut
+        record are never passed on: the core checks their record's header).
+        The same tick puts the SIGBUS guard back in front of any handler
+        installed after it (faulthandler.enable())."""
         segment = self.segment
-        if segment is None or self._ring.dead:
+        if segment is None or self._ring_lost:
             return
-        if not segment.truncated:
+        # The core marks the ring dead itself when rows it moves out of the
+        # ring were cut; the log line comes here, once.
+        if not self._ring.dead and not segment.truncated:
             now = time.monotonic()
             if now < self._next_fstat and not force:
                 return
             self._next_fstat = now + 1.0
+            lib.shm_guard_front()
             if segment.file_intact():
                 return
         lib.shm_ring_mark_dead(self._ring)
+        self._ring_lost = True
         log.error("ring %s was truncated by another process: chunks staged in it are lost "
                   "(their readers get StaleChunkError); every chunk goes inline from now on",
                   segment.name)

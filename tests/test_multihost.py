@@ -6,6 +6,7 @@ do; the forwarding hop turns the batch inline for it."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -129,3 +130,50 @@ def test_same_host_batches_pass_through_and_to_inline_copies(config, writer, rea
                              host=shmask.host_id() ^ 1)
     with pytest.raises(shmask.RemoteChunkError, match="another host"):
         reader.open(forged)
+
+
+OPEN_IN_CHILD = """
+import sys, shmask
+batch = shmask.RefBatch.from_bytes(bytes.fromhex(sys.argv[1]))
+print("host", shmask.host_id(), flush=True)
+try:
+    with shmask.Reader(shmask.Config(name_prefix=sys.argv[2])).open(batch[0]) as chunk:
+        print("open:", chunk.to_lists(), flush=True)
+except shmask.ShmaskError as exc:
+    print("open:", type(exc).__name__, flush=True)
+"""
+
+
+@needs_namespaces
+@pytest.mark.parametrize("shm", ["bind mount of a directory of it", "the same mount"])
+def test_a_dev_shm_bind_mounted_from_a_directory_is_another_host(writer, reader, prefix, shm):
+    """A container whose /dev/shm is a bind mount of a directory of the
+    host's tmpfs (same device) sees other files: another host id, so its
+    reader is told RemoteChunkError and for_host sends it the rows inline.
+    A process in another mount namespace sharing the mount keeps our id."""
+    queue = writer.open_queue("support")
+    queue.append(np.array([7, 9], np.int32), np.array([-1.0, -2.0], np.float32))
+    batch = writer.take_batch([queue])
+    directory = f"/dev/shm/shmask-bind-{secrets.token_hex(4)}"
+    os.mkdir(directory, 0o700)
+    try:
+        setup = f"mount --bind {directory} /dev/shm" if shm.startswith("bind") else "true"
+        child = subprocess.run(
+            ["unshare", "-m", "sh", "-c", f'{setup} && exec "$0" -c "$1" "$2" "$3"',
+             sys.executable, OPEN_IN_CHILD, batch.to_bytes().hex(), prefix],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        os.rmdir(directory)
+    assert child.returncode == 0, child.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in child.stdout.splitlines())
+    child_host = int(lines["host"])
+    if shm.startswith("bind"):
+        assert child_host != shmask.host_id()
+        assert lines["open:"] == "RemoteChunkError"
+        forwarded = batch.for_host(child_host, reader)
+        assert (forwarded.entries["kind"] == KIND_INLINE).all()
+        with reader.open(forwarded[0]) as chunk:
+            assert chunk.to_lists() == ([[7, 9]], [[-1.0, -2.0]])
+    else:
+        assert child_host == shmask.host_id()
+        assert lines["open:"] == "([[7, 9]], [[-1.0, -2.0]])"

@@ -199,6 +199,131 @@ def test_truncated_segment_does_not_kill_reader_or_producer(prefix):
     assert "inline after truncation: True [3, 3, 3, 3]" in out
 
 
+# What a child does around a truncation, with faulthandler enabled before
+# shmask sets its guard or after it (then faulthandler's handler is in front
+# of the guard, as with faulthandler.enable() called by a server later).
+FAULTHANDLER_CUT = textwrap.dedent("""
+    import faulthandler
+    from shmask.errors import ShmaskError
+    def cut_with_faulthandler(prefix, when, first):
+        if when == "before":
+            faulthandler.enable()
+        config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=5)
+        writer, reader = shmask.Writer(config), shmask.Reader(config)
+        queues = [writer.open_queue("support") for _ in range(3)]
+        def step():
+            writer.append_step(queues, np.array([2, 1, 3], np.int32),
+                               np.arange(6, dtype=np.int32), np.zeros(6, np.float32))
+        step()
+        chunk = reader.open(writer.take_batch(queues)[0])
+        step()
+        if when == "after":         # (pytest enabled it already: disable() first)
+            faulthandler.disable()
+            faulthandler.enable()
+        elif when == "behind its back":  # as native code installing a handler would
+            faulthandler.enable.__wrapped__()
+        os.truncate("/dev/shm" + writer.segment_name, 0)
+        def read():
+            try:
+                print("read:", chunk.to_lists())
+            except ShmaskError as exc:
+                print("read:", type(exc).__name__)
+        def write():
+            for _ in range(3):
+                step()                  # touches the cut pages
+            refs = writer.take_batch(queues)
+            step()
+            print("write:", [reader.open(ref).to_lists()[0] for ref in writer.take_batch(queues)])
+        for action in ((read, write) if first == "reader" else (write, read)):
+            action()
+        writer.close()
+        print("survived")
+""")
+
+
+@pytest.mark.parametrize("when", ["after", "before", "behind its back"])
+@pytest.mark.parametrize("first", ["reader", "producer"])
+def test_faulthandler_enabled_after_the_guard_does_not_defeat_it(prefix, when, first):
+    """faulthandler.enable() (or disable()) puts the guard back in front; a
+    handler installed behind shmask's back sees the SIGBUS first and
+    re-raises it after putting the guard back: still the guard's. No death,
+    StaleChunkError, rows after the cut inline and whole."""
+    result = _run(FAULTHANDLER_CUT + f"cut_with_faulthandler({prefix!r}, {when!r}, {first!r})\n",
+                  prefix)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "read: StaleChunkError" in result.stdout, result.stdout
+    assert "write: [[[0, 1]], [[2]], [[3, 4, 5]]]" in result.stdout, result.stdout
+    assert "survived" in result.stdout
+    if when != "behind its back":  # the guard was in front: faulthandler saw nothing
+        assert "Fatal Python error" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("pytest_faulthandler", [True, False])
+def test_faulthandler_enabled_after_the_guard_does_not_defeat_it_under_pytest(
+        prefix, tmp_path, pytest_faulthandler):
+    """The same inside a pytest run, with pytest's own faulthandler (enabled
+    before shmask exists) and without it."""
+    test_file = tmp_path / "test_cut.py"
+    test_file.write_text("import os, numpy as np, shmask\n" + FAULTHANDLER_CUT
+                         + f"\ndef test_cut():\n    cut_with_faulthandler({prefix!r}, 'after', "
+                         "'reader')\n")
+    plugins = [] if pytest_faulthandler else ["-p", "no:faulthandler"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                             *plugins, str(test_file)], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, (result.returncode, result.stdout[-2000:])
+    assert "read: StaleChunkError" in result.stdout and "1 passed" in result.stdout
+
+
+def test_a_foreign_sigbus_still_kills_with_faulthandler_in_front(prefix, tmp_path):
+    """faulthandler enabled after the guard re-raises a fault outside
+    shmask's mappings: the guard finds no cut mapping and the process dies."""
+    result = _run(f"""
+        import faulthandler, mmap
+        writer = shmask.Writer(shmask.Config(ring_mb=1, name_prefix={prefix!r}))
+        faulthandler.enable()
+        path = {str(tmp_path / "file")!r}
+        with open(path, "wb") as f:
+            f.write(b"x" * 8192)
+        fd = os.open(path, os.O_RDWR)
+        m = mmap.mmap(fd, 8192)
+        os.ftruncate(fd, 0)
+        m[4096]
+        print("survived a foreign SIGBUS?!")
+    """, prefix, timeout=60)
+    assert result.returncode == -signal.SIGBUS, (result.returncode, result.stdout[-500:])
+
+
+@pytest.mark.parametrize("cut", ["whole file", "past the header"])
+def test_a_ring_truncated_and_grown_back_never_yields_rows(config, cut):
+    """Cut, then given its size back (no SIGBUS: the pages read as zeros):
+    the rows staged in the ring are lost, and their readers are told so,
+    never handed zeros as rows; rows appended later are whole."""
+    writer, reader = shmask.Writer(config), shmask.Reader(config)
+    try:
+        queues = [writer.open_queue("support") for _ in range(3)]
+        writer.take_batch(queues)  # the producer's once-a-second fstat is spent
+        writer.append_step(queues, np.zeros(3, np.int32), np.zeros(0, np.int32),
+                           np.zeros(0, np.float32), status=np.full(3, 2))  # INVALID rows
+        path = _path(writer.segment_name)
+        size = os.stat(path).st_size
+        os.truncate(path, 0 if cut == "whole file" else 4096)
+        os.truncate(path, size)
+        batch = writer.take_batch(queues)
+        for i, ref in enumerate(batch):
+            for who in (reader, shmask.Reader(config)):
+                with pytest.raises(shmask.StaleChunkError):
+                    chunk = who.open(ref)
+                    pytest.fail(f"chunk {i} ({ref!r}) yielded rows {chunk.to_lists()}")
+        writer.append_step(queues, np.array([1, 2, 0], np.int32), np.array([4, 5, 6], np.int32),
+                           np.zeros(3, np.float32))
+        got = [reader.open(ref).to_lists()[0] for ref in writer.take_batch(queues)]
+        assert got == [[[4]], [[5, 6]], [[]]]
+    finally:
+        reader.close()
+        writer.close()
+
+
 # ---------------------------------------- 4. producer geometry is its own
 
 
