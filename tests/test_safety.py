@@ -592,22 +592,23 @@ def test_a_queue_repeated_in_one_step_gets_its_rows_in_order(writer, reader):
 def test_forked_child_does_not_keep_a_dead_producers_ring(prefix):
     """The child of a fork is not the producer: once the producer is
     SIGKILLed its ring is collectable though the child lives on."""
+    # Parent and child report on separate pipes (stdout, stderr): one pipe
+    # shared by both can interleave their lines when output is unbuffered.
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, sys, time, shmask
         w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix={prefix!r}))
         child = os.fork()
         if child == 0:
-            print("child", flush=True)  # its at-fork hooks have run by now
+            print("child", file=sys.stderr, flush=True)  # its at-fork hooks have run by now
             time.sleep(30)
             os._exit(0)
         print(w.segment_name, child, flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True)
+    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Wait for the child to run too: until its at-fork hook has closed its
     # copy of the lock, the ring is (rightly) not collectable.
-    lines = sorted((proc.stdout.readline().split(), proc.stdout.readline().split()), key=len)
-    assert lines[0] == ["child"]
-    name, child = lines[1]
+    name, child = proc.stdout.readline().split()
+    assert proc.stderr.readline().split() == ["child"]
     try:
         assert segment_alive(name)
         proc.send_signal(signal.SIGKILL)
