@@ -54,6 +54,14 @@ def bitmask_words(vocab: int) -> int:
     return (vocab + WORD_BITS - 1) // WORD_BITS
 
 
+def longest_ids_row(max_tokens: int | None, vocab: int) -> int:
+    """The most ids an ids-form row can hold (Form's rule: ``L <= max_tokens``
+    and ``32 L < V``); max_tokens None (rows of unknown origin): the
+    vocabulary's bound alone."""
+    bound = (vocab - 1) // WORD_BITS
+    return bound if max_tokens is None else min(max_tokens, bound)
+
+
 @dataclass
 class Rows:
     """Exact rows on the device, each in the cheaper of two forms.
@@ -66,7 +74,8 @@ class Rows:
     are not OK have neither. ``sizes`` is the true support size, also for
     OVERFLOW rows, so a server can say how far over ``max_tokens`` a row
     went. ``selected_logprob`` and ``tokens`` are set by capture and sample
-    only.
+    only. ``max_tokens`` is the kernel's argument (None for rows built
+    elsewhere): publishing checks it against the Writer's SHMASK_MAX_TOKENS.
     """
 
     offsets: torch.Tensor  # int32[B + 1], into values
@@ -80,6 +89,7 @@ class Rows:
     vocab: int
     selected_logprob: torch.Tensor | None = None  # float32[B]
     tokens: torch.Tensor | None = None  # int32[B]
+    max_tokens: int | None = None  # bounds an ids row's length (longest_ids_row)
 
     def row(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row b's ascending ids (a bitmask row decoded) and values; a host
@@ -138,7 +148,8 @@ def pack_rows(
               for b in range(batch)]
     ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32, device=device)
     return Rows(offsets, lengths, status.to(torch.int32), sizes.to(torch.int32), forms,
-                id_offsets, ids, values[row_idx, col_idx].float(), vocab, selected_logprob)
+                id_offsets, ids, values[row_idx, col_idx].float(), vocab, selected_logprob,
+                max_tokens=max_tokens)
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -462,13 +462,13 @@ def run_capture(
     into: tuple[Any, ...] | None = None,
 ) -> Rows:
     """Shared launcher of capture() and sample(); exactly one of sampled/seeds."""
-    target = check_into(into, selected=True)  # refused before any kernel runs
     probs = check_matrix(probs, "probs")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     batch, vocab = probs.shape
     device = probs.device
     check_max_tokens(max_tokens, batch, vocab, overflow)
+    target = check_into(into, True, max_tokens, vocab)  # refused before any kernel runs
     top_k = per_row(top_k, batch, torch.int32, device, "top_k", 0)
     top_p = per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0)
     min_p = per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0)
@@ -549,7 +549,7 @@ def run_capture(
             DIRECT=direct is not None, SUPPORT=target is None or target[2] == "support",
         )
     rows_out = Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
-                    selected, tokens if sample_mode else None)
+                    selected, tokens if sample_mode else None, max_tokens)
     if direct is not None:
         direct.launched(rows_out)
         return rows_out

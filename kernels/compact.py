@@ -103,11 +103,11 @@ def compact(
     x = check_matrix(x, "x")
     if keep not in _KEEP_MODES:
         raise ValueError(f"keep must be one of {sorted(_KEEP_MODES)}, got {keep!r}")
-    target = check_into(into, selected=False)
     if scan_rows is not None and (scan_rows < 1 or scan_rows & (scan_rows - 1)):
         raise ValueError(f"scan_rows must be a power of two >= 1, got {scan_rows}")
     batch, vocab = x.shape
     check_max_tokens(max_tokens, batch, vocab, overflow)
+    target = check_into(into, False, max_tokens, vocab)  # refused before any kernel runs
     opt_in = None if rows is None else row_mask(rows, batch, x.device)
     ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=x.device)
     values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow),
@@ -163,7 +163,8 @@ def _compact_rows(
             GROUP=group, CHUNKS_PAD=chunks_pad, DIRECT=direct is not None,
             num_warps=expand_warps, **launch_options(pdl),
         )
-    rows = Rows(offsets, lengths, status, sizes, forms, id_offsets, out_ids, out_vals, vocab)
+    rows = Rows(offsets, lengths, status, sizes, forms, id_offsets, out_ids, out_vals, vocab,
+                max_tokens=max_tokens)
     if direct is not None:
         direct.launched(rows)
         return rows

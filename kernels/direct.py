@@ -24,10 +24,11 @@ queues.
 
 Without CUDA, or when registration fails, :class:`DirectPublisher` falls
 back to today's path (:class:`.host.HostStaging` + :func:`.host.publish`)
-with one warning; ``DirectPublisher.active`` says which. Under Triton's
-interpreter (the CPU tests) the kernel runs on the host and writes the ring
-through plain host addresses, so the same code is tested against a real
-Writer and Reader.
+with one warning; ``DirectPublisher.active`` says which. With
+``TRITON_INTERPRET=1`` set in the environment (the CPU tests; not what
+shmask.kernels sets by itself on a host without CUDA) the kernel runs in
+Triton's interpreter on the host and writes the ring through plain host
+addresses, so the same code is tested against a real Writer and Reader.
 
 The memory-ordering argument is in docs/architecture.md ("GPU-direct
 publishing").
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,14 +51,13 @@ import triton
 import triton.language as tl
 
 from ._common import Rows, Status, bitmask_words
-from .host import HostStaging, _handle_array, publish
+from .host import HostStaging, _handle_array, check_fits_writer, publish
 from .ring import ring_arrive, ring_claim, ring_commit
 
 __all__ = ["DirectPublisher", "publisher_for", "reference_direct"]
 
 log = logging.getLogger("shmask")
 
-_SLOT_BITS = 24  # a RowQueue handle's low 24 bits are its slot (native/shmask_core.h)
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_MAPPED = 2
 _BLOCK = 1024  # entries a program stores per loop iteration
@@ -151,8 +152,9 @@ class DirectPublisher:
     int64 numpy array of RowQueue handles (row b -> queue ``handles[b]``, one
     row per queue per step; a step that breaks that, or names a queue the
     table cannot hold, takes the CPU path). ``active`` is False when the
-    direct path is unavailable (no CUDA, a registration error, an inline
-    transport, ``SHMASK_GPU_DIRECT=off``); every call then takes the CPU path.
+    direct path is unavailable (no CUDA, unless ``TRITON_INTERPRET=1`` asks
+    for the interpreter; a registration error, an inline transport,
+    ``SHMASK_GPU_DIRECT=off``); every call then takes the CPU path.
     Engines normally get one through :func:`publisher_for` (what
     ``kernels.publish`` uses for device rows).
 
@@ -188,6 +190,7 @@ class DirectPublisher:
         self._launchers: dict[bool, Any] = {}  # support -> the compiled kernel's launch
         self.launcher = "none yet"  # which launch later steps use (the benchmark reports it)
         self._reserve_words: tuple[int, int] = (-1, 0)  # (vocab, id words reserved per row)
+        self._slot_mask = (1 << lib.SHM_HANDLE_SLOT_BITS) - 1  # a handle's low bits: its slot
         self._addresses = ffi.new("uint64_t[8]")
         self._bad_row = ffi.new("int64_t *")
         self._bad_slot = ffi.new("uint64_t *")
@@ -201,6 +204,12 @@ class DirectPublisher:
             return
         if writer._direct is not None:
             raise ValueError("this Writer already has a DirectPublisher; close that one first")
+        if self.interpreted and not _interpreter_requested():
+            # shmask.kernels chose the interpreter (no CUDA): the store kernels
+            # would take 0.1-1 s a step there, the CPU path under a millisecond.
+            self._give_up("no CUDA device (TRITON_INTERPRET=1 runs the direct path in "
+                          "Triton's interpreter, for tests)")
+            return
         if not self.interpreted and self.device.type != "cuda":
             self._give_up(f"rows live on {self.device}, not on a CUDA device")
             return
@@ -237,6 +246,9 @@ class DirectPublisher:
         last step's kernel is still running."""
         batch = rows.lengths.numel()
         handles = self._checked(handles, batch, mode)
+        # All or nothing on every path: the kernel cannot refuse a whole step
+        # once one row is too long, so rows that may be are refused here.
+        check_fits_writer(self.writer, rows.max_tokens, rows.vocab)
         if rows.ids.get_device() != self._device_index or not self.claim(handles, mode, rows):
             self._publish_on_cpu(handles, rows, mode)
             return
@@ -418,23 +430,28 @@ class DirectPublisher:
 
     def close(self) -> None:
         """Wait for the last kernel, then unregister (idempotent). The
-        Writer's close calls this before it unmaps the ring."""
-        if self.active:
-            self._depth += 1
-            try:
-                if not self.writer.closed:
-                    self._settle(pull=True)
-                else:
-                    self._wait_idle()
-            finally:
-                self._depth -= 1
-                self._last = None
-                self.active = False
-        self._unregister()
-        if self.writer._direct is self:
-            self.writer._direct = None
-        if self.writer._publisher is self:
-            self.writer._publisher = None
+        Writer's close calls this before it unmaps the ring. If waiting or
+        appending the last diverted rows raises, the memory is unregistered
+        and the Writer's hooks removed all the same, then the error is
+        raised."""
+        try:
+            if self.active:
+                self._depth += 1
+                try:
+                    if not self.writer.closed:
+                        self._settle(pull=True)
+                    else:
+                        self._wait_idle()
+                finally:
+                    self._depth -= 1
+                    self._last = None
+                    self.active = False
+        finally:
+            self._unregister()
+            if self.writer._direct is self:
+                self.writer._direct = None
+            if self.writer._publisher is self:
+                self.writer._publisher = None
 
     def __enter__(self) -> DirectPublisher:
         return self
@@ -488,7 +505,7 @@ class DirectPublisher:
                 for handle in step.handles[chosen]:
                     # SHM_FULL here only means the next rows divert again.
                     lib.shm_direct_reserve(self.writer._ring,
-                                           int(handle) & ((1 << _SLOT_BITS) - 1), 1, words, nnz)
+                                           int(handle) & self._slot_mask, 1, words, nnz)
         finally:
             self._depth -= 1
         lib.shm_direct_diverted_done(self._direct)
@@ -691,6 +708,14 @@ def _interpreted() -> bool:
     from triton import knobs
 
     return bool(getattr(knobs.runtime, "interpret", False))
+
+
+def _interpreter_requested() -> bool:
+    """TRITON_INTERPRET=1 set by the host (the tests, benchmarks/direct.py
+    --quick): every kernel, the store kernels included, is meant to run in
+    the interpreter. When shmask.kernels chose the interpreter itself (no
+    CUDA) the variable is not set, and publishing takes the CPU path."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _device_pointer(address: int) -> int:

@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._common import Rows, Status
+from shmask.errors import InvalidRowsError
+
+from ._common import Rows, Status, longest_ids_row
 
 __all__ = ["HostRows", "HostStaging", "publish"]
 
@@ -140,7 +142,10 @@ def publish(
     with CUDA (and ``SHMASK_GPU_DIRECT`` not "off") the GPU stores them into
     the ring, one native call and one launch on the CPU; else they are
     fetched into pinned host buffers and appended as below. Returns None
-    (their statuses stay on the device).
+    (their statuses stay on the device). Rows whose ids form may be longer
+    than the Writer accepts (the kernel's ``max_tokens`` above
+    ``SHMASK_MAX_TOKENS``) are refused whole, on every path, before anything
+    is stored (:func:`check_fits_writer`).
 
     ``HostRows`` (from :meth:`HostStaging.fetch`) are appended by the CPU:
     ``writer.append_step(slots, lengths, ids, logprobs, status=, forms=,
@@ -185,10 +190,34 @@ def publish(
     return status
 
 
-def check_into(into: Any, selected: bool) -> tuple[Any, Any, str] | None:
+def check_fits_writer(writer: Any, max_tokens: int | None, vocab: int) -> None:
+    """Raise InvalidRowsError unless every ids row of a kernel called with
+    ``max_tokens`` (None: unknown) at vocabulary ``vocab`` fits ``writer``'s
+    SHMASK_MAX_TOKENS. The GPU stores a step's rows in parallel and cannot
+    refuse the whole step once one row turns out too long, so device rows
+    are checked by their bound, before anything is stored; the CPU path
+    refuses the same rows, so every path behaves alike. A bitmask row is
+    not bounded by either (it travels exactly, whatever its size)."""
+    limit = getattr(getattr(writer, "config", None), "max_tokens", None)
+    if limit is None:  # not a shmask.Writer (a test double): append_step checks rows
+        return
+    longest = longest_ids_row(max_tokens, vocab)
+    if longest > limit:
+        said = "unknown max_tokens" if max_tokens is None else f"max_tokens={max_tokens}"
+        raise InvalidRowsError(
+            f"rows from a kernel called with {said} (V={vocab}) may hold ids rows of "
+            f"{longest} ids, but this Writer accepts at most {limit} (SHMASK_MAX_TOKENS="
+            f"{limit}): call the kernel with max_tokens <= {limit} or raise "
+            "SHMASK_MAX_TOKENS; nothing of this step was published")
+
+
+def check_into(into: Any, selected: bool, max_tokens: int,
+               vocab: int) -> tuple[Any, Any, str] | None:
     """The ``into=`` argument of capture / sample / compact: ``(writer,
     handles)`` or ``(writer, handles, mode)``; checked before any kernel
-    runs. ``selected``: whether the rows will carry a selected logprob."""
+    runs. ``selected``: whether the rows will carry a selected logprob;
+    ``max_tokens`` and ``vocab``: the kernel's, checked against the Writer's
+    (check_fits_writer)."""
     if into is None:
         return None
     if not isinstance(into, tuple) or len(into) not in (2, 3):
@@ -201,6 +230,7 @@ def check_into(into: Any, selected: bool) -> tuple[Any, Any, str] | None:
         raise ValueError(f"into's mode must be 'support' or 'selected', got {mode!r}")
     if mode == "selected" and not selected:
         raise ValueError("into's mode 'selected' needs rows from capture() or sample()")
+    check_fits_writer(writer, max_tokens, vocab)
     return writer, handles, mode
 
 

@@ -102,7 +102,7 @@ static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 static inline uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static inline int ring_usable(const shm_ring *ring) { return ring->base && !ring->dead; }
 
-#define HANDLE_GENERATION_MASK 0xffffffull
+#define HANDLE_GENERATION_MASK 0xffffffffull /* the whole uint32 generation */
 #define HANDLE_SLOT_MASK ((1ull << SHM_HANDLE_SLOT_BITS) - 1)
 #define HANDLE_TAG_MASK 0x7fffull
 #define INITIAL_SLOTS 64u
@@ -118,7 +118,7 @@ _Static_assert(offsetof(shm_queue, position) == 128, "per-step fields in the fir
 /* Called only when no slot is free, so the FIFO is empty and restarts at 0. */
 static int grow_table(shm_ring *ring) {
     uint64_t old = ring->n_queues, size = old ? 2 * old : INITIAL_SLOTS;
-    if (size > HANDLE_SLOT_MASK + 1) return SHM_E_NO_MEMORY;
+    if (size > HANDLE_SLOT_MASK + 1) return SHM_E_NO_SLOT;
     /* Cache-line aligned, so a queue's per-step fields are its first two lines. */
     shm_queue *queues = aligned_alloc(64, size * sizeof *queues);
     if (!queues) return SHM_E_NO_MEMORY;
@@ -614,6 +614,11 @@ static void close_slot(shm_ring *ring, uint64_t slot) {
     q->mode = 0;
     q->lost = 0;
     q->pending_rows = q->pending_nnz = q->pending_words = 0;
+    /* The handle carries the whole generation: wrapping it would let a
+     * handle of the slot's first queue match again. Retire the slot
+     * instead: closed for good, never in the free FIFO (2^32 reopenings
+     * of one slot: hours of nothing but open+close; the table grows). */
+    if (q->generation == UINT32_MAX) return;
     q->generation++;
     ring->free_slots[(ring->free_head + ring->n_free) % ring->n_queues] = (uint32_t)slot;
     ring->n_free++;
@@ -1563,6 +1568,10 @@ int shm_direct_step(shm_ring *ring, shm_direct *direct, const int64_t *handles,
         if (slot < 0) return SHM_E_BAD_SLOT;
         if ((uint64_t)slot >= direct->slots) return SHM_E_DIRECT_SLOT;
         if (ring->queues[slot].mode != mode) return SHM_E_MODE;
+        /* A bitmask row of another vocabulary would divert alone and be
+         * refused by the CPU after the step's other rows landed: the CPU
+         * path takes (or refuses) the whole step instead. */
+        if (ring->queues[slot].vocab && ring->queues[slot].vocab != vocab) return SHM_E_VOCAB;
         /* Two rows of one queue in a step would race for the same counts. */
         if (direct->seen_serial[slot] == serial) return SHM_E_DIRECT_REPEAT;
         direct->seen_serial[slot] = serial;

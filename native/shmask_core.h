@@ -126,7 +126,8 @@ typedef struct {
     uint64_t nnz;          /* sum of lengths: support-mode logprobs */
     uint64_t words;        /* int32 words of ids (== nnz while every row is an OK ids row) */
     uint32_t mode;         /* 0: slot closed */
-    uint32_t generation;   /* bumped at every close: stale handles stop matching */
+    uint32_t generation;   /* bumped at every close: stale handles stop matching;
+                            * at UINT32_MAX the slot retires instead */
     uint64_t rows_capacity;
     uint64_t nnz_capacity;
     uint64_t words_capacity;
@@ -173,9 +174,14 @@ typedef struct {
     uint32_t pad;
 } shm_ring;
 
-/* A queue handle: slot (bits 0-23), generation (24-47), ring tag (48-62).
- * A stale handle matches again only after 2^24 reopenings of its slot. */
-#define SHM_HANDLE_SLOT_BITS 24
+/* A queue handle: slot (bits 0-15), generation (16-47: the slot's whole
+ * uint32 generation), ring tag (48-62). A slot whose generation would wrap
+ * is retired (never reopened), so a stale handle never matches another
+ * queue. 2^16 slots and 2^32 generations: 2^48 opens in a Writer's life
+ * (about 13 years of back-to-back open+close from Python); after that, or
+ * with 2^16 queues open at once, shm_queue_open returns SHM_E_NO_SLOT. */
+#define SHM_HANDLE_SLOT_BITS 16
+#define SHM_E_NO_SLOT -40 /* every queue slot is open or retired */
 
 int shm_ring_init(shm_ring *ring, void *base, uint64_t mapped_bytes, uint64_t capacity,
                   uint64_t epoch, uint64_t pid, uint64_t start, uint64_t created_ns,

@@ -165,6 +165,7 @@ class _Lib:
     SHM_ROW_STATUS_MASK: int
     SHM_ROW_BITMASK: int
     SHM_HANDLE_SLOT_BITS: int
+    SHM_E_NO_SLOT: int
     # shmask_layout.h (through native/build.py's LAYOUT_CDEF)
     SHM_HEADER_BYTES: int
     SHM_RECORD_ALIGN: int

@@ -43,6 +43,9 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
                       "bitmask row of a queue between takes"),
     lib.SHM_E_BAD_BITMASK: (InvalidRowsError, "a bitmask row's set bits must number its length "
                             "and name ids below vocab"),
+    lib.SHM_E_NO_SLOT: (ShmaskError, "every RowQueue slot of this Writer (2^16) is open or "
+                        "retired (a slot retires after 2^32 reopenings): close finished "
+                        "RowQueues, or start another Writer"),
     lib.SHM_E_DIRECT_SLOT: (ShmaskError, "the queue's slot lies past the GPU-direct table"),
     lib.SHM_E_DIRECT_REPEAT: (ShmaskError, "a queue has more than one row in this step"),
     lib.SHM_E_DIRECT_COUNTS: (ShmaskError, "the GPU-direct table's counts went backwards or "

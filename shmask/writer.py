@@ -382,15 +382,20 @@ class Writer:
         views keep their pages; new opens of this segment fail cleanly."""
         if self.closed:
             return
-        if self._direct is not None:
-            self._direct.close()  # waits for the last kernel, then unregisters the ring
-        self.closed = True
-        for queue in self._queues.values():
-            queue.closed = True
-        self._queues.clear()
-        lib.shm_ring_free(self._ring)  # private buffers; the ring itself goes with the segment
-        if self.segment is not None:
-            self.segment.close()
+        try:
+            if self._direct is not None:
+                # Waits for the last kernel, then unregisters the ring; it
+                # unregisters even when that raises (rows it could not append),
+                # and the Writer closes all the same: the error comes after.
+                self._direct.close()
+        finally:
+            self.closed = True
+            for queue in self._queues.values():
+                queue.closed = True
+            self._queues.clear()
+            lib.shm_ring_free(self._ring)  # private buffers; the ring goes with the segment
+            if self.segment is not None:
+                self.segment.close()
 
     def __enter__(self) -> Writer:
         return self

@@ -625,3 +625,141 @@ def test_queues_are_sized_from_the_rows_seen_so_a_first_emission_grows_twice(pre
             chunk = reader.open(ref)
             assert chunk_rows(chunk) == expected_rows([want[b]] * 50), f"queue {b}"
             chunk.release()
+
+
+def small_compact_rows(vocab: int, lengths: list[int], seed: int):
+    """compact() rows of the given support sizes at vocabulary ``vocab``
+    (kernel max_tokens MAX_TOKENS): a row of L < V / 32 travels as L ids."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.full((len(lengths), vocab), -float("inf"))
+    for b, length in enumerate(lengths):
+        x[b, torch.randperm(vocab, generator=gen)[:length]] = torch.randn(length, generator=gen)
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_gpu_direct_never_half_lands_a_step(prefix: str, setting: str) -> None:
+    """Issue 17, item 11. Rows from a kernel called with max_tokens above the
+    Writer's SHMASK_MAX_TOKENS: an ids row too long for the transport used to
+    divert alone on the GPU-direct path (the other rows landed, that one was
+    lost, RowQueue.rows raised later). Every path now refuses the whole step
+    before anything is stored, naming both values: kernels.publish of device
+    Rows and compact(..., into=), GPU-direct or not. Where no ids row can be
+    that long (32 L < V bounds it too), the same rows are taken."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=8, gpu_direct=setting)
+    x = small_compact_rows(VOCAB, [3, 20, 5, 0], seed=19)  # row 1: 20 ids > 8
+    rows = compact(x, MAX_TOKENS)
+    assert rows.forms.tolist() == [0, 0, 0, 0] and rows.lengths.tolist() == [3, 20, 5, 0]
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue() for _ in range(4)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        for attempt in (lambda: publish(writer, handles, rows),
+                        lambda: compact(x, MAX_TOKENS, into=(writer, handles))):
+            with pytest.raises(InvalidRowsError, match=r"max_tokens=48(.|\n)*SHMASK_MAX_TOKENS=8"):
+                attempt()
+            assert [q.rows for q in queues] == [0, 0, 0, 0], "nothing of the step lands"
+        # V = 256: an ids row holds at most 7 ids (32 L < V), within 8: taken.
+        small = compact(small_compact_rows(256, [3, 7, 40, 0], seed=20), MAX_TOKENS)
+        assert small.forms.tolist() == [0, 0, 1, 0]
+        publish(writer, handles, small)
+        assert publisher_for(writer).active == (setting == "auto")
+        for ref, row in zip(writer.take_batch(queues), reference_direct(small), strict=True):
+            with reader.open(ref) as chunk:
+                assert chunk_rows(chunk) == expected_rows([row])
+    assert writer.closed
+
+
+def test_gpu_direct_never_half_lands_a_step_of_another_vocabulary(prefix: str) -> None:
+    """Issue 17, item 11: a queue holding a bitmask row of one vocabulary
+    gets a bitmask row of another in a step (which the CPU path refuses
+    whole): the GPU-direct path used to store the step's other rows and
+    divert that one, to be refused later. Now the step takes the CPU path
+    and is refused whole."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    first = compact(small_compact_rows(VOCAB, [100, 3], seed=21), MAX_TOKENS)
+    other = compact(small_compact_rows(VOCAB // 2, [100, 3], seed=22), MAX_TOKENS)
+    assert first.forms.tolist() == other.forms.tolist() == [1, 0]
+    with shmask.Writer(config) as writer:
+        queues = [writer.open_queue() for _ in range(2)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        publish(writer, handles, first)
+        assert publisher_for(writer).active and [q.rows for q in queues] == [1, 1]
+        with pytest.raises(InvalidRowsError, match="vocab"):
+            publish(writer, handles, other)
+        assert [q.rows for q in queues] == [1, 1], "nothing of the step lands"
+
+
+def test_gpu_direct_writer_close_always_closes(prefix: str) -> None:
+    """Issue 17, item 11: when the publisher's close raises (rows it could
+    not append after the last kernel, a device error), Writer.close() used
+    to raise before closing anything, leaving the segment in /dev/shm and
+    the Writer open. Now the ring is unregistered, the Writer closed and
+    its segment unlinked; then the error is raised."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    writer = shmask.Writer(config)
+    try:
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        publisher = publisher_for(writer)
+        publish(writer, queues, rows_pool(1, seed=23)[0])
+        assert publisher.active and publisher.stats["direct_steps"] == 1
+
+        def failing_settle(pull: bool) -> None:
+            raise InvalidRowsError("the last step's diverted rows could not be appended")
+
+        publisher._settle = failing_settle  # type: ignore[method-assign]
+        segment = "/dev/shm" + writer.segment_name
+        assert os.path.exists(segment)
+        with pytest.raises(InvalidRowsError, match="diverted"):
+            writer.close()
+        assert writer.closed and not os.path.exists(segment)
+        assert writer._direct is None and not publisher.active and not publisher._registered
+        writer.close()  # closed: nothing more to do
+    finally:
+        if not writer.closed:
+            writer.close()
+
+
+CPU_ONLY_PUBLISH = """
+import os, sys, numpy as np, torch
+assert "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available()
+import shmask
+from shmask.kernels import compact, publish, publisher_for, reference_direct
+config = shmask.Config(ring_mb=1, name_prefix=sys.argv[1], max_tokens=48)
+x = torch.full((3, 2048), -float("inf"))
+x[0, [5, 9]] = 1.0
+x[1, :100] = 0.5
+with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+    queues = [writer.open_queue() for _ in range(3)]
+    rows = compact(x, 48)
+    publish(writer, queues, rows)
+    publisher = publisher_for(writer)
+    assert "TRITON_INTERPRET" not in os.environ
+    print("active", publisher.active, publisher.stats["cpu_steps"], publisher.stats["direct_steps"])
+    print("reason", publisher.reason)
+    for ref, row in zip(writer.take_batch(queues), reference_direct(rows), strict=True):
+        with reader.open(ref) as chunk:
+            assert chunk.lengths.tolist() == ([row[1]] if row else []), (chunk.lengths, row)
+            assert chunk.ids.tolist() == (row[2] if row else [])
+print("ok")
+"""
+
+
+def test_publish_on_a_cpu_only_host_takes_the_cpu_path(prefix: str) -> None:
+    """Issue 17, item 17: on a host without CUDA, kernels.publish of device
+    Rows (SHMASK_GPU_DIRECT=auto) ran the store kernel in Triton's
+    interpreter (~100 ms a step) where docs/kernels.md promises the CPU path
+    (well under a millisecond). Without CUDA and without TRITON_INTERPRET=1
+    set by the host, the publisher takes the CPU path and says why; the rows
+    arrive exactly. (These tests set TRITON_INTERPRET=1: the explicit
+    opt-in that runs the direct path in the interpreter.)"""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only host, even on a GPU machine
+    done = subprocess.run([sys.executable, "-c", CPU_ONLY_PUBLISH, prefix], env=env,
+                          capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "active False 1 0", done.stdout
+    assert "no CUDA device" in lines[1] and lines[-1] == "ok", done.stdout
