@@ -249,7 +249,7 @@ class Segment:
         self.base = None  # type: ignore[assignment]
 
     def unlink_only(self) -> None:
-        """Remove the name (used at exit and on SIGTERM: no unmapping there)."""
+        """Remove the name (used at exit: no unmapping there)."""
         if self.owner_pid == os.getpid() and not self.closed:
             _unlink_quietly(self.name)
 
