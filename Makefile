@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test test-compat faults serve bench lint typecheck check sdist wheel package-check clean
 
-$(STAMP): setup.py pyproject.toml native/build.py native/shmask_core.c native/shmask_core.h native/shmask_layout.h
+$(STAMP): setup.py pyproject.toml native/build.py native/shmask_core.c native/shmask_core.h native/shmask_layout.h native/shmask_exit.c native/shmask_exit.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "cffi>=1.15"
 	# torch==2.13.0 is the CPU build that lies on disk here (no CUDA download);

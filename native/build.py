@@ -6,12 +6,15 @@ from cffi import FFI
 
 NATIVE_DIR = Path(__file__).resolve().parent
 
+HEADERS = ("shmask_core.h", "shmask_exit.h")
+
+
 def _core_declarations() -> str:
-    """shmask_core.h as cffi's cdef wants it: without preprocessor lines
+    """The headers as cffi's cdef wants them: without preprocessor lines
     (cffi cannot parse them), constants turned into `...` so the compiler
     fills in their values."""
     lines = []
-    for line in (NATIVE_DIR / "shmask_core.h").read_text().splitlines():
+    for line in "\n".join((NATIVE_DIR / h).read_text() for h in HEADERS).splitlines():
         if line.startswith("#define SHM_"):
             name = line.split()[1]
             lines.append(f"#define {name} ...")
@@ -40,8 +43,8 @@ ffibuilder = FFI()
 ffibuilder.cdef(LAYOUT_CDEF + _core_declarations())
 ffibuilder.set_source(
     "shmask._native",
-    '#include "shmask_core.h"\n#include "shmask_layout.h"',
-    sources=[str(Path("native") / "shmask_core.c")],
+    '#include "shmask_core.h"\n#include "shmask_exit.h"\n#include "shmask_layout.h"',
+    sources=[str(Path("native") / name) for name in ("shmask_core.c", "shmask_exit.c")],
     include_dirs=["native"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

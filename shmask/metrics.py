@@ -10,14 +10,28 @@ discard on the reader side.
 
     import shmask.metrics
     shmask.metrics.enable()          # once per process, before Writers/Readers work
+
+Metrics never fail a data call: an error from prometheus_client (its
+multiprocess directory removed, a full disk) is logged, at most once a
+minute with the count since, and the call goes on; the increments it could
+not hand over are retried at the next sync.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import astuple, fields
 from typing import Any
 
+log = logging.getLogger("shmask")
+
 _metrics: _Metrics | None = None
+# The metric objects made per (registry, namespace): prometheus_client
+# refuses to register a name twice, so enable() after disable() reuses them.
+_made: dict[tuple[Any, str], _Metrics] = {}
+_ERROR_INTERVAL_S = 60.0
+_errors = {"pending": 0, "last": -_ERROR_INTERVAL_S}
 
 # WriterStats field -> (metric name, help, labels)
 _PRODUCER_COUNTERS = {
@@ -62,7 +76,8 @@ class _Metrics:
 
 def enable(registry: Any = None, namespace: str = "shmask") -> None:
     """Export shmask's counters through prometheus_client (default registry
-    unless one is given). Idempotent per process."""
+    unless one is given). Idempotent per process; enable() after disable()
+    feeds the same metric objects again."""
     global _metrics
     if _metrics is not None:
         return
@@ -71,8 +86,10 @@ def enable(registry: Any = None, namespace: str = "shmask") -> None:
     except ImportError:
         raise ImportError("shmask.metrics needs prometheus_client: "
                           "pip install 'shmask[metrics]'") from None
-    _metrics = _Metrics(registry if registry is not None else prometheus_client.REGISTRY,
-                        namespace)
+    key = (registry if registry is not None else prometheus_client.REGISTRY, namespace)
+    if key not in _made:
+        _made[key] = _Metrics(*key)
+    _metrics = _made[key]
 
 
 def disable() -> None:
@@ -87,10 +104,18 @@ def enabled() -> bool:
 
 def sync(stats: Any, synced: Any, ring_usage: tuple[int, int] | None = None) -> None:
     """Hand the increments of a WriterStats or ReaderStats since `synced`
-    (a snapshot of the same type, updated in place) to prometheus_client."""
+    (a snapshot of the same type, updated in place) to prometheus_client.
+    Never raises: it runs inside data calls (take_batch, open, discard)."""
     metrics = _metrics
     if metrics is None:
         return
+    try:
+        _sync(metrics, stats, synced, ring_usage)
+    except Exception:  # noqa: BLE001 - metrics must never fail a data call
+        _log_error()
+
+
+def _sync(metrics: _Metrics, stats: Any, synced: Any, ring_usage: tuple[int, int] | None) -> None:
     if astuple(stats) == astuple(synced):
         if ring_usage is None:
             return
@@ -99,14 +124,28 @@ def sync(stats: Any, synced: Any, ring_usage: tuple[int, int] | None = None) -> 
         delta = getattr(stats, name) - getattr(synced, name)
         if delta <= 0:
             continue
-        setattr(synced, name, getattr(stats, name))
         if name in metrics.producer:
             metrics.producer[name].inc(delta)
         elif name in metrics.reader:
             metrics.reader[name].inc(delta)
         elif name.startswith("inline_") and name[7:] in _INLINE_REASONS:
             metrics.inline.labels(reason=name[7:]).inc(delta)
+        # Only once handed over: a failed increment is retried next time.
+        setattr(synced, name, getattr(stats, name))
     if ring_usage is not None:
         used, capacity = ring_usage
         metrics.ring_used.set(used)
         metrics.ring_capacity.set(capacity)
+
+
+def _log_error() -> None:
+    """The first failure with its traceback, then one line a minute at most."""
+    _errors["pending"] += 1
+    now = time.monotonic()
+    if now - _errors["last"] < _ERROR_INTERVAL_S:
+        return
+    log.error("shmask metrics: %d failed update(s) of prometheus_client since the last report "
+              "(the data calls went on; the counts are retried at the next sync)",
+              _errors["pending"], exc_info=True)
+    _errors["last"] = now
+    _errors["pending"] = 0

@@ -17,6 +17,15 @@ Mappings are made by the native core (`shm_map`), which guards them against
 SIGBUS: a segment file truncated by another process turns into zero pages
 and a StaleChunkError instead of killing the process.
 
+When the name goes: at Writer.close(), when a Writer is collected without
+close() (its finalizer), at interpreter exit, and when the process dies of
+SIGTERM's default action (a handler in the native core, set from whichever
+thread builds the first Writer: see native/shmask_exit.h). A host that
+handles SIGTERM itself (a server that drains) keeps its rings while it
+drains; they go at its exit or close. SIGKILL, os._exit() or a host handler
+that re-raises SIGTERM with the default action leave the name to the
+janitor below (the lifetime lock went with the process).
+
 posix_ipc opens the objects (never multiprocessing.shared_memory, whose
 resource tracker would unlink segments under a reader).
 """
@@ -33,7 +42,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -187,6 +195,10 @@ class Segment:
         # Its file's mtime once allocated: writes through the mapping leave it
         # alone, a truncation (grown back or not) or a write(2) moves it.
         self._mtime_ns = os.fstat(owner_fd).st_mtime_ns if owner_fd is not None else 0
+        # The producer's entry in the native core's SIGTERM table (-1: none).
+        self._exit_slot = -1
+        if owner_fd is not None:
+            self._exit_slot = int(lib.shm_exit_register(_path(name).encode()))
         self.closed = False
 
     @classmethod
@@ -266,8 +278,17 @@ class Segment:
         they are gone, so closing never invalidates them."""
         if self.closed:
             return
-        self.closed = True
+        self.release()
         _LIVE.discard(self)
+
+    def release(self) -> None:
+        """close() without the registry's lock, for a finalizer: the
+        collector may run one at any allocation, even on a thread that holds
+        that lock (the registry drops closed segments itself)."""
+        if self.closed:
+            return
+        self.closed = True
+        lib.shm_exit_unregister(self._exit_slot)  # a no-op in a forked child
         if self._owner_fd is not None:
             if self.owner_pid == os.getpid():
                 _unlink_quietly(self.name)
@@ -277,7 +298,7 @@ class Segment:
         self.base = None  # type: ignore[assignment]
 
     def unlink_only(self) -> None:
-        """Remove the name (used at exit and on SIGTERM: no unmapping there)."""
+        """Remove the name (used at exit: no unmapping there)."""
         if self.owner_pid == os.getpid() and not self.closed:
             _unlink_quietly(self.name)
 
@@ -323,34 +344,33 @@ def _shm_free_bytes() -> int:
 # ------------------------------------------------------------- lifecycle
 
 class _LiveSegments:
-    """The producer's own segments, unlinked at exit and on SIGTERM."""
+    """The producer's own segments, unlinked at exit (SIGTERM: the native
+    core's table, filled by Segment itself)."""
 
     def __init__(self) -> None:
         self._segments: set[Segment] = set()
-        # A snapshot the SIGTERM handler reads without taking the lock: the
-        # handler runs between two bytecodes of the main thread, which may be
-        # inside add() or discard() holding it.
+        # A snapshot read without taking the lock: exit handlers and at-fork
+        # hooks may run while another thread, or this one, holds it.
         self._snapshot: tuple[Segment, ...] = ()
         self._lock = threading.Lock()
-        self._hooked = False
         self._atexit = False
 
     def add(self, segment: Segment) -> None:
+        # At every new ring, not once: a host may have put SIGTERM's default
+        # action back since. The native core sets it from any thread, and
+        # only over the default action (a host's handler stays in charge).
+        lib.shm_exit_hook_sigterm()
         with self._lock:
+            self._segments = {s for s in self._segments if not s.closed}  # released by finalizers
             self._segments.add(segment)
             self._snapshot = tuple(self._segments)
             if not self._atexit:
                 self._atexit = True
                 atexit.register(self.unlink_all)
-            if not self._hooked:
-                # Only the main thread can set a signal handler: a Writer
-                # built on another thread leaves it to the next one built
-                # on the main thread.
-                self._hooked = _chain_sigterm(self.unlink_all)
 
     def discard(self, segment: Segment) -> None:
         with self._lock:
-            self._segments.discard(segment)
+            self._segments = {s for s in self._segments if s is not segment and not s.closed}
             self._snapshot = tuple(self._segments)
 
     def unlink_all(self) -> None:
@@ -407,28 +427,6 @@ def _guard_faulthandler() -> None:
 
 
 _guard_faulthandler()
-
-
-def _chain_sigterm(cleanup) -> bool:  # type: ignore[no-untyped-def]
-    """Unlink on SIGTERM, then do what the process would have done anyway:
-    call the handler that was installed, or die of the signal. False when
-    this thread cannot install it (not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False  # signal handlers can only be set from the main thread
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN:
-        return True  # the process ignores SIGTERM: nothing to clean up on it
-
-    def on_sigterm(signum, frame):  # type: ignore[no-untyped-def]
-        cleanup()
-        if callable(previous):
-            previous(signum, frame)
-        else:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    return True
 
 
 # ---------------------------------------------------------------- janitor

@@ -19,6 +19,7 @@ import operator
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,9 @@ class _RateLimitedWarning:
 class Writer:
     """Creates one ring segment and publishes chunks into it.
 
-    Not thread-safe: one Writer belongs to one producer thread.
+    Not thread-safe: one Writer belongs to one producer thread, in the
+    process that built it (a forked child gets ShmaskError: make a new
+    Writer there). A Writer collected without close() gives its ring back.
     """
 
     def __init__(self, config: Config | None = None) -> None:
@@ -103,7 +106,10 @@ class Writer:
         self._synced = WriterStats()  # what the metrics were last told
         self.segment: Segment | None = None
         self.epoch = secrets.randbits(63)
+        # True once closed, or in a forked child (_refuse_in_forked_child):
+        # the one check every call makes, so refusing a child costs nothing.
         self.closed = False
+        self._pid = os.getpid()
         self._max_row = self.config.max_tokens
         self._full_wait_s = self.config.full_wait_ms / 1000.0
         self._lease_ns = int(self.config.lease_s * 1e9)
@@ -137,6 +143,12 @@ class Writer:
             if self.segment is not None:
                 self.segment.close()
             raise SegmentError(f"ring of {capacity} bytes rejected by the native core ({rc})")
+        # Dropped without close(): the ring's private buffers, then its name
+        # and mapping go with the Writer (views readers hold stay valid).
+        # Not at interpreter exit (atexit unlinks the name then): an exit
+        # handler of the host may still use the Writer.
+        weakref.finalize(self, _give_back, self._ring, self.segment).atexit = False
+        _WRITERS.add(self)
         self._queues: dict[int, RowQueue] = {}
         # kernels.direct.DirectPublisher, when one publishes into this ring:
         # the GPU then owns the queues' counts between steps, so every CPU
@@ -260,7 +272,7 @@ class Writer:
         advance separately (id data per row vs L values per row).
         """
         if self.closed:  # _begin_call, inlined: this runs every decode step
-            raise ShmaskError("Writer is closed")
+            raise self._closed_error()
         direct = self._direct
         if direct is not None and not direct.quiet:
             with direct.quiesced():  # the GPU's rows first, then these
@@ -332,6 +344,8 @@ class Writer:
         Ring buffers are published in place and each queue gets its next
         buffer, all in one native call; `final` drops the buffers instead
         (the requests ended)."""
+        if self.closed:  # before the GPU's quiesce: a forked child has no GPU of ours
+            raise self._closed_error()
         direct = self._direct
         if direct is not None and not direct.quiet:
             # Waits for the last step's kernel only: nothing is published
@@ -351,6 +365,8 @@ class Writer:
         """Return released (and lease-expired) records to the ring. With
         `move_staging`, queue buffers that block the tail are moved out of
         the way (to the head, else to private memory), each at most once."""
+        if self.closed:
+            raise self._closed_error()
         if self.segment is None:
             return
         direct = self._direct
@@ -413,13 +429,21 @@ class Writer:
     # ------------------------------------------------------------ internals
     def _check_open(self) -> None:
         if self.closed:
-            raise ShmaskError("Writer is closed")
+            raise self._closed_error()
+
+    def _closed_error(self) -> ShmaskError:
+        if self._pid != os.getpid():
+            return ShmaskError(
+                f"this Writer belongs to process {self._pid}; process {os.getpid()} is a "
+                "forked child of it and cannot use it (its ring and queues are the "
+                "parent's): make a new Writer in the child")
+        return ShmaskError("Writer is closed")
 
     def _begin_call(self) -> None:
         """Start of take_batch and publish (append_step inlines the first two
         lines): a fresh full-ring budget, and the truncation check."""
         if self.closed:
-            raise ShmaskError("Writer is closed")
+            raise self._closed_error()
         self._deadline = None
         self._check_segment()
 
@@ -618,6 +642,8 @@ class Writer:
 
     def _close_queue(self, queue: RowQueue, abort: bool) -> int:
         if self.closed:
+            if self._pid != os.getpid():
+                raise self._closed_error()  # the slot and its chunks are the parent's
             return 0
         direct = self._direct
         if direct is not None and not direct.quiet:
@@ -669,6 +695,8 @@ class RowQueue:
     def rows(self) -> int:
         if self.closed:
             return 0
+        if self.writer.closed:  # a forked child's copy (close() closes the queues)
+            raise self.writer._closed_error()
         if self.writer._direct is not None:
             self.writer._direct.wait()  # the GPU's counts, once its writes completed
         return int(self.writer._ring.queues[self.slot].rows)
@@ -689,7 +717,33 @@ class RowQueue:
         return self.writer._close_queue(self, abort=True)
 
     def __repr__(self) -> str:
-        return f"RowQueue(slot={self.slot}, rows={self.rows if not self.closed else 'closed'})"
+        live = not self.closed and not self.writer.closed
+        return f"RowQueue(slot={self.slot}, rows={self.rows if live else 'closed'})"
+
+
+def _give_back(ring: Any, segment: Segment | None) -> None:
+    """A Writer's finalizer: what close() frees, for a Writer collected
+    without it. The ring's private buffers first (the ring struct points
+    into the mapping), then the segment's name, lock and mapping."""
+    lib.shm_ring_free(ring)  # idempotent: close() may have run it already
+    if segment is not None:
+        segment.release()
+
+
+# Every Writer of this process, so a forked child can refuse to use them.
+_WRITERS: weakref.WeakSet[Writer] = weakref.WeakSet()
+
+
+def _refuse_in_forked_child() -> None:
+    """After fork(): the parent's Writers are not the child's. Marked closed,
+    every call on them raises ShmaskError naming the parent, at no cost to
+    the per-step checks (the child's copy of a ring would otherwise publish
+    into, and reclaim, the parent's ring)."""
+    for writer in list(_WRITERS):
+        writer.closed = True
+
+
+os.register_at_fork(after_in_child=_refuse_in_forked_child)
 
 
 def _as_array(value: object, dtype: type, name: str) -> np.ndarray:

@@ -129,7 +129,8 @@ def test_sdist_holds_the_native_sources():
     with tarfile.open(_dist("shmask-*.tar.gz")) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     for needed in ("native/build.py", "native/shmask_core.c", "native/shmask_core.h",
-                   "native/shmask_layout.h", "setup.py", "pyproject.toml", "shmask/_native.pyi",
+                   "native/shmask_layout.h", "native/shmask_exit.c", "native/shmask_exit.h",
+                   "setup.py", "pyproject.toml", "shmask/_native.pyi",
                    "kernels/__init__.py"):
         assert needed in names, needed
     assert not any(name.endswith(".so") for name in names)
