@@ -117,19 +117,23 @@ async def main() -> dict:
     port_args = PortArgs.init_new(server_args)
 
     manager = tokenizer_manager.TokenizerManager.__new__(tokenizer_manager.TokenizerManager)
+    # What __init__ sets from the published config before the parts that
+    # need a model (the same expressions).
+    tm = tokenizer_manager
     manager.server_args = server_args
-    manager.enable_metrics = False
-    manager.incremental_streaming_output = False
-    manager.enable_lora = False
-    manager.enable_trace = False
-    manager.skip_tokenizer_init = True
-    manager.crash_dump_folder = None
-    manager.disaggregation_mode = None
+    manager.enable_metrics = tm.get_observability().enable_metrics
+    manager.incremental_streaming_output = tm.get_serving().incremental_streaming_output
+    manager.enable_lora = tm.get_lora().enable_lora
+    manager.enable_trace = tm.get_observability().enable_trace
+    manager.skip_tokenizer_init = tm.get_serving().skip_tokenizer_init
+    manager.crash_dump_folder = tm.get_observability().crash_dump_folder
+    manager.disaggregation_mode = tm.DisaggregationMode(tm.get_disagg().disaggregation_mode)
     manager.init_running_status()
     manager.init_request_logging_and_dumping()
     manager.init_ipc_channels(port_args)
-    manager.soft_watchdog = Watchdog.create(debug_name="TokenizerManager",
-                                            watchdog_timeout=None, soft=True)
+    manager.soft_watchdog = Watchdog.create(
+        debug_name="TokenizerManager",
+        watchdog_timeout=tm.get_device().soft_watchdog_timeout, soft=True)
 
     context = zmq.Context()
     detokenizer = context.socket(zmq.PUSH)
