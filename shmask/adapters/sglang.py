@@ -266,7 +266,9 @@ def lists_or_abort(manager: Any, recv_obj: Any, index: int, meta_info: dict[str,
         rid = recv_obj.rids[index]
         log.error("request %s failed: its sampling masks could not be read: %s: %s",
                   rid, type(exc).__name__, exc)
-        release_chunk(chunk)  # a record that was never opened is given back now
+        # Not given back here: a chunk opened and then refused was released by
+        # to_lists; one that never opened has a reference that cannot be
+        # trusted to name its record (the producer reclaims it at the lease).
         was_running = recv_obj.finished_reasons[index] is None
         reason = {"type": "abort", "status_code": READ_FAILED_STATUS,
                   "message": f"sampling masks of this request could not be read "

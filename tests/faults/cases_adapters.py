@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -84,8 +85,9 @@ class Producer:
     encoded as its adapter sends it."""
 
     def __init__(self, adapter: str, writer: shmask.Writer, requests: int, seed: int,
-                 swap: bool) -> None:
+                 swap: bool, carrier: str = "msgpack") -> None:
         self.adapter, self.writer, self.seed, self.swap = adapter, writer, seed, swap
+        self.carrier = carrier  # SGLang's IPC: "msgpack", or "pickle" (its default)
         self.modes = [MODE_SUPPORT if swap or r % 3 else MODE_SELECTED for r in range(requests)]
         self.seq = 0
         if adapter == "sglang":
@@ -107,6 +109,9 @@ class Producer:
                 rows.append(ids, logprobs)
             chunks = sglang_adapter.take_all(self.rows, writer=self.writer)
             refs = [c.ref for c in chunks]  # type: ignore[union-attr]
+            if self.carrier == "pickle":
+                return [pickle.dumps(c, protocol=pickle.HIGHEST_PROTOCOL) for c in chunks], \
+                    items, refs
             return [msgspec.msgpack.encode(c) for c in chunks], items, refs
         rows = [expected_rows(request, mode, seq, length)[1] for request, mode, seq, length in items]
         offsets = np.cumsum([0] + [r.size for r in rows])
@@ -147,18 +152,23 @@ def _classify_lists(masks: list, values: list, item: list[int]) -> str:
     return "ok" if not got else ("other" if got.startswith("other") else f"wrong:{got}")
 
 
-def consume_sglang(message: list[tuple[bytes, list[int]]]) -> list[str]:
+def consume_sglang(message: list[tuple[bytes, list[int]]], carrier: str) -> list[str]:
     """One batch output through lists_or_abort, request by request, as the
-    patched _handle_batch_output reads it."""
+    patched _handle_batch_output reads it. Each chunk is decoded on its own:
+    bytes its carrier (SGLang's msgpack or pickle) refuses are the carrier's
+    failure, not shmask's (counted apart)."""
     decoder = msgspec.msgpack.Decoder(sglang_adapter.SamplingMaskChunk)
     outcomes: list[str] = [""] * len(message)
     present, chunks = [], []
     for i, (encoded, _) in enumerate(message):
         try:
-            chunks.append(decoder.decode(encoded))
+            chunk = decoder.decode(encoded) if carrier == "msgpack" else pickle.loads(encoded)
+            if not isinstance(chunk, sglang_adapter.SamplingMaskChunk):
+                raise TypeError(f"unpickled a {type(chunk).__name__}")
+            chunks.append(chunk)
             present.append(i)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            outcomes[i] = f"refused:{type(exc).__name__}"  # SGLang's carrier, not shmask
+        except Exception as exc:  # noqa: BLE001 - the carrier refused the bytes
+            outcomes[i] = f"refused:{type(exc).__name__}"
     aborted: list[str] = []
     manager = SimpleNamespace(abort_request=aborted.append)
     recv = SimpleNamespace(rids=[f"r{i}" for i in present], finished_reasons=[None] * len(present),
@@ -211,7 +221,7 @@ def consume_vllm(message: list[tuple[bytes, list[int]]], resolver: Any) -> list[
     return outcomes
 
 
-def consumer_main(adapter: str) -> None:
+def consumer_main(adapter: str, carrier: str) -> None:
     """Child: one JSON line of messages in, one JSON line of outcomes out."""
     logging.getLogger("shmask").setLevel(logging.CRITICAL)  # the failures are counted, not logged
     reader = shmask.Reader()
@@ -228,7 +238,7 @@ def consumer_main(adapter: str) -> None:
         results = []
         for message in messages:
             decoded = [(bytes.fromhex(h), item) for h, item in message]
-            results.append(consume_sglang(decoded) if adapter == "sglang"
+            results.append(consume_sglang(decoded, carrier) if adapter == "sglang"
                            else consume_vllm(decoded, resolver))
         print("outcomes", json.dumps(results), flush=True)
 
@@ -238,9 +248,9 @@ def consumer_main(adapter: str) -> None:
 class ConsumerChild(Child):
     """This module run as a child (own session, bounded waits via Child)."""
 
-    def __init__(self, adapter: str, prefix: str) -> None:
+    def __init__(self, adapter: str, prefix: str, carrier: str = "msgpack") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "consumer", adapter],
+            [sys.executable, str(Path(__file__).resolve()), "consumer", adapter, carrier],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=child_env(prefix), cwd=str(REPO), start_new_session=True)
         self.pid = self.proc.pid
@@ -354,13 +364,14 @@ def garbled_refs_through_adapters(result: Result, prefix: str, full: bool) -> No
     garbles = GARBLES_FULL if full else GARBLES_SHORT
     config = shmask.Config(ring_mb=16, name_prefix=prefix, lease_s=600, full_wait_ms=20)
     figures = []
-    for adapter in ("sglang", "vllm"):
+    for adapter, carrier in (("sglang", "msgpack"), ("sglang", "pickle"), ("vllm", "msgpack")):
         for sub, swap in (("garbles", False), ("swapped positions", True)):
-            label = f"{adapter} {sub}"
+            label = f"{adapter} ({carrier}) {sub}"
             tally = _new_tally()
             with shmask.Writer(config) as writer:
-                producer = Producer(adapter, writer, requests, seed=31, swap=swap)
-                child = ConsumerChild(adapter, prefix)
+                producer = Producer(adapter, writer, requests, seed=31, swap=swap,
+                                    carrier=carrier)
+                child = ConsumerChild(adapter, prefix, carrier)
                 try:
                     child.expect("ready", 60)
                     trials = _swap_trials(producer) if swap else _garbled_trials(producer, garbles)
@@ -455,4 +466,4 @@ def tokenizer_behind_lease(result: Result, prefix: str, full: bool) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "consumer":
         os.environ.setdefault("SHMASK_NAME_PREFIX", "shmfaults")
-        consumer_main(sys.argv[2])
+        consumer_main(sys.argv[2], sys.argv[3])
