@@ -232,6 +232,57 @@ def test_release_without_reading_and_abort_give_records_back(writer):
     assert writer.ring_usage()[0] == 0
 
 
+def test_lists_or_abort_fails_only_the_request_whose_chunk_cannot_be_read(writer):
+    """What the patched tokenizer manager calls per request: a chunk given
+    back already (read after its lease) and a garbled reference finish their
+    own requests with SGLang's abort finish reason (status 500, the error
+    named) and an abort to the scheduler; the others get their lists."""
+    from types import SimpleNamespace
+
+    rows = [adapter.SamplingMaskRows(m) for m in ("support", "selected", "support", "support")]
+    for i, r in enumerate(rows):
+        r.append(np.arange(i, i + 3, dtype=np.int32),
+                 np.zeros(3 if r.support else 1, np.float32))
+    chunks = adapter.take_all(rows)
+    assert rows[2].abort() == 1  # its record is given back before the tokenizer reads it
+    garbled = bytearray(chunks[3].ref)
+    garbled[-shmask.refs.ENTRY_DTYPE.itemsize] ^= 0x80  # the entry kind
+    chunks[3].release()
+    chunks[3] = adapter.SamplingMaskChunk(bytes(garbled))
+    aborted = []
+    manager = SimpleNamespace(abort_request=aborted.append)
+    recv = SimpleNamespace(rids=["a", "b", "c", "d"], finished_reasons=[None, None, None, None],
+                           output_token_sampling_mask=chunks)
+    got = []
+    for i, r in enumerate(rows):
+        meta = {"finish_reason": None}
+        got.append((adapter.lists_or_abort(manager, recv, i, meta, support_logprobs=r.support),
+                    meta["finish_reason"]))
+    assert got[0] == (([[0, 1, 2]], [[0.0, 0.0, 0.0]]), None)
+    assert got[1] == (([[1, 2, 3]], [0.0]), None)
+    for i, error in ((2, "StaleChunkError"), (3, "InvalidRefError")):
+        lists, reason = got[i]
+        assert lists == ([], []) and reason is recv.finished_reasons[i]
+        assert reason["type"] == "abort" and reason["status_code"] == 500
+        assert f"could not be read ({error}: " in reason["message"]
+    assert aborted == ["c", "d"]
+    for r in rows:
+        r.close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0
+
+
+def test_release_chunk_never_raises(writer):
+    rows = adapter.SamplingMaskRows("support")
+    rows.append(np.arange(3, dtype=np.int32), np.zeros(3, np.float32))
+    chunk = rows.take()
+    assert rows.abort() == 1
+    adapter.release_chunk(chunk)  # given back already: logged, not raised
+    adapter.release_chunk(adapter.SamplingMaskChunk(b"not a reference"))
+    adapter.release_chunk(None)
+    rows.close()
+
+
 def meta_bytes(meta):
     return orjson.dumps({"id": "r", "finish_reason": None, **meta, "completion_tokens": 3})
 

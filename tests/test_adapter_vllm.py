@@ -115,7 +115,9 @@ def test_one_bad_reference_costs_only_its_own_output(pair, reader):
     step = publisher.publish_step(batch([[1], [2, 3], [4]]))
     outputs = [_Output(f"r{i}", step.slice_request(i, 1)) for i in range(3)]
     reader.discard(shmask.ChunkRef.from_bytes(outputs[0].new_sampling_mask.token_ids.tobytes()))
-    resolver.resolve_outputs(outputs)
-    assert outputs[0].new_sampling_mask is None  # given back already: dropped, logged
+    assert resolver.resolve_outputs(outputs) == ["r0"]  # to be aborted in the engine core
+    assert outputs[0].new_sampling_mask is None  # given back already: its request fails
+    assert outputs[0].finish_reason == 3  # vLLM's FinishReason.ERROR
+    assert "DoubleReleaseError" in outputs[0].error.message
     assert outputs[1].new_sampling_mask.token_ids.tolist() == [2, 3]
     assert outputs[2].new_sampling_mask.token_ids.tolist() == [4]

@@ -390,8 +390,9 @@ def test_vllm_resolves_bitmask_rows_and_fails_only_a_dropped_rows_output():
 
     outputs = [_Output("a", vllm_ref(128, 3)), _Output("b", vllm_ref(192, 2)),
                _Output("c", vllm_ref(256, 2, kept=1)), _Output("d", vllm_ref(256, 2))]
-    resolver.resolve_outputs(outputs)
+    assert resolver.resolve_outputs(outputs) == ["b", "d"]  # failed, to be aborted
     assert outputs[0].new_sampling_mask.to_nested_list()[1] == wide.ids.tolist()
-    assert outputs[1].new_sampling_mask is None  # its row 1 was never sent: dropped, logged
+    assert outputs[1].new_sampling_mask is None  # its row 1 was never sent: its request fails
+    assert outputs[1].finish_reason == 3 and "RowDroppedError" in outputs[1].error.message
     assert outputs[2].new_sampling_mask.to_nested_list() == [wide.ids.tolist()]
     assert outputs[3].new_sampling_mask is None

@@ -33,6 +33,12 @@ aborts such requests) are None in ``to_lists`` (in place of the ids list and
 of the logprobs list or value) and null in the JSON parts, never an empty
 row; ``status`` gives each row's status.
 
+Failures (``lists_or_abort``, what the patched tokenizer manager calls in
+place of ``to_lists``): a chunk that cannot be read (read after
+``SHMASK_LEASE_S``, a bad reference) finishes its own request with an abort
+finish reason carrying the error, as SGLang finishes a failed request; the
+other requests of the message and the tokenizer's loop go on.
+
 Lifetime (the ring record of a chunk): ``to_lists`` builds the lists and then
 releases the record (SGLang calls it once per chunk); ``release()`` gives it
 back without reading (an aborted request whose chunk arrives after its state
@@ -69,6 +75,7 @@ __all__ = [
     "default_reader",
     "default_writer",
     "flush",
+    "lists_or_abort",
     "release_chunk",
     "response_meta_info",
     "split_refs",
@@ -219,9 +226,60 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
 
 def release_chunk(chunk: Any) -> None:
     """Release a chunk nobody will read (its request's state is gone); None
-    and SGLang's own chunks need nothing."""
+    and SGLang's own chunks need nothing. Never raises: it runs in the
+    tokenizer's loop, and a chunk that cannot be given back (read after its
+    lease, a bad reference) has nothing to give back (logged)."""
     if isinstance(chunk, SamplingMaskChunk):
-        chunk.release()
+        try:
+            chunk.release()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("sampling-mask chunk of a finished request not released: %s: %s",
+                        type(exc).__name__, exc)
+
+
+# HTTP status of a request whose sampling masks could not be read: the
+# server's fault, not the client's (SGLang answers 400 <= code < 600 aborts
+# with an error response of that code).
+READ_FAILED_STATUS = 500
+
+
+def lists_or_abort(manager: Any, recv_obj: Any, index: int, meta_info: dict[str, Any],
+                   support_logprobs: bool) -> tuple[list[Any], list[Any]]:
+    """``to_lists`` of request ``index``'s chunk in a tokenizer manager's
+    batch output; if the chunk cannot be read, that request alone fails.
+
+    SGLang's ``handle_loop`` runs under ``print_exception_wrapper``, which
+    kills the whole server on any exception, so a chunk read after its
+    lease (StaleChunkError) or a bad reference must not escape. The failed
+    request is finished the way SGLang finishes a request it aborts with an
+    error: its finish reason (in ``recv_obj.finished_reasons`` and
+    ``meta_info``) becomes ``{"type": "abort", "message": ..., "status_code":
+    500}``, so ``_handle_batch_output`` marks its state finished, hands the
+    output to the waiting handler (which answers the client with that error)
+    and drops the state; the scheduler is told to abort it (``AbortReq``), and
+    its later outputs, if any, find no state and are released. Returns
+    ``([], [])`` for a failed request."""
+    chunk = recv_obj.output_token_sampling_mask[index]
+    try:
+        return chunk.to_lists(support_logprobs=support_logprobs)
+    except Exception as exc:  # noqa: BLE001 - any read failure costs this request only
+        rid = recv_obj.rids[index]
+        log.error("request %s failed: its sampling masks could not be read: %s: %s",
+                  rid, type(exc).__name__, exc)
+        # Not given back here: a chunk opened and then refused was released by
+        # to_lists; one that never opened has a reference that cannot be
+        # trusted to name its record (the producer reclaims it at the lease).
+        was_running = recv_obj.finished_reasons[index] is None
+        reason = {"type": "abort", "status_code": READ_FAILED_STATUS,
+                  "message": f"sampling masks of this request could not be read "
+                             f"({type(exc).__name__}: {exc})"}
+        recv_obj.finished_reasons[index] = meta_info["finish_reason"] = reason
+        if was_running:
+            try:
+                manager.abort_request(rid)
+            except Exception as abort_exc:  # noqa: BLE001 - the request already failed here
+                log.error("abort of request %s not sent to the scheduler: %s", rid, abort_exc)
+        return [], []
 
 
 def _check_mode(rows: Chunk, support_logprobs: bool) -> None:

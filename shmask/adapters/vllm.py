@@ -32,10 +32,16 @@ request's masks until its next delta or its end, which can outlive a lease,
 and a released record lets the ring recycle on the next step.
 
 Rows the ring holds as full-vocabulary bitmasks are decoded to ascending ids
-there, so vLLM sees the same int32 CSR either way. SamplingMaskLists has no
-status, so a chunk whose kept rows include one sent without its ids
-(OVERFLOW / INVALID) costs that output its mask (None, logged), as any other
-bad reference does.
+there, so vLLM sees the same int32 CSR either way.
+
+A mask that cannot be delivered (a bad or garbled reference, a chunk read
+after its lease, a kept row sent without its ids: SamplingMaskLists has no
+status) fails its own request, the way vLLM fails one request: the output
+gets ``finish_reason=FinishReason.ERROR`` and ``error=RequestError(...)``
+naming what was wrong (AsyncLLM raises it to that request's caller as a
+500 GenerationError), its mask is None, and ``resolve_outputs`` returns its
+id so the frontend aborts it in the engine core. The other outputs of the
+message resolve as usual; nothing raises out of ``resolve_outputs``.
 
 docs/integrations/vllm.md has the patch that wires both calls into vLLM.
 """
@@ -50,7 +56,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..config import Config
-from ..errors import InvalidRefError, InvalidRowsError, ShmaskError
+from ..errors import InvalidRefError, InvalidRowsError, ShmaskError, StaleChunkError
 from ..reader import Reader
 from ..refs import ENTRY_DTYPE, KIND_INLINE, KIND_SHM, ChunkRef, RefBatch
 from ..writer import RowQueue, Writer
@@ -92,6 +98,34 @@ def mask_type() -> type:
     except ImportError:
         return _MaskLists
     return SamplingMaskLists
+
+
+class _RequestError(NamedTuple):
+    """Field-for-field stand-in for vllm.outputs.RequestError (vLLM not installed)."""
+
+    code: str
+    message: str
+    retryable: bool = False
+
+
+# vllm.v1.engine.FinishReason.ERROR, where vLLM is not installed
+_FINISH_ERROR = 3
+MASK_ERROR_CODE = "sampling_mask_unreadable"
+
+
+def _request_failure(message: str, retryable: bool, stand_in: bool) -> tuple[Any, Any]:
+    """(FinishReason.ERROR, RequestError) as vLLM's engine core sends a
+    request-level error (the stand-ins where the resolver uses _MaskLists:
+    vLLM is then not imported)."""
+    try:
+        if stand_in:
+            raise ImportError("the resolver runs without vLLM")
+        from vllm.outputs import RequestError
+        from vllm.v1.engine import FinishReason
+    except ImportError:
+        return _FINISH_ERROR, _RequestError(MASK_ERROR_CODE, message, retryable)
+    return FinishReason.ERROR, RequestError(code=MASK_ERROR_CODE, message=message,
+                                            retryable=retryable)
 
 
 def adapter_config(environ: dict[str, str] | None = None) -> Config:
@@ -283,57 +317,61 @@ class MaskResolver:
         if is_ref(output.new_sampling_mask):
             output.new_sampling_mask = self.resolve(output.new_sampling_mask)
 
-    def resolve_outputs(self, outputs: Sequence[Any]) -> None:
+    def resolve_outputs(self, outputs: Sequence[Any]) -> list[str]:
         """resolve_output for every EngineCoreOutput of one message, parsing
-        the references of one producer as one batch.
+        the references of one producer as one batch. Returns the ids of the
+        requests that failed here and were still running in the engine core
+        (the frontend aborts them there). Never raises: each reference is its
+        own request's (``_resolve_into``).
 
         Each reference is a batch of one, and validating a batch costs the
         same for one entry as for hundreds (measured: 17 us of the ~27 us a
         lone resolve takes). References that share the leader's header and
         segment table differ only in their 40-byte entry, so their entries
         are joined and validated once by RefBatch.build; any other reference
-        (inline, another engine's ring) is resolved on its own."""
+        (inline, another engine's ring) is resolved on its own, and so is
+        every reference of the group when the joined batch does not validate
+        (one garbled entry must not cost the others their masks)."""
         pending = [o for o in outputs if is_ref(o.new_sampling_mask)]
+        failed: list[str] = []
         if not pending:
-            return
+            return failed
+        refs: list[Any] = [lambda o=o: ChunkRef.from_bytes(_ref_bytes(o.new_sampling_mask))
+                           for o in pending]
         try:
-            datas = [_ref_bytes(o.new_sampling_mask) for o in pending]
-            leader = RefBatch.from_bytes(datas[0])
-        except ShmaskError:
-            for output in pending:  # one at a time, each failure its own
-                self._resolve_into(output, lambda o=output: ChunkRef.from_bytes(
-                    _ref_bytes(o.new_sampling_mask)))
-            return
+            self._parse_together(pending, refs)
+        except Exception:  # noqa: BLE001 - then each reference is parsed on its own
+            pass
+        for output, ref in zip(pending, refs, strict=True):
+            self._resolve_into(output, ref, failed)
+        return failed
+
+    def _parse_together(self, pending: list[Any], refs: list[Any]) -> None:
+        # Replaces refs[i] by its entry of one joined batch where it can.
+        datas = [_ref_bytes(o.new_sampling_mask) for o in pending]
+        leader = RefBatch.from_bytes(datas[0])
         prefix = datas[0][:-_ENTRY_BYTES]
         # Only a canonical batch of one ring entry (no inline area) has its
         # entry as its last 40 bytes: rebuild the leader to make sure.
-        canonical = (len(leader) == 1 and leader.entries["kind"][0] == KIND_SHM
-                     and RefBatch.build(leader.segments, leader.entries).to_bytes() == datas[0])
-        grouped: list[int] = []
-        for i, data in enumerate(datas):
-            if canonical and len(data) == len(datas[0]) and data[:-_ENTRY_BYTES] == prefix:
-                grouped.append(i)
-            else:
-                self._resolve_into(pending[i], lambda data=data: ChunkRef.from_bytes(data))
-        if not grouped:
+        if not (len(leader) == 1 and leader.entries["kind"][0] == KIND_SHM
+                and RefBatch.build(leader.segments, leader.entries).to_bytes() == datas[0]):
             return
+        grouped = [i for i, data in enumerate(datas)
+                   if len(data) == len(datas[0]) and data[:-_ENTRY_BYTES] == prefix]
         entries = np.frombuffer(b"".join(datas[i][-_ENTRY_BYTES:] for i in grouped), ENTRY_DTYPE)
         batch = RefBatch.build(leader.segments, entries)
         for i, ref in zip(grouped, batch, strict=True):
-            self._resolve_into(pending[i], lambda ref=ref: ref)
+            refs[i] = lambda ref=ref: ref
 
-    def _resolve_into(self, output: Any, ref: Any) -> None:
-        """One output's mask, resolved in place; a bad or late reference, or
-        a row sent without its ids (RowDroppedError), costs that output its
-        mask (None, logged), never the others theirs nor the output handler
-        its loop."""
+    def _resolve_into(self, output: Any, ref: Any, failed: list[str]) -> None:
+        """One output's mask, resolved in place. A bad or late reference, or a
+        row sent without its ids, fails that request alone (``_fail``), never
+        the others nor the output handler's loop."""
         try:
             output.new_sampling_mask = self._resolve(
                 ref(), output.new_sampling_mask.cu_num_generated_tokens)
-        except ShmaskError as exc:
-            log.error("sampling mask of request %s dropped: %s",
-                      getattr(output, "request_id", "?"), exc)
-            output.new_sampling_mask = None
+        except Exception as exc:  # noqa: BLE001 - any read failure costs this request only
+            _fail(output, exc, failed, stand_in=self._mask_lists is _MaskLists)
 
     def _resolve(self, ref: ChunkRef, kept: Sequence[int] | None) -> Any:
         if ref.kind not in (KIND_SHM, KIND_INLINE):
@@ -353,6 +391,23 @@ class MaskResolver:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _fail(output: Any, exc: Exception, failed: list[str], stand_in: bool) -> None:
+    """Finish `output`'s request with an error, as vLLM's engine core
+    finishes a request that failed alone: FinishReason.ERROR and a
+    RequestError naming what was wrong; no mask. A request the engine core
+    is still running goes into `failed` (to be aborted there)."""
+    request_id = getattr(output, "request_id", "?")
+    message = f"sampling mask could not be read ({type(exc).__name__}: {exc})"
+    log.error("request %s failed: %s", request_id, message)
+    running = getattr(output, "finish_reason", None) is None
+    output.new_sampling_mask = None
+    # A read after the lease (a frontend that fell behind) may succeed again.
+    output.finish_reason, output.error = _request_failure(
+        message, retryable=isinstance(exc, StaleChunkError), stand_in=stand_in)
+    if running:
+        failed.append(request_id)
 
 
 def _ref_bytes(mask: Any) -> bytes:
@@ -385,13 +440,15 @@ def publish_step(masks: Any) -> StepMasks | None:
     return _publisher.publish_step(masks)
 
 
-def resolve_outputs(outputs: Sequence[Any]) -> None:
+def resolve_outputs(outputs: Sequence[Any]) -> list[str]:
     """Frontend: replace every reference in the outputs' `new_sampling_mask`
     by the mask it stands for (EngineCoreOutputs.outputs, before vLLM reads
-    them)."""
+    them). A request whose mask cannot be read fails alone (finish reason
+    ERROR with a RequestError); returns the ids of those still running in
+    the engine core, for the frontend to abort (its reqs_to_abort)."""
     global _resolver
     if _resolver is None:
         if not any(is_ref(o.new_sampling_mask) for o in outputs):
-            return  # shmask off on the engine side: create nothing here
+            return []  # shmask off on the engine side: create nothing here
         _resolver = MaskResolver()
-    _resolver.resolve_outputs(outputs)
+    return _resolver.resolve_outputs(outputs)

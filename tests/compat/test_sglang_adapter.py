@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import json
+import os
 import pickle
 import re
 import shutil
@@ -362,6 +364,44 @@ def test_deleted_state_chunk_is_released(writer, monkeypatch):
     assert writer.ring_usage()[0] == 0
     with pytest.raises(shmask.StaleChunkError):
         shmask.Reader().open(shmask.ChunkRef.from_bytes(chunks[0].ref))
+
+
+@pytest.mark.parametrize("carrier", ["pickle", "msgpack"])  # SGLANG_USE_PICKLE_IPC 1 (default), 0
+def test_stale_chunk_fails_only_its_request_in_sglang_tokenizer_manager(prefix, carrier):
+    """A chunk read after SHMASK_LEASE_S and a garbled reference, in one
+    message with two good requests, through the patched TokenizerManager's
+    real handle_loop under SGLang's own print_exception_wrapper (which
+    SIGKILLs the process on any exception), in a child process standing in
+    for the server (tests/compat/_sglang_tokenizer_child.py says what is real
+    and what is not run). The failed requests finish with SGLang's abort
+    finish reason (the caller gets HTTPException 500 naming the error) and
+    are aborted in the scheduler; the others get their exact rows, the loop
+    serves the next message, the process lives."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "SGLANG_USE_PICKLE_IPC": "1" if carrier == "pickle" else "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("_sglang_tokenizer_child.py")),
+             str(PATCHED_ROOT), f"{prefix}tm{carrier[0]}"],
+            env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"tokenizer child hung: {exc.stderr!s:.3000}")
+    assert done.returncode == 0, (f"the tokenizer process died (rc {done.returncode}): "
+                                  f"{done.stderr[-3000:]}")
+    line = next(x for x in done.stdout.splitlines() if x.startswith("result "))
+    result = json.loads(line[len("result "):])
+    outcomes = result["outcomes"]
+    for rid, error in (("late", "StaleChunkError"), ("garbled", "InvalidRefError")):
+        got = outcomes[rid]
+        assert got.get("error") == "HTTPException" and got["status_code"] == 500, got
+        assert error in got["detail"] and "sampling masks" in got["detail"], got
+    for rid in ("ok-selected", "ok-support"):
+        assert outcomes[rid]["finish_reason"] == {"type": "length", "length": 2}, outcomes[rid]
+        assert outcomes[rid]["masks"] == result["expected"][rid]
+        assert outcomes[rid]["mask_length"] == 2
+    assert sorted(result["aborts"]) == [["AbortReq", "garbled"], ["AbortReq", "late"]]
+    assert result["loop_alive"]
 
 
 def hop_msgpack(obj):

@@ -6,6 +6,7 @@ masks to the client."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -127,3 +128,108 @@ def test_unpatched_frontend_would_not_deliver(writer):
         assert nested[0][:4] == list(np.frombuffer(b"SMRB", np.uint8))
     finally:
         publisher.close()
+
+
+# One message of six requests through the patched OutputProcessor, three of
+# whose references are garbled in one byte each (entry kind, mode, segment
+# index: what RefBatch.build refuses for the whole joined batch). argv[2]:
+# "queue" (AsyncLLM: each request's RequestOutputCollector) or "list"
+# (LLMEngine: the returned RequestOutputs).
+_BAD_REF_PROBE = textwrap.dedent("""
+    import importlib.util, json, sys, time
+    import numpy as np
+
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    tree, mode = sys.argv[1], sys.argv[2]
+    scheduler = load("vllm.v1.core.sched.scheduler", tree + "/vllm/v1/core/sched/scheduler.py")
+    processor = load("vllm.v1.engine.output_processor", tree + "/vllm/v1/engine/output_processor.py")
+
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+    from vllm.v1.outputs import SamplingMaskLists
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+    from shmask.refs import ENTRY_DTYPE
+
+    rids = [f"r{i}" for i in range(6)]
+    frontend = processor.OutputProcessor(None, log_stats=False)
+    queues = {}
+    for rid in rids:
+        params = SamplingParams(max_tokens=8, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        queue = (processor.RequestOutputCollector(RequestOutputKind.DELTA, rid)
+                 if mode == "queue" else None)
+        queues[rid] = queue
+        frontend.add_request(EngineCoreRequest(rid, [1, 2], None, params, None, time.time(),
+                                               None, None, None, external_req_id=rid),
+                             None, queue=queue)
+    rows = [[100 * i + k for k in range(i + 1)] for i in range(6)]
+    offsets = np.cumsum([0] + [len(r) for r in rows])
+    masks = SamplingMaskLists(np.array(sum(rows, []), np.int32), offsets, None)
+    step = scheduler.shmask_vllm.publish_step(masks)
+    outputs = [EngineCoreOutput(rid, [5], new_sampling_mask=step.slice_request(i, 1))
+               for i, rid in enumerate(rids)]
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(outputs=outputs))
+    received = MsgpackDecoder(EngineCoreOutputs).decode(wire).outputs
+    garbles = {"r1": ("kind", 0x80), "r3": ("mode", 0x40), "r4": ("segment", 0x05)}
+    for i, out in enumerate(received):
+        if out.request_id in garbles:
+            field, xor = garbles[out.request_id]
+            data = bytearray(out.new_sampling_mask.token_ids.tobytes())
+            data[len(data) - ENTRY_DTYPE.itemsize + ENTRY_DTYPE.fields[field][1]] ^= xor
+            out.new_sampling_mask = SamplingMaskLists(np.frombuffer(bytes(data), np.uint8))
+    result = frontend.process_outputs(received)
+    got = {}
+    if mode == "queue":
+        for rid, queue in queues.items():
+            try:
+                out = queue.get_nowait()
+            except Exception as exc:
+                got[rid] = {"error": type(exc).__name__, "message": str(exc),
+                            "status": int(getattr(exc, "status_code", 0))}
+                continue
+            got[rid] = {"mask": out.outputs[0].sampling_mask.token_ids,
+                        "finish_reason": out.outputs[0].finish_reason}
+    else:
+        for out in result.request_outputs:
+            mask = out.outputs[0].sampling_mask
+            got[out.request_id] = {"mask": mask.token_ids if mask else None,
+                                   "finish_reason": out.outputs[0].finish_reason,
+                                   "finished": out.finished}
+    print(json.dumps({"got": got, "reqs_to_abort": result.reqs_to_abort,
+                      "rows": dict(zip(rids, rows)),
+                      "left": sorted(frontend.request_states)}))
+""")
+
+
+@pytest.mark.parametrize("mode", ["queue", "list"])  # AsyncLLM, LLMEngine
+def test_one_bad_ref_fails_only_its_request_in_vllm_resolve_outputs(patched_tree, prefix, mode):
+    """Three garbled references (entry kind, mode, segment index) among six,
+    through vLLM's codec and the patched OutputProcessor.process_outputs:
+    each garbled request fails alone, as vLLM fails one request (AsyncLLM:
+    its caller gets a 500 GenerationError naming the error; LLMEngine: its
+    output finishes with reason "error"), and is aborted in the engine core;
+    the other three get their exact masks."""
+    env = {**os.environ, "SHMASK_NAME_PREFIX": prefix}
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    result = subprocess.run([sys.executable, "-c", _BAD_REF_PROBE, str(patched_tree), mode],
+                            env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    got, bad = report["got"], ["r1", "r3", "r4"]
+    for rid in ("r0", "r2", "r5"):
+        assert got[rid]["mask"] == [report["rows"][rid]], (rid, got[rid])
+        assert got[rid]["finish_reason"] is None
+    for rid in bad:
+        if mode == "queue":
+            assert got[rid]["error"] == "GenerationError" and got[rid]["status"] == 500, got[rid]
+            assert "sampling mask could not be read (InvalidRefError" in got[rid]["message"]
+        else:  # LLMEngine hands vLLM's own error outputs over without their message
+            assert got[rid] == {"mask": None, "finish_reason": "error", "finished": True}
+    assert sorted(report["reqs_to_abort"]) == bad
+    assert report["left"] == ["r0", "r2", "r5"]

@@ -198,11 +198,21 @@ def test_gc_neutral_per_request(prefix, resolver):
 
 def test_batched_resolve_validates_every_entry(publisher, resolver):
     """The batched parse is not a shortcut around validation: a forged entry
-    among good ones fails the whole message."""
+    among good ones fails its own request (vLLM's FinishReason.ERROR and a
+    RequestError naming the error), and only that one."""
+    from vllm.outputs import RequestError
+    from vllm.v1.engine import FinishReason
+
     masks = batch_masks([[1, 2], [3], [4, 5, 6]])
     received, _ = through_ipc(outputs_for(publisher.publish_step(masks), [1, 1, 1]))
     forged = bytearray(received[1].new_sampling_mask.token_ids.tobytes())
-    forged[-40] = 7  # entry kind 7 does not exist
+    forged[-shmask.refs.ENTRY_DTYPE.itemsize] = 7  # entry kind 7 does not exist
     received[1].new_sampling_mask = SamplingMaskLists(np.frombuffer(bytes(forged), np.uint8))
-    with pytest.raises(shmask.InvalidRefError):
-        resolver.resolve_outputs(received)
+    assert resolver.resolve_outputs(received) == ["req-1"]
+    assert received[1].new_sampling_mask is None
+    assert received[1].finish_reason == FinishReason.ERROR
+    assert isinstance(received[1].error, RequestError)
+    assert "InvalidRefError" in received[1].error.message
+    assert received[0].new_sampling_mask.to_nested_list() == [[1, 2]]
+    assert received[2].new_sampling_mask.to_nested_list() == [[4, 5, 6]]
+    assert received[0].finish_reason is None and received[2].error is None
