@@ -292,8 +292,9 @@ def _garbled_trials(producer: Producer, garbles: dict) -> list[tuple[str, int, l
 
 
 def _swap_trials(producer: Producer) -> list[tuple[str, int, list]]:
-    """Request i's reference pointed at request j's live record (the two
-    entries' positions swapped), rows of one shape: a valid-looking ref."""
+    """Request i's reference pointed at request j's live record (j's
+    position written into i's entry; j's own ref intact), rows of one shape:
+    a valid-looking ref that names another request's record."""
     trials = []
     requests = len(producer.modes)
     for i in range(requests):
@@ -302,11 +303,10 @@ def _swap_trials(producer: Producer) -> list[tuple[str, int, list]]:
         at_i = entry_offset(refs[i], raw[i], "position")
         at_j = entry_offset(refs[j], raw[j], "position")
         width = ENTRY_DTYPE.fields["position"][0].itemsize
-        a, b = bytearray(refs[i]), bytearray(refs[j])
-        a[at_i:at_i + width], b[at_j:at_j + width] = refs[j][at_j:at_j + width], \
-            refs[i][at_i:at_i + width]
-        refs[i], refs[j] = bytes(a), bytes(b)
-        trials.append((f"swap {i}<->{j}", i,
+        a = bytearray(refs[i])
+        a[at_i:at_i + width] = refs[j][at_j:at_j + width]
+        refs[i] = bytes(a)
+        trials.append((f"ref {i} -> record {j}", i,
                        [[r.hex(), item] for r, item in zip(refs, items, strict=True)]))
     return trials
 
