@@ -125,8 +125,11 @@ def run_child(tree: Path, width: int, emissions: int, tokens: int) -> dict[str, 
 
 
 def count_instructions(tree: Path, width: int, tokens: int, upto: int) -> int:
-    """Instructions callgrind counts for COUNT_CHILD (the whole process)."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    """Instructions callgrind counts for COUNT_CHILD (the whole process).
+    Fixed hashing and single-threaded BLAS, so two runs of the same work
+    count the same (numpy's BLAS threads spin a varying number of times)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1",
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(["valgrind", "--tool=callgrind",
                               f"--callgrind-out-file={tmp}/callgrind.out", sys.executable, "-c",

@@ -251,7 +251,7 @@ class StepMasks:
         self._claimed = np.zeros(len(batch), bool)
         self._mask_lists = mask_lists
         # A request's reference is a batch of one: the batch's header (one
-        # entry, no inline bytes) and segment table, then its 40-byte entry.
+        # entry, no inline bytes) and segment table, then its 48-byte entry.
         # Build that prefix once with the core's own builder, so each request
         # costs one bytes concatenation instead of a RefBatch round trip.
         self._entries = entries.tobytes()
@@ -327,7 +327,7 @@ class MaskResolver:
         Each reference is a batch of one, and validating a batch costs the
         same for one entry as for hundreds (measured: 17 us of the ~27 us a
         lone resolve takes). References that share the leader's header and
-        segment table differ only in their 40-byte entry, so their entries
+        segment table differ only in their 48-byte entry, so their entries
         are joined and validated once by RefBatch.build; any other reference
         (inline, another engine's ring) is resolved on its own, and so is
         every reference of the group when the joined batch does not validate
@@ -352,7 +352,7 @@ class MaskResolver:
         leader = RefBatch.from_bytes(datas[0])
         prefix = datas[0][:-_ENTRY_BYTES]
         # Only a canonical batch of one ring entry (no inline area) has its
-        # entry as its last 40 bytes: rebuild the leader to make sure.
+        # entry as its last 48 bytes: rebuild the leader to make sure.
         if not (len(leader) == 1 and leader.entries["kind"][0] == KIND_SHM
                 and RefBatch.build(leader.segments, leader.entries).to_bytes() == datas[0]):
             return
