@@ -247,7 +247,7 @@ class Reader:
         # The rows' geometry is copied out of the record by the native core
         # and validated there: lengths (int32) then flags (uint8), private to
         # this chunk.
-        geometry = bytearray(5 * rows)
+        copied = bytearray(5 * rows)
         try:
             view = self._scratch.view
         except AttributeError:
@@ -257,7 +257,7 @@ class Reader:
         # the record again (reclaimed meanwhile: stale).
         rc = lib.shm_open_record(attached.base, attached.size, attached.capacity, ref.position,
                                  ref.seal, ref.record_bytes, rows, words, nnz, ref.vocab,
-                                 ref.mode, self.config.max_tokens, ffi.from_buffer(geometry),
+                                 ref.mode, self.config.max_tokens, ffi.from_buffer(copied),
                                  view)
         record = _ShmRecord(attached, ref.position, ref.seal)
         if rc:
@@ -265,7 +265,7 @@ class Reader:
                 record.check()  # reclaimed or truncated meanwhile: say that instead
             attached.error(rc, f"open {ref!r}")
         memory = attached.memory  # read-only: so are ids and logprobs
-        geometry = bytes(geometry)  # immutable: the chunk's arrays are read-only
+        geometry = bytes(copied)  # immutable: the chunk's arrays are read-only
         lengths = np.frombuffer(geometry, np.int32, rows)
         ids = np.frombuffer(memory, np.int32, words, view.ids_offset)
         logprobs = np.frombuffer(memory, np.float32, nnz if ref.mode == MODE_SUPPORT else rows,

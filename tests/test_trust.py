@@ -205,6 +205,7 @@ def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, re
         chunk = _bitmask_chunk_read_late(writer, reader)
         with pytest.raises(shmask.StaleChunkError):
             accessor(chunk)
+            pytest.fail(f"{name} read a reclaimed chunk")
         writer.reclaim()
 
 
