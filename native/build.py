@@ -6,12 +6,12 @@ from cffi import FFI
 
 NATIVE_DIR = Path(__file__).resolve().parent
 
-def _core_declarations() -> str:
-    """shmask_core.h as cffi's cdef wants it: without preprocessor lines
-    (cffi cannot parse them), constants turned into `...` so the compiler
-    fills in their values."""
+def _declarations(header: str) -> str:
+    """A header (shmask_core.h, response_json.h) as cffi's cdef wants it:
+    without preprocessor lines (cffi cannot parse them), constants turned
+    into `...` so the compiler fills in their values."""
     lines = []
-    for line in (NATIVE_DIR / "shmask_core.h").read_text().splitlines():
+    for line in (NATIVE_DIR / header).read_text().splitlines():
         if line.startswith("#define SHM_"):
             name = line.split()[1]
             lines.append(f"#define {name} ...")
@@ -37,11 +37,11 @@ enum shm_counter { SHM_COUNTER_PUBLISHED, SHM_COUNTER_RELEASED, SHM_COUNTER_EXPI
 """
 
 ffibuilder = FFI()
-ffibuilder.cdef(LAYOUT_CDEF + _core_declarations())
+ffibuilder.cdef(LAYOUT_CDEF + _declarations("shmask_core.h") + _declarations("response_json.h"))
 ffibuilder.set_source(
     "shmask._native",
-    '#include "shmask_core.h"\n#include "shmask_layout.h"',
-    sources=[str(Path("native") / "shmask_core.c")],
+    '#include "shmask_core.h"\n#include "shmask_layout.h"\n#include "response_json.h"',
+    sources=[str(Path("native") / "shmask_core.c"), str(Path("native") / "response_json.c")],
     include_dirs=["native"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

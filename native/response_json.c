@@ -1,0 +1,440 @@
+/*
+ * The response writer of response_json.h.
+ *
+ * Floats. A float32 value v widened to a double is c * 2^q, c in
+ * [2^52, 2^53), with q in [RJ_Q_MIN, RJ_Q_MAX]. A double reads back as v
+ * exactly when it lies in v's rounding interval [u, w]: u = (c - 1/2) 2^q
+ * (c - 1/4 when c == 2^52: the gap below a power of two is half the gap
+ * above), w = (c + 1/2) 2^q, both ends included (c is even: its low 29
+ * bits are the zeros the widening added, so round-half-even reads the ends
+ * back as v). orjson writes the shortest decimal in that interval and, of
+ * those, the closest to v (a tie goes to the even digit).
+ *
+ * The search follows R. Giulietti's "The Schubfach way to render doubles":
+ * with k = floor(log10(w - u)) (tabulated per q by
+ * gen_response_json_tables.py), the interval holds at least one multiple of
+ * 10^k and at most one multiple of 10^(k+1). So if a multiple of 10^(k+1)
+ * lies in it, that is the shortest; otherwise the answer is one of the two
+ * multiples of 10^k around v. What differs from the paper: the scaled
+ * bounds u, v, w / 10^k are computed EXACTLY (v's 24 significant bits times
+ * 5^p fit 256 bits over the whole float32 range), not from a rounded table
+ * of powers of ten, so no error analysis is needed; it costs one 64x64-bit
+ * multiply per bound for the usual range of logprobs (|v| >= 1e-11).
+ *
+ * A scaled bound Y is kept as floor(Y), or floor(Y) | 1 when Y is not an
+ * integer ("round to odd"): compared with an even integer N that answers
+ * Y <= N, N <= Y and Y == N exactly, and every comparison below is with
+ * 4 * an integer (the bounds are taken 4 times, 4u = (4c - 2) 2^q, so that
+ * they are integers times 2^q).
+ */
+#include "response_json.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#include "response_json_tables.h"
+
+typedef unsigned __int128 u128;
+
+/* x * 2^q * 10^p, rounded to odd (above). x < 2^55 (4 times a bound's
+ * multiple of 2^q), so the result is 4 times the bound scaled by 10^p. */
+static uint64_t scaled_round_odd(uint64_t x, int q, int p) {
+    int shift = q + p; /* x * 5^p * 2^shift */
+    if (p < 0) {
+        /* x * 2^shift / 5^-p with shift >= 0 and x << shift below 2^127
+         * (both asserted by the table generator). */
+        u128 numerator = (u128)x << shift;
+        uint64_t divisor = rj_pow5[-p][0];
+        u128 quotient = numerator / divisor;
+        return (uint64_t)quotient | (numerator != quotient * divisor);
+    }
+    if (shift >= 0) return x * rj_pow5[p][0] << shift; /* p <= 1, q <= 3: below 2^64 */
+    unsigned drop = (unsigned)-shift; /* bits below the binary point */
+    if (rj_pow5[p][1] == 0 && drop < 128) {
+        u128 n = (u128)x * rj_pow5[p][0]; /* below 2^119 */
+        u128 low = drop ? n & (((u128)1 << drop) - 1) : 0;
+        return (uint64_t)(n >> drop) | (low != 0);
+    }
+    /* x * 5^p in four limbs (5^p < 2^142, asserted by the generator). */
+    uint64_t limb[4];
+    u128 carry = 0;
+    for (int i = 0; i < 3; i++) {
+        carry += (u128)x * rj_pow5[p][i];
+        limb[i] = (uint64_t)carry;
+        carry >>= 64;
+    }
+    limb[3] = (uint64_t)carry;
+    unsigned word = drop / 64, bit = drop % 64; /* drop < 192: word <= 2 */
+    uint64_t floor = limb[word] >> bit;
+    if (bit) floor |= limb[word + 1] << (64 - bit);
+    uint64_t inexact = bit ? limb[word] & ((UINT64_C(1) << bit) - 1) : 0;
+    for (unsigned i = 0; i < word; i++) inexact |= limb[i];
+    return floor | (inexact != 0);
+}
+
+/* 4 * v / 10^-p and the bounds 4u, 4w scaled alike, rounded to odd. */
+static void scaled_bounds(uint64_t c, int irregular, int q, int p, uint64_t *low, uint64_t *mid,
+                          uint64_t *high) {
+    int drop = -(q + p);
+    if (p >= 0 && rj_pow5[p][1] == 0 && drop > 0 && drop < 64) {
+        /* The usual range (1e-11 <= |v| < 1e16): one multiply, c * 5^p
+         * below 2^117, and the bounds differ from 4v by 2 * 5^p (1 * 5^p
+         * below a power of two). */
+        uint64_t five = rj_pow5[p][0];
+        u128 centre = (u128)c * five * 4;
+        u128 below = centre - (irregular ? (u128)five : (u128)five * 2);
+        u128 above = centre + (u128)five * 2;
+        uint64_t mask = (UINT64_C(1) << drop) - 1;
+        *low = (uint64_t)(below >> drop) | (((uint64_t)below & mask) != 0);
+        *mid = (uint64_t)(centre >> drop) | (((uint64_t)centre & mask) != 0);
+        *high = (uint64_t)(above >> drop) | (((uint64_t)above & mask) != 0);
+        return;
+    }
+    *low = scaled_round_odd(4 * c - (irregular ? 1 : 2), q, p);
+    *mid = scaled_round_odd(4 * c, q, p);
+    *high = scaled_round_odd(4 * c + 2, q, p);
+}
+
+/* The shortest-then-closest decimal of a positive finite float32 value:
+ * returns its digits, *exponent its power of ten (trailing zeros may be
+ * left: the caller drops them). */
+static uint64_t shortest_decimal(uint32_t bits, int *exponent) {
+    uint32_t biased = (bits >> 23) & 0xff;
+    uint64_t m = bits & 0x7fffff;
+    int e;
+    if (biased) {
+        m |= 0x800000;
+        e = (int)biased - 150;
+    } else {
+        e = -149;
+    }
+    /* As a double: c = m shifted so that its top bit is bit 52. */
+    int top = 63 - __builtin_clzll(m);
+    uint64_t c = m << (52 - top);
+    int q = e - (52 - top);
+    int irregular = c == (UINT64_C(1) << 52);
+    int k = rj_k_table[q - RJ_Q_MIN][irregular];
+    uint64_t low, mid, high;
+    scaled_bounds(c, irregular, q, -k, &low, &mid, &high);
+    *exponent = k;
+
+    uint64_t s = mid >> 2; /* floor(v / 10^k) */
+    /* A multiple of 10^(k+1) in [u, w]: one of the two around v, at most one. */
+    uint64_t down10 = s - s % 10, up10 = down10 + 10;
+    if (down10 && low <= 4 * down10) return down10;
+    if (4 * up10 <= high) return up10;
+    /* Otherwise s or s + 1, whichever is in (at least one is), the closer
+     * to v if both (v against s + 1/2; a tie to the even one). Without
+     * branches: which one is a coin toss for random values. */
+    uint64_t middle = 4 * s + 2;
+    int s_in = low <= 4 * s, t_in = 4 * (s + 1) <= high;
+    int s_closer = mid < middle || (mid == middle && s % 2 == 0);
+    return s + (uint64_t)!(s_in & (!t_in | s_closer));
+}
+
+/* Four decimal digits of `value` < 10000, leading zeros included. */
+static inline void four_digits(char *out, uint32_t value) {
+    uint32_t high = value / 100, low = value % 100;
+    memcpy(out, rj_digit_pairs + 2 * high, 2);
+    memcpy(out + 2, rj_digit_pairs + 2 * low, 2);
+}
+
+/* Eight decimal digits of `value` < 10^8, leading zeros included. */
+static inline void eight_digits(char *out, uint32_t value) {
+    four_digits(out, value / 10000);
+    four_digits(out + 4, value % 10000);
+}
+
+/* Each value is written with fixed-size copies (no library call per
+ * value), so a write may store bytes up to SHM_JSON_ROOM past where it
+ * starts: the next value overwrites them, and every buffer has that much
+ * slack after its last value. */
+#define DIGITS 18   /* digits < 2^57 < 10^18 */
+#define COPY 24     /* one fixed copy covers every digit of a value */
+
+/* orjson's layout of digits * 10^exponent: with E the exponent of the
+ * first significant digit, plain for -5 <= E <= 15 ("0.00012", "12.5",
+ * "1500.0"), else "d.ddde+E" / "de-E". */
+static char *write_float(char *o, float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if (((bits >> 23) & 0xff) == 0xff) { /* NaN, +-inf */
+        memcpy(o, "null", 4);
+        return o + 4;
+    }
+    if (bits >> 31) *o++ = '-';
+    if (!(bits & 0x7fffffff)) {
+        memcpy(o, "0.0", 3);
+        return o + 3;
+    }
+    int k;
+    uint64_t digits = shortest_decimal(bits, &k);
+    /* All 18 digits with leading zeros (two 8-digit halves in 32-bit
+     * arithmetic), followed by '0's that the fixed copies below use as the
+     * zeros of "1500.0". */
+    char text[DIGITS + COPY];
+    uint64_t upper = digits / 100000000;
+    memcpy(text, rj_digit_pairs + 2 * (upper / 100000000), 2);
+    eight_digits(text + 2, (uint32_t)(upper % 100000000));
+    eight_digits(text + 10, (uint32_t)(digits % 100000000));
+    memset(text + DIGITS, '0', COPY);
+    const char *first = text;
+    while (*first == '0') first++; /* digits > 0: stops at a nonzero digit */
+    const char *end = text + DIGITS;
+    while (end[-1] == '0') { /* trailing zeros belong to the exponent */
+        end--;
+        k++;
+    }
+    int n = (int)(end - first); /* <= 17: the shortest form of a double */
+    int point = k + n;          /* digits before the decimal point */
+    int scientific = point - 1; /* E */
+    if (scientific >= 0 && scientific <= 15) {
+        memcpy(o, first, COPY); /* the digits, then zeros up to the point if n < point */
+        if (point >= n) {
+            memcpy(o + point, ".0", 2);
+            return o + point + 2;
+        }
+        o[point] = '.';
+        memcpy(o + point + 1, first + point, COPY);
+        return o + n + 1;
+    }
+    if (scientific < 0 && scientific >= -5) {
+        memcpy(o, "0.0000", 6); /* "0." and up to four zeros */
+        memcpy(o + 2 - point, first, COPY);
+        return o + 2 - point + n;
+    }
+    o[0] = first[0];
+    if (n > 1) {
+        o[1] = '.';
+        memcpy(o + 2, first + 1, COPY);
+        o += n + 1;
+    } else {
+        o += 1;
+    }
+    o[0] = 'e';
+    o[1] = scientific < 0 ? '-' : '+';
+    unsigned magnitude = (unsigned)(scientific < 0 ? -scientific : scientific); /* <= 45 */
+    if (magnitude >= 10) {
+        memcpy(o + 2, rj_digit_pairs + 2 * magnitude, 2);
+        return o + 4;
+    }
+    o[2] = (char)('0' + magnitude);
+    return o + 3;
+}
+
+static char *write_int(char *o, int32_t value) {
+    uint32_t magnitude = (uint32_t)value;
+    if (value < 0) {
+        *o++ = '-';
+        magnitude = 0u - magnitude;
+    }
+    char text[24]; /* up to ten digits end at text + 12; the copy reads 10 bytes */
+    char *end = text + 12, *first = end;
+    while (magnitude >= 100) {
+        first -= 2;
+        memcpy(first, rj_digit_pairs + 2 * (magnitude % 100), 2);
+        magnitude /= 100;
+    }
+    if (magnitude >= 10) {
+        first -= 2;
+        memcpy(first, rj_digit_pairs + 2 * magnitude, 2);
+    } else {
+        *--first = (char)('0' + magnitude);
+    }
+    memcpy(o, first, 10);
+    return o + (end - first);
+}
+
+/* Per-row and per-entry bounds of each field; a row's own bytes include its
+ * leading comma. */
+#define ROW_BYTES 5 /* ",[]" or ",null" */
+#define ID_BYTES (SHM_JSON_INT_BYTES + 1)
+#define FLOAT_BYTES (SHM_JSON_FLOAT_BYTES + 1)
+#define COUNT_LIMIT (UINT64_C(1) << 56) /* rows or entries: every bound below 2^62 */
+
+int shm_json_float(float value, char *out) {
+    return (int)(write_float(out, value) - out);
+}
+
+int64_t shm_json_floats(const float *values, uint64_t count, char *out, uint64_t out_capacity) {
+    if (count > (UINT64_C(1) << 58) || out_capacity < 2 + count * FLOAT_BYTES + SHM_JSON_ROOM)
+        return SHM_JSON_E_CAPACITY;
+    char *o = out;
+    *o++ = '[';
+    for (uint64_t i = 0; i < count; i++) {
+        if (i) *o++ = ',';
+        o = write_float(o, values[i]);
+    }
+    *o++ = ']';
+    return (int64_t)(o - out);
+}
+
+/* ------------------------------------------------------------- the rows */
+
+
+/* The bytes of each field's rows (not its brackets); 0 past COUNT_LIMIT. */
+static int field_bounds(int support, uint64_t rows, uint64_t entries, uint64_t bound[3]) {
+    if (rows > COUNT_LIMIT || entries > COUNT_LIMIT) return 0;
+    bound[0] = rows * ROW_BYTES + entries * ID_BYTES;
+    bound[1] = support ? rows * ROW_BYTES + entries * FLOAT_BYTES : rows * FLOAT_BYTES;
+    bound[2] = rows * ID_BYTES;
+    return 1;
+}
+
+/* Slack after each part of each field (see SHM_JSON_ROOM). */
+#define PARTS_SLACK (3 * SHM_JSON_MAX_THREADS * SHM_JSON_ROOM)
+
+uint64_t shm_json_rows_bound(int support, uint64_t rows, uint64_t entries) {
+    uint64_t bound[3];
+    if (!field_bounds(support, rows, entries, bound)) return 0;
+    return bound[0] + bound[1] + bound[2] + 6 + PARTS_SLACK; /* + three pairs of brackets */
+}
+
+typedef struct {
+    int support;
+    const int32_t *lengths;
+    const uint8_t *flags;
+    const int32_t *ids;
+    const float *logprobs;
+} rows_job;
+
+typedef struct {
+    const rows_job *job;
+    uint64_t first_row, end_row, first_entry;
+    char *out[3];      /* where this part writes each field */
+    uint64_t written[3];
+} rows_part;
+
+static inline int row_ok(const rows_job *job, uint64_t row) {
+    return !job->flags || !(job->flags[row] & 3);
+}
+
+static void write_part(rows_part *part) {
+    const rows_job *job = part->job;
+    char *ids_out = part->out[0], *logprobs_out = part->out[1], *lengths_out = part->out[2];
+    uint64_t entry = part->first_entry;
+    for (uint64_t row = part->first_row; row < part->end_row; row++) {
+        if (row) {
+            *ids_out++ = ',';
+            *logprobs_out++ = ',';
+            *lengths_out++ = ',';
+        }
+        if (!row_ok(job, row)) {
+            memcpy(ids_out, "null", 4);
+            ids_out += 4;
+            memcpy(logprobs_out, "null", 4);
+            logprobs_out += 4;
+            memcpy(lengths_out, "null", 4);
+            lengths_out += 4;
+            continue;
+        }
+        uint64_t length = (uint64_t)job->lengths[row];
+        lengths_out = write_int(lengths_out, job->lengths[row]);
+        *ids_out++ = '[';
+        for (uint64_t i = 0; i < length; i++) {
+            if (i) *ids_out++ = ',';
+            ids_out = write_int(ids_out, job->ids[entry + i]);
+        }
+        *ids_out++ = ']';
+        if (job->support) {
+            *logprobs_out++ = '[';
+            for (uint64_t i = 0; i < length; i++) {
+                if (i) *logprobs_out++ = ',';
+                logprobs_out = write_float(logprobs_out, job->logprobs[entry + i]);
+            }
+            *logprobs_out++ = ']';
+        } else {
+            logprobs_out = write_float(logprobs_out, job->logprobs[row]);
+        }
+        entry += length;
+    }
+    part->written[0] = (uint64_t)(ids_out - part->out[0]);
+    part->written[1] = (uint64_t)(logprobs_out - part->out[1]);
+    part->written[2] = (uint64_t)(lengths_out - part->out[2]);
+}
+
+static void *write_part_thread(void *part) {
+    write_part(part);
+    return NULL;
+}
+
+/* Entries (plus one per row) a thread is worth starting for: below this a
+ * thread's start costs more than it saves. */
+#define WORK_PER_THREAD 16384
+
+int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uint64_t rows,
+                  const int32_t *ids, uint64_t ids_count, const float *logprobs,
+                  uint64_t logprobs_count, int threads, char *out, uint64_t out_capacity,
+                  uint64_t *written) {
+    support = support != 0;
+    if (rows > COUNT_LIMIT) return SHM_JSON_E_CAPACITY;
+    /* Every count first: nothing is read from ids or logprobs past them. */
+    uint64_t entries = 0;
+    for (uint64_t row = 0; row < rows; row++) {
+        int32_t length = lengths[row];
+        if (length < 0) return SHM_JSON_E_ROWS;
+        if (length && flags && (flags[row] & 3)) return SHM_JSON_E_ROWS;
+        entries += (uint64_t)length; /* below 2^56 * 2^31: no wrap */
+    }
+    if (entries != ids_count || logprobs_count != (support ? entries : rows)) return SHM_JSON_E_ROWS;
+    uint64_t bound[3];
+    if (!field_bounds(support, rows, entries, bound)) return SHM_JSON_E_CAPACITY;
+    if (out_capacity < shm_json_rows_bound(support, rows, entries)) return SHM_JSON_E_CAPACITY;
+
+    rows_job job = {support, lengths, flags, ids, logprobs};
+    uint64_t work = entries + rows;
+    uint64_t parts = threads < 1 ? 1 : threads > SHM_JSON_MAX_THREADS ? SHM_JSON_MAX_THREADS
+                                                                         : (uint64_t)threads;
+    if (parts > work / WORK_PER_THREAD) parts = work / WORK_PER_THREAD ? work / WORK_PER_THREAD : 1;
+
+    /* Each field's region starts with its "[" and holds every part's span
+     * plus its slack; parts take consecutive rows of about equal work and
+     * write each field into their own span, sized by their own bounds. */
+    rows_part part[SHM_JSON_MAX_THREADS];
+    uint64_t slack = SHM_JSON_MAX_THREADS * SHM_JSON_ROOM;
+    char *region[3] = {out, out + bound[0] + slack + 2, out + bound[0] + bound[1] + 2 * slack + 4};
+    char *cursor[3] = {region[0] + 1, region[1] + 1, region[2] + 1};
+    uint64_t row = 0, entry = 0, done = 0;
+    for (uint64_t i = 0; i < parts; i++) {
+        uint64_t target = work * (i + 1) / parts, first_row = row, first_entry = entry;
+        while (row < rows && (done < target || i + 1 == parts)) {
+            entry += (uint64_t)lengths[row];
+            done += (uint64_t)lengths[row] + 1;
+            row++;
+        }
+        uint64_t own[3];
+        field_bounds(support, row - first_row, entry - first_entry, own);
+        part[i] = (rows_part){&job, first_row, row, first_entry, {cursor[0], cursor[1], cursor[2]},
+                              {0, 0, 0}};
+        for (int f = 0; f < 3; f++) cursor[f] += own[f] + SHM_JSON_ROOM;
+    }
+
+    /* The first part on this thread; a thread that cannot start leaves its
+     * part to this one too. */
+    pthread_t thread[SHM_JSON_MAX_THREADS];
+    int started[SHM_JSON_MAX_THREADS] = {0};
+    for (uint64_t i = 1; i < parts; i++)
+        started[i] = pthread_create(&thread[i], NULL, write_part_thread, &part[i]) == 0;
+    write_part(&part[0]);
+    for (uint64_t i = 1; i < parts; i++) {
+        if (started[i])
+            pthread_join(thread[i], NULL);
+        else
+            write_part(&part[i]);
+    }
+
+    /* Close the gaps: each field's parts, then the fields, moved down to
+     * follow each other (memmove: a destination never passes its source). */
+    char *o = out;
+    for (int f = 0; f < 3; f++) {
+        char *start = o;
+        *o++ = '[';
+        for (uint64_t i = 0; i < parts; i++) {
+            memmove(o, part[i].out[f], part[i].written[f]);
+            o += part[i].written[f];
+        }
+        *o++ = ']';
+        written[f] = (uint64_t)(o - start);
+    }
+    return 0;
+}
