@@ -129,7 +129,7 @@ static uint64_t shortest_decimal(uint32_t bits, int *exponent) {
     uint64_t middle = 4 * s + 2;
     int s_in = low <= 4 * s, t_in = 4 * (s + 1) <= high;
     int s_closer = mid < middle || (mid == middle && s % 2 == 0);
-    return s + (uint64_t)!(s_in & (!t_in | s_closer));
+    return s + (uint64_t)!(s_in & ((!t_in) | s_closer));
 }
 
 /* Four decimal digits of `value` < 10000, leading zeros included. */
