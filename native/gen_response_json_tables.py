@@ -101,6 +101,9 @@ def render() -> str:
         value = 5**p
         limbs = [(value >> (64 * i)) & (2**64 - 1) for i in range(3)]
         lines.append("    {" + ", ".join(f"0x{limb:016x}u" for limb in limbs) + "},")
+    lines += ["};", "", "/* 10^i for i in [0, 19] */", "static const uint64_t rj_pow10[20] = {"]
+    for start in range(0, 20, 4):
+        lines.append("    " + " ".join(f"UINT64_C({10**i})," for i in range(start, start + 4)))
     lines += ["};", "", "/* \"00\" .. \"99\": two decimal digits per lookup */",
               "static const char rj_digit_pairs[201] ="]
     pairs = "".join(f"{i:02d}" for i in range(100))

@@ -38,7 +38,7 @@ typedef unsigned __int128 u128;
 
 /* x * 2^q * 10^p, rounded to odd (above). x < 2^55 (4 times a bound's
  * multiple of 2^q), so the result is 4 times the bound scaled by 10^p. */
-static uint64_t scaled_round_odd(uint64_t x, int q, int p) {
+__attribute__((noinline)) static uint64_t scaled_round_odd(uint64_t x, int q, int p) {
     int shift = q + p; /* x * 5^p * 2^shift */
     if (p < 0) {
         /* x * 2^shift / 5^-p with shift >= 0 and x << shift below 2^127
@@ -73,7 +73,7 @@ static uint64_t scaled_round_odd(uint64_t x, int q, int p) {
 }
 
 /* 4 * v / 10^-p and the bounds 4u, 4w scaled alike, rounded to odd. */
-static void scaled_bounds(uint64_t c, int irregular, int q, int p, uint64_t *low, uint64_t *mid,
+static inline __attribute__((always_inline)) void scaled_bounds(uint64_t c, int irregular, int q, int p, uint64_t *low, uint64_t *mid,
                           uint64_t *high) {
     int drop = -(q + p);
     if (p >= 0 && rj_pow5[p][1] == 0 && drop > 0 && drop < 64) {
@@ -98,7 +98,8 @@ static void scaled_bounds(uint64_t c, int irregular, int q, int p, uint64_t *low
 /* The shortest-then-closest decimal of a positive finite float32 value:
  * returns its digits, *exponent its power of ten (trailing zeros may be
  * left: the caller drops them). */
-static uint64_t shortest_decimal(uint32_t bits, int *exponent) {
+static inline __attribute__((always_inline)) uint64_t shortest_decimal(uint32_t bits,
+                                                                       int *exponent) {
     uint32_t biased = (bits >> 23) & 0xff;
     uint64_t m = bits & 0x7fffff;
     int e;
@@ -119,95 +120,147 @@ static uint64_t shortest_decimal(uint32_t bits, int *exponent) {
     *exponent = k;
 
     uint64_t s = mid >> 2; /* floor(v / 10^k) */
-    /* A multiple of 10^(k+1) in [u, w]: one of the two around v, at most one. */
+    /* A multiple of 10^(k+1) in [u, w] is the answer: one of the two
+     * around v, at most one. Otherwise s or s + 1, whichever is in (at
+     * least one is), the closer to v if both (v against s + 1/2; a tie to
+     * the even one). Every outcome is a coin toss for random values, so
+     * all are computed and selected without branches. */
     uint64_t down10 = s - s % 10, up10 = down10 + 10;
-    if (down10 && low <= 4 * down10) return down10;
-    if (4 * up10 <= high) return up10;
-    /* Otherwise s or s + 1, whichever is in (at least one is), the closer
-     * to v if both (v against s + 1/2; a tie to the even one). Without
-     * branches: which one is a coin toss for random values. */
+    int down10_in = (down10 != 0) & (low <= 4 * down10), up10_in = 4 * up10 <= high;
     uint64_t middle = 4 * s + 2;
     int s_in = low <= 4 * s, t_in = 4 * (s + 1) <= high;
-    int s_closer = mid < middle || (mid == middle && s % 2 == 0);
-    return s + (uint64_t)!(s_in & ((!t_in) | s_closer));
+    int s_closer = (mid < middle) | ((mid == middle) & (s % 2 == 0));
+    uint64_t chosen = s + (uint64_t)!(s_in & ((!t_in) | s_closer));
+    chosen = up10_in ? up10 : chosen;
+    return down10_in ? down10 : chosen;
 }
 
-/* Four decimal digits of `value` < 10000, leading zeros included. */
-static inline void four_digits(char *out, uint32_t value) {
-    uint32_t high = value / 100, low = value % 100;
-    memcpy(out, rj_digit_pairs + 2 * high, 2);
-    memcpy(out + 2, rj_digit_pairs + 2 * low, 2);
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the digit words below are laid out for little-endian machines"
+#endif
+
+/* Digits are made eight at a time in a 64-bit word, one digit per byte,
+ * the first digit in the lowest byte (so a little-endian store writes them
+ * in order), and stored straight into the output: building them in a
+ * buffer with narrow stores and copying that with wide loads would stall
+ * on every value (a load cannot be forwarded from several smaller stores). */
+
+/* The eight digits of x < 10^8 (leading zeros included), as byte values 0..9. */
+static inline uint64_t digit_values8(uint32_t x) {
+    /* Two lanes of 32 bits (x / 10^4, x % 10^4), then four of 16 bits
+     * (/ 100, % 100), then eight of 8 bits (/ 10, % 10); each division by
+     * a multiply and shift that is exact in its lane's range. */
+    uint32_t high = x / 10000;
+    uint64_t lanes = high | ((uint64_t)(x - high * 10000) << 32);
+    uint64_t hundreds = ((lanes * 10486) >> 20) & UINT64_C(0x0000007F0000007F);
+    lanes = hundreds | ((lanes - hundreds * 100) << 16);
+    uint64_t tens = ((lanes * 103) >> 10) & UINT64_C(0x000F000F000F000F);
+    return tens | ((lanes - tens * 10) << 8);
 }
 
-/* Eight decimal digits of `value` < 10^8, leading zeros included. */
-static inline void eight_digits(char *out, uint32_t value) {
-    four_digits(out, value / 10000);
-    four_digits(out + 4, value % 10000);
+#define ASCII_ZEROS UINT64_C(0x3030303030303030)
+
+/* Number of decimal digits of x > 0. */
+static inline int decimal_digits(uint64_t x) {
+    int guess = ((64 - __builtin_clzll(x)) * 1233) >> 12; /* floor(bits * log10(2)) */
+    return guess + (x >= rj_pow10[guess]);
 }
 
-/* Each value is written with fixed-size copies (no library call per
- * value), so a write may store bytes up to SHM_JSON_ROOM past where it
- * starts: the next value overwrites them, and every buffer has that much
- * slack after its last value. */
-#define DIGITS 18   /* digits < 2^57 < 10^18 */
-#define COPY 24     /* one fixed copy covers every digit of a value */
+/* A float's decimal form, worked out before its layout so that a run of
+ * values is converted in one loop (no dependence between iterations: the
+ * conversions overlap) and laid out in another. */
+typedef struct {
+    uint64_t digits;  /* 17 digits, d * 10^(17 - n): in [10^16, 10^17) */
+    int32_t exponent; /* of the first digit (E) */
+    uint8_t negative;
+    uint8_t kind;     /* FINITE, ZERO, NONE (NaN or infinite: null) */
+} decimal17;
 
-/* orjson's layout of digits * 10^exponent: with E the exponent of the
- * first significant digit, plain for -5 <= E <= 15 ("0.00012", "12.5",
- * "1500.0"), else "d.ddde+E" / "de-E". */
-static char *write_float(char *o, float value) {
+enum { FINITE, ZERO, NONE };
+
+static inline decimal17 decimal_of(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
-    if (((bits >> 23) & 0xff) == 0xff) { /* NaN, +-inf */
+    decimal17 d = {0, 0, (uint8_t)(bits >> 31), FINITE};
+    if (((bits >> 23) & 0xff) == 0xff) {
+        d.kind = NONE;
+    } else if (!(bits & 0x7fffffff)) {
+        d.kind = ZERO;
+    } else {
+        int k;
+        uint64_t digits = shortest_decimal(bits & 0x7fffffff, &k);
+        /* 16 or 17 digits (v / 10^k >= c >= 2^52 > 10^15), 18 only for a
+         * multiple of 10 (17 significant digits always suffice): made 17. */
+        int short16 = digits < rj_pow10[16], long18 = digits >= rj_pow10[17];
+        digits = short16 ? digits * 10 : long18 ? digits / 10 : digits;
+        k += long18 - short16;
+        d.digits = digits;
+        d.exponent = k + 16;
+    }
+    return d;
+}
+
+/* orjson's layout of a float: with E the exponent of the first significant
+ * digit, plain for -5 <= E <= 15 ("0.00012", "12.5", "1500.0"), else
+ * "d.ddde+E" / "de-E". The 17 digits are made in registers, in words
+ * `high` (digits 0-7), `low` (8-15) and `last` (16); each layout is a few
+ * stores of them. */
+static char *write_decimal(char *o, decimal17 d) {
+    if (d.kind == NONE) {
         memcpy(o, "null", 4);
         return o + 4;
     }
-    if (bits >> 31) *o++ = '-';
-    if (!(bits & 0x7fffffff)) {
+    if (d.negative) *o++ = '-';
+    if (d.kind == ZERO) {
         memcpy(o, "0.0", 3);
         return o + 3;
     }
-    int k;
-    uint64_t digits = shortest_decimal(bits, &k);
-    /* All 18 digits with leading zeros (two 8-digit halves in 32-bit
-     * arithmetic), followed by '0's that the fixed copies below use as the
-     * zeros of "1500.0". */
-    char text[DIGITS + COPY];
-    uint64_t upper = digits / 100000000;
-    memcpy(text, rj_digit_pairs + 2 * (upper / 100000000), 2);
-    eight_digits(text + 2, (uint32_t)(upper % 100000000));
-    eight_digits(text + 10, (uint32_t)(digits % 100000000));
-    memset(text + DIGITS, '0', COPY);
-    const char *first = text;
-    while (*first == '0') first++; /* digits > 0: stops at a nonzero digit */
-    const char *end = text + DIGITS;
-    while (end[-1] == '0') { /* trailing zeros belong to the exponent */
-        end--;
-        k++;
-    }
-    int n = (int)(end - first); /* <= 17: the shortest form of a double */
-    int point = k + n;          /* digits before the decimal point */
-    int scientific = point - 1; /* E */
+    int scientific = d.exponent;
+    uint32_t first8 = (uint32_t)(d.digits / 1000000000);
+    uint32_t rest9 = (uint32_t)(d.digits - (uint64_t)first8 * 1000000000);
+    uint32_t next8 = rest9 / 10;
+    uint64_t high = digit_values8(first8), low = digit_values8(next8);
+    char last = (char)('0' + rest9 - next8 * 10);
+    /* Significant digits: 17 less the trailing zeros (digit 0 is nonzero). */
+    int significant;
+    if (last != '0')
+        significant = 17;
+    else if (low)
+        significant = 16 - __builtin_clzll(low) / 8;
+    else
+        significant = 8 - __builtin_clzll(high) / 8;
+    high |= ASCII_ZEROS;
+    low |= ASCII_ZEROS;
+    u128 all16 = (u128)high | ((u128)low << 64); /* digits 0-15 as 16 bytes */
     if (scientific >= 0 && scientific <= 15) {
-        memcpy(o, first, COPY); /* the digits, then zeros up to the point if n < point */
-        if (point >= n) {
+        int point = scientific + 1; /* digits before the point: 1..16 */
+        memcpy(o, &all16, 16);
+        if (point >= significant) { /* an integer: the zeros are already there */
             memcpy(o + point, ".0", 2);
             return o + point + 2;
         }
+        /* Digits point..16 go one byte right, after the point; digit 16
+         * then lands at 17 whatever the point. */
+        u128 after = all16 >> (8 * point);
+        memcpy(o + point + 1, &after, 16);
         o[point] = '.';
-        memcpy(o + point + 1, first + point, COPY);
-        return o + n + 1;
+        o[17] = last;
+        return o + significant + 1;
     }
     if (scientific < 0 && scientific >= -5) {
-        memcpy(o, "0.0000", 6); /* "0." and up to four zeros */
-        memcpy(o + 2 - point, first, COPY);
-        return o + 2 - point + n;
+        int zeros = -scientific - 1; /* 0..4 after "0." */
+        memcpy(o, "0.000000", 8);
+        memcpy(o + 2 + zeros, &all16, 16);
+        o[18 + zeros] = last;
+        return o + 2 + zeros + significant;
     }
-    o[0] = first[0];
-    if (n > 1) {
+    o[0] = (char)high;
+    if (significant > 1) {
+        u128 after = all16 >> 8;
         o[1] = '.';
-        memcpy(o + 2, first + 1, COPY);
-        o += n + 1;
+        memcpy(o + 2, &after, 16);
+        o[17] = last;
+        o += significant + 1;
     } else {
         o += 1;
     }
@@ -222,27 +275,53 @@ static char *write_float(char *o, float value) {
     return o + 3;
 }
 
+static char *write_float(char *o, float value) {
+    return write_decimal(o, decimal_of(value));
+}
+
+#define BATCH 64
+
+/* `count` floats, each preceded by a comma except the very first when
+ * `comma_first` is 0. */
+static char *write_floats(char *o, const float *values, uint64_t count, int comma_first) {
+    decimal17 batch[BATCH];
+    for (uint64_t done = 0; done < count; done += BATCH) {
+        uint64_t n = count - done < BATCH ? count - done : BATCH;
+        for (uint64_t i = 0; i < n; i++) batch[i] = decimal_of(values[done + i]);
+        for (uint64_t i = 0; i < n; i++) {
+            if (done + i || comma_first) *o++ = ',';
+            o = write_decimal(o, batch[i]);
+        }
+    }
+    return o;
+}
+
 static char *write_int(char *o, int32_t value) {
     uint32_t magnitude = (uint32_t)value;
     if (value < 0) {
         *o++ = '-';
         magnitude = 0u - magnitude;
     }
-    char text[24]; /* up to ten digits end at text + 12; the copy reads 10 bytes */
-    char *end = text + 12, *first = end;
-    while (magnitude >= 100) {
-        first -= 2;
-        memcpy(first, rj_digit_pairs + 2 * (magnitude % 100), 2);
-        magnitude /= 100;
+    if (magnitude < 10) { /* also 0, which decimal_digits does not take */
+        *o = (char)('0' + magnitude);
+        return o + 1;
     }
-    if (magnitude >= 10) {
-        first -= 2;
-        memcpy(first, rj_digit_pairs + 2 * magnitude, 2);
-    } else {
-        *--first = (char)('0' + magnitude);
+    int n = decimal_digits(magnitude);
+    if (n <= 8) { /* the eight-digit word without its leading zeros */
+        uint64_t word = (digit_values8(magnitude) | ASCII_ZEROS) >> (8 * (8 - n));
+        memcpy(o, &word, 8);
+        return o + n;
     }
-    memcpy(o, first, 10);
-    return o + (end - first);
+    uint32_t top = magnitude / 100000000; /* 9 or 10 digits: 1 or 2 first */
+    uint64_t word = digit_values8(magnitude - top * 100000000) | ASCII_ZEROS;
+    if (top >= 10) {
+        memcpy(o, rj_digit_pairs + 2 * top, 2);
+        memcpy(o + 2, &word, 8);
+        return o + 10;
+    }
+    *o = (char)('0' + top);
+    memcpy(o + 1, &word, 8);
+    return o + 9;
 }
 
 /* Per-row and per-entry bounds of each field; a row's own bytes include its
@@ -261,10 +340,7 @@ int64_t shm_json_floats(const float *values, uint64_t count, char *out, uint64_t
         return SHM_JSON_E_CAPACITY;
     char *o = out;
     *o++ = '[';
-    for (uint64_t i = 0; i < count; i++) {
-        if (i) *o++ = ',';
-        o = write_float(o, values[i]);
-    }
+    o = write_floats(o, values, count, 0);
     *o++ = ']';
     return (int64_t)(o - out);
 }
@@ -338,10 +414,7 @@ static void write_part(rows_part *part) {
         *ids_out++ = ']';
         if (job->support) {
             *logprobs_out++ = '[';
-            for (uint64_t i = 0; i < length; i++) {
-                if (i) *logprobs_out++ = ',';
-                logprobs_out = write_float(logprobs_out, job->logprobs[entry + i]);
-            }
+            logprobs_out = write_floats(logprobs_out, job->logprobs + entry, length, 0);
             *logprobs_out++ = ']';
         } else {
             logprobs_out = write_float(logprobs_out, job->logprobs[row]);
