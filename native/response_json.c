@@ -376,7 +376,7 @@ typedef struct {
 
 typedef struct {
     const rows_job *job;
-    uint64_t first_row, end_row, first_entry;
+    uint64_t first_row, end_row, first_entry, end_entry;
     char *out[3];      /* where this part writes each field */
     uint64_t written[3];
 } rows_part;
@@ -404,13 +404,19 @@ static void write_part(rows_part *part) {
             lengths_out += 4;
             continue;
         }
-        uint64_t length = (uint64_t)job->lengths[row];
-        lengths_out = write_int(lengths_out, job->lengths[row]);
+        /* Read once and kept within this part's entries: the spans were
+         * sized from the lengths as checked, and stay respected even if
+         * someone rewrote the lengths meanwhile. */
+        int32_t declared = job->lengths[row];
+        uint64_t length = declared < 0 ? 0 : (uint64_t)declared;
+        if (length > part->end_entry - entry) length = part->end_entry - entry;
+        lengths_out = write_int(lengths_out, (int32_t)length);
         *ids_out++ = '[';
         for (uint64_t i = 0; i < length; i++) {
-            if (i) *ids_out++ = ',';
             ids_out = write_int(ids_out, job->ids[entry + i]);
+            *ids_out++ = ',';
         }
+        if (length) ids_out--; /* the last comma becomes the "]" */
         *ids_out++ = ']';
         if (job->support) {
             *logprobs_out++ = '[';
@@ -471,14 +477,18 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
     for (uint64_t i = 0; i < parts; i++) {
         uint64_t target = work * (i + 1) / parts, first_row = row, first_entry = entry;
         while (row < rows && (done < target || i + 1 == parts)) {
-            entry += (uint64_t)lengths[row];
-            done += (uint64_t)lengths[row] + 1;
+            /* As checked above; clamped all the same (see write_part). */
+            int32_t declared = lengths[row];
+            uint64_t length = declared < 0 ? 0 : (uint64_t)declared;
+            if (length > entries - entry) length = entries - entry;
+            entry += length;
+            done += length + 1;
             row++;
         }
         uint64_t own[3];
         field_bounds(support, row - first_row, entry - first_entry, own);
-        part[i] = (rows_part){&job, first_row, row, first_entry, {cursor[0], cursor[1], cursor[2]},
-                              {0, 0, 0}};
+        part[i] = (rows_part){&job, first_row, row, first_entry, entry,
+                              {cursor[0], cursor[1], cursor[2]}, {0, 0, 0}};
         for (int f = 0; f < 3; f++) cursor[f] += own[f] + SHM_JSON_ROOM;
     }
 
