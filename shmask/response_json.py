@@ -11,6 +11,7 @@ the rows across up to SHMASK_JSON_THREADS threads.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from .config import Config
 from .errors import ShmaskError
 
 _threads: int | None = None
+_KEEP_BYTES = 8 << 20  # scratch kept per thread between calls (larger ones are freed)
+_scratch = threading.local()
 
 
 def json_threads() -> int:
@@ -48,7 +51,7 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
     bound = lib.shm_json_rows_bound(int(support), rows, ids.size)
     if bound == 0:
         raise ShmaskError(f"response JSON: {rows} rows of {ids.size} ids are too many to write")
-    out = bytearray(bound)
+    out = _scratch_buffer(bound)
     written = ffi.new("uint64_t[3]")
     flags_ptr = ffi.NULL if flags is None else ffi.from_buffer("uint8_t[]",
                                                                _contiguous(flags, np.uint8))
@@ -56,7 +59,7 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
                              ffi.from_buffer("int32_t[]", ids), ids.size,
                              ffi.from_buffer("float[]", logprobs), logprobs.size,
                              json_threads() if threads is None else threads,
-                             ffi.from_buffer(out), len(out), written)
+                             ffi.from_buffer(out), bound, written)
     if code == lib.SHM_JSON_E_ROWS:
         raise ShmaskError(
             f"response JSON: {rows} rows whose lengths (sum {int(lengths.sum())}) or statuses "
@@ -69,6 +72,19 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
     logprobs_end = ids_end + written[1]
     return (bytes(view[:ids_end]), bytes(view[ids_end:logprobs_end]),
             bytes(view[logprobs_end:logprobs_end + written[2]]))
+
+
+def _scratch_buffer(size: int) -> bytearray:
+    """A buffer of at least `size` bytes for this thread: reused across
+    calls (a fresh one would be zero-filled and page-faulted every time),
+    unless it would be large; the result is copied out before reuse."""
+    buffer: bytearray | None = getattr(_scratch, "buffer", None)
+    if buffer is not None and len(buffer) >= size:
+        return buffer
+    buffer = bytearray(size)
+    if size <= _KEEP_BYTES:
+        _scratch.buffer = buffer
+    return buffer
 
 
 def float_json(values: np.ndarray) -> bytes:
