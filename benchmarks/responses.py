@@ -112,21 +112,29 @@ def measure(width: int, requests: int, tokens: int) -> dict[str, Any]:
             "json_speedup": result["json_dumps"] / result["to_json"]}
 
 
-def sglang_lists(lengths: np.ndarray, ids: np.ndarray,
-                 logprobs: np.ndarray) -> tuple[list[list[int]], list[Any]]:
-    """SGLang's SamplingMaskChunk(...).to_lists(support_logprobs=True) where
-    SGLang is installed; otherwise the same loop (one tolist per row)."""
+def sglang_chunk_class() -> Any:
+    """SGLang's SamplingMaskChunk where SGLang is installed, else None.
+    Imported once, before anything is timed (importing SGLang takes seconds)."""
     try:
         from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
     except ImportError:
+        return None
+    return SamplingMaskChunk
+
+
+def sglang_lists(chunk_class: Any, lengths: np.ndarray, ids: np.ndarray,
+                 logprobs: np.ndarray) -> tuple[list[list[int]], list[Any]]:
+    """SGLang's SamplingMaskChunk(...).to_lists(support_logprobs=True), or
+    without SGLang the same loop (one tolist per row)."""
+    if chunk_class is None:
         masks, values, start = [], [], 0
         for length in lengths.tolist():
             masks.append(ids[start:start + length].tolist())
             values.append(logprobs[start:start + length].tolist())
             start += length
         return masks, values
-    masks, values = SamplingMaskChunk(lengths=lengths, token_ids=ids,
-                                      logprobs=logprobs).to_lists(support_logprobs=True)
+    masks, values = chunk_class(lengths=lengths, token_ids=ids,
+                                logprobs=logprobs).to_lists(support_logprobs=True)
     return masks, values
 
 
@@ -143,6 +151,7 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
     + orjson, and the native writer on 1 and on SHMASK_JSON_THREADS threads.
     Totals over all requests, medians over `repeats`."""
     pool = make_pool(requests, width, "support", seed=width)
+    chunk_class = sglang_chunk_class()
     threads = json_threads()
     paths = {"sglang to_lists + orjson": None, "native, 1 thread": 1,
              f"native, {threads} threads": threads}
@@ -161,8 +170,9 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
             for name, path_threads in paths.items():
                 started = now()
                 if path_threads is None:
-                    out[name] = [sglang_meta_info(*sglang_lists(c.lengths, c.ids, c.logprobs),
-                                                  c.rows) for c in chunks]
+                    out[name] = [sglang_meta_info(*sglang_lists(chunk_class, c.lengths, c.ids,
+                                                                c.logprobs), c.rows)
+                                 for c in chunks]
                 else:
                     out[name] = []
                     for c in chunks:
@@ -179,7 +189,8 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
             q.close()
     result = {name: median_ms(values) for name, values in times.items()}
     return {"requests": requests, "tokens": tokens, "width": width, "threads": threads,
-            "times": result, "mismatches": mismatches, "repeats": repeats}
+            "times": result, "mismatches": mismatches, "repeats": repeats,
+            "sglang": "SGLang's SamplingMaskChunk" if chunk_class else "the same loop (no SGLang)"}
 
 
 def print_sglang(result: dict[str, Any]) -> None:
@@ -195,7 +206,7 @@ def print_sglang(result: dict[str, Any]) -> None:
     print_table(
         f"SGLang meta_info JSON of one emission: {result['requests']} requests x "
         f"{result['tokens']} rows x {result['width']} support (median of {result['repeats']}, "
-        f"{result['mismatches']} byte mismatches)",
+        f"{result['mismatches']} byte mismatches; to_lists: {result['sglang']})",
         ("path", "ms (all requests)", "ms per request", "speedup", "goal", "verdict"), rows)
 
 

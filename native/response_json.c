@@ -73,8 +73,9 @@ __attribute__((noinline)) static uint64_t scaled_round_odd(uint64_t x, int q, in
 }
 
 /* 4 * v / 10^-p and the bounds 4u, 4w scaled alike, rounded to odd. */
-static inline __attribute__((always_inline)) void scaled_bounds(uint64_t c, int irregular, int q, int p, uint64_t *low, uint64_t *mid,
-                          uint64_t *high) {
+static inline __attribute__((always_inline)) void scaled_bounds(uint64_t c, int irregular,
+                                                                int q, int p, uint64_t *low,
+                                                                uint64_t *mid, uint64_t *high) {
     int drop = -(q + p);
     if (p >= 0 && rj_pow5[p][1] == 0 && drop > 0 && drop < 64) {
         /* The usual range (1e-11 <= |v| < 1e16): one multiply, c * 5^p

@@ -1,6 +1,6 @@
 # Types of the compiled core, shmask._native (cffi API mode, built from
-# native/build.py: shmask_core.h plus the constants and enums of
-# shmask_layout.h). tests/test_constants.py checks that every name the core
+# native/build.py: shmask_core.h and response_json.h plus the constants and
+# enums of shmask_layout.h). tests/test_constants.py checks that every name the core
 # exports is declared here and that the values the Python side also writes
 # down agree with the core's.
 #
