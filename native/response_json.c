@@ -440,7 +440,7 @@ static void *write_part_thread(void *part) {
 
 /* Entries (plus one per row) a thread is worth starting for: below this a
  * thread's start costs more than it saves. */
-#define WORK_PER_THREAD 16384
+#define WORK_PER_THREAD 4096
 
 int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uint64_t rows,
                   const int32_t *ids, uint64_t ids_count, const float *logprobs,
