@@ -75,6 +75,32 @@ def tables() -> tuple[list[tuple[int, int]], int, int]:
     return ks, p_min, p_max
 
 
+def scales(ks: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Per float32 biased exponent b and irregular (fraction 0): (4 * 5^p,
+    k, drop, fast) for the fast path of a normal value, c = m * 2^29,
+    q = b - 179: 4c * 5^p * 2^-drop with one 64x64-bit multiply and a shift
+    by 0 < drop < 64. fast 0: the general path (b 0 and 255, p < 0, and
+    5^p too large)."""
+    out = []
+    for b in range(256):
+        for irregular in (0, 1):
+            if not 1 <= b <= 254:
+                out.append((0, 0, 0, 0))
+                continue
+            q = b - 179
+            k = ks[q - Q_MIN][irregular]
+            p = -k
+            drop = -(q + p)
+            if p >= 0 and 4 * 5**p < 2**64 and 0 < drop < 64:
+                # c * 4 * 5^p < 2^53 * 2^64: fits 128 bits; the floor after
+                # the shift is below 2^60 (4 v / 10^k < 4 * 13.4 * 2^53).
+                assert 53 + (4 * 5**p).bit_length() <= 128
+                out.append((4 * 5**p, k, drop, 1))
+            else:
+                out.append((0, k, 0, 0))
+    return out
+
+
 def render() -> str:
     ks, p_min, p_max = tables()
     lines = [
@@ -101,6 +127,15 @@ def render() -> str:
         value = 5**p
         limbs = [(value >> (64 * i)) & (2**64 - 1) for i in range(3)]
         lines.append("    {" + ", ".join(f"0x{limb:016x}u" for limb in limbs) + "},")
+    lines += ["};", "", "/* The fast path's scale per float32 biased exponent and irregular (see",
+              " * scales() in the generator): {4 * 5^p, k, drop, fast} */",
+              "typedef struct {", "    uint64_t five4;", "    int16_t k;", "    uint8_t drop;",
+              "    uint8_t fast;", "} rj_scale;", "static const rj_scale rj_scales[256][2] = {"]
+    table = scales(ks)
+    for b in range(256):
+        regular, irregular = table[2 * b], table[2 * b + 1]
+        lines.append("    {" + ", ".join(f"{{UINT64_C({f}), {k}, {d}, {ok}}}"
+                                         for f, k, d, ok in (regular, irregular)) + "},")
     lines += ["};", "", "/* 10^i for i in [0, 19] */", "static const uint64_t rj_pow10[20] = {"]
     for start in range(0, 20, 4):
         lines.append("    " + " ".join(f"UINT64_C({10**i})," for i in range(start, start + 4)))

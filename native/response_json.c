@@ -96,11 +96,16 @@ static inline __attribute__((always_inline)) void scaled_bounds(uint64_t c, int 
     *high = scaled_round_odd(4 * c + 2, q, p);
 }
 
-/* The shortest-then-closest decimal of a positive finite float32 value:
- * returns its digits, *exponent its power of ten (trailing zeros may be
- * left: the caller drops them). */
-static inline __attribute__((always_inline)) uint64_t shortest_decimal(uint32_t bits,
-                                                                       int *exponent) {
+/* x * 2^-drop rounded to odd, 0 < drop < 64, the result below 2^64. */
+static inline uint64_t shift_round_odd(u128 x, unsigned drop) {
+    uint64_t low = (uint64_t)x, high = (uint64_t)(x >> 64);
+    return (low >> drop | high << (64 - drop)) | ((low << (64 - drop)) != 0);
+}
+
+/* The general path of shortest_decimal: any positive finite float32. */
+__attribute__((noinline)) static void general_bounds(uint32_t bits, int *exponent,
+                                                     uint64_t *low, uint64_t *mid,
+                                                     uint64_t *high) {
     uint32_t biased = (bits >> 23) & 0xff;
     uint64_t m = bits & 0x7fffff;
     int e;
@@ -116,9 +121,33 @@ static inline __attribute__((always_inline)) uint64_t shortest_decimal(uint32_t 
     int q = e - (52 - top);
     int irregular = c == (UINT64_C(1) << 52);
     int k = rj_k_table[q - RJ_Q_MIN][irregular];
-    uint64_t low, mid, high;
-    scaled_bounds(c, irregular, q, -k, &low, &mid, &high);
+    scaled_bounds(c, irregular, q, -k, low, mid, high);
     *exponent = k;
+}
+
+/* The shortest-then-closest decimal of a positive finite float32 value:
+ * returns its digits, *exponent its power of ten (trailing zeros may be
+ * left: the caller drops them). */
+static inline __attribute__((always_inline)) uint64_t shortest_decimal(uint32_t bits,
+                                                                       int *exponent) {
+    uint32_t fraction = bits & 0x7fffff;
+    const rj_scale *scale = &rj_scales[bits >> 23][fraction == 0];
+    uint64_t low, mid, high;
+    if (scale->fast) {
+        /* A normal value of the usual range (about 1e-8 to 1e7): c = m *
+         * 2^29, one multiply by 4 * 5^p, the bounds 2 * 5^p away (1 * 5^p
+         * below a power of two), one shift (all from the generated table). */
+        uint64_t c = (uint64_t)(fraction | 0x800000) << 29;
+        u128 centre = (u128)c * scale->five4;
+        uint64_t half = scale->five4 >> 1;
+        unsigned drop = scale->drop;
+        low = shift_round_odd(centre - (fraction ? half : half >> 1), drop);
+        mid = shift_round_odd(centre, drop);
+        high = shift_round_odd(centre + half, drop);
+        *exponent = scale->k;
+    } else {
+        general_bounds(bits, exponent, &low, &mid, &high);
+    }
 
     uint64_t s = mid >> 2; /* floor(v / 10^k) */
     /* A multiple of 10^(k+1) in [u, w] is the answer: one of the two
@@ -127,7 +156,7 @@ static inline __attribute__((always_inline)) uint64_t shortest_decimal(uint32_t 
      * the even one). Every outcome is a coin toss for random values, so
      * all are computed and selected without branches. */
     uint64_t down10 = s - s % 10, up10 = down10 + 10;
-    int down10_in = (down10 != 0) & (low <= 4 * down10), up10_in = 4 * up10 <= high;
+    int down10_in = low <= 4 * down10, up10_in = 4 * up10 <= high; /* s >= 2^52: down10 > 0 */
     uint64_t middle = 4 * s + 2;
     int s_in = low <= 4 * s, t_in = 4 * (s + 1) <= high;
     int s_closer = (mid < middle) | ((mid == middle) & (s % 2 == 0));
@@ -179,7 +208,7 @@ typedef struct {
 
 enum { FINITE, ZERO, NONE };
 
-static inline decimal17 decimal_of(float value) {
+static inline __attribute__((always_inline)) decimal17 decimal_of(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
     decimal17 d = {0, 0, (uint8_t)(bits >> 31), FINITE};
@@ -206,7 +235,7 @@ static inline decimal17 decimal_of(float value) {
  * "d.ddde+E" / "de-E". The 17 digits are made in registers, in words
  * `high` (digits 0-7), `low` (8-15) and `last` (16); each layout is a few
  * stores of them. */
-static char *write_decimal(char *o, decimal17 d) {
+static inline __attribute__((always_inline)) char *write_decimal(char *o, decimal17 d) {
     if (d.kind == NONE) {
         memcpy(o, "null", 4);
         return o + 4;

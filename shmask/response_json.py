@@ -20,7 +20,7 @@ from .config import Config
 from .errors import ShmaskError
 
 _threads: int | None = None
-_KEEP_BYTES = 8 << 20  # scratch kept per thread between calls (larger ones are freed)
+_KEEP_BYTES = 32 << 20  # scratch kept per thread between calls (larger ones are freed)
 _scratch = threading.local()
 
 
