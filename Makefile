@@ -4,9 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-compat faults serve bench lint typecheck check sdist wheel package-check clean
+.PHONY: demo test test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
 
-$(STAMP): setup.py pyproject.toml native/build.py native/shmask_core.c native/shmask_core.h native/shmask_layout.h native/shmask_exit.c native/shmask_exit.h
+$(STAMP): setup.py pyproject.toml native/build.py native/shmask_core.c native/shmask_core.h native/shmask_layout.h \
+		native/shmask_exit.c native/shmask_exit.h native/response_json.c native/response_json.h \
+		native/response_json_tables.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "cffi>=1.15"
 	# torch==2.13.0 is the CPU build that lies on disk here (no CUDA download);
@@ -20,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/compat
+
+# The response writer's floats against orjson for all 2^32 float32 bit
+# patterns (minutes, one process per CPU; `make test` runs a sample).
+test-exhaustive: $(STAMP)
+	$(PY) tests/exhaustive_float_json.py
 
 # The released SGLang and vLLM packages, installed as they are (--no-deps),
 # plus only the small dependencies their imported modules need.

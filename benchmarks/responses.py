@@ -2,9 +2,15 @@
 
   to_lists   Chunk.to_lists() (ids per row, logprobs per row) against the
              floor: ids.tolist() + logprobs.tolist() of the same views, unsplit
-  JSON       Chunk.to_json() (the three response fields written by orjson
-             straight from the views) against json.dumps of the same fields as
-             lists (the lists already built; building them is the row above)
+  JSON       Chunk.to_json() (the three response fields written by the native
+             response writer straight from the views) against json.dumps of
+             the same fields as lists (the lists already built; building them
+             is the row above)
+  SGLang     one emission's meta_info JSON for 256 requests x 50 rows x 1000
+             entries (support mode): SGLang's SamplingMaskChunk.to_lists +
+             orjson.dumps, against the native writer (Chunk.json_arrays as
+             orjson Fragments) on 1 thread and on SHMASK_JSON_THREADS threads;
+             byte-identical checked for every request, medians of the totals
 
 Each chunk is one request's emission, 50 rows of support W (support mode),
 published with Writer.publish and opened with a Reader, like the tokenizer
@@ -20,12 +26,26 @@ import sys
 from typing import Any
 
 import numpy as np
-from _common import EMIT_TOKENS, SEGMENT_PREFIX, console, make_pool, median_ms, now, print_table
+import orjson
+from _common import (
+    BATCH,
+    EMIT_TOKENS,
+    SEGMENT_PREFIX,
+    console,
+    make_pool,
+    median_ms,
+    now,
+    print_table,
+    ring_mb_for,
+)
 
 import shmask
+from shmask.response_json import json_threads
 
 FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
 TARGET_JSON = 10.0
+TARGET_THREADS = 10.0  # issue 18: the native writer against SGLang's to_lists + orjson
+TARGET_ONE_THREAD = 3.0
 
 
 def chunk_rows(pool: Any, request: int, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -92,6 +112,104 @@ def measure(width: int, requests: int, tokens: int) -> dict[str, Any]:
             "json_speedup": result["json_dumps"] / result["to_json"]}
 
 
+def sglang_chunk_class() -> Any:
+    """SGLang's SamplingMaskChunk where SGLang is installed, else None.
+    Imported once, before anything is timed (importing SGLang takes seconds)."""
+    try:
+        from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
+    except ImportError:
+        return None
+    return SamplingMaskChunk
+
+
+def sglang_lists(chunk_class: Any, lengths: np.ndarray, ids: np.ndarray,
+                 logprobs: np.ndarray) -> tuple[list[list[int]], list[Any]]:
+    """SGLang's SamplingMaskChunk(...).to_lists(support_logprobs=True), or
+    without SGLang the same loop (one tolist per row)."""
+    if chunk_class is None:
+        masks, values, start = [], [], 0
+        for length in lengths.tolist():
+            masks.append(ids[start:start + length].tolist())
+            values.append(logprobs[start:start + length].tolist())
+            start += length
+        return masks, values
+    masks, values = chunk_class(lengths=lengths, token_ids=ids,
+                                logprobs=logprobs).to_lists(support_logprobs=True)
+    return masks, values
+
+
+def sglang_meta_info(masks: Any, logprobs: Any, rows: int) -> bytes:
+    """The three sampling-mask fields of SGLang's meta_info, as orjson writes them."""
+    return orjson.dumps({"output_token_sampling_mask": masks,
+                         "output_token_sampling_logprobs": logprobs,
+                         "output_token_sampling_mask_length": rows})
+
+
+def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict[str, Any]:
+    """One emission's meta_info bytes for every request, three ways on the
+    same chunks (read out of a ring like the tokenizer does): SGLang's lists
+    + orjson, and the native writer on 1 and on SHMASK_JSON_THREADS threads.
+    Totals over all requests, medians over `repeats`."""
+    pool = make_pool(requests, width, "support", seed=width)
+    chunk_class = sglang_chunk_class()
+    threads = json_threads()
+    paths = {"sglang to_lists + orjson": None, "native, 1 thread": 1,
+             f"native, {threads} threads": threads}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    mismatches = 0
+    config = shmask.Config(ring_mb=ring_mb_for(requests, tokens, width, 2),
+                           name_prefix=SEGMENT_PREFIX)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue("support") for _ in range(requests)]
+        for step in range(tokens):
+            lengths, ids, logprobs = pool.step(step)
+            writer.append_step(queues, lengths, ids, logprobs)
+        chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+        for _ in range(repeats):
+            out: dict[str, list[bytes]] = {}
+            for name, path_threads in paths.items():
+                started = now()
+                if path_threads is None:
+                    out[name] = [sglang_meta_info(*sglang_lists(chunk_class, c.lengths, c.ids,
+                                                                c.logprobs), c.rows)
+                                 for c in chunks]
+                else:
+                    out[name] = []
+                    for c in chunks:
+                        masks, values, _ = c.json_arrays(path_threads)
+                        out[name].append(sglang_meta_info(orjson.Fragment(masks),
+                                                          orjson.Fragment(values), c.rows))
+                times[name].append(now() - started)
+            baseline = out["sglang to_lists + orjson"]
+            mismatches += sum(a != b for got in out.values() for a, b in zip(got, baseline,
+                                                                             strict=True))
+        for c in chunks:
+            c.release()
+        for q in queues:
+            q.close()
+    result = {name: median_ms(values) for name, values in times.items()}
+    return {"requests": requests, "tokens": tokens, "width": width, "threads": threads,
+            "times": result, "mismatches": mismatches, "repeats": repeats,
+            "sglang": "SGLang's SamplingMaskChunk" if chunk_class else "the same loop (no SGLang)"}
+
+
+def print_sglang(result: dict[str, Any]) -> None:
+    times = result["times"]
+    baseline = times["sglang to_lists + orjson"]
+    goals = {"native, 1 thread": TARGET_ONE_THREAD,
+             f"native, {result['threads']} threads": TARGET_THREADS}
+    rows = [("sglang to_lists + orjson", baseline, baseline / result["requests"], 1.0, "", "")]
+    for name, goal in goals.items():
+        speedup = baseline / times[name]
+        rows.append((name, times[name], times[name] / result["requests"], speedup, f">= {goal:g}x",
+                     "PASS" if speedup >= goal else "MISS"))
+    print_table(
+        f"SGLang meta_info JSON of one emission: {result['requests']} requests x "
+        f"{result['tokens']} rows x {result['width']} support (median of {result['repeats']}, "
+        f"{result['mismatches']} byte mismatches; to_lists: {result['sglang']})",
+        ("path", "ms (all requests)", "ms per request", "speedup", "goal", "verdict"), rows)
+
+
 def run(quick: bool = False) -> list[dict[str, Any]]:
     if quick:
         tokens, sizes = 10, {20: 16, 200: 8}
@@ -103,6 +221,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         rows.append(measure(width, requests, tokens))
         console().log(f"part 3: support {width}: to_json {rows[-1]['to_json']:.3f} ms, "
                       f"json.dumps {rows[-1]['json_dumps']:.3f} ms")
+    sglang = (measure_sglang(16, 10, 200, 2) if quick
+              else measure_sglang(BATCH, EMIT_TOKENS, 1000, 5))
     print_table(
         f"Part 3 - response building, one chunk of {tokens} rows (median ms per chunk)",
         ("support", "chunks", "to_lists", "tolist floor", "to_lists / tolist", "to_json",
@@ -111,8 +231,13 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
           r["json_dumps"], r["json_speedup"], "PASS" if r["json_speedup"] >= TARGET_JSON else "MISS",
           r["mismatches"]) for r in rows]
     )
+    print_sglang(sglang)
+    rows[-1]["mismatches"] += sglang["mismatches"]  # run.py counts them
     return rows
 
 
 if __name__ == "__main__":
-    run(quick="--quick" in sys.argv)
+    if "--sglang" in sys.argv:  # only the SGLang comparison
+        print_sglang(measure_sglang(BATCH, EMIT_TOKENS, 1000, 5))
+    else:
+        run(quick="--quick" in sys.argv)

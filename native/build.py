@@ -6,15 +6,15 @@ from cffi import FFI
 
 NATIVE_DIR = Path(__file__).resolve().parent
 
-HEADERS = ("shmask_core.h", "shmask_exit.h")
+HEADERS = ("shmask_core.h", "shmask_exit.h", "response_json.h")
 
 
-def _core_declarations() -> str:
-    """The headers as cffi's cdef wants them: without preprocessor lines
-    (cffi cannot parse them), constants turned into `...` so the compiler
-    fills in their values."""
+def _declarations(header: str) -> str:
+    """A header as cffi's cdef wants it: without preprocessor lines (cffi
+    cannot parse them), constants turned into `...` so the compiler fills in
+    their values."""
     lines = []
-    for line in "\n".join((NATIVE_DIR / h).read_text() for h in HEADERS).splitlines():
+    for line in (NATIVE_DIR / header).read_text().splitlines():
         if line.startswith("#define SHM_"):
             name = line.split()[1]
             lines.append(f"#define {name} ...")
@@ -40,11 +40,13 @@ enum shm_counter { SHM_COUNTER_PUBLISHED, SHM_COUNTER_RELEASED, SHM_COUNTER_EXPI
 """
 
 ffibuilder = FFI()
-ffibuilder.cdef(LAYOUT_CDEF + _core_declarations())
+ffibuilder.cdef(LAYOUT_CDEF + "".join(_declarations(header) for header in HEADERS))
 ffibuilder.set_source(
     "shmask._native",
-    '#include "shmask_core.h"\n#include "shmask_exit.h"\n#include "shmask_layout.h"',
-    sources=[str(Path("native") / name) for name in ("shmask_core.c", "shmask_exit.c")],
+    '#include "shmask_core.h"\n#include "shmask_exit.h"\n#include "shmask_layout.h"\n'
+    '#include "response_json.h"',
+    sources=[str(Path("native") / name)
+             for name in ("shmask_core.c", "shmask_exit.c", "response_json.c")],
     include_dirs=["native"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

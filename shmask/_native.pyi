@@ -1,6 +1,6 @@
 # Types of the compiled core, shmask._native (cffi API mode, built from
-# native/build.py: shmask_core.h plus the constants and enums of
-# shmask_layout.h). tests/test_constants.py checks that every name the core
+# native/build.py: shmask_core.h and response_json.h plus the constants and
+# enums of shmask_layout.h). tests/test_constants.py checks that every name the core
 # exports is declared here and that the values the Python side also writes
 # down agree with the core's.
 #
@@ -166,6 +166,13 @@ class _Lib:
     SHM_ROW_BITMASK: int
     SHM_HANDLE_SLOT_BITS: int
     SHM_E_NO_SLOT: int
+    # response_json.h
+    SHM_JSON_FLOAT_BYTES: int
+    SHM_JSON_INT_BYTES: int
+    SHM_JSON_MAX_THREADS: int
+    SHM_JSON_ROOM: int
+    SHM_JSON_E_ROWS: int
+    SHM_JSON_E_CAPACITY: int
     # shmask_layout.h (through native/build.py's LAYOUT_CDEF)
     SHM_HEADER_BYTES: int
     SHM_RECORD_ALIGN: int
@@ -252,6 +259,15 @@ class _Lib:
     def shm_json_nest(
         self, flat: CData | bytes, flat_len: int, lengths: CData, rows: int, out: CData,
         out_capacity: int, /,
+    ) -> int: ...
+    # response_json.h
+    def shm_json_float(self, value: float, out: CData, /) -> int: ...
+    def shm_json_floats(self, values: CData, count: int, out: CData, out_capacity: int, /) -> int: ...
+    def shm_json_rows_bound(self, support: int, rows: int, entries: int, /) -> int: ...
+    def shm_json_rows(
+        self, support: int, lengths: CData, flags: CData, rows: int, ids: CData, ids_count: int,
+        logprobs: CData, logprobs_count: int, threads: int, out: CData, out_capacity: int,
+        written: CData, /,
     ) -> int: ...
     def shm_reserve(
         self, ring: CData, mode: int, rows_capacity: int, words_capacity: int, nnz_capacity: int,

@@ -14,9 +14,9 @@ import orjson
 from ._native import ffi, lib
 from .errors import DoubleReleaseError, RowDroppedError, ShmaskError
 from .refs import MODE_NAMES, MODE_SUPPORT
+from .response_json import response_arrays
 
 DEFAULT_FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
-_NEST_BELOW = 128  # mean entries per row under which to_json splits flat arrays
 
 # A row's flags byte (SHM_ROW_* in native/shmask_layout.h): the status in
 # bits 0-1, the bitmask form in bit 2.
@@ -263,61 +263,40 @@ class Chunk:
                 ids[dropped] = logprobs[dropped] = None
         return ids, logprobs
 
-    def to_json(self, fields: Sequence[str] = DEFAULT_FIELDS) -> bytes:
+    def to_json(self, fields: Sequence[str] = DEFAULT_FIELDS, threads: int | None = None) -> bytes:
         """The three response fields (ids per row, logprobs per row or per
         token, lengths) as one JSON object.
 
-        orjson writes each flat array in one call and the native core splits
-        it into rows, so no Python object is made per row or per value.
-        Floats are widened to float64 first so that parsing the JSON gives
-        exactly `float()` of the float32 values, as json.dumps of to_lists()
-        would. A row whose status is not OK is null in all three fields
-        (ids, logprobs, length), as in to_lists; bitmask rows are decoded."""
+        Written by the native response writer (shmask.response_json), byte
+        for byte what orjson writes for to_lists()'s lists, with no Python
+        object per row or per value; the GIL is released meanwhile and up to
+        `threads` (default SHMASK_JSON_THREADS) threads share the rows. A
+        row whose status is not OK is null in all three fields (ids,
+        logprobs, length), as in to_lists; bitmask rows are decoded."""
         ids_field, logprobs_field, lengths_field = (orjson.dumps(str(f)) for f in fields)
-        ids, logprobs, lengths = self.json_arrays()
+        ids, logprobs, lengths = self.json_arrays(threads)
         return b"".join((b"{", ids_field, b":", ids, b",", logprobs_field, b":", logprobs, b",",
                          lengths_field, b":", lengths, b"}"))
 
-    def json_arrays(self) -> tuple[bytes, bytes, bytes]:
+    def json_arrays(self, threads: int | None = None) -> tuple[bytes, bytes, bytes]:
         """The three arrays to_json writes (ids per row, logprobs, lengths),
         each as JSON bytes: equal to orjson.dumps of to_lists()'s lists (and
-        of the lengths, null where a row is not OK)."""
+        of the lengths, null where a row is not OK). Floats are the float32
+        values widened to double, in the shortest form that reads back as
+        that double (NaN and infinities as null), as orjson writes them."""
         try:
-            out = self._json()
+            out = self._json(threads)
         except Exception:
             self.check()  # a late read is StaleChunkError, whatever failed
             raise
         self.check()
         return out
 
-    def _json(self) -> tuple[bytes, bytes, bytes]:
-        numpy = orjson.OPT_SERIALIZE_NUMPY
-        # The short-row path needs no offsets: csr() only where rows need decoding.
+    def _json(self, threads: int | None) -> tuple[bytes, bytes, bytes]:
+        # Bitmask rows need decoding (csr); otherwise the views go as they are.
         flat_ids = self.ids if self.flags is None else self.csr()[0]
-        logprobs64 = self.logprobs.astype(np.float64)
-        if self.nnz < _NEST_BELOW * max(self.rows, 1):
-            # Short rows: one orjson call per field, split into rows natively
-            # (per-row views would cost more than the numbers themselves).
-            ids = _nest(_dumps(flat_ids), self.lengths)
-            logprobs = _dumps(logprobs64)
-            if self.support_mode:
-                logprobs = _nest(logprobs, self.lengths)
-        else:
-            # Long rows: orjson writes one array per row view (measured faster
-            # than one flat array at 1000+ entries per row).
-            bounds = self.offsets.tolist()
-            spans = list(zip(bounds, bounds[1:], strict=False))
-            ids = orjson.dumps([flat_ids[a:b] for a, b in spans], option=numpy)
-            logprobs = orjson.dumps([logprobs64[a:b] for a, b in spans] if self.support_mode
-                                    else logprobs64, option=numpy)
-        lengths = _dumps(self.lengths)
-        if self.flags is not None:
-            dropped = np.flatnonzero(self.flags & ROW_STATUS_BITS)
-            if dropped.size:
-                ids = _null_items(ids, dropped, nested=True)
-                logprobs = _null_items(logprobs, dropped, nested=self.support_mode)
-                lengths = _null_items(lengths, dropped, nested=False)
-        return ids, logprobs, lengths
+        return response_arrays(self.support_mode, self.lengths, self.flags, flat_ids,
+                               self.logprobs, threads)
 
     # ---------------------------------------------------------- lifetime
     def check(self) -> None:
@@ -349,44 +328,6 @@ class Chunk:
 
     def __repr__(self) -> str:
         return f"Chunk({self.mode_name}, rows={self.rows}, nnz={self.nnz})"
-
-
-def _dumps(array: np.ndarray) -> bytes:
-    # orjson refuses the zero strides numpy gives some empty arrays
-    return orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY) if array.size else b"[]"
-
-
-def _nest(flat_json: bytes, lengths: np.ndarray) -> bytes:
-    """'[a,b,c]' -> '[[a,b],[c]]' split by row lengths (native core)."""
-    out = bytearray(len(flat_json) + 3 * lengths.size)  # each row adds "[", "]" and ","
-    written = lib.shm_json_nest(flat_json, len(flat_json), ffi.from_buffer("int32_t[]", lengths),
-                                lengths.size, ffi.from_buffer(out), len(out))
-    if written < 0:
-        raise ShmaskError("response JSON: row lengths do not match the number of values")
-    del out[written:]
-    return bytes(out)
-
-
-def _null_items(array_json: bytes, items: np.ndarray, nested: bool) -> bytes:
-    """Items `items` (ascending) of a JSON array written as null: its rows
-    ('[[1,2],[],[3]]', nested) or its values ('[0.5,0,-1.0]').
-
-    orjson writes no spaces and these arrays hold only numbers (and null),
-    so an item ends at its row's "]" (nested) or at the next "," (flat);
-    found with one vectorised scan, then only the nulled items are spliced."""
-    data = np.frombuffer(array_json, np.uint8)
-    if nested:
-        ends = np.flatnonzero(data == ord("]"))[:-1] + 1  # past each row's "]"; not the outer
-    else:
-        ends = np.append(np.flatnonzero(data == ord(",")), data.size - 1)
-    starts = np.concatenate(([1], ends[:-1] + 1))  # past "[" or past the "," before the item
-    pieces: list[bytes] = []
-    done = 0
-    for item in items.tolist():
-        pieces += (array_json[done:int(starts[item])], b"null")
-        done = int(ends[item])
-    pieces.append(array_json[done:])
-    return b"".join(pieces)
 
 
 def _decode_rows(lengths: np.ndarray, flags: np.ndarray | None, ids: np.ndarray, vocab: int,

@@ -18,6 +18,18 @@ TRANSPORTS = ("shm", "inline")
 GPU_DIRECT = ("auto", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
+
+
+def _default_json_threads() -> int:
+    """min(4, the CPUs this process may run on)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    return max(1, min(4, usable))
+
+
 _NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": str.upper,
               "SHMASK_GPU_DIRECT": str.lower}
 
@@ -51,6 +63,10 @@ class Config:
     log_level: str = "WARNING"
     """Level of the `shmask` logger, applied by the CLI and the examples
     (Config.apply_log_level); the library never sets it on its own."""
+    json_threads: int = _default_json_threads()
+    """Threads that share the rows of one chunk's response JSON
+    (Chunk.to_json / json_arrays; 1: the calling thread only). Default
+    min(4, usable CPUs); small chunks use fewer."""
 
     def __post_init__(self) -> None:
         _check_choice("SHMASK_TRANSPORT", self.transport, TRANSPORTS)
@@ -68,6 +84,7 @@ class Config:
         _check_range("SHMASK_QUEUE_ROWS", self.queue_rows, 1, 1 << 16)
         _check_choice("SHMASK_GPU_DIRECT", self.gpu_direct, GPU_DIRECT)
         _check_choice("SHMASK_LOG_LEVEL", self.log_level, LOG_LEVELS)
+        _check_range("SHMASK_JSON_THREADS", self.json_threads, 1, JSON_THREADS_MAX)
 
     @property
     def ring_capacity_bytes(self) -> int:

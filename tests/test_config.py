@@ -26,6 +26,8 @@ def test_defaults_and_env_parsing():
     ("SHMASK_NAME_PREFIX", "a/b", "letters"),
     ("SHMASK_LOG_LEVEL", "LOUD", "DEBUG"),
     ("SHMASK_GPU_DIRECT", "always", "auto, off"),
+    ("SHMASK_JSON_THREADS", "0", "1 to 64"),
+    ("SHMASK_JSON_THREADS", "many", "int"),
 ])
 def test_bad_values_name_the_variable_and_range(name, value, accepted):
     with pytest.raises(shmask.ConfigError) as info:

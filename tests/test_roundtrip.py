@@ -7,8 +7,6 @@ import json
 import numpy as np
 import pytest
 from conftest import assert_chunk_equal, random_chunk
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import shmask
 
@@ -140,8 +138,7 @@ def test_inline_transport_round_trip(config, reader):
 @pytest.mark.parametrize("mode", ["support", "selected"])
 @pytest.mark.parametrize("lengths", [[0], [0, 0, 0], [1], [0, 3, 0, 0, 2, 0], [300, 0, 200], [1] * 40])
 def test_json_path_row_splits(writer, reader, mode, lengths):
-    """Both to_json paths (short rows split natively, long rows per view),
-    empty rows anywhere."""
+    """Short and long rows, empty rows anywhere."""
     lengths = np.array(lengths, np.int32)
     ids = np.arange(lengths.sum(), dtype=np.int32) * 7
     logprobs = -np.linspace(0, 3, ids.size if mode == "support" else lengths.size).astype(np.float32)
@@ -149,31 +146,3 @@ def test_json_path_row_splits(writer, reader, mode, lengths):
         ids_lists, lp_lists = chunk.to_lists()
         assert json.loads(chunk.to_json(("a", "b", "c"))) == {
             "a": ids_lists, "b": lp_lists, "c": lengths.tolist()}
-
-
-def test_json_nest_refuses_mismatched_counts():
-    from shmask.chunk import _nest
-
-    assert _nest(b"[1,2,3]", np.array([2, 0, 1], np.int32)) == b"[[1,2],[],[3]]"
-    for flat, lengths in ((b"[1,2,3]", [2, 2]), (b"[1,2,3]", [1, 1]), (b"[]", [1]), (b"1,2", [2])):
-        with pytest.raises(shmask.ShmaskError):
-            _nest(flat, np.array(lengths, np.int32))
-
-
-@settings(max_examples=300, deadline=None)
-@given(lengths=st.lists(st.integers(0, 40), max_size=30), seed=st.integers(0, 2**32 - 1),
-       scale=st.integers(-30, 30))
-def test_json_nest_matches_python_split(lengths, seed, scale):
-    from shmask.chunk import _dumps, _nest
-
-    lengths = np.array(lengths, np.int32)
-    values = np.random.default_rng(seed).standard_normal(int(lengths.sum())) * 10.0**scale
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-    nested = json.loads(_nest(_dumps(values), lengths))
-    assert nested == [values[a:b].tolist() for a, b in zip(bounds, bounds[1:], strict=False)]
-    if lengths.size and lengths[0] > 0:  # one number fewer or more than the rows hold
-        for delta in (-1, 1):
-            wrong = lengths.copy()
-            wrong[0] += delta
-            with pytest.raises(shmask.ShmaskError):
-                _nest(_dumps(values), wrong)

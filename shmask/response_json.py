@@ -1,0 +1,109 @@
+"""The native response writer (native/response_json.c): a chunk's three
+response fields as JSON, byte for byte what orjson writes for the Python
+lists (`Chunk.to_lists()`), without a Python object per value.
+
+Floats are float32 values widened to double and written in the shortest
+form that reads back as the same double, exactly as orjson writes a Python
+float (NaN and infinities as null). The C call releases the GIL and splits
+the rows across up to SHMASK_JSON_THREADS threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from ._native import ffi, lib
+from .config import Config
+from .errors import ShmaskError
+
+_threads: int | None = None
+_KEEP_BYTES = 32 << 20  # scratch kept per thread between calls (larger ones are freed)
+_scratch = threading.local()
+
+
+def json_threads() -> int:
+    """SHMASK_JSON_THREADS, read (and validated) once per process."""
+    global _threads
+    if _threads is None:
+        name = "SHMASK_JSON_THREADS"
+        environ = {name: os.environ[name]} if name in os.environ else {}
+        _threads = Config.from_env(environ).json_threads
+    return _threads
+
+
+def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None,
+                    ids: np.ndarray, logprobs: np.ndarray,
+                    threads: int | None = None) -> tuple[bytes, bytes, bytes]:
+    """(ids per row, logprobs per row or per token, lengths) as JSON arrays.
+
+    `ids` holds the rows' ids back to back (decoded: sum of lengths),
+    `logprobs` as many values (support mode) or one per row (selected). A
+    row whose status (flags & 3) is not OK is null in all three and must
+    have length 0. `threads` (default SHMASK_JSON_THREADS): at most this
+    many threads share the rows; small chunks use fewer."""
+    lengths = _contiguous(lengths, np.int32)
+    ids = _contiguous(ids, np.int32)
+    logprobs = _contiguous(logprobs, np.float32)
+    rows = lengths.size
+    bound = lib.shm_json_rows_bound(int(support), rows, ids.size)
+    if bound == 0:
+        raise ShmaskError(f"response JSON: {rows} rows of {ids.size} ids are too many to write")
+    out = _scratch_buffer(bound)
+    written = ffi.new("uint64_t[3]")
+    flags_ptr = ffi.NULL if flags is None else ffi.from_buffer("uint8_t[]",
+                                                               _contiguous(flags, np.uint8))
+    code = lib.shm_json_rows(int(support), ffi.from_buffer("int32_t[]", lengths), flags_ptr, rows,
+                             ffi.from_buffer("int32_t[]", ids), ids.size,
+                             ffi.from_buffer("float[]", logprobs), logprobs.size,
+                             json_threads() if threads is None else threads,
+                             ffi.from_buffer(out), bound, written)
+    if code == lib.SHM_JSON_E_ROWS:
+        raise ShmaskError(
+            f"response JSON: {rows} rows whose lengths (sum {int(lengths.sum())}) or statuses "
+            f"disagree with {ids.size} ids and {logprobs.size} logprobs "
+            f"({'support' if support else 'selected'} mode)")
+    if code != 0:
+        raise ShmaskError(f"response JSON: the writer failed with code {code}")
+    view = memoryview(out)
+    ids_end = written[0]
+    logprobs_end = ids_end + written[1]
+    return (bytes(view[:ids_end]), bytes(view[ids_end:logprobs_end]),
+            bytes(view[logprobs_end:logprobs_end + written[2]]))
+
+
+def _scratch_buffer(size: int) -> bytearray:
+    """A buffer of at least `size` bytes for this thread: reused across
+    calls (a fresh one would be zero-filled and page-faulted every time),
+    unless it would be large; the result is copied out before reuse."""
+    buffer: bytearray | None = getattr(_scratch, "buffer", None)
+    if buffer is not None and len(buffer) >= size:
+        return buffer
+    buffer = bytearray(size)
+    if size <= _KEEP_BYTES:
+        _scratch.buffer = buffer
+    return buffer
+
+
+def float_json(values: np.ndarray) -> bytes:
+    """A JSON array of float32 values widened to double, as orjson writes
+    the Python floats (used to check the formatting value by value)."""
+    values = _contiguous(values, np.float32)
+    capacity = 2 + values.size * (lib.SHM_JSON_FLOAT_BYTES + 1) + lib.SHM_JSON_ROOM
+    out = bytearray(capacity)
+    written = lib.shm_json_floats(ffi.from_buffer("float[]", values), values.size,
+                                  ffi.from_buffer(out), capacity)
+    if written < 0:
+        raise ShmaskError(f"response JSON: the writer failed with code {written}")
+    del out[written:]
+    return bytes(out)
+
+
+def _contiguous(array: np.ndarray, dtype: type) -> np.ndarray:
+    """`array` as a C-contiguous array of `dtype`: the C writer reads raw memory."""
+    if array.dtype != dtype:
+        raise ShmaskError(f"response JSON: expected {np.dtype(dtype).name} values, "
+                          f"got {array.dtype}")
+    return np.ascontiguousarray(array)

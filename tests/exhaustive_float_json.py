@@ -1,0 +1,77 @@
+"""Every float32 bit pattern (all 2^32) through the native response writer
+against orjson: `make test-exhaustive` (minutes; one process per CPU).
+
+Each block of consecutive bit patterns is written by shmask.response_json's
+float_json and by orjson.dumps of the same values as Python floats (what
+SGLang's to_lists + orjson does), and the two byte strings must be equal.
+The first difference is printed with its bit pattern. Exit status 0 only if
+all 2^32 agree.
+
+    python tests/exhaustive_float_json.py [--processes N] [--block-bits B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+import orjson
+
+from shmask.response_json import float_json
+
+TOTAL = 2**32
+
+
+def check_block(args: tuple[int, int]) -> tuple[int, str | None]:
+    """(count, None) if bit patterns [start, start + count) agree, else
+    (count, a message naming the first that does not)."""
+    start, count = args
+    values = np.arange(start, start + count, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    ours = float_json(values)
+    with np.errstate(invalid="ignore"):
+        theirs = orjson.dumps(values.astype(np.float64).tolist())
+    if ours == theirs:
+        return count, None
+    mine, want = ours[1:-1].split(b","), theirs[1:-1].split(b",")
+    for index, (a, b) in enumerate(zip(mine, want, strict=False)):
+        if a != b:
+            return count, f"float32 0x{start + index:08x}: wrote {a!r}, orjson {b!r}"
+    return count, f"block 0x{start:08x}: {len(mine)} values written, orjson {len(want)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--block-bits", type=int, default=21, help="log2 of values per block")
+    args = parser.parse_args()
+    block = 1 << args.block_bits
+    blocks = [(start, block) for start in range(0, TOTAL, block)]
+    print(f"checking all {TOTAL:,} float32 bit patterns against orjson "
+          f"{orjson.__version__} in {len(blocks)} blocks, {args.processes} processes", flush=True)
+    started = time.monotonic()
+    checked, failures = 0, []
+    with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
+        for done, (count, failure) in enumerate(pool.imap_unordered(check_block, blocks), 1):
+            checked += count
+            if failure:
+                failures.append(failure)
+                print("MISMATCH", failure, flush=True)
+            if done % max(1, len(blocks) // 64) == 0 or done == len(blocks):
+                elapsed = time.monotonic() - started
+                eta = elapsed / checked * (TOTAL - checked)
+                print(f"{checked / TOTAL:6.1%}  {checked:>13,} checked  {elapsed:7.0f} s elapsed  "
+                      f"~{eta:.0f} s left  {len(failures)} mismatching blocks", flush=True)
+    elapsed = time.monotonic() - started
+    if failures:
+        print(f"FAIL: {len(failures)} blocks differ ({elapsed:.0f} s)")
+        return 1
+    print(f"PASS: all {checked:,} float32 bit patterns byte-identical to orjson ({elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
