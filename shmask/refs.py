@@ -399,6 +399,16 @@ def _copy_out(reader: Any, ref: ChunkRef) -> bytes:
 
 def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> None:
     kind = entries["kind"]
+    shm = kind == KIND_SHM
+    if shm.all():
+        # The usual emission: every entry a ring chunk (a few vectorised
+        # checks; the ring record itself is checked at open).
+        mode = entries["mode"]
+        if np.any((mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
+            raise InvalidRefError("reference mode is invalid: accepted 1 (selected), 2 (support)")
+        if np.any(entries["segment"] >= n_segments):
+            raise InvalidRefError(f"reference names segment index >= {n_segments}")
+        return
     if np.any(kind > KIND_LOST):
         raise InvalidRefError(f"reference kind {int(kind.max())} is invalid: accepted 0, 1, 2, 3")
     live = (kind == KIND_SHM) | (kind == KIND_INLINE)
@@ -413,7 +423,6 @@ def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> N
     mode = entries["mode"]
     if np.any((live | lost) & (mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
         raise InvalidRefError("reference mode is invalid: accepted 1 (selected), 2 (support)")
-    shm = kind == KIND_SHM
     if np.any(shm & (entries["segment"] >= n_segments)):
         raise InvalidRefError(f"reference names segment index >= {n_segments}")
     inline = kind == KIND_INLINE
