@@ -616,39 +616,18 @@ def append_step(rows: Sequence[SamplingMaskRows] | np.ndarray, lengths: np.ndarr
 
 
 # --------------------------------------------------------- tokenizer: JSON
-_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 def _json_parts(rows: Chunk) -> tuple[bytes, bytes, int]:
     """(ids rows, logprobs, row count) as JSON arrays, e.g. b"[[1,2],[3]]" and
-    b"[[-0.5,-1.25],[-2.0]]" (support) or b"[-0.5,-2.0]" (selected).
-
-    orjson writes straight from the numpy rows: float32 widened to float64,
-    so each number is written exactly as orjson writes ``float()`` of the
-    float32, the value SGLang's ``tolist()`` lists hold. Rows of one length
-    (the common case) go as one 2-D array; others as one view per row.
-    Chunks with bitmask or non-OK rows (null in both arrays) are written by
-    ``Chunk.json_arrays``, which decodes them."""
-    count = rows.rows
-    if not count:
+    b"[[-0.5,-1.25],[-2.0]]" (support) or b"[-0.5,-2.0]" (selected), written
+    by the native response writer (``Chunk.json_arrays``): each float32 as
+    orjson writes ``float()`` of it, the value SGLang's ``tolist()`` lists
+    hold; bitmask rows decoded, non-OK rows null in both arrays."""
+    if not rows.rows:
         return b"[]", b"[]", 0
-    if rows.flags is not None:
-        ids_json, logprobs_json, _ = rows.json_arrays()
-        return ids_json, logprobs_json, count
-    lengths, ids = rows.lengths, rows.ids
-    logprobs = rows.logprobs.astype(np.float64)
-    width = int(lengths[0])
-    if width and ids.size == width * count and not (lengths - width).any():
-        ids_json = orjson.dumps(ids.reshape(count, width), option=_NUMPY)
-        nested = logprobs.reshape(count, width) if rows.support_mode else None
-    else:
-        bounds = rows.offsets.tolist()
-        spans = list(zip(bounds, bounds[1:], strict=False))
-        ids_json = orjson.dumps([ids[a:b] for a, b in spans], option=_NUMPY)
-        nested = [logprobs[a:b] for a, b in spans] if rows.support_mode else None
-    logprobs_json = orjson.dumps(logprobs if nested is None else nested, option=_NUMPY)
-    rows.check()  # the record was not reclaimed while we read it
-    return ids_json, logprobs_json, count
+    ids_json, logprobs_json, _ = rows.json_arrays()
+    return ids_json, logprobs_json, rows.rows
 
 
 class SamplingMaskJSON:
