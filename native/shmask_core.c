@@ -449,12 +449,16 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
     if (state == SHM_STATE_EXPIRED) return SHM_E_STALE;
     if (state == SHM_STATE_RELEASED) return SHM_E_DOUBLE_RELEASE;
     if (state != SHM_STATE_WRITTEN) return SHM_E_NOT_WRITTEN;
+    /* Each capacity is read once: a process rewriting the header between a
+     * check and the layout made from it cannot move a copy past the record. */
+    uint64_t rows_capacity = r->rows_capacity, words_capacity = r->words_capacity;
+    uint64_t nnz_capacity = r->nnz_capacity;
     if (r->record_bytes != record_bytes || r->mode != mode || r->rows != rows ||
-        r->nnz != nnz || r->words != words || r->vocab != vocab || rows > r->rows_capacity ||
-        words > r->words_capacity || (mode == SHM_MODE_SUPPORT && nnz > r->nnz_capacity))
+        r->nnz != nnz || r->words != words || r->vocab != vocab || rows > rows_capacity ||
+        words > words_capacity || (mode == SHM_MODE_SUPPORT && nnz > nnz_capacity))
         return SHM_E_BAD_RECORD;
     shm_layout layout;
-    rc = shm_record_layout(mode, r->rows_capacity, r->words_capacity, r->nnz_capacity, &layout);
+    rc = shm_record_layout(mode, rows_capacity, words_capacity, nnz_capacity, &layout);
     if (rc) return SHM_E_BAD_RECORD;
     if (layout.record_bytes != record_bytes) return SHM_E_BAD_RECORD;
     out->record_offset = SHM_HEADER_BYTES + offset;
@@ -476,6 +480,17 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
      * newer record's): stale, whatever the validation said. */
     if (shm_check_record(base, capacity, position, seal)) return SHM_E_STALE;
     return rc;
+}
+
+int shm_record_has_rows(const void *base, uint64_t mapped_bytes, uint64_t capacity,
+                        uint64_t position, uint64_t seal, uint64_t rows) {
+    uint64_t offset;
+    int rc = locate(base, mapped_bytes, capacity, position, &offset);
+    if (rc) return rc;
+    const struct shm_record_header *r = record_at((void *)base, capacity, position);
+    if (r->tag != position) return SHM_E_STALE;
+    if (r->seal != seal) return wrong_record(base, position);
+    return r->rows == rows ? SHM_OK : SHM_E_BAD_RECORD;
 }
 
 int shm_check_record(const void *base, uint64_t capacity, uint64_t position, uint64_t seal) {

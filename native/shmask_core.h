@@ -98,6 +98,11 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
                     uint64_t position, uint64_t seal, uint64_t record_bytes, uint64_t rows,
                     uint64_t words, uint64_t nnz, uint32_t vocab, uint32_t mode,
                     uint64_t max_row_length, uint8_t *geometry, shm_view *out);
+/* SHM_OK when the record at `position` carries this seal and holds `rows`
+ * rows: asked before a reader sizes a large geometry copy by a ref's rows,
+ * so a forged ref cannot make it allocate more than a real record needs. */
+int shm_record_has_rows(const void *base, uint64_t mapped_bytes, uint64_t capacity,
+                        uint64_t position, uint64_t seal, uint64_t rows);
 /* SHM_OK while the record at `position` is still the published one with this
  * seal (WRITTEN or RELEASED), else SHM_E_STALE. */
 int shm_check_record(const void *base, uint64_t capacity, uint64_t position, uint64_t seal);

@@ -207,6 +207,10 @@ class _Lib:
         record_bytes: int, rows: int, words: int, nnz: int, vocab: int, mode: int,
         max_row_length: int, geometry: CData, out: ShmView, /,
     ) -> int: ...
+    def shm_record_has_rows(
+        self, base: CData, mapped_bytes: int, capacity: int, position: int, seal: int,
+        rows: int, /,
+    ) -> int: ...
     def shm_check_record(self, base: CData, capacity: int, position: int, seal: int, /) -> int: ...
     def shm_release(
         self, base: CData, mapped_bytes: int, capacity: int, position: int, seal: int, /,

@@ -164,7 +164,9 @@ class Chunk:
         same as `offsets`; a non-OK row is empty here: see `status`).
 
         Without bitmask rows these are the chunk's own views (no copy);
-        otherwise the ids are a private copy, made once per chunk."""
+        otherwise the ids are a private copy, made once per chunk. Raises
+        StaleChunkError once the record was reclaimed (views of it would show
+        whatever the ring holds there now)."""
         if self._csr is None:
             if self.flags is None or not self._bitmask_rows().any():
                 self._csr = (self.ids, self.offsets)
@@ -174,8 +176,8 @@ class Chunk:
                 except Exception:
                     self.check()  # rows overwritten under us: say so (StaleChunkError)
                     raise
-                self.check()  # a copy is only good if the record was not reclaimed under it
                 self._csr = (ids, self.offsets)
+        self.check()  # views, or a copy, are only good if the record was not reclaimed
         return self._csr
 
     def _decode(self) -> np.ndarray:

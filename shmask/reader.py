@@ -82,6 +82,9 @@ class ReaderStats:
 
 
 _SYNC_MASK = 255  # metrics are handed over every 256 opens, not per open
+# Up to this many rows (320 KiB of geometry copy) a ref's rows size the copy
+# at once; beyond, the record is asked first (one more native call).
+_ROWS_WITHOUT_PEEK = 65536
 
 
 class Reader:
@@ -244,6 +247,14 @@ class Reader:
             # `rows` rows holds 5 bytes a row of lengths and flags).
             raise InvalidRefError(f"{ref!r}: {rows} rows cannot fit a ring of "
                                   f"{attached.capacity} bytes")
+        if rows > _ROWS_WITHOUT_PEEK:
+            # A large copy is sized by the record's own rows, not the ref's
+            # alone: a forged ref must not make every open allocate a ring's
+            # worth of memory before it is turned down.
+            rc = lib.shm_record_has_rows(attached.base, attached.size, attached.capacity,
+                                         ref.position, ref.seal, rows)
+            if rc:
+                attached.error(rc, f"open {ref!r}")
         # The rows' geometry is copied out of the record by the native core
         # and validated there: lengths (int32) then flags (uint8), private to
         # this chunk.

@@ -192,9 +192,6 @@ class Segment:
         self.owner_pid = os.getpid() if owner_fd is not None else None
         # The producer's descriptor: it carries the lifetime lock.
         self._owner_fd = owner_fd
-        # Its file's mtime once allocated: writes through the mapping leave it
-        # alone, a truncation (grown back or not) or a write(2) moves it.
-        self._mtime_ns = os.fstat(owner_fd).st_mtime_ns if owner_fd is not None else 0
         # The producer's entry in the native core's SIGTERM table (-1: none).
         self._exit_slot = -1
         if owner_fd is not None:
@@ -262,15 +259,18 @@ class Segment:
         return not self.closed and bool(lib.shm_mapping_truncated(self.base))
 
     def file_intact(self) -> bool:
-        """The producer's check (one fstat) that nobody truncated its file,
-        even if it has its size again: its mtime moved."""
+        """The producer's check (one fstat) that its file still has its size.
+        The mtime is no witness: on tmpfs a write fault through the mapping
+        on a page that was reclaimed moves it too. A cut grown back to size
+        is caught by the header's magic (`truncated`) and by each staged
+        record's own header."""
         if self._owner_fd is None:
             return True
         try:
             info = os.fstat(self._owner_fd)
         except OSError:
             return False
-        return info.st_size >= self.size and info.st_mtime_ns == self._mtime_ns
+        return info.st_size >= self.size
 
     def close(self) -> None:
         """Drop our reference to the mapping; the producer also unlinks and

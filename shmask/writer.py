@@ -451,7 +451,7 @@ class Writer:
         """Notice a segment truncated by another process: at once when a
         SIGBUS marked our mapping or its header's magic reads zero (a file cut
         and grown back to its size faults nowhere: its pages read as zeros),
-        else by an fstat of size and mtime at most once a second (it costs
+        else by an fstat of its size at most once a second (it costs
         ~20 us on a 1 GiB tmpfs file, too much for every emission; the SIGBUS
         guard keeps every access safe meanwhile, and rows staged in a cut
         record are never passed on: the core checks their record's header).

@@ -120,6 +120,29 @@ def test_ref_opens_only_the_record_it_was_issued_for(config):
         reader.discard(b)
 
 
+def test_a_forged_row_count_allocates_nothing_before_it_is_refused(config):
+    """A ref claiming millions of rows in a big ring is refused without the
+    reader first allocating a geometry copy sized by that claim."""
+    import dataclasses
+    import tracemalloc
+    config = dataclasses.replace(config, ring_mb=64)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        ref = _publish(writer, 1)[0]
+        forged = RefBatch.from_bytes(ref.to_bytes())[0]
+        forged.rows = reader._attach(ref.segment).max_rows  # ~13 M rows: 64 MiB of copy
+        tracemalloc.start()
+        try:
+            for _ in range(3):
+                with pytest.raises(shmask.InvalidRefError):
+                    reader.open(forged)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"refusing a forged ref allocated {peak} bytes"
+        with reader.open(ref) as chunk:
+            assert _request_of(chunk) == {0}
+
+
 def _record_geometry(reader: shmask.Reader, ref: shmask.ChunkRef) -> tuple[np.ndarray, int, int]:
     """A writable view of the ring and where the record's lengths and flags are."""
     attached = reader._attach(ref.segment)
@@ -189,9 +212,35 @@ def _bitmask_chunk_read_late(writer: shmask.Writer, reader: shmask.Reader) -> sh
     return chunk
 
 
-def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, reader):
+def _ids_chunk_read_late(writer: shmask.Writer, reader: shmask.Reader) -> shmask.Chunk:
+    """A plain ids chunk (no flags: csr() hands out views of the record)
+    opened, then given back by the producer and its space written over by
+    another request's rows."""
+    queue = writer.open_queue("support")
+    handle = np.array([queue.handle])
+    for _ in range(2):
+        writer.append_step(handle, np.array([3], np.int32), np.array([1, 2, 3], np.int32),
+                           np.array([-1.0, -2.0, -3.0], np.float32))
+    ref = queue.take()
+    chunk = reader.open(ref)
+    assert chunk.flags is None
+    queue.abort()  # WRITTEN -> EXPIRED: the space is the producer's again
+    writer.reclaim()
+    other = writer.open_queue("support")
+    for _ in range(2):
+        writer.append_step(np.array([other.handle]), np.array([3], np.int32),
+                           np.array([7, 8, 9], np.int32), np.array([-4.0, -5.0, -6.0], np.float32))
+    other.take()
+    return chunk
+
+
+@pytest.mark.parametrize("make_chunk", [_bitmask_chunk_read_late, _ids_chunk_read_late],
+                         ids=["bitmask rows", "plain ids rows"])
+def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, reader,
+                                                                       make_chunk):
     """Item 7: every accessor of a chunk read past its lease (space reused)
-    raises StaleChunkError, never ValueError or RowDroppedError."""
+    raises StaleChunkError, never ValueError or RowDroppedError, and never
+    hands out views of another request's rows (plain ids chunks too)."""
     accessors = {
         "to_lists": lambda c: c.to_lists(),
         "to_json": lambda c: c.to_json(),
@@ -202,7 +251,7 @@ def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, re
         "check": lambda c: c.check(),
     }
     for name, accessor in accessors.items():
-        chunk = _bitmask_chunk_read_late(writer, reader)
+        chunk = make_chunk(writer, reader)
         with pytest.raises(shmask.StaleChunkError):
             accessor(chunk)
             pytest.fail(f"{name} read a reclaimed chunk")
