@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -160,6 +161,62 @@ def launch(script: Path, role: str, spec: dict[str, Any]) -> subprocess.Popen[by
                             cwd=str(BENCH_DIR.parent))
 
 
+def launch_own_group(script: Path, role: str, spec: dict[str, Any]) -> subprocess.Popen[bytes]:
+    """launch(), the child in a process group of its own (kill_groups ends
+    it); the child should call die_with_parent() first thing."""
+    return subprocess.Popen([sys.executable, str(script), "child", role, json.dumps(spec)],
+                            cwd=str(BENCH_DIR.parent), start_new_session=True)
+
+
+def kill_groups(children: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL the process group of every child still running, then reap it."""
+    for child in children:
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.wait()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child of launch_own_group: have Linux send this process SIGTERM
+    when its parent dies, and exit on SIGTERM through the usual cleanup
+    (`finally` blocks: a Writer unlinks its ring), so a parent killed
+    outright (its process group killed by a test's timeout) leaves nothing
+    running in the children's own groups."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's timeout still kills the group
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
+def segments_of(pid: int) -> list[str]:
+    """Our ring segments in /dev/shm created by process `pid` (other
+    benchmarks sharing the machine use the same prefix)."""
+    return [name for name in leftover_segments()
+            if name.split("-")[2:3] == [str(pid)]]  # <prefix>-<uid>-<pid>-<random>
+
+
+def remove_segments_of(pid: int) -> list[str]:
+    """Unlink the ring segments of process `pid` (one that was killed
+    before it could close its Writer); returns their names."""
+    removed = []
+    for name in segments_of(pid):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def wait_children(children: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
     """Wait for every child; on a timeout or a failure kill the others (by
     their own pid) so nothing outlives the benchmark, then raise."""
@@ -224,6 +281,14 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
     for row in rows:
         table.add_row(*(fmt(value) for value in row))
     console().print(table)
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub markdown table (for RESULTS.md), values formatted as fmt()."""
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" if i == 0 else "--:" for i in range(len(columns))) + "|"]
+    lines += ["| " + " | ".join(fmt(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def fmt(value: Any) -> str:

@@ -65,3 +65,33 @@ def test_quick_gpu_direct_benchmark_runs_and_rows_match_the_cpu_path(tmp_path):
     runs = {r["path"]: r["stats"] for r in json.loads(out.read_text())}
     assert runs["direct"]["direct_steps"] == runs["compact-direct"]["direct_steps"] == 12
     assert runs["fused"]["fused_steps"] == runs["compact-fused"]["fused_steps"] == 12
+
+
+@pytest.mark.timeout(400)
+def test_response_leg_benchmark_runs_and_responses_are_byte_identical(tmp_path):
+    """benchmarks/response_leg.py at a tiny size: scheduler, detokenizer and
+    1 or 2 tokenizer processes (requests routed by RefBatch.select), a row
+    per configuration, every sampled response byte-identical to SGLang's
+    way, every emission's responses built and timed."""
+    out = tmp_path / "response_leg.json"
+    done = run_in_own_group([sys.executable, "response_leg.py", "--requests", "8", "16",
+                             "--tokenizers", "1", "2", "--support", "50", "--emission", "5",
+                             "--emissions", "2", "--warmup", "1", "--step-ms", "2",
+                             "--out", str(out)], REPO / "benchmarks", timeout=360)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    for requests in (8, 16):
+        for tokenizers in (1, 2):
+            assert re.search(rf"^\| {requests} \| {tokenizers} \|", output, re.MULTILINE), \
+                f"no table row for {requests} requests, {tokenizers} tokenizers:\n{output[-4000:]}"
+    assert re.search(r"^segments left in /dev/shm: 0", output, re.MULTILINE), output[-4000:]
+    configs = json.loads(out.read_text())["configs"]
+    assert len(configs) == 4
+    for config in configs:
+        assert config["mismatches"] == 0, config
+        # first and last request of every emission (2 + 1 warmup) at every tokenizer
+        assert config["checked"] == 2 * 3 * config["tokenizers"], config
+        for tokenizer in config["per_tokenizer"]:
+            assert len(tokenizer["busy_ms"]) == 2 and min(tokenizer["busy_ms"]) > 0, tokenizer
+            assert tokenizer["response_mb_per_emission"] > 0, tokenizer
+            assert tokenizer["requests_per_emission"] == config["requests"] // config["tokenizers"]
