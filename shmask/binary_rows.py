@@ -138,11 +138,8 @@ class _Column:
 
     def __init__(self) -> None:
         self.raw = bytearray()
-        self.encoded = bytearray()
-        self.done = 0  # raw bytes whose base64 is in `encoded` (a multiple of 3)
-
-    def append(self, data: memoryview) -> None:
-        self.raw += data
+        self.encoded: list[bytes] = []  # base64 pieces of raw[:done], joined into each response
+        self.done = 0  # a multiple of 3
 
     def b64(self, begin: int) -> list[Any]:
         """Base64 of raw[begin:], as pieces to join."""
@@ -151,9 +148,9 @@ class _Column:
                 return [_b64encode(view[begin:])]
             whole = len(self.raw) - len(self.raw) % 3
             if whole > self.done:
-                self.encoded += _b64encode(view[self.done:whole])
+                self.encoded.append(_b64encode(view[self.done:whole]))
                 self.done = whole
-            return [self.encoded, _b64encode(view[whole:])]
+            return [*self.encoded, _b64encode(view[whole:])]
 
 
 class SamplingMaskBase64:
@@ -181,16 +178,17 @@ class SamplingMaskBase64:
         ids, _ = chunk.csr()
         status = chunk.status
         logprobs = chunk.logprobs if self.support else _selected_values(chunk.logprobs, status)
-        lengths, status_bytes = _le_bytes(chunk.lengths, "<i4"), _le_bytes(status, "u1")
-        ids_bytes, logprobs_bytes = _le_bytes(ids, "<i4"), _le_bytes(logprobs, "<f4")
-        # Copy into locals first, then check the lease, then commit: rows read
-        # after a reclaim must not join the request.
-        copies = bytes(ids_bytes), bytes(logprobs_bytes)
-        chunk.check()
-        self._lengths.append(lengths)
-        self._status.append(status_bytes)
-        self._ids.append(memoryview(copies[0]))
-        self._logprobs.append(memoryview(copies[1]))
+        columns = (self._lengths, self._status, self._ids, self._logprobs)
+        sizes = [len(column.raw) for column in columns]
+        for column, values, dtype in zip(columns, (chunk.lengths, status, ids, logprobs),
+                                         ("<i4", "u1", "<i4", "<f4"), strict=True):
+            column.raw += _le_bytes(values, dtype)
+        try:
+            chunk.check()  # the views were copied: only good if the record is still ours
+        except Exception:
+            for column, size in zip(columns, sizes, strict=True):
+                del column.raw[size:]  # rows read after a reclaim never join the request
+            raise
         self._rows += chunk.rows
         self._dropped = self._dropped or chunk.flags is not None and bool(status.any())
 

@@ -243,3 +243,24 @@ def test_not_an_object():
         decode_rows(b"{")
     with pytest.raises(BinaryRowsError, match="expected a JSON object, got list"):
         decode_rows([1, 2])
+
+
+def test_a_client_decodes_without_the_native_core_or_torch():
+    """decode_rows needs numpy and orjson only: no compiled core, no torch
+    unless tensors are asked for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, json; sys.modules['shmask._native'] = None; import shmask; "
+            f"rows = shmask.decode_rows(json.loads({orjson.dumps(good()).decode()!r})); "
+            "print(rows.ids.tolist(), 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, start_new_session=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[1,", "2,", "3]", "False"]
+
+
+def test_field_names_are_the_adapters():
+    sglang = pytest.importorskip("shmask.adapters.sglang")
+    assert (binary_rows.MASK_FIELD, binary_rows.LENGTH_FIELD) == (sglang.MASK_FIELD,
+                                                                   sglang.LENGTH_FIELD)
