@@ -11,6 +11,14 @@
              orjson.dumps, against the native writer (Chunk.json_arrays as
              orjson Fragments) on 1 thread and on SHMASK_JSON_THREADS threads;
              byte-identical checked for every request, medians of the totals
+  binary     the same emission as binary rows (shmask.binary_rows, the opt-in
+             sampling_mask_format "base64"): at the server, the meta_info
+             bytes with the base64 object (encode_chunk, and the per-request
+             accumulator's extend + fields) against SGLang's to_lists +
+             orjson and the native JSON writer; at the client, orjson.loads +
+             decode_rows against orjson.loads + numpy arrays of the JSON
+             lists (lengths, flat ids, flat logprobs: np.fromiter over the
+             rows); every decoded value checked bit for bit
 
 Each chunk is one request's emission, 50 rows of support W (support mode),
 published with Writer.publish and opened with a Reader, like the tokenizer
@@ -21,6 +29,7 @@ also against float() of the producer's float32 values.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from typing import Any
@@ -40,12 +49,16 @@ from _common import (
 )
 
 import shmask
+from shmask.binary_rows import SamplingMaskBase64, decode_rows, encode_chunk
 from shmask.response_json import json_threads
 
 FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
 TARGET_JSON = 10.0
 TARGET_THREADS = 10.0  # issue 18: the native writer against SGLang's to_lists + orjson
 TARGET_ONE_THREAD = 3.0
+TARGET_BINARY_SERVER = 100.0  # issue 18, item 3: binary rows against the JSON lists
+TARGET_BINARY_CLIENT = 50.0
+BINARY_BASELINE = "sglang to_lists + orjson"
 
 
 def chunk_rows(pool: Any, request: int, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -210,6 +223,126 @@ def print_sglang(result: dict[str, Any]) -> None:
         ("path", "ms (all requests)", "ms per request", "speedup", "goal", "verdict"), rows)
 
 
+def lists_to_arrays(meta: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A client's CSR arrays from the JSON lists (support mode): lengths,
+    flat ids, flat logprobs; np.fromiter over the chained rows (faster than
+    np.array per row, and than np.array of one flattened list)."""
+    masks, values = meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]
+    lengths = np.fromiter(map(len, masks), np.int32, len(masks))
+    total = int(lengths.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(masks), np.int32, total)
+    logprobs = np.fromiter(itertools.chain.from_iterable(values), np.float32, total)
+    return lengths, ids, logprobs
+
+
+def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict[str, Any]:
+    """One emission's meta_info for every request, JSON lists and binary
+    rows, built at the server and decoded at the client; totals over all
+    requests, medians over `repeats`. Every decoded array is compared with
+    the chunk's own rows (floats by their bits)."""
+    pool = make_pool(requests, width, "support", seed=width)
+    chunk_class = sglang_chunk_class()
+    threads = json_threads()
+    server = (BINARY_BASELINE, f"native JSON, {threads} threads", "binary, encode_chunk",
+              "binary, accumulator extend + fields", "floor: one copy of the raw rows")
+    client = ("orjson.loads + np.fromiter (JSON lists)", "orjson.loads + decode_rows (binary)",
+              "floor: orjson.loads of the binary meta_info")
+    times: dict[str, list[float]] = {name: [] for name in server + client}
+    sizes: dict[str, int] = {}
+    mismatches = 0
+    config = shmask.Config(ring_mb=ring_mb_for(requests, tokens, width, 2),
+                           name_prefix=SEGMENT_PREFIX)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue("support") for _ in range(requests)]
+        for step in range(tokens):
+            lengths, ids, logprobs = pool.step(step)
+            writer.append_step(queues, lengths, ids, logprobs)
+        chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+        for _ in range(repeats):
+            out: dict[str, list[bytes]] = {}
+            started = now()
+            out[server[0]] = [sglang_meta_info(*sglang_lists(chunk_class, c.lengths, c.ids,
+                                                             c.logprobs), c.rows) for c in chunks]
+            times[server[0]].append(now() - started)
+            started = now()
+            out[server[1]] = []
+            for c in chunks:
+                masks, values, _ = c.json_arrays(threads)
+                out[server[1]].append(sglang_meta_info(orjson.Fragment(masks),
+                                                       orjson.Fragment(values), c.rows))
+            times[server[1]].append(now() - started)
+            started = now()
+            out[server[2]] = [orjson.dumps({"output_token_sampling_mask":
+                                            orjson.Fragment(encode_chunk(c)),
+                                            "output_token_sampling_mask_length": c.rows})
+                              for c in chunks]
+            times[server[2]].append(now() - started)
+            started = now()
+            out[server[3]] = []
+            for c in chunks:
+                accumulated = SamplingMaskBase64(True)
+                accumulated.extend(c)
+                out[server[3]].append(orjson.dumps(accumulated.fields()))
+            times[server[3]].append(now() - started)
+            # What any path that copies the rows out of the ring pays at least.
+            started = now()
+            floor = [(bytes(c.lengths), bytes(c.ids), bytes(c.logprobs)) for c in chunks]
+            times[server[4]].append(now() - started)
+            del floor
+            mismatches += sum(a != b for a, b in zip(out[server[1]], out[server[0]], strict=True))
+            mismatches += sum(a != b for a, b in zip(out[server[3]], out[server[2]], strict=True))
+
+            started = now()
+            from_lists = [lists_to_arrays(orjson.loads(b)) for b in out[server[0]]]
+            times[client[0]].append(now() - started)
+            started = now()
+            decoded = [decode_rows(orjson.loads(b)) for b in out[server[2]]]
+            times[client[1]].append(now() - started)
+            started = now()
+            parsed = [orjson.loads(b) for b in out[server[2]]]
+            times[client[2]].append(now() - started)
+            del parsed
+            for c, rows, arrays in zip(chunks, decoded, from_lists, strict=True):
+                ok = (np.array_equal(rows.lengths, c.lengths) and np.array_equal(rows.ids, c.ids)
+                      and np.array_equal(rows.logprobs.view(np.uint32), c.logprobs.view(np.uint32))
+                      and not rows.status.any() and np.array_equal(arrays[0], c.lengths)
+                      and np.array_equal(arrays[1], c.ids)
+                      and np.array_equal(arrays[2].view(np.uint32), c.logprobs.view(np.uint32)))
+                mismatches += not ok
+            sizes = {name: sum(map(len, out[name])) for name in (server[0], server[2])}
+        for c in chunks:
+            c.release()
+        for q in queues:
+            q.close()
+    result = {name: median_ms(values) for name, values in times.items()}
+    return {"requests": requests, "tokens": tokens, "width": width, "times": result,
+            "server": server, "client": client, "sizes": sizes, "mismatches": mismatches,
+            "repeats": repeats,
+            "sglang": "SGLang's SamplingMaskChunk" if chunk_class else "the same loop (no SGLang)",
+            "codec": "pybase64" if shmask.binary_rows._pybase64 is not None else "binascii"}
+
+
+def print_binary(result: dict[str, Any]) -> None:
+    times, server, client = result["times"], result["server"], result["client"]
+    rows = []
+    for names, goal in ((server, TARGET_BINARY_SERVER), (client, TARGET_BINARY_CLIENT)):
+        baseline = times[names[0]]
+        for name in names:
+            speedup = baseline / times[name]
+            binary = name.startswith("binary") or "decode_rows" in name  # the goals' paths
+            rows.append((name, times[name], times[name] / result["requests"], speedup,
+                         f">= {goal:g}x" if binary else "",
+                         ("PASS" if speedup >= goal else "MISS") if binary else ""))
+    sizes = result["sizes"]
+    print_table(
+        f"Binary rows of one emission: {result['requests']} requests x {result['tokens']} rows "
+        f"x {result['width']} support (median of {result['repeats']}, {result['mismatches']} "
+        f"mismatches; codec {result['codec']}; to_lists: {result['sglang']}; meta_info "
+        f"{sizes.get(server[0], 0) / 2**20:.0f} MiB as JSON lists, "
+        f"{sizes.get(server[2], 0) / 2**20:.0f} MiB binary)",
+        ("path", "ms (all requests)", "ms per request", "speedup", "goal", "verdict"), rows)
+
+
 def run(quick: bool = False) -> list[dict[str, Any]]:
     if quick:
         tokens, sizes = 10, {20: 16, 200: 8}
@@ -232,12 +365,18 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
           r["mismatches"]) for r in rows]
     )
     print_sglang(sglang)
-    rows[-1]["mismatches"] += sglang["mismatches"]  # run.py counts them
+    binary = (measure_binary(16, 10, 200, 2) if quick
+              else measure_binary(BATCH, EMIT_TOKENS, 1000, 3))
+    print_binary(binary)
+    rows[-1]["mismatches"] += sglang["mismatches"] + binary["mismatches"]  # run.py counts them
     return rows
 
 
 if __name__ == "__main__":
     if "--sglang" in sys.argv:  # only the SGLang comparison
         print_sglang(measure_sglang(BATCH, EMIT_TOKENS, 1000, 5))
+    elif "--binary" in sys.argv:  # only the binary rows (--requests N for fewer)
+        count = int(sys.argv[sys.argv.index("--requests") + 1]) if "--requests" in sys.argv else BATCH
+        print_binary(measure_binary(count, EMIT_TOKENS, 1000, 3))
     else:
         run(quick="--quick" in sys.argv)

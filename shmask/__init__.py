@@ -46,6 +46,7 @@ _LAZY = {
     "RowQueue": ".writer",
     "Writer": ".writer",
     "WriterStats": ".writer",
+    "decode_rows": ".binary_rows",  # numpy only: a client decodes without the core
 }
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ __all__ = [
     "StaleChunkError",
     "Writer",
     "WriterStats",
+    "decode_rows",
     "host_id",
     "msgpack_enc_hook",
     "msgpack_ext_hook",
