@@ -174,7 +174,8 @@ def arrays_mask_type(base: type | None = None) -> type:
 
     def slice_request(self: Any, req_idx: int, num_positions: int) -> Any:
         # vLLM trims a request's mask after a stop string: keep the type.
-        return type(self)(*base.slice_request(self, req_idx, num_positions))
+        sliced = base.slice_request(self, req_idx, num_positions)  # type: ignore[attr-defined]
+        return type(self)(*sliced)
 
     namespace: dict[str, Any] = {"__slots__": (), "to_nested_list": to_nested_list,
                                  "__doc__": f"{base.__name__} whose to_nested_list() gives "
@@ -370,9 +371,10 @@ class MaskResolver:
                                else self._mask_lists)
 
     def resolve(self, mask: Any) -> Any:
-        """The SamplingMaskLists vLLM would have sent: token ids copied out of
-        the ring (int32, rows sent as bitmasks decoded), offsets when there
-        are several positions. A mask that is not a reference (or None) is
+        """The SamplingMaskLists vLLM would have sent (in arrays mode, the
+        ``arrays_mask_type`` subclass): token ids copied out of the ring
+        (int32, rows sent as bitmasks decoded), offsets when there are
+        several positions. A mask that is not a reference (or None) is
         returned as it is. A kept row whose status is not OK (sent without
         its ids) raises RowDroppedError: vLLM's lists cannot say so."""
         if not is_ref(mask):
