@@ -17,6 +17,7 @@ from .errors import ConfigError
 TRANSPORTS = ("shm", "inline")
 GPU_DIRECT = ("auto", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MASK_FORMATS = ("lists", "arrays")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
 
@@ -31,7 +32,7 @@ def _default_json_threads() -> int:
 
 
 _NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": str.upper,
-              "SHMASK_GPU_DIRECT": str.lower}
+              "SHMASK_GPU_DIRECT": str.lower, "SHMASK_MASK_FORMAT": str.lower}
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ class Config:
     """Threads that share the rows of one chunk's response JSON
     (Chunk.to_json / json_arrays; 1: the calling thread only). Default
     min(4, usable CPUs); small chunks use fewer."""
+    mask_format: str = "lists"
+    """What the engine adapters put in the engine's own output objects on the
+    consumer side (shmask.adapters.sglang / .vllm): "lists", the engine's
+    Python lists exactly; "arrays", numpy arrays copied once out of the ring
+    (for RL frameworks that run the engine in their own process; an HTTP
+    server cannot JSON-encode them)."""
 
     def __post_init__(self) -> None:
         _check_choice("SHMASK_TRANSPORT", self.transport, TRANSPORTS)
@@ -85,6 +92,7 @@ class Config:
         _check_choice("SHMASK_GPU_DIRECT", self.gpu_direct, GPU_DIRECT)
         _check_choice("SHMASK_LOG_LEVEL", self.log_level, LOG_LEVELS)
         _check_range("SHMASK_JSON_THREADS", self.json_threads, 1, JSON_THREADS_MAX)
+        _check_choice("SHMASK_MASK_FORMAT", self.mask_format, MASK_FORMATS)
 
     @property
     def ring_capacity_bytes(self) -> int:

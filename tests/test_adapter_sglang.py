@@ -399,3 +399,208 @@ def test_a_received_chunk_always_starts_unread(writer, forged_state):
     received = msgspec.msgpack.decode(wire, type=adapter.SamplingMaskChunk)
     assert received.rows_ is None
     assert received.to_lists(True)[0] == [[4, 5]]
+
+
+# ------------------------------------------- arrays for in-process consumers
+def put_row(writer, rows, ids, logprobs, status=0):
+    """One row straight into the request's queue, with a status (SGLang's
+    own loop never sends a row that is not OK; an engine may)."""
+    handle = np.array([rows.handle], np.int64)
+    n = 0 if status else ids.size
+    values = logprobs[:n] if rows.support else np.zeros(n, np.float32)
+    selected = logprobs[:1] if logprobs.size else np.zeros(1, np.float32)
+    writer.append_step(handle, np.array([n], np.int32), ids[:n], values, selected,
+                       status=np.array([status], np.uint8))
+
+
+def stream_with_drops(writer, seed, modes, emissions=3, steps=4):
+    """Chunks per emission for requests in `modes`, rows of mixed lengths,
+    some rows OVERFLOW / INVALID (no ids)."""
+    rng = np.random.default_rng(seed)
+    rows = [adapter.SamplingMaskRows(m) for m in modes]
+    out = []
+    for _ in range(emissions):
+        for _ in range(steps):
+            for r in rows:
+                ids, logprobs = random_row(rng, r.support)
+                status = int(rng.choice([0, 0, 0, 1, 2]))
+                put_row(writer, r, ids, logprobs, status)
+        out.append(adapter.take_all(rows))
+    return rows, out
+
+
+def tokenizer_step(manager, recv, i, meta, support):
+    """The patched tokenizer manager's lines for one request (lists_or_abort,
+    then extend its state's lists and fill meta_info from them)."""
+    state = manager.rid_to_state[recv.rids[i]]
+    masks, logprobs = adapter.lists_or_abort(manager, recv, i, meta, support_logprobs=support)
+    state.output_token_sampling_mask.extend(masks)
+    state.output_token_sampling_logprobs.extend(logprobs)
+    meta[adapter.MASK_FIELD] = state.output_token_sampling_mask
+    meta[adapter.LOGPROBS_FIELD] = state.output_token_sampling_logprobs
+    meta[adapter.LENGTH_FIELD] = len(state.output_token_sampling_mask)
+
+
+def run_tokenizer(emissions, modes):
+    """Each emission through tokenizer_step; the meta_info per emission."""
+    from types import SimpleNamespace
+
+    rids = [f"r{i}" for i in range(len(modes))]
+    manager = SimpleNamespace(abort_request=lambda rid: None, rid_to_state={
+        rid: SimpleNamespace(output_token_sampling_mask=[], output_token_sampling_logprobs=[])
+        for rid in rids})
+    metas = []
+    for chunks in emissions:
+        recv = SimpleNamespace(rids=rids, finished_reasons=[None] * len(rids),
+                               output_token_sampling_mask=chunks)
+        metas.append([{} for _ in rids])
+        for i, mode in enumerate(modes):
+            tokenizer_step(manager, recv, i, metas[-1][i], mode == "support")
+    return metas
+
+
+def assert_arrays_equal_lists(csr, logprobs_face, masks, values, support):
+    """Row for row: the CSR's arrays hold what the lists hold."""
+    assert isinstance(csr, adapter.SamplingMaskCSR)
+    assert isinstance(logprobs_face, adapter.SamplingLogprobsCSR)
+    assert len(csr) == len(masks) == len(logprobs_face) == len(values)
+    assert csr.token_ids.dtype == np.int32 and csr.lengths.dtype == np.int32
+    assert csr.logprobs.dtype == np.float32 and csr.status.dtype == np.uint8
+    offsets = csr.offsets
+    assert offsets[0] == 0 and offsets[-1] == csr.token_ids.size
+    assert csr.logprobs.size == (csr.token_ids.size if support else len(csr))
+    for i, (row, value) in enumerate(zip(masks, values, strict=True)):
+        ids = csr.token_ids[offsets[i]:offsets[i + 1]]
+        if row is None:  # a dropped row: None in both lists
+            assert value is None and csr.status[i] != 0 and csr.lengths[i] == 0
+            assert csr[i] is None and logprobs_face[i] is None
+            continue
+        assert csr.status[i] == 0 and ids.tolist() == row and csr[i].tolist() == row
+        if support:
+            got = csr.logprobs[offsets[i]:offsets[i + 1]]
+            assert got.tolist() == value and logprobs_face[i].tolist() == value
+        else:
+            assert float(csr.logprobs[i]) == value == logprobs_face[i]
+    assert csr.to_lists() == (masks, values)
+
+
+def test_arrays_mode_equals_lists_row_for_row(writer, monkeypatch):
+    """The same stream (mixed modes, dropped rows) read in lists mode and in
+    arrays mode, through the patched tokenizer manager's lines: the CSR
+    arrays hold the lists' values row for row, at every emission."""
+    modes = ["support", "selected", "support", "selected"]
+    rows_a, as_lists = stream_with_drops(writer, 7, modes)
+    lists_metas = run_tokenizer(as_lists, modes)
+    rows_b, as_arrays = stream_with_drops(writer, 7, modes)
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    arrays_metas = run_tokenizer(as_arrays, modes)
+    dropped = 0
+    for lists_meta, arrays_meta in zip(lists_metas, arrays_metas, strict=True):
+        for i, mode in enumerate(modes):
+            want, got = lists_meta[i], arrays_meta[i]
+            masks, values = want[adapter.MASK_FIELD], want[adapter.LOGPROBS_FIELD]
+            assert isinstance(masks, list)  # the default: SGLang's lists
+            assert got[adapter.LENGTH_FIELD] == want[adapter.LENGTH_FIELD]
+            assert got[adapter.LOGPROBS_FIELD].rows is got[adapter.MASK_FIELD]  # one storage
+            # meta_info holds the state's growing object: compare up to its length then
+            n = got[adapter.LENGTH_FIELD]
+            assert_arrays_equal_lists(got[adapter.MASK_FIELD][:n],
+                                      got[adapter.LOGPROBS_FIELD][:n], masks[:n], values[:n],
+                                      mode == "support")
+            dropped += sum(m is None for m in masks)
+    assert dropped > 5
+    for r in rows_a + rows_b:
+        r.close()
+
+
+def test_arrays_are_copies_and_the_ring_record_is_released(writer, monkeypatch):
+    """One copy out of the ring, then the record goes back: the writer
+    reclaims the whole ring while the arrays still hold the rows (also after
+    the ring reused the space), and a later extend never changes a view
+    taken before it."""
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    modes = ["support", "selected"]
+    rows, emissions = stream_with_drops(writer, 8, modes)
+    final = run_tokenizer(emissions, modes)[-1]
+    csrs = [meta[adapter.MASK_FIELD] for meta in final]
+    snapshots = [(c.token_ids.copy(), c.logprobs.copy(), c.lengths.copy()) for c in csrs]
+    assert all(chunk.rows_ is False for chunks in emissions for chunk in chunks)  # released
+    for r in rows:
+        r.close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0, "every chunk's record must be back after the copy"
+    # The ring reuses the space: the arrays are the request's own.
+    more, later = stream_with_drops(writer, 99, modes)
+    run_tokenizer(later, modes)
+    for csr, (ids, logprobs, lengths) in zip(csrs, snapshots, strict=True):
+        np.testing.assert_array_equal(csr.token_ids, ids)
+        np.testing.assert_array_equal(csr.logprobs.view(np.uint32), logprobs.view(np.uint32))
+        np.testing.assert_array_equal(csr.lengths, lengths)
+        assert not csr.token_ids.flags.writeable
+    view, count = csrs[0].token_ids, len(csrs[0])
+    csrs[0].extend(csrs[0][:])  # grows past its buffers
+    assert len(csrs[0]) == 2 * count
+    np.testing.assert_array_equal(view, snapshots[0][0])
+    np.testing.assert_array_equal(csrs[0].token_ids, np.concatenate([snapshots[0][0]] * 2))
+    for r in more:
+        r.close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0
+
+
+def test_arrays_mode_incremental_slices_and_coalescing_as_sglang_does(writer, monkeypatch):
+    """SGLang slices meta_info values with [offset:] (incremental streaming)
+    and joins queued chunks by iterating them: both give the lists' rows."""
+    modes = ["support", "selected"]
+    rows_a, as_lists = stream_with_drops(writer, 9, modes)
+    lists_final = run_tokenizer(as_lists, modes)[-1]
+    rows_b, as_arrays = stream_with_drops(writer, 9, modes)
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    arrays_final = run_tokenizer(as_arrays, modes)[-1]
+    for i, mode in enumerate(modes):
+        masks = lists_final[i][adapter.MASK_FIELD]
+        values = lists_final[i][adapter.LOGPROBS_FIELD]
+        csr = arrays_final[i][adapter.MASK_FIELD]
+        face = arrays_final[i][adapter.LOGPROBS_FIELD]
+        for offset in range(len(masks) + 1):
+            assert_arrays_equal_lists(csr[offset:], face[offset:], masks[offset:],
+                                      values[offset:], mode == "support")
+        joined = [item for item in csr]  # what _coalesce_streaming_chunks does
+        assert [None if x is None else x.tolist() for x in joined] == masks
+        joined = [item for item in face]
+        assert [x if x is None or isinstance(x, float) else x.tolist()
+                for x in joined] == values
+        np.testing.assert_array_equal(np.asarray(face), csr.logprobs)
+    for r in rows_a + rows_b:
+        r.close()
+
+
+def test_default_mask_format_is_lists(writer, monkeypatch, config):
+    assert adapter.mask_format() == "lists"
+    assert shmask.Config.from_env({}).mask_format == "lists"
+    assert shmask.Config.from_env({"SHMASK_MASK_FORMAT": "Arrays"}).mask_format == "arrays"
+    with pytest.raises(shmask.ConfigError, match="SHMASK_MASK_FORMAT='csv'"):
+        shmask.Config.from_env({"SHMASK_MASK_FORMAT": "csv"})
+    with pytest.raises(shmask.ShmaskError, match="mask_format"):
+        adapter.configure(mask_format="csv")
+    arrays_reader = shmask.Reader(shmask.Config.from_env(
+        {"SHMASK_MASK_FORMAT": "arrays"}, ring_mb=1, name_prefix=config.name_prefix))
+    monkeypatch.setitem(adapter._ends, "reader", arrays_reader)
+    try:
+        assert adapter.mask_format() == "arrays"  # the Reader's SHMASK_MASK_FORMAT
+    finally:
+        arrays_reader.close()
+
+
+def test_to_arrays_of_one_chunk(writer):
+    rows, emissions = stream_with_drops(writer, 10, ["support"], emissions=1)
+    lists_rows, lists_emissions = stream_with_drops(writer, 10, ["support"], emissions=1)
+    csr = emissions[0][0].to_arrays(support_logprobs=True)
+    masks, values = lists_emissions[0][0].to_lists(support_logprobs=True)
+    assert_arrays_equal_lists(csr, csr.logprob_rows, masks, values, True)
+    with pytest.raises(shmask.ShmaskError, match="support"):
+        stream_with_drops(writer, 11, ["support"], emissions=1)[1][0][0].to_arrays(False)
+    for r in rows + lists_rows:
+        r.close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0

@@ -5,6 +5,7 @@ over real shared memory."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -121,3 +122,53 @@ def test_one_bad_reference_costs_only_its_own_output(pair, reader):
     assert "DoubleReleaseError" in outputs[0].error.message
     assert outputs[1].new_sampling_mask.token_ids.tolist() == [2, 3]
     assert outputs[2].new_sampling_mask.token_ids.tolist() == [4]
+
+
+# ------------------------------------------- arrays for in-process consumers
+def test_arrays_mode_equals_lists_position_for_position(writer, reader):
+    """The same step resolved in lists mode (the default: vLLM's own type)
+    and in arrays mode: to_nested_list gives int32 arrays equal to the lists,
+    one per position; the fields are the same."""
+    rng = np.random.default_rng(11)
+    positions = [1, 3, 2, 1]
+    rows = [np.sort(rng.choice(151_936, n, replace=False)) for n in rng.integers(0, 300, 7)]
+    publisher = shmask_vllm.MaskPublisher(writer, mask_lists=Masks)
+    lists = shmask_vllm.MaskResolver(reader, mask_lists=Masks)
+    arrays = shmask_vllm.MaskResolver(reader, mask_lists=Masks, mask_format="arrays")
+    assert lists.mask_format == "lists"
+    try:
+        kept = [1, 3, 1, 1]
+        first = publisher.publish_step(batch(rows, positions))
+        want = [lists.resolve(first.slice_request(i, n)) for i, n in enumerate(kept)]
+        second = publisher.publish_step(batch(rows, positions))
+        got = [arrays.resolve(second.slice_request(i, n)) for i, n in enumerate(kept)]
+        for w, g in zip(want, got, strict=True):
+            assert type(w) is Masks  # the default: vLLM's own type, its lists
+            assert isinstance(g, Masks) and type(g) is shmask_vllm.arrays_mask_type(Masks)
+            nested = g.to_nested_list()
+            assert all(isinstance(x, np.ndarray) and x.dtype == np.int32
+                       and not x.flags.writeable for x in nested)
+            assert [x.tolist() for x in nested] == w.to_nested_list()
+            np.testing.assert_array_equal(g.token_ids, w.token_ids)
+        ids, offsets = shmask_vllm.mask_csr(SimpleNamespace(
+            token_ids=[x for g in got for x in g.to_nested_list()]))
+        assert ids.dtype == np.int32 and offsets.tolist() == np.cumsum(
+            [0] + [len(r) for r in rows[:1] + rows[1:4] + rows[4:5] + rows[6:7]]).tolist()
+        np.testing.assert_array_equal(ids, np.concatenate(
+            rows[:1] + rows[1:4] + rows[4:5] + rows[6:7]))
+    finally:
+        publisher.close()  # frees its queues' buffers; published chunks stay until released
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0, "every record must be back after its copy"
+
+
+def test_arrays_mode_from_the_environment(reader, prefix):
+    config = shmask_vllm.adapter_config({"SHMASK_MASK_FORMAT": "arrays",
+                                         "SHMASK_NAME_PREFIX": prefix})
+    assert config.mask_format == "arrays"
+    with shmask.Reader(config) as own:
+        resolver = shmask_vllm.MaskResolver(own, mask_lists=Masks)
+        assert resolver.mask_format == "arrays"
+    with pytest.raises(shmask.ShmaskError, match="mask_format"):
+        shmask_vllm.MaskResolver(reader, mask_lists=Masks, mask_format="csv")
+    assert shmask_vllm.MaskResolver(reader, mask_lists=Masks).mask_format == "lists"

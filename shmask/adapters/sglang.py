@@ -33,6 +33,18 @@ aborts such requests) are None in ``to_lists`` (in place of the ids list and
 of the logprobs list or value) and null in the JSON parts, never an empty
 row; ``status`` gives each row's status.
 
+Arrays for in-process consumers (``SHMASK_MASK_FORMAT=arrays``, or
+``configure(mask_format="arrays")``): an RL framework that runs SGLang's
+``Engine`` in its own process receives the meta_info objects themselves, so
+``lists_or_abort`` copies each chunk's rows once out of the ring, straight
+into the request's ``SamplingMaskCSR`` (numpy buffers that grow by
+doubling), releases the record, and the two meta_info fields hold that
+object (``output_token_sampling_mask``) and its ``SamplingLogprobsCSR``
+face (``output_token_sampling_logprobs``): no Python list per row, no
+Python number per value. Both support what SGLang does with its lists
+(``len``, ``[offset:]`` for incremental streaming, iteration when it
+coalesces queued chunks). The default stays "lists": SGLang's lists, exactly.
+
 Failures (``lists_or_abort``, what the patched tokenizer manager calls in
 place of ``to_lists``): a chunk that cannot be read (read after
 ``SHMASK_LEASE_S``, a bad reference) finishes its own request with an abort
@@ -58,7 +70,8 @@ import msgspec
 import numpy as np
 import orjson
 
-from ..chunk import Chunk
+from ..chunk import ROW_OK, Chunk
+from ..config import MASK_FORMATS
 from ..errors import InvalidRefError, InvalidRowsError, ShmaskError
 from ..reader import Reader
 from ..refs import ChunkRef, RefBatch
@@ -67,6 +80,8 @@ from ..writer import RowQueue, Writer, _as_array
 log = logging.getLogger("shmask")
 
 __all__ = [
+    "SamplingLogprobsCSR",
+    "SamplingMaskCSR",
     "SamplingMaskChunk",
     "SamplingMaskJSON",
     "SamplingMaskRows",
@@ -76,6 +91,7 @@ __all__ = [
     "default_writer",
     "flush",
     "lists_or_abort",
+    "mask_format",
     "release_chunk",
     "response_meta_info",
     "split_refs",
@@ -88,16 +104,31 @@ LENGTH_FIELD = "output_token_sampling_mask_length"
 STATUS_OK = 0  # sglang.srt.layers.logits_processor.SamplingMaskStatus.OK
 
 # -------------------------------------------------------- process-wide ends
-_ends: dict[str, Any] = {"writer": None, "reader": None}
+_ends: dict[str, Any] = {"writer": None, "reader": None, "mask_format": None}
 
 
-def configure(writer: Writer | None = None, reader: Reader | None = None) -> None:
+def configure(writer: Writer | None = None, reader: Reader | None = None,
+              mask_format: str | None = None) -> None:
     """Use this Writer (scheduler) / Reader (tokenizer) instead of the
-    default ones made from SHMASK_* on first use."""
+    default ones made from SHMASK_* on first use; ``mask_format`` ("lists"
+    or "arrays") overrides the Reader's SHMASK_MASK_FORMAT."""
+    if mask_format is not None and mask_format not in MASK_FORMATS:
+        raise ShmaskError(f"mask_format={mask_format!r} is invalid: accepted "
+                          f"{', '.join(MASK_FORMATS)}")
     if writer is not None:
         _ends["writer"] = writer
     if reader is not None:
         _ends["reader"] = reader
+    if mask_format is not None:
+        _ends["mask_format"] = mask_format
+
+
+def mask_format() -> str:
+    """What the tokenizer manager's meta_info gets: "lists" (SGLang's) or
+    "arrays" (``SamplingMaskCSR``); from ``configure`` or the Reader's
+    SHMASK_MASK_FORMAT."""
+    chosen = _ends["mask_format"]
+    return chosen if chosen is not None else default_reader().config.mask_format
 
 
 def default_writer() -> Writer:
@@ -195,6 +226,14 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
         finally:
             self.release()
 
+    def to_arrays(self, support_logprobs: bool) -> SamplingMaskCSR:
+        """The rows as a ``SamplingMaskCSR`` (numpy arrays, one copy out of
+        the ring; a row whose status is not OK: length 0 and its status);
+        then the ring record is released."""
+        rows = SamplingMaskCSR(support_logprobs)
+        rows.extend(self)
+        return rows
+
     def to_json_parts(self, support_logprobs: bool) -> tuple[bytes, bytes, int]:
         """(ids rows, logprobs, row count) as the JSON arrays SGLang's lists
         would be written as, built from the rows (a row whose status is not
@@ -258,9 +297,21 @@ def lists_or_abort(manager: Any, recv_obj: Any, index: int, meta_info: dict[str,
     output to the waiting handler (which answers the client with that error)
     and drops the state; the scheduler is told to abort it (``AbortReq``), and
     its later outputs, if any, find no state and are released. Returns
-    ``([], [])`` for a failed request."""
+    ``([], [])`` for a failed request.
+
+    In arrays mode (``mask_format()``) the rows are copied into the
+    request state's ``SamplingMaskCSR`` instead (its two sampling-mask
+    fields are replaced by it and its logprobs face on the first call) and
+    ``([], [])`` is returned: SGLang's ``extend`` of those adds nothing, and
+    its meta_info then carries the CSR objects."""
     chunk = recv_obj.output_token_sampling_mask[index]
     try:
+        if mask_format() == "arrays":
+            # The rows go straight into the request's CSR buffers, which the
+            # patched code's extend calls then leave as they are.
+            state = manager.rid_to_state[recv_obj.rids[index]]
+            _csr_of(state, support_logprobs).extend(chunk)
+            return [], []
         return chunk.to_lists(support_logprobs=support_logprobs)
     except Exception as exc:  # noqa: BLE001 - any read failure costs this request only
         rid = recv_obj.rids[index]
@@ -288,6 +339,266 @@ def _check_mode(rows: Chunk, support_logprobs: bool) -> None:
     if rows.rows and rows.support_mode != bool(support_logprobs):
         raise ShmaskError(f"chunk holds {rows.mode_name}-mode rows; the request asked for "
                           f"support_logprobs={bool(support_logprobs)}")
+
+
+# ---------------------------------------------- tokenizer: arrays (in-process)
+def _readonly(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+class SamplingMaskCSR:
+    """A request's sampling-mask rows as numpy arrays in CSR form: what
+    ``output_token_sampling_mask`` holds in arrays mode.
+
+    ``lengths`` int32 [rows] (0 for a dropped row), ``token_ids`` int32
+    [nnz] (each row's ascending ids, back to back; bitmask rows decoded),
+    ``offsets`` int64 [rows + 1] (row i is ``token_ids[offsets[i]:
+    offsets[i + 1]]``), ``status`` uint8 [rows] (``shmask.chunk.ROW_OK``,
+    ``ROW_OVERFLOW``, ``ROW_INVALID``: a row that is not OK is None in the
+    lists form), ``logprobs`` float32: [nnz] aligned with ``token_ids``
+    (support mode) or [rows] (selected mode; NaN for a dropped row).
+
+    The arrays are read-only views of buffers this object owns: rows are
+    copied into them once, out of the ring (``extend``), and the ring
+    record is released. A later ``extend`` writes past the rows a view
+    shows, or into new buffers, so a view taken earlier never changes.
+    ``len`` counts rows; ``[start:stop]`` is a CSR of those rows (views);
+    ``[i]`` and iteration give each row's ids (None for a dropped row), as
+    the lists do. ``logprob_rows`` is the same rows' logprobs face.
+    """
+
+    __slots__ = ("support", "_lengths", "_status", "_ids", "_logprobs", "_rows", "_nnz",
+                 "_offsets")
+
+    def __init__(self, support_logprobs: bool) -> None:
+        self.support = bool(support_logprobs)
+        self._lengths = np.empty(0, np.int32)
+        self._status = np.empty(0, np.uint8)
+        self._ids = np.empty(0, np.int32)
+        self._logprobs = np.empty(0, np.float32)
+        self._rows = self._nnz = 0
+        self._offsets: np.ndarray | None = None
+
+    @classmethod
+    def _of(cls, support: bool, lengths: np.ndarray, status: np.ndarray, ids: np.ndarray,
+            logprobs: np.ndarray) -> SamplingMaskCSR:
+        # Buffers exactly full: an extend of this object reallocates, so it
+        # never writes into the arrays it was made from.
+        out = cls(support)
+        out._lengths, out._status, out._ids, out._logprobs = lengths, status, ids, logprobs
+        out._rows, out._nnz = lengths.size, ids.size
+        return out
+
+    # ------------------------------------------------------------ arrays
+    @property
+    def lengths(self) -> np.ndarray:
+        return _readonly(self._lengths[:self._rows])
+
+    @property
+    def status(self) -> np.ndarray:
+        return _readonly(self._status[:self._rows])
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return _readonly(self._ids[:self._nnz])
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return _readonly(self._logprobs[:self._nnz if self.support else self._rows])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None or self._offsets.size != self._rows + 1:
+            offsets = np.zeros(self._rows + 1, np.int64)
+            np.cumsum(self._lengths[:self._rows], out=offsets[1:])
+            self._offsets = offsets
+        return _readonly(self._offsets)
+
+    @property
+    def logprob_rows(self) -> SamplingLogprobsCSR:
+        return SamplingLogprobsCSR(self)
+
+    def __len__(self) -> int:
+        return self._rows
+
+    # ------------------------------------------------------------- grow
+    def extend(self, rows: Any) -> None:
+        """Append rows: a chunk (``SamplingMaskChunk``: copied out of the
+        ring, then released; a shmask ``Chunk``: copied, left to its
+        owner) or another ``SamplingMaskCSR``. An empty sequence adds
+        nothing (SGLang's extend of what ``lists_or_abort`` returns)."""
+        if isinstance(rows, SamplingMaskChunk):
+            chunk = rows._open()
+            try:
+                self._extend_chunk(chunk)
+            finally:
+                rows.release()
+        elif isinstance(rows, Chunk):
+            self._extend_chunk(rows)
+        elif isinstance(rows, SamplingMaskCSR):
+            if len(rows) and rows.support != self.support:
+                raise ShmaskError("cannot extend support-mode rows with selected-mode rows "
+                                  "or the reverse")
+            self._append(rows.lengths, rows.status, rows.token_ids, rows.logprobs)
+        elif len(rows):
+            raise TypeError(f"SamplingMaskCSR.extend takes chunks or SamplingMaskCSR rows, "
+                            f"not {type(rows).__name__} with items")
+
+    def _extend_chunk(self, chunk: Chunk) -> None:
+        _check_mode(chunk, self.support)
+        ids, offsets = chunk.csr()  # bitmask rows decoded; views of the ring otherwise
+        count, nnz = chunk.rows, int(offsets[-1])
+        self._reserve(count, nnz)
+        start, begin = self._rows, self._nnz
+        self._lengths[start:start + count] = chunk.lengths
+        self._status[start:start + count] = chunk.status
+        self._ids[begin:begin + nnz] = ids
+        if self.support:
+            self._logprobs[begin:begin + nnz] = chunk.logprobs
+        else:
+            values = self._logprobs[start:start + count]
+            values[:] = chunk.logprobs
+            if chunk.flags is not None:
+                values[chunk.status != ROW_OK] = np.nan  # no value was sent
+        # The copy is good only if the record was not reclaimed under it;
+        # the rows count only once it is known to be.
+        chunk.check()
+        self._rows, self._nnz = start + count, begin + nnz
+
+    def _append(self, lengths: np.ndarray, status: np.ndarray, ids: np.ndarray,
+                logprobs: np.ndarray) -> None:
+        count, nnz = lengths.size, ids.size
+        self._reserve(count, nnz)
+        start, begin = self._rows, self._nnz
+        self._lengths[start:start + count] = lengths
+        self._status[start:start + count] = status
+        self._ids[begin:begin + nnz] = ids
+        at = begin if self.support else start
+        self._logprobs[at:at + logprobs.size] = logprobs
+        self._rows, self._nnz = start + count, begin + nnz
+
+    def _reserve(self, count: int, nnz: int) -> None:
+        # Doubling: a streamed request's rows are copied O(1) times each.
+        self._lengths = _grown(self._lengths, self._rows, self._rows + count)
+        self._status = _grown(self._status, self._rows, self._rows + count)
+        self._ids = _grown(self._ids, self._nnz, self._nnz + nnz)
+        used = self._nnz if self.support else self._rows
+        self._logprobs = _grown(self._logprobs, used, used + (nnz if self.support else count))
+
+    # ----------------------------------------------------- as SGLang uses it
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._rows)
+            if step != 1:
+                raise ValueError("SamplingMaskCSR slices take a step of 1")
+            stop = max(start, stop)
+            offsets = self.offsets
+            lo, hi = int(offsets[start]), int(offsets[stop])
+            logprobs = self._logprobs[lo:hi] if self.support else self._logprobs[start:stop]
+            return SamplingMaskCSR._of(self.support, self._lengths[start:stop],
+                                       self._status[start:stop], self._ids[lo:hi], logprobs)
+        index = range(self._rows)[key]
+        if self._status[index] != ROW_OK:
+            return None
+        offsets = self.offsets
+        return self.token_ids[int(offsets[index]):int(offsets[index + 1])]
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(self._rows))
+
+    def to_lists(self) -> tuple[list[list[int] | None], list[Any]]:
+        """The lists form of the same rows (what ``to_lists`` of their
+        chunks would have returned, concatenated)."""
+        bounds = self.offsets.tolist()
+        all_ids = self.token_ids.tolist()
+        ids: list[Any] = [all_ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        values = self.logprobs.tolist()
+        logprobs: list[Any] = ([values[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+                               if self.support else values)
+        for dropped in np.flatnonzero(self.status != ROW_OK).tolist():
+            ids[dropped] = logprobs[dropped] = None
+        return ids, logprobs
+
+    def __repr__(self) -> str:
+        mode = "support" if self.support else "selected"
+        return f"SamplingMaskCSR({mode}, rows={self._rows}, nnz={self._nnz})"
+
+
+class SamplingLogprobsCSR:
+    """The logprobs face of a ``SamplingMaskCSR``: what
+    ``output_token_sampling_logprobs`` holds in arrays mode. ``values``
+    (also ``np.asarray(...)``) is the float32 array, ``rows`` the CSR it
+    belongs to (its ``offsets`` split support-mode values into rows).
+    ``len`` counts rows; ``[start:stop]`` is the face of those rows; ``[i]``
+    and iteration give a row's logprobs (float32 array in support mode, a
+    float in selected mode, None for a dropped row), as the lists do.
+    ``extend`` accepts only an empty sequence: rows come in through the
+    ``SamplingMaskCSR``."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: SamplingMaskCSR) -> None:
+        self.rows = rows
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.rows.logprobs
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        values = self.rows.logprobs
+        if dtype is not None and np.dtype(dtype) != values.dtype:
+            return values.astype(dtype)
+        return values.copy() if copy else values
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def extend(self, values: Any) -> None:
+        if len(values):
+            raise TypeError("logprobs come in with their rows: extend the SamplingMaskCSR")
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            return SamplingLogprobsCSR(self.rows[key])
+        rows = self.rows
+        index = range(len(rows))[key]
+        if rows.status[index] != ROW_OK:
+            return None
+        if not rows.support:
+            return float(rows.logprobs[index])
+        offsets = rows.offsets
+        return rows.logprobs[int(offsets[index]):int(offsets[index + 1])]
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self.rows)))
+
+    def __repr__(self) -> str:
+        return f"SamplingLogprobsCSR({self.rows!r})"
+
+
+def _grown(buffer: np.ndarray, used: int, needed: int) -> np.ndarray:
+    if needed <= buffer.size:
+        return buffer
+    grown = np.empty(max(needed, 2 * buffer.size), buffer.dtype)
+    grown[:used] = buffer[:used]
+    return grown
+
+
+def _csr_of(state: Any, support_logprobs: bool) -> SamplingMaskCSR:
+    """The request state's CSR rows; on the first chunk, its two (empty)
+    sampling-mask lists are replaced by the CSR and its logprobs face."""
+    current = state.output_token_sampling_mask
+    if isinstance(current, SamplingMaskCSR):
+        return current
+    if len(current):
+        raise ShmaskError("this request already holds its sampling masks as lists: "
+                          "the mask format changed while it ran")
+    rows = SamplingMaskCSR(support_logprobs)
+    state.output_token_sampling_mask = rows
+    state.output_token_sampling_logprobs = rows.logprob_rows
+    return rows
 
 
 class SamplingMaskArrays(msgspec.Struct, array_like=True, gc=False):

@@ -43,6 +43,18 @@ naming what was wrong (AsyncLLM raises it to that request's caller as a
 id so the frontend aborts it in the engine core. The other outputs of the
 message resolve as usual; nothing raises out of ``resolve_outputs``.
 
+Arrays for in-process consumers (``SHMASK_MASK_FORMAT=arrays`` in the
+process that runs ``LLM.generate`` / ``AsyncLLM``, or
+``MaskResolver(mask_format="arrays")``): vLLM's output processor builds
+``CompletionOutput.sampling_mask.token_ids`` from each resolved mask's
+``to_nested_list()``; in arrays mode the resolver returns a
+``SamplingMaskLists`` subclass (``arrays_mask_type``) whose
+``to_nested_list()`` gives each position's ids as a read-only int32 view of
+the one copy made out of the ring, so ``sampling_mask.token_ids`` is a list
+of numpy arrays (one per generated token, as vLLM's list is) and no Python
+int is made per id. ``mask_csr`` joins them into CSR arrays. The default
+("lists") leaves vLLM's lists exactly as they are.
+
 docs/integrations/vllm.md has the patch that wires both calls into vLLM.
 """
 
@@ -55,7 +67,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..config import Config
+from ..config import MASK_FORMATS, Config
 from ..errors import InvalidRefError, InvalidRowsError, ShmaskError, StaleChunkError
 from ..reader import Reader
 from ..refs import ENTRY_DTYPE, KIND_INLINE, KIND_SHM, ChunkRef, RefBatch
@@ -137,6 +149,53 @@ def adapter_config(environ: dict[str, str] | None = None) -> Config:
     if "SHMASK_QUEUE_ROWS" not in env:
         overrides["queue_rows"] = VLLM_QUEUE_ROWS
     return Config.from_env(env, **overrides)
+
+
+_ARRAYS_TYPES: dict[type, type] = {}
+
+
+def arrays_mask_type(base: type | None = None) -> type:
+    """A subclass of ``base`` (vLLM's SamplingMaskLists, or the stand-in)
+    whose ``to_nested_list()`` returns each position's ids as a read-only
+    int32 numpy view instead of a list (arrays mode). Same fields, so vLLM's
+    code that slices or inspects the mask sees what it expects."""
+    base = base or mask_type()
+    cached = _ARRAYS_TYPES.get(base)
+    if cached is not None:
+        return cached
+
+    def to_nested_list(self: Any) -> list[np.ndarray]:
+        ids = self.token_ids.view()
+        ids.flags.writeable = False
+        if self.offsets is None:
+            return [ids]
+        bounds = self.offsets.tolist()
+        return [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def slice_request(self: Any, req_idx: int, num_positions: int) -> Any:
+        # vLLM trims a request's mask after a stop string: keep the type.
+        sliced = base.slice_request(self, req_idx, num_positions)  # type: ignore[attr-defined]
+        return type(self)(*sliced)
+
+    namespace: dict[str, Any] = {"__slots__": (), "to_nested_list": to_nested_list,
+                                 "__doc__": f"{base.__name__} whose to_nested_list() gives "
+                                            "numpy arrays (shmask arrays mode)."}
+    if hasattr(base, "slice_request"):
+        namespace["slice_request"] = slice_request
+    cached = _ARRAYS_TYPES[base] = type("SamplingMaskArrays", (base,), namespace)
+    return cached
+
+
+def mask_csr(sampling_mask: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(token_ids int32 [nnz], offsets int64 [positions + 1]) of a
+    CompletionOutput's ``sampling_mask`` (either form): position i's ids are
+    ``token_ids[offsets[i]:offsets[i + 1]]``."""
+    rows = sampling_mask.token_ids
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, rows), np.int64, len(rows)), out=offsets[1:])
+    if not rows:
+        return np.zeros(0, np.int32), offsets
+    return np.concatenate([np.asarray(r, np.int32) for r in rows]), offsets
 
 
 def is_ref(mask: Any) -> bool:
@@ -298,14 +357,24 @@ class StepMasks:
 class MaskResolver:
     """The frontend's side (the output processor's process)."""
 
-    def __init__(self, reader: Reader | None = None, mask_lists: type | None = None) -> None:
+    def __init__(self, reader: Reader | None = None, mask_lists: type | None = None,
+                 mask_format: str | None = None) -> None:
         self.reader = reader if reader is not None else Reader(adapter_config())
         self._mask_lists = mask_lists or mask_type()
+        # "lists": vLLM's own type (it builds lists); "arrays": the subclass
+        # whose to_nested_list gives numpy views (SHMASK_MASK_FORMAT).
+        self.mask_format = mask_format or self.reader.config.mask_format
+        if self.mask_format not in MASK_FORMATS:
+            raise ShmaskError(f"mask_format={self.mask_format!r} is invalid: accepted "
+                              f"{', '.join(MASK_FORMATS)}")
+        self._resolved_type = (arrays_mask_type(self._mask_lists) if self.mask_format == "arrays"
+                               else self._mask_lists)
 
     def resolve(self, mask: Any) -> Any:
-        """The SamplingMaskLists vLLM would have sent: token ids copied out of
-        the ring (int32, rows sent as bitmasks decoded), offsets when there
-        are several positions. A mask that is not a reference (or None) is
+        """The SamplingMaskLists vLLM would have sent (in arrays mode, the
+        ``arrays_mask_type`` subclass): token ids copied out of the ring
+        (int32, rows sent as bitmasks decoded), offsets when there are
+        several positions. A mask that is not a reference (or None) is
         returned as it is. A kept row whose status is not OK (sent without
         its ids) raises RowDroppedError: vLLM's lists cannot say so."""
         if not is_ref(mask):
@@ -387,7 +456,7 @@ class MaskResolver:
             token_ids = ids[:int(offsets[positions])].copy()
             out_offsets = None if positions == 1 else offsets[:positions + 1].copy()
             chunk.check()  # the copy is good only if the record was not reclaimed under it
-        return self._mask_lists(token_ids, out_offsets)
+        return self._resolved_type(token_ids, out_offsets)
 
     def close(self) -> None:
         self.reader.close()

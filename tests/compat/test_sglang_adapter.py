@@ -466,3 +466,129 @@ def test_speculative_rows_follow_accepted_tokens():
     masks, logprobs = reqs[2].sampling_mask_rows.take().to_lists(True)
     assert masks == [[0, 1]]
     assert logprobs == [[float(np.float32(np.log(0.75))), float(np.float32(np.log(0.25)))]]
+
+
+# ----------------------------------------- arrays for in-process consumers
+def _stream_with_drops(writer, seed: int, modes, emissions: int = 3, steps: int = 3):
+    """Chunks per emission; rows of mixed lengths, some OVERFLOW / INVALID
+    (sent with their status and no ids, as an engine aborting such requests
+    may send them)."""
+    rng = np.random.default_rng(seed)
+    rows = [adapter.SamplingMaskRows(m) for m in modes]
+    out = []
+    for _ in range(emissions):
+        for _ in range(steps):
+            for r in rows:
+                status = int(rng.choice([0, 0, 0, 1, 2]))
+                n = 0 if status else int(rng.integers(0, 9))
+                ids = np.sort(rng.choice(151_936, n, replace=False)).astype(np.int32)
+                values = (rng.standard_normal(n) - 3).astype(np.float32)
+                writer.append_step(np.array([r.handle], np.int64), np.array([n], np.int32), ids,
+                                   values if r.support else np.zeros(n, np.float32),
+                                   (rng.standard_normal(1) - 1).astype(np.float32),
+                                   status=np.array([status], np.uint8))
+        out.append(adapter.take_all(rows))
+    return rows, out
+
+
+def _tokenizer_outputs(monkeypatch, emissions, modes, stream: bool, incremental: bool):
+    """The emissions through the patched TokenizerManager._handle_batch_output
+    (BatchTokenIDOutput via SGLang's msgpack codec, the last one finishing
+    the requests); what each request's out_list holds, as Engine.generate's
+    caller receives it from _wait_one_response."""
+    manager = tokenizer_manager.TokenizerManager.__new__(tokenizer_manager.TokenizerManager)
+    manager.rid_to_state = {}
+    manager.enable_metrics = manager.enable_lora = False
+    manager.incremental_streaming_output = incremental
+    manager.dump_requests_folder = manager.crash_dump_folder = ""  # no request dumps
+    # Runtime settings a launched server publishes (this test builds none).
+    monkeypatch.setattr(tokenizer_manager, "get_serving",
+                        lambda: SimpleNamespace(batch_notify_size=16))
+    monkeypatch.setattr(tokenizer_manager, "get_spec",
+                        lambda: SimpleNamespace(speculative_algorithm=None))
+    monkeypatch.setattr(manager, "config_value", lambda name: None, raising=False)
+    rids = [f"req{i}" for i in range(len(modes))]
+    states = {}
+    for rid, mode in zip(rids, modes, strict=True):
+        obj = io_struct.GenerateReqInput(rid=rid, input_ids=[1, 2], return_sampling_mask=True,
+                                         sampling_logprobs_mode=mode, stream=stream)
+        states[rid] = manager.rid_to_state[rid] = tokenizer_manager.ReqState(
+            [], False, asyncio.Event(), obj, tokenizer_manager.APIServerReqTimeStats())
+    for e, chunks in enumerate(emissions):
+        last = e == len(emissions) - 1
+        batch = _batch(io_struct.BatchTokenIDOutput, rids, chunks)
+        batch.finished_reasons = [{"type": "length", "length": 9} if last else None] * len(rids)
+        batch.output_ids = [array("i", [7] * 3) for _ in rids]
+        batch.retraction_counts = [0] * len(rids)
+        batch.time_stats = None
+        asyncio.run(manager._handle_batch_output(hop_msgpack(batch)))
+    return manager, {rid: state.out_list for rid, state in states.items()}
+
+
+def _assert_rows_equal(ids_field, logprobs_field, masks, values, support):
+    """The arrays-mode fields hold the lists-mode fields' rows, row for row."""
+    if isinstance(ids_field, list):  # SGLang coalesced queued chunks: one item per row
+        assert len(ids_field) == len(masks) == len(logprobs_field)
+        for got, want in zip(ids_field, masks, strict=True):
+            assert (got is None and want is None) or got.tolist() == want
+        for got, want in zip(logprobs_field, values, strict=True):
+            assert (got is None and want is None) or (
+                (got.tolist() if support else got) == want)
+        return
+    assert isinstance(ids_field, adapter.SamplingMaskCSR)
+    assert isinstance(logprobs_field, adapter.SamplingLogprobsCSR)
+    assert len(ids_field) == len(masks) == len(logprobs_field) == len(values)
+    offsets = ids_field.offsets
+    for i, want in enumerate(masks):
+        if want is None:
+            assert values[i] is None and ids_field.status[i] != 0
+            assert ids_field.lengths[i] == 0
+            continue
+        assert ids_field.status[i] == 0
+        assert ids_field.token_ids[offsets[i]:offsets[i + 1]].tolist() == want
+        got = (logprobs_field.values[offsets[i]:offsets[i + 1]].tolist() if support
+               else float(logprobs_field.values[i]))
+        assert got == values[i]
+    assert ids_field.to_lists() == (masks, values)
+
+
+@pytest.mark.parametrize("kind", ["non-streaming", "streaming", "incremental"])
+def test_arrays_mode_in_the_tokenizer_managers_outputs(writer, monkeypatch, kind):
+    """SHMASK_MASK_FORMAT=arrays through the patched tokenizer manager's own
+    _handle_batch_output (and its incremental slicing, and its coalescing of
+    queued chunks): each output's meta_info holds CSR arrays equal to the
+    lists the default gives, row for row, dropped rows included; the
+    default is SGLang's lists; every ring record is back after the copy."""
+    modes = ["support", "selected", "support"]
+    stream, incremental = kind != "non-streaming", kind == "incremental"
+    rows_a, lists_emissions = _stream_with_drops(writer, 31, modes)
+    _, lists_outs = _tokenizer_outputs(monkeypatch, lists_emissions, modes, stream, incremental)
+    rows_b, arrays_emissions = _stream_with_drops(writer, 31, modes)
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    manager, arrays_outs = _tokenizer_outputs(monkeypatch, arrays_emissions, modes, stream,
+                                              incremental)
+    for r in rows_a + rows_b:
+        r.close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0, "every record must be back once copied"
+    dropped = 0
+    for (rid, want_outs), mode in zip(lists_outs.items(), modes, strict=True):
+        got_outs = arrays_outs[rid]
+        assert len(got_outs) == len(want_outs) == (3 if stream else 1)
+        for want, got in zip(want_outs, got_outs, strict=True):
+            wm, gm = want["meta_info"], got["meta_info"]
+            assert isinstance(wm["output_token_sampling_mask"], list)  # the default
+            assert gm["output_token_sampling_mask_length"] == wm["output_token_sampling_mask_length"]
+            _assert_rows_equal(gm["output_token_sampling_mask"],
+                               gm["output_token_sampling_logprobs"],
+                               wm["output_token_sampling_mask"],
+                               wm["output_token_sampling_logprobs"], mode == "support")
+            dropped += sum(m is None for m in wm["output_token_sampling_mask"])
+        if incremental:  # a caller that fell behind: SGLang joins the queued chunks
+            joined = [manager._coalesce_streaming_chunks(outs[1:], rid)["meta_info"]
+                      for outs in (want_outs, got_outs)]
+            _assert_rows_equal(joined[1]["output_token_sampling_mask"],
+                               joined[1]["output_token_sampling_logprobs"],
+                               joined[0]["output_token_sampling_mask"],
+                               joined[0]["output_token_sampling_logprobs"], mode == "support")
+    assert dropped > 0
