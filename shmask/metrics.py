@@ -10,6 +10,12 @@ discard on the reader side.
 
     import shmask.metrics
     shmask.metrics.enable()          # once per process, before Writers/Readers work
+    shmask.metrics.enable(labels={"tp_rank": "0"})   # or with the engine's rank labels
+
+docs/metrics.md lists every metric (name, type, unit, labels). The ring
+gauges carry a ``segment`` label (one series per Writer, cleared at its
+close); ``labels`` given to enable() are added to every metric, as the
+engines label theirs per rank.
 
 Metrics never fail a data call: an error from prometheus_client (its
 multiprocess directory removed, a full disk) is logged, at most once a
@@ -20,7 +26,10 @@ not hand over are retried at the next sync.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
+from collections.abc import Mapping
 from dataclasses import astuple, fields
 from typing import Any
 
@@ -28,8 +37,15 @@ log = logging.getLogger("shmask")
 
 _metrics: _Metrics | None = None
 # The metric objects made per (registry, namespace): prometheus_client
-# refuses to register a name twice, so enable() after disable() reuses them.
+# refuses to register a name twice, so enable() after disable() reuses them
+# (their label names are fixed then; the values may change).
 _made: dict[tuple[Any, str], _Metrics] = {}
+# Values of the constant labels given to enable(), in _Metrics.labels order.
+_label_values: tuple[str, ...] = ()
+# Segments whose ring gauges were set -> (their metrics, label values), to
+# clear them at the Writer's close (even after a disable()).
+_rings: dict[str, tuple[_Metrics, tuple[str, ...]]] = {}
+_LABEL_PATTERN = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _ERROR_INTERVAL_S = 60.0
 _errors = {"pending": 0, "last": -_ERROR_INTERVAL_S}
 
@@ -53,11 +69,14 @@ _READER_COUNTERS = {
 
 
 class _Metrics:
-    def __init__(self, registry: Any, namespace: str) -> None:
+    def __init__(self, registry: Any, namespace: str, labels: tuple[str, ...]) -> None:
         from prometheus_client import Counter, Gauge
 
-        def counter(name: str, help_text: str, labels: tuple[str, ...] = ()) -> Any:
-            return Counter(name, help_text, labels, namespace=namespace, registry=registry)
+        self.labels = labels
+
+        def counter(name: str, help_text: str, extra: tuple[str, ...] = ()) -> Any:
+            return Counter(name, help_text, labels + extra, namespace=namespace,
+                           registry=registry)
 
         self.producer = {field: counter(name, help_text)
                          for field, (name, help_text) in _PRODUCER_COUNTERS.items()}
@@ -65,20 +84,31 @@ class _Metrics:
                               ("reason",))
         self.reader = {field: counter(name, help_text)
                        for field, (name, help_text) in _READER_COUNTERS.items()}
-        # livesum: in multiprocess mode the rings of live producers add up.
+        # One series per ring (segment label). livesum: in multiprocess mode
+        # a dead process's series stay until mark_process_dead(pid) (docs/metrics.md).
+        ring_labels = labels + ("segment",)
         self.ring_used = Gauge("ring_used_bytes", "Bytes between the ring's tail and head",
-                               namespace=namespace, registry=registry,
+                               ring_labels, namespace=namespace, registry=registry,
                                multiprocess_mode="livesum")
-        self.ring_capacity = Gauge("ring_capacity_bytes", "Data bytes of the rings",
-                                   namespace=namespace, registry=registry,
+        self.ring_capacity = Gauge("ring_capacity_bytes", "Data bytes of the ring",
+                                   ring_labels, namespace=namespace, registry=registry,
                                    multiprocess_mode="livesum")
 
+    def series(self, metric: Any, *extra: str) -> Any:
+        """The metric's child for this process's constant labels (+ extra)."""
+        values = _label_values + extra
+        return metric.labels(*values) if values else metric
 
-def enable(registry: Any = None, namespace: str = "shmask") -> None:
-    """Export shmask's counters through prometheus_client (default registry
-    unless one is given). Idempotent per process; enable() after disable()
-    feeds the same metric objects again."""
-    global _metrics
+
+def enable(registry: Any = None, namespace: str = "shmask",
+           labels: Mapping[str, object] | None = None) -> None:
+    """Export shmask's metrics through prometheus_client (default registry
+    unless one is given). ``labels``: constant labels added to every metric
+    of this process (e.g. the engine's ``{"tp_rank": 0, "dp_rank": 1}``);
+    their names are fixed by the first enable() for a registry. Idempotent
+    per process; enable() after disable() feeds the same metric objects
+    again."""
+    global _metrics, _label_values
     if _metrics is not None:
         return
     try:
@@ -86,10 +116,22 @@ def enable(registry: Any = None, namespace: str = "shmask") -> None:
     except ImportError:
         raise ImportError("shmask.metrics needs prometheus_client: "
                           "pip install 'shmask[metrics]'") from None
+    names = tuple(labels or ())
+    for name in names:
+        if not _LABEL_PATTERN.match(name) or name in ("segment", "reason") \
+                or name.startswith("__"):
+            raise ValueError(f"metric label {name!r} is invalid: use letters, digits and _ "
+                             "(not segment or reason, which shmask sets)")
     key = (registry if registry is not None else prometheus_client.REGISTRY, namespace)
     if key not in _made:
-        _made[key] = _Metrics(*key)
-    _metrics = _made[key]
+        _made[key] = _Metrics(*key, names)
+    made = _made[key]
+    if made.labels != names:
+        raise ValueError(f"shmask metrics of namespace {namespace!r} are registered with "
+                         f"labels {list(made.labels)}; enable() was given {list(names)} "
+                         "(label names are fixed per process and registry)")
+    _label_values = tuple(str(labels[name]) for name in names) if labels else ()
+    _metrics = made
 
 
 def disable() -> None:
@@ -102,20 +144,47 @@ def enabled() -> bool:
     return _metrics is not None
 
 
-def sync(stats: Any, synced: Any, ring_usage: tuple[int, int] | None = None) -> None:
+def sync(stats: Any, synced: Any, ring_usage: tuple[int, int] | None = None,
+         segment: str = "") -> None:
     """Hand the increments of a WriterStats or ReaderStats since `synced`
-    (a snapshot of the same type, updated in place) to prometheus_client.
-    Never raises: it runs inside data calls (take_batch, open, discard)."""
+    (a snapshot of the same type, updated in place) to prometheus_client,
+    and set the ring gauges of `segment` (a Writer's segment name) to
+    `ring_usage` (used, capacity). Never raises: it runs inside data calls
+    (take_batch, open, discard)."""
     metrics = _metrics
     if metrics is None:
         return
     try:
-        _sync(metrics, stats, synced, ring_usage)
+        _sync(metrics, stats, synced, ring_usage if segment else None, segment)
     except Exception:  # noqa: BLE001 - metrics must never fail a data call
         _log_error()
 
 
-def _sync(metrics: _Metrics, stats: Any, synced: Any, ring_usage: tuple[int, int] | None) -> None:
+def forget_ring(segment: str) -> None:
+    """A Writer closed (or was collected): its ring gauges go. In
+    prometheus_client's multiprocess mode series cannot be removed, so they
+    read 0 until the process ends and is marked dead (docs/metrics.md).
+    Never raises."""
+    entry = _rings.pop(segment, None)
+    if entry is None:
+        return
+    metrics, values = entry
+    try:
+        for gauge in (metrics.ring_used, metrics.ring_capacity):
+            gauge.labels(*values, segment).set(0)
+            if not _multiprocess_mode():
+                gauge.remove(*values, segment)
+    except Exception:  # noqa: BLE001 - runs in close() and in a finalizer
+        _log_error()
+
+
+def _multiprocess_mode() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+                or os.environ.get("prometheus_multiproc_dir"))
+
+
+def _sync(metrics: _Metrics, stats: Any, synced: Any, ring_usage: tuple[int, int] | None,
+          segment: str) -> None:
     if astuple(stats) == astuple(synced):
         if ring_usage is None:
             return
@@ -125,17 +194,18 @@ def _sync(metrics: _Metrics, stats: Any, synced: Any, ring_usage: tuple[int, int
         if delta <= 0:
             continue
         if name in metrics.producer:
-            metrics.producer[name].inc(delta)
+            metrics.series(metrics.producer[name]).inc(delta)
         elif name in metrics.reader:
-            metrics.reader[name].inc(delta)
+            metrics.series(metrics.reader[name]).inc(delta)
         elif name.startswith("inline_") and name[7:] in _INLINE_REASONS:
-            metrics.inline.labels(reason=name[7:]).inc(delta)
+            metrics.series(metrics.inline, name[7:]).inc(delta)
         # Only once handed over: a failed increment is retried next time.
         setattr(synced, name, getattr(stats, name))
     if ring_usage is not None:
         used, capacity = ring_usage
-        metrics.ring_used.set(used)
-        metrics.ring_capacity.set(capacity)
+        metrics.series(metrics.ring_used, segment).set(used)
+        metrics.series(metrics.ring_capacity, segment).set(capacity)
+        _rings[segment] = (metrics, _label_values)
 
 
 def _log_error() -> None:

@@ -228,7 +228,7 @@ class Writer:
                 payload = pack_payload(lengths, None, ids, logprobs)
                 ref = self._inline_ref(code, rows, nnz, nnz, 0, payload, "ring_lost")
         if metrics.enabled():
-            metrics.sync(self.stats, self._synced, self.ring_usage())
+            metrics.sync(self.stats, self._synced, self.ring_usage(), self.segment_name)
         return ref
 
     # ------------------------------------------------------------ RowQueues
@@ -357,7 +357,7 @@ class Writer:
         segments = [(self.segment_name, self.epoch, host_id())] if self.segment else []
         self.reclaim()
         if metrics.enabled():  # once per emission: nothing per step or per row
-            metrics.sync(self.stats, self._synced, self.ring_usage())
+            metrics.sync(self.stats, self._synced, self.ring_usage(), self.segment_name)
         return RefBatch.build(segments, entries, inline_chunks)
 
     # ------------------------------------------------------------ lifecycle
@@ -411,6 +411,7 @@ class Writer:
             self._queues.clear()
             lib.shm_ring_free(self._ring)  # private buffers; the ring goes with the segment
             if self.segment is not None:
+                metrics.forget_ring(self.segment.name)  # its gauges go with the ring
                 self.segment.close()
 
     def __enter__(self) -> Writer:
@@ -418,6 +419,13 @@ class Writer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def sync_metrics(self) -> None:
+        """Hand the stats and the ring gauges to shmask.metrics now (they
+        are otherwise handed over once per emission): what an adapter calls
+        right after enabling metrics, so the ring shows from the start."""
+        if metrics.enabled() and not self.closed:
+            metrics.sync(self.stats, self._synced, self.ring_usage(), self.segment_name)
 
     def ring_usage(self) -> tuple[int, int]:
         """(bytes in use between tail and head, ring capacity)."""
@@ -727,6 +735,7 @@ def _give_back(ring: Any, segment: Segment | None) -> None:
     into the mapping), then the segment's name, lock and mapping."""
     lib.shm_ring_free(ring)  # idempotent: close() may have run it already
     if segment is not None:
+        metrics.forget_ring(segment.name)
         segment.release()
 
 

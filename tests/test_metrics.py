@@ -51,6 +51,8 @@ def test_scrape_counts_producer_and_reader(registry, prefix):
         assert inline > 0, "the 1 MiB ring should have filled"
         reader.discard_batch(held)
         used, capacity = writer.ring_usage()
+        ring = (("segment", writer.segment_name),)
+        live = _samples(prometheus_client.generate_latest(registry).decode())
     samples = _samples(prometheus_client.generate_latest(registry).decode())
     assert samples[("shmask_producer_chunks_total", ())] == 4 + 200
     assert samples[("shmask_producer_rows_total", ())] == 12 + sum(r.rows for r in held)
@@ -60,8 +62,9 @@ def test_scrape_counts_producer_and_reader(registry, prefix):
     assert samples[("shmask_reader_discards_total", ())] == 2 + 200 - inline
     assert samples[("shmask_reader_invalid_total", ())] + samples[
         ("shmask_reader_stale_total", ())] == 1
-    assert samples[("shmask_ring_capacity_bytes", ())] == capacity
-    assert samples[("shmask_ring_used_bytes", ())] == used
+    assert live[("shmask_ring_capacity_bytes", ring)] == capacity
+    assert live[("shmask_ring_used_bytes", ring)] == used
+    assert ("shmask_ring_capacity_bytes", ring) not in samples  # cleared at close
 
 
 def test_multiprocess_mode_adds_up_across_processes(tmp_path, prefix):
@@ -109,3 +112,118 @@ def test_multiprocess_mode_adds_up_across_processes(tmp_path, prefix):
     assert samples[("shmask_producer_chunks_total", ())] == 6
     assert samples[("shmask_producer_rows_total", ())] == 6
     assert samples[("shmask_reader_stale_total", ())] == 6
+
+
+def _ring_gauges(registry) -> dict[str, tuple[float, float]]:
+    """segment -> (used, capacity) from a scrape."""
+    samples = _samples(prometheus_client.generate_latest(registry).decode())
+    out: dict[str, list[float]] = {}
+    for (name, labels), value in samples.items():
+        if name in ("shmask_ring_used_bytes", "shmask_ring_capacity_bytes"):
+            slot = out.setdefault(dict(labels)["segment"], [0.0, 0.0])
+            slot[name == "shmask_ring_capacity_bytes"] = value
+    return {segment: (used, capacity) for segment, (used, capacity) in out.items()}
+
+
+def test_two_writers_in_one_process_show_two_rings_and_close_clears_each(registry, prefix):
+    small = shmask.Writer(shmask.Config(ring_mb=8, name_prefix=prefix))
+    large = shmask.Writer(shmask.Config(ring_mb=16, name_prefix=prefix))
+    try:
+        for writer in (small, large):
+            queue = writer.open_queue("selected")
+            writer.append_step([queue], np.array([3], np.int32), np.arange(3, dtype=np.int32),
+                               np.zeros(1, np.float32))
+            shmask.Reader(writer.config).discard_batch(writer.take_batch([queue]))
+        gauges = _ring_gauges(registry)
+        assert gauges[small.segment_name][1] == 8 << 20
+        assert gauges[large.segment_name][1] == 16 << 20
+        assert gauges[small.segment_name][0] > 0  # the chunk's record until reclaimed
+        small.close()
+        gauges = _ring_gauges(registry)
+        assert small.segment_name not in gauges
+        assert gauges[large.segment_name][1] == 16 << 20
+    finally:
+        small.close()
+        large.close()
+    assert _ring_gauges(registry) == {}
+
+
+def test_sync_metrics_shows_a_new_ring_before_its_first_emission(registry, prefix):
+    with shmask.Writer(shmask.Config(ring_mb=2, name_prefix=prefix)) as writer:
+        assert _ring_gauges(registry) == {}
+        writer.sync_metrics()
+        assert _ring_gauges(registry) == {writer.segment_name: (0, 2 << 20)}
+
+
+def test_constant_labels_are_added_to_every_metric(prefix):
+    registry = prometheus_client.CollectorRegistry()
+    metrics.enable(registry, labels={"tp_rank": 1, "dp_rank": "0"})
+    try:
+        with shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)) as writer:
+            queue = writer.open_queue("selected")
+            writer.append_step([queue], np.array([2], np.int32), np.arange(2, dtype=np.int32),
+                               np.zeros(1, np.float32))
+            shmask.Reader(writer.config).discard_batch(writer.take_batch([queue]))
+            samples = _samples(prometheus_client.generate_latest(registry).decode())
+            rank = (("dp_rank", "0"), ("tp_rank", "1"))
+            assert samples[("shmask_producer_chunks_total", rank)] == 1
+            assert samples[("shmask_ring_capacity_bytes",
+                            tuple(sorted(rank + (("segment", writer.segment_name),))))] == 1 << 20
+    finally:
+        metrics.disable()
+    with pytest.raises(ValueError, match="tp_rank"):
+        metrics.enable(registry, labels={"rank": 1})  # other names: the registry has tp_rank
+    assert not metrics.enabled()
+    with pytest.raises(ValueError, match="segment"):
+        metrics.enable(prometheus_client.CollectorRegistry(), labels={"segment": 1})
+
+
+def test_dead_writer_rings_stay_until_mark_process_dead(tmp_path, prefix):
+    """Multiprocess mode: a producer that closed its Writer shows 0; one that
+    died without closing keeps its livesum gauges until
+    multiprocess.mark_process_dead(pid) removes its files."""
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), SHMASK_NAME_PREFIX=prefix,
+               SHMASK_RING_MB="1")
+    producer = textwrap.dedent("""
+        import os, sys, shmask, shmask.metrics
+        shmask.metrics.enable()
+        closed, dying = shmask.Writer(), shmask.Writer()
+        closed.sync_metrics(); dying.sync_metrics()
+        closed.close()
+        print(os.getpid(), closed.segment_name, dying.segment_name, flush=True)
+        os._exit(0)   # dies without closing `dying` (its segment is collected below)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", producer], env=env, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    pid, closed, dying = out.split()
+    scrape = textwrap.dedent("""
+        import sys
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+        if len(sys.argv) > 1:
+            multiprocess.mark_process_dead(int(sys.argv[1]))
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        print(generate_latest(registry).decode())
+    """)
+
+    def capacities(*args: str) -> dict[str, float]:
+        text = subprocess.run([sys.executable, "-c", scrape, *args], env=env,
+                              capture_output=True, text=True, timeout=60, check=True,
+                              start_new_session=True).stdout
+        return {dict(labels)["segment"]: value
+                for (name, labels), value in _samples(text).items()
+                if name == "shmask_ring_capacity_bytes"}
+
+    try:
+        assert capacities() == {closed: 0, dying: 1 << 20}
+        assert capacities(pid) == {}
+    finally:
+        # The dead producer's segment: a new Writer collects it.
+        with shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)):
+            pass
