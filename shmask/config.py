@@ -1,14 +1,19 @@
 """Configuration from SHMASK_* environment variables.
 
 Every field has a default; a bad value fails at start with a message naming
-the variable and the accepted range (docs/configuration.md lists them).
+the variable and the accepted range (docs/configuration.md lists them). An
+empty value means unset. A SHMASK_* variable that is not a setting (a typo:
+SHMASK_RINGMB, say) warns once per process, naming the closest setting; the
+variables the test suite and benchmarks read are known and never warn.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -16,7 +21,18 @@ from .errors import ConfigError
 
 TRANSPORTS = ("shm", "inline")
 GPU_DIRECT = ("auto", "off")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Python logging's level names (WARN and FATAL are its aliases of WARNING
+# and CRITICAL, normalised to those).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "NOTSET")
+_LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
+# Boolean spellings, compared case-insensitively.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+# SHMASK_* variables that are not Config settings but are read elsewhere
+# (the test suite, the Makefile, benchmarks): never reported as unknown.
+# Names under these prefixes are free for such uses too.
+OTHER_VARIABLES = frozenset({"SHMASK_FAULTS_FULL", "SHMASK_TEST_GPU", "SHMASK_PACKAGE_CHECK"})
+OTHER_PREFIXES = ("SHMASK_TEST_", "SHMASK_BENCH_", "SHMASK_FAULTS_")
 MASK_FORMATS = ("lists", "arrays")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
@@ -31,8 +47,22 @@ def _default_json_threads() -> int:
     return max(1, min(4, usable))
 
 
-_NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": str.upper,
-              "SHMASK_GPU_DIRECT": str.lower, "SHMASK_MASK_FORMAT": str.lower}
+def _log_level(raw: str) -> str:
+    level = raw.upper()
+    return _LEVEL_ALIASES.get(level, level)
+
+
+def _gpu_direct(raw: str) -> str:
+    # "auto" or "off"; the boolean spellings mean the same (on: auto, as
+    # the GPU path needs CUDA to be there).
+    value = raw.lower()
+    if value in FALSE_WORDS:
+        return "off"
+    return "auto" if value in TRUE_WORDS else value
+
+
+_NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": _log_level,
+              "SHMASK_GPU_DIRECT": _gpu_direct, "SHMASK_MASK_FORMAT": str.lower}
 
 
 @dataclass(frozen=True)
@@ -103,12 +133,13 @@ class Config:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Config:
         """Build a Config from SHMASK_* variables; keyword overrides win."""
         env = os.environ if environ is None else environ
+        _warn_unknown(env)
         values: dict[str, object] = {}
         for field in fields(cls):
             name = "SHMASK_" + field.name.upper()
-            if name not in env:
-                continue
-            raw = env[name].strip()
+            raw = env.get(name, "").strip()
+            if not raw:
+                continue  # unset, or set to nothing: the default
             values[field.name] = _parse(name, raw, type(getattr(cls, field.name)))
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
@@ -120,9 +151,47 @@ class Config:
         logging.getLogger("shmask").setLevel(self.log_level)
 
 
+class UnknownVariableWarning(UserWarning):
+    """A SHMASK_* environment variable that no setting reads."""
+
+
+def variable_names() -> tuple[str, ...]:
+    """The SHMASK_* variables Config reads."""
+    return tuple("SHMASK_" + field.name.upper() for field in fields(Config))
+
+
+_warned: set[str] = set()  # unknown names already reported by this process
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    known = variable_names()
+    for name in env:
+        if (not name.startswith("SHMASK_") or name in known or name in OTHER_VARIABLES
+                or name.startswith(OTHER_PREFIXES) or name in _warned):
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
+        warnings.warn(f"{name} is not a shmask setting and is ignored ({hint})",
+                      UnknownVariableWarning, stacklevel=3)
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """on/off, true/false, yes/no, 1/0, in any case."""
+    value = raw.strip().lower()
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    raise ConfigError(f"{name}={raw!r} is invalid: accepted {'/'.join(TRUE_WORDS)} or "
+                      f"{'/'.join(FALSE_WORDS)} (any case)")
+
+
 def _parse(name: str, raw: str, kind: type) -> object:
     if kind is str:
         return _NORMALIZE.get(name, str)(raw)
+    if kind is bool:
+        return parse_bool(name, raw)
     try:
         return kind(raw)
     except ValueError:
