@@ -19,7 +19,7 @@ Consumer (tokenizer)::
 
 import importlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .config import Config
 from .errors import (
@@ -33,7 +33,21 @@ from .errors import (
     ShmaskError,
     StaleChunkError,
 )
-from .refs import ChunkRef, RefBatch, msgpack_enc_hook, msgpack_ext_hook
+from .refs import ChunkRef, RefBatch, msgpack_ext_hook
+from .refs import msgpack_enc_hook as _refs_msgpack_enc_hook
+
+
+def msgpack_enc_hook(obj: Any) -> Any:
+    """msgspec.msgpack enc_hook: RefBatch/ChunkRef travel as one ext object.
+    Needs msgspec (the ``msgpack`` extra); without it the error says so."""
+    try:
+        return _refs_msgpack_enc_hook(obj)
+    except ModuleNotFoundError as exc:
+        if exc.name != "msgspec":
+            raise
+        raise ImportError(f"shmask.msgpack_enc_hook needs msgspec ({exc}): "
+                          "pip install 'shmask[msgpack]'") from exc
+
 
 # The transport's classes load the compiled core (shmask._native), so they are
 # imported on first use: shmask.kernels, shmask.config and shmask.refs work

@@ -6,7 +6,14 @@ tests/compat checks the same against the released SGLang modules."""
 from __future__ import annotations
 
 import gc
+import importlib.util
+import os
 import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import types
 
 import msgspec
 import numpy as np
@@ -604,3 +611,129 @@ def test_to_arrays_of_one_chunk(writer):
         r.close()
     writer.reclaim()
     assert writer.ring_usage()[0] == 0
+
+
+# ------------------------------------------------------------- start-up
+def _server_args(**fields):
+    """The two ServerArgs attributes start_scheduler reads (SGLang 0.5.23's
+    names; tests/compat checks them on the released package)."""
+    return types.SimpleNamespace(**({"sampling_mask_max_tokens": 4096, "enable_metrics": False}
+                                    | fields))
+
+
+def test_start_scheduler_creates_the_ring_before_any_request(monkeypatch, prefix):
+    monkeypatch.setitem(adapter._ends, "writer", None)
+    monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix)
+    monkeypatch.setenv("SHMASK_RING_MB", "2")
+    writer = adapter.start_scheduler(_server_args())
+    try:
+        assert adapter._ends["writer"] is writer and not writer.closed
+        assert prefix in writer.segment_name
+        assert writer.config.ring_capacity_bytes == 2 << 20
+        # The first request's rows use that ring: no Writer is made for it.
+        rows = adapter.SamplingMaskRows("selected")
+        assert rows.writer is writer
+        assert adapter.start_scheduler(_server_args()) is writer  # idempotent
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("start", [adapter.start_scheduler, adapter.start_tokenizer])
+def test_start_refuses_max_tokens_below_sglangs_and_names_both(start, monkeypatch, prefix):
+    monkeypatch.setitem(adapter._ends, "writer", None)
+    monkeypatch.setitem(adapter._ends, "reader", None)
+    monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix)
+    monkeypatch.setenv("SHMASK_MAX_TOKENS", "2048")
+    with pytest.raises(shmask.ConfigError) as info:
+        start(_server_args(sampling_mask_max_tokens=4096))
+    message = str(info.value)
+    assert "SHMASK_MAX_TOKENS=2048" in message
+    assert "--sampling-mask-max-tokens=4096" in message
+    assert adapter._ends["writer"] is None and adapter._ends["reader"] is None  # nothing made
+    monkeypatch.setenv("SHMASK_MAX_TOKENS", "4096")  # equal is enough
+    made = start(_server_args(sampling_mask_max_tokens=4096))
+    made.close()
+
+
+def test_start_scheduler_turns_metrics_on_with_sglangs_rank_labels(prefix):
+    """In a child (metrics are process-wide): SGLang's --enable-metrics on,
+    its collector's labels on shmask's series, the ring shown at start."""
+    child = textwrap.dedent("""
+        import types
+        from prometheus_client import REGISTRY, generate_latest
+        from shmask import metrics
+        from shmask.adapters import sglang
+        args = types.SimpleNamespace(sampling_mask_max_tokens=4096, enable_metrics=False)
+        sglang.start_scheduler(args).close()
+        assert not metrics.enabled()
+        sglang._ends["writer"] = None
+        args.enable_metrics = True
+        writer = sglang.start_scheduler(args, metrics_labels={
+            "model_name": "m", "tp_rank": 1, "pp_rank": 0, "dp_rank": None, "priority": ""})
+        print(writer.segment_name)
+        print(generate_latest(REGISTRY).decode())
+        writer.close()
+    """)
+    pytest.importorskip("prometheus_client")
+    env = dict(os.environ, SHMASK_NAME_PREFIX=prefix, SHMASK_RING_MB="1")
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    segment, text = out.split("\n", 1)
+    labels = f'model_name="m",pp_rank="0",segment="{segment}",tp_rank="1"'
+    line = f"shmask_ring_capacity_bytes{{{labels}}} 1.048576e+06"
+    assert line in text.splitlines()
+
+
+def _without_msgspec(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a child where msgspec cannot be imported (a base
+    install without the msgpack extra)."""
+    blocker = textwrap.dedent("""
+        import sys
+        class _NoMsgspec:
+            def find_spec(self, name, path=None, target=None):
+                if name == "msgspec" or name.startswith("msgspec."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, _NoMsgspec())
+    """)
+    return subprocess.run([sys.executable, "-c", blocker + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=60, start_new_session=True)
+
+
+def test_without_msgspec_the_errors_name_the_extra():
+    done = _without_msgspec("""
+        import shmask
+        try:
+            import shmask.adapters.sglang
+        except ImportError as exc:
+            print("sglang:", exc)
+        batch = shmask.RefBatch.from_bytes(shmask.RefBatch.build([], [], []).to_bytes())
+        try:
+            shmask.msgpack_enc_hook(batch)
+        except ImportError as exc:
+            print("hook:", exc)
+    """)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    for what in ("sglang", "hook"):
+        assert "msgspec" in lines[what] and "pip install 'shmask[msgpack]'" in lines[what]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang not installed")
+def test_sglang_server_args_carry_what_start_reads():
+    """The released ServerArgs has the two attributes (flat, as the
+    scheduler reads them) with the defaults the docs state."""
+    child = ("from sglang.srt.server_args import ServerArgs\n"
+             "args = ServerArgs(model_path='m')\n"
+             "print(args.sampling_mask_max_tokens, args.enable_metrics)\n")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=120, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["4096", "False"]
+    assert shmask.Config().max_tokens >= 4096  # the defaults agree

@@ -51,6 +51,13 @@ place of ``to_lists``): a chunk that cannot be read (read after
 finish reason carrying the error, as SGLang finishes a failed request; the
 other requests of the message and the tokenizer's loop go on.
 
+Start-up (``start_scheduler`` / ``start_tokenizer``, called once per
+process by the patched Scheduler / TokenizerManager ``__init__``): the
+rank's ring is created before the first request (a 1 GiB ring takes
+seconds to create; lazily, the first masked request would pay it),
+SHMASK_MAX_TOKENS is checked against ``--sampling-mask-max-tokens``, and
+shmask's metrics are turned on when SGLang's ``--enable-metrics`` is.
+
 Lifetime (the ring record of a chunk): ``to_lists`` builds the lists and then
 releases the record (SGLang calls it once per chunk); ``release()`` gives it
 back without reading (an aborted request whose chunk arrives after its state
@@ -63,16 +70,22 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import msgspec
+try:
+    import msgspec
+except ImportError as exc:  # exercised in a subprocess by tests/test_adapter_sglang.py
+    raise ImportError(
+        f"shmask.adapters.sglang needs msgspec ({exc}): pip install 'shmask[msgpack]' "
+        "(SGLang itself depends on it, so a working SGLang install has it)") from exc
 import numpy as np
 import orjson
 
+from .. import metrics
 from ..chunk import ROW_OK, Chunk
-from ..config import MASK_FORMATS
-from ..errors import InvalidRefError, InvalidRowsError, ShmaskError
+from ..config import MASK_FORMATS, Config
+from ..errors import ConfigError, InvalidRefError, InvalidRowsError, ShmaskError
 from ..reader import Reader
 from ..refs import ChunkRef, RefBatch
 from ..writer import RowQueue, Writer, _as_array
@@ -95,6 +108,8 @@ __all__ = [
     "release_chunk",
     "response_meta_info",
     "split_refs",
+    "start_scheduler",
+    "start_tokenizer",
     "take_all",
 ]
 
@@ -145,6 +160,77 @@ def default_reader() -> Reader:
     if reader is None:
         reader = _ends["reader"] = Reader()
     return reader
+
+
+# ------------------------------------------------------------- start-up
+# SGLang's metric labels that name the process (SchedulerMetricsCollector's
+# and the tokenizer's); "priority" is per series there, not per process.
+_NOT_PROCESS_LABELS = ("priority",)
+
+
+def check_max_tokens(config: Config, server_args: Any) -> None:
+    """SHMASK_MAX_TOKENS must hold the widest row SGLang sends:
+    ``--sampling-mask-max-tokens`` ids (wider supports abort the request in
+    SGLang). Below it, the scheduler's ``rows.append`` would refuse rows."""
+    limit = getattr(server_args, "sampling_mask_max_tokens", None)
+    if limit is None:
+        return
+    if config.max_tokens < int(limit):
+        raise ConfigError(
+            f"SHMASK_MAX_TOKENS={config.max_tokens} is below SGLang's "
+            f"--sampling-mask-max-tokens={limit}: a sampling-mask row can hold up to {limit} "
+            f"ids and shmask would refuse it at rows.append. Set SHMASK_MAX_TOKENS to "
+            f"{limit} or more, or lower --sampling-mask-max-tokens")
+
+
+def _enable_metrics(server_args: Any, enable: bool | None,
+                    labels: Mapping[str, Any] | None) -> bool:
+    on = bool(getattr(server_args, "enable_metrics", False)) if enable is None else enable
+    if not on or metrics.enabled():
+        return metrics.enabled()
+    process_labels = {str(name): value for name, value in (labels or {}).items()
+                      if value is not None and name not in _NOT_PROCESS_LABELS}
+    try:
+        metrics.enable(labels=process_labels)
+    except (ImportError, ValueError) as exc:
+        # The engine's metrics go on without shmask's: never fail its start.
+        log.warning("shmask metrics not enabled: %s", exc)
+        return False
+    return True
+
+
+def start_scheduler(server_args: Any = None, *, metrics_labels: Mapping[str, Any] | None = None,
+                    enable_metrics: bool | None = None) -> Writer:
+    """Scheduler start-up, once per scheduler process (one per TP/PP/DP
+    rank): check SHMASK_MAX_TOKENS against ``server_args``'s
+    ``sampling_mask_max_tokens`` (ConfigError naming both), create the
+    rank's Writer now (its ring: SHMASK_RING_MB of /dev/shm per rank), and
+    enable shmask.metrics when ``server_args.enable_metrics`` (or
+    ``enable_metrics``) is true, with ``metrics_labels`` (SGLang's
+    ``self.metrics_collector.labels``: model_name, tp_rank, pp_rank, ...)
+    on every series. Returns the Writer (``default_writer()`` from then on)."""
+    writer = _ends["writer"]
+    config = writer.config if writer is not None and not writer.closed else Config.from_env()
+    check_max_tokens(config, server_args)
+    on = _enable_metrics(server_args, enable_metrics, metrics_labels)
+    writer = default_writer()
+    if on:
+        writer.sync_metrics()  # the ring's gauges from the start
+    log.info("shmask ring %s ready: %d MiB", writer.segment_name or "(inline)",
+             writer.config.ring_capacity_bytes >> 20)
+    return writer
+
+
+def start_tokenizer(server_args: Any = None, *, metrics_labels: Mapping[str, Any] | None = None,
+                    enable_metrics: bool | None = None) -> Reader:
+    """Tokenizer-manager start-up: the same SHMASK_MAX_TOKENS check (a
+    reader refuses references to longer rows), the process's Reader, and
+    shmask.metrics when ``server_args.enable_metrics`` is true. Returns the
+    Reader."""
+    reader = _ends["reader"]
+    check_max_tokens(reader.config if reader is not None else Config.from_env(), server_args)
+    _enable_metrics(server_args, enable_metrics, metrics_labels)
+    return default_reader()
 
 
 # ---------------------------------------------------------------- the chunk
