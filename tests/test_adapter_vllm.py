@@ -4,7 +4,11 @@ over real shared memory."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import textwrap
 from types import SimpleNamespace
 
 import numpy as np
@@ -172,3 +176,58 @@ def test_arrays_mode_from_the_environment(reader, prefix):
     with pytest.raises(shmask.ShmaskError, match="mask_format"):
         shmask_vllm.MaskResolver(reader, mask_lists=Masks, mask_format="csv")
     assert shmask_vllm.MaskResolver(reader, mask_lists=Masks).mask_format == "lists"
+
+
+def test_empty_values_mean_unset_for_the_adapters_defaults():
+    config = shmask_vllm.adapter_config({"SHMASK_MAX_TOKENS": "", "SHMASK_QUEUE_ROWS": " "})
+    assert config.max_tokens == shmask_vllm.VLLM_MAX_TOKENS
+    assert config.queue_rows == shmask_vllm.VLLM_QUEUE_ROWS
+
+
+def test_start_engine_core_makes_the_ring_before_the_first_step(monkeypatch, prefix):
+    monkeypatch.setattr(shmask_vllm, "_publisher", None)
+    monkeypatch.setattr(shmask_vllm, "mask_type", lambda: shmask_vllm._MaskLists)  # no vLLM
+    monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix)
+    monkeypatch.setenv("SHMASK_RING_MB", "1")
+    publisher = shmask_vllm.start_engine_core()
+    try:
+        assert shmask_vllm._publisher is publisher and not publisher.writer.closed
+        assert prefix in publisher.writer.segment_name
+        assert shmask_vllm.start_engine_core() is publisher
+        steps = shmask_vllm.publish_step(batch([[5, 7]]))
+        assert shmask_vllm._publisher is publisher  # the first step used it
+        assert shmask_vllm.is_ref(steps.slice_request(0, 1))
+    finally:
+        publisher.close()
+
+
+def test_start_engine_core_turns_metrics_on_with_log_stats(prefix):
+    """In a child (metrics are process-wide): log_stats on, vLLM's labels
+    on shmask's series, the ring shown at start."""
+    pytest.importorskip("prometheus_client")
+    child = textwrap.dedent("""
+        from prometheus_client import REGISTRY, generate_latest
+        from shmask import metrics
+        from shmask.adapters import vllm
+        vllm.mask_type = lambda: vllm._MaskLists  # vLLM not imported: quick
+        vllm.start_frontend(log_stats=False)
+        assert not metrics.enabled()
+        publisher = vllm.start_engine_core(log_stats=True,
+                                           metrics_labels={"model_name": "m", "engine": 0})
+        print(publisher.writer.segment_name)
+        print(generate_latest(REGISTRY).decode())
+        publisher.close()
+    """)
+    env = dict(os.environ, SHMASK_NAME_PREFIX=prefix, SHMASK_RING_MB="1")
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    segment, text = out.split("\n", 1)
+    labels = f'engine="0",model_name="m",segment="{segment}"'
+    assert f"shmask_ring_capacity_bytes{{{labels}}} 1.048576e+06" in text.splitlines()

@@ -62,11 +62,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import metrics
 from ..config import MASK_FORMATS, Config
 from ..errors import InvalidRefError, InvalidRowsError, ShmaskError, StaleChunkError
 from ..reader import Reader
@@ -144,9 +145,10 @@ def adapter_config(environ: dict[str, str] | None = None) -> Config:
     """Config.from_env with vLLM's defaults for the settings left unset."""
     env = os.environ if environ is None else environ
     overrides: dict[str, Any] = {}
-    if "SHMASK_MAX_TOKENS" not in env:
+    # An empty value means unset, as in Config.from_env.
+    if not env.get("SHMASK_MAX_TOKENS", "").strip():
         overrides["max_tokens"] = VLLM_MAX_TOKENS
-    if "SHMASK_QUEUE_ROWS" not in env:
+    if not env.get("SHMASK_QUEUE_ROWS", "").strip():
         overrides["queue_rows"] = VLLM_QUEUE_ROWS
     return Config.from_env(env, **overrides)
 
@@ -497,6 +499,45 @@ def _kept_positions(kept: Sequence[int]) -> int:
 # resolver per frontend process, created on first use.
 _publisher: MaskPublisher | None = None
 _resolver: MaskResolver | None = None
+
+
+def _enable_metrics(log_stats: bool, labels: Mapping[str, Any] | None) -> bool:
+    if not log_stats or metrics.enabled():
+        return metrics.enabled()
+    try:
+        metrics.enable(labels={str(k): v for k, v in (labels or {}).items() if v is not None})
+    except (ImportError, ValueError) as exc:
+        log.warning("shmask metrics not enabled: %s", exc)  # vLLM's own go on
+        return False
+    return True
+
+
+def start_engine_core(*, log_stats: bool = False,
+                      metrics_labels: Mapping[str, Any] | None = None) -> MaskPublisher:
+    """Engine-core start-up with ``return_sampling_mask`` on (the patched
+    Scheduler.__init__ calls it): the process's publisher and its ring are
+    made now, not at the first step with masks (a 1 GiB ring takes
+    seconds), and shmask.metrics are enabled when vLLM's ``log_stats`` is
+    on, with ``metrics_labels`` (e.g. vLLM's ``{"model_name": ...,
+    "engine": ...}``) on every series. The engine core's series reach
+    vLLM's /metrics only in prometheus_client's multiprocess mode
+    (PROMETHEUS_MULTIPROC_DIR, which ``vllm serve --api-server-count`` > 1
+    sets up; docs/metrics.md). Returns the publisher."""
+    global _publisher
+    on = _enable_metrics(log_stats, metrics_labels)
+    if _publisher is None:
+        _publisher = MaskPublisher()
+    if on:
+        _publisher.writer.sync_metrics()
+    return _publisher
+
+
+def start_frontend(*, log_stats: bool = False,
+                   metrics_labels: Mapping[str, Any] | None = None) -> None:
+    """Frontend start-up (the patched OutputProcessor.__init__ calls it):
+    shmask's reader metrics on when vLLM's ``log_stats`` is. The resolver
+    itself stays lazy: it is cheap, and made only if references arrive."""
+    _enable_metrics(log_stats, metrics_labels)
 
 
 def publish_step(masks: Any) -> StepMasks | None:
