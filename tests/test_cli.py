@@ -6,7 +6,11 @@ import pty
 import subprocess
 import sys
 
+import pytest
+
 import shmask
+from shmask.cli import human_bytes
+from shmask.segment import list_segments
 
 
 def _cli(*args: str, columns: int = 200, python_args: tuple[str, ...] = ("-m", "shmask"),
@@ -106,3 +110,158 @@ def test_rich_table_on_a_terminal(writer):
         os.close(leader)
     text = output.decode(errors="replace")
     assert writer.segment_name in text and "┃" in text  # rich's table border
+
+
+# ------------------------------------------------- --json, sizes, --rings
+
+def test_json_before_or_after_the_command(writer, prefix):
+    for args in (["--json", "ls", "--prefix", prefix], ["ls", "--json", "--prefix", prefix],
+                 ["ls", "--prefix", prefix, "--json"]):
+        result = _cli(*args)
+        assert result.returncode == 0, (args, result.stderr)
+        names = [s["name"] for s in json.loads(result.stdout)["segments"]]
+        assert names == [writer.segment_name], args
+    for command in ("doctor", "gc"):
+        before, after = _cli("--json", command), _cli(command, "--json")
+        assert json.loads(before.stdout).keys() == json.loads(after.stdout).keys(), command
+
+
+def test_help_lists_every_command_with_json():
+    result = _cli("--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "--json machine-readable output, one JSON object (ls, gc, doctor, integrate)" in text
+    for command in ("ls", "gc", "doctor", "integrate"):
+        assert "--json" in _cli(command, "--help").stdout, command
+
+
+def test_sizes_in_human_units(writer, prefix):
+    assert [human_bytes(n) for n in (0, 1023, 1024, 2560, 3 * 2**20 // 2, 2**30, 5 * 2**40)] == [
+        "0 B", "1023 B", "1.0 KiB", "2.5 KiB", "1.5 MiB", "1.0 GiB", "5.0 TiB"]
+    info = next(s for s in list_segments(prefix) if s.name == writer.segment_name)
+    line = next(line for line in _cli("ls", "--prefix", prefix).stdout.splitlines()
+                if writer.segment_name in line)
+    assert f"  {human_bytes(info.size)}  " in line and "MiB" in human_bytes(info.size)
+
+
+def _room(result: subprocess.CompletedProcess) -> dict:
+    return next(c for c in json.loads(result.stdout)["checks"] if c["check"] == "room for rings")
+
+
+def test_doctor_counts_room_for_n_rings():
+    one = _room(_cli("doctor", "--json"))  # SHMASK_RING_MB=64
+    assert one["ok"] and one["rings"] == 1 and one["ring_bytes"] >= 64 * 2**20
+    three = _cli("doctor", "--rings", "3")
+    assert three.returncode == 0, three.stdout
+    assert f"3 ring(s) of {human_bytes(one['ring_bytes'])}" in three.stdout
+    assert f"need {human_bytes(3 * one['ring_bytes'])}" in three.stdout
+    too_many = one["free_bytes"] // one["ring_bytes"] + 1
+    result = _cli("--json", "doctor", "--rings", str(too_many))
+    assert result.returncode == 1
+    room = _room(result)
+    assert not room["ok"] and room["need_bytes"] == too_many * one["ring_bytes"] > room["free_bytes"]
+    assert "give it" in room["result"] and "--shm-size" in room["result"]
+
+
+def test_doctor_refuses_a_bad_ring_count():
+    for bad in ("0", "-2", "many"):
+        result = _cli("doctor", "--rings", bad)
+        assert result.returncode == 2 and "--rings" in result.stderr, bad
+
+
+# ---------------------------------------------------------------- integrate
+# A synthetic engine: each patched file holds only the patch's own "before"
+# lines (hunks apply at an offset, never with fuzz), with pip-style metadata.
+
+def _before_image(patch: str) -> dict[str, str]:
+    files: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in patch.splitlines():
+        if line.startswith("+++ b/"):
+            current = files.setdefault(line[len("+++ b/"):], [])
+        elif line.startswith(("---", "diff ", "@@")) or line.startswith("+"):
+            continue
+        elif line.startswith(("-", " ")) or line == "":
+            current.append(line[1:])
+    return {name: "\n".join(lines) + "\n" for name, lines in files.items()}
+
+
+def _fake_engine(site, name: str, version: str) -> dict[str, str]:
+    from shmask.integrate import ENGINES, patch_path
+
+    originals = _before_image(patch_path(ENGINES[name]).read_text())
+    for relative, text in originals.items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_text(text)
+    (site / name / "__init__.py").write_text("")
+    dist_info = site / f"{name}-{version}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return originals
+
+
+def _integrate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmask", "integrate", *args], capture_output=True,
+                          text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+
+
+def _files(site, originals) -> dict[str, str]:
+    return {relative: (site / relative).read_text() for relative in originals}
+
+
+@pytest.mark.parametrize("name,version", [("sglang", "0.5.23"), ("vllm", "0.33.0")])
+def test_integrate_checks_applies_and_reverts(tmp_path, name, version):
+    originals = _fake_engine(tmp_path, name, version)
+    site = ("--site", str(tmp_path))
+    check = _integrate(name, *site)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"{name} {version} in {tmp_path}" in check.stdout and "patch is not applied" in check.stdout
+    assert _files(tmp_path, originals) == originals  # a dry run
+    applied = _integrate(name, "--apply", *site)
+    assert applied.returncode == 0 and "applied: the patch is now applied" in applied.stdout
+    patched = _files(tmp_path, originals)
+    assert all(patched[f] != originals[f] for f in originals)
+    assert not list(tmp_path.rglob("*.orig")) and not list(tmp_path.rglob("*.rej"))
+    again = json.loads(_integrate(name, "--apply", "--json", *site).stdout)
+    assert again["state"] == "applied" and again["done"] == "" and again["ok"]
+    assert _files(tmp_path, originals) == patched  # not applied twice
+    reverted = _integrate(name, "--revert", *site)
+    assert reverted.returncode == 0 and "reverted: the patch is now not applied" in reverted.stdout
+    assert _files(tmp_path, originals) == originals
+
+
+def test_integrate_refuses_another_engine_version(tmp_path):
+    originals = _fake_engine(tmp_path, "sglang", "0.5.22")
+    result = _integrate("sglang", "--apply", "--site", str(tmp_path))
+    assert result.returncode == 1
+    text = " ".join(result.stdout.split())
+    assert "sglang 0.5.22 is installed" in text and "patch is for sglang 0.5.23 only" in text
+    assert "pip install 'sglang==0.5.23'" in text and "--force" in text
+    assert _files(tmp_path, originals) == originals
+    report = json.loads(_integrate("sglang", "--json", "--site", str(tmp_path)).stdout)
+    assert report["ok"] is False and "0.5.22" in report["error"]
+    forced = _integrate("sglang", "--apply", "--force", "--site", str(tmp_path))
+    assert forced.returncode == 0 and "patch made for 0.5.23; --force" in forced.stdout
+    assert _files(tmp_path, originals) != originals
+
+
+def test_integrate_says_when_the_files_differ(tmp_path):
+    originals = _fake_engine(tmp_path, "vllm", "0.33.0")
+    edited = "vllm/v1/engine/output_processor.py"
+    before = {**originals, edited: originals[edited].replace("reqs_to_abort", "to_abort")}
+    (tmp_path / edited).write_text(before[edited])
+    result = _integrate("vllm", "--apply", "--site", str(tmp_path))
+    assert result.returncode == 1
+    assert "does not apply" in result.stdout and "vllm==0.33.0" in result.stdout
+    assert "FAILED" in result.stdout  # patch's own word on the hunk
+    assert _files(tmp_path, originals) == before  # nothing half-applied: the dry run came first
+
+
+def test_integrate_without_the_engine_or_its_metadata(tmp_path):
+    result = _integrate("vllm", "--site", str(tmp_path))
+    assert result.returncode == 1 and f"{tmp_path} holds no vllm package" in result.stdout
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    result = _integrate("vllm", "--site", str(tmp_path))
+    assert result.returncode == 1 and "cannot tell which vllm version" in result.stdout
+    assert _cli("integrate", "tgi").returncode == 2

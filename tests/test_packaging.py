@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,37 @@ def test_extras_match_imports():
                      "'prometheus_client') if m in sys.modules))")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_patches_are_package_data_in_one_place():
+    """The engine patches ship inside the package (python -m shmask integrate)
+    and the sdist; docs/integrations holds the guides, not a second copy."""
+    assert "integrations/*.patch" in PYPROJECT["tool"]["setuptools"]["package-data"]["shmask"]
+    assert "include shmask/integrations/*.patch" in (ROOT / "MANIFEST.in").read_text()
+    assert sorted(p.name for p in (ROOT / "shmask" / "integrations").glob("*.patch")) == [
+        "sglang.patch", "vllm.patch"]
+    assert not list((ROOT / "docs").rglob("*.patch"))
+
+
+def test_license_is_the_declared_one():
+    text = (ROOT / "LICENSE").read_text()
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_demo_and_serve_install_only_what_they_run():
+    """`make demo`/`make serve`: their own venv, the examples/server extras,
+    pip's progress visible; no torch, triton or test tools."""
+    makefile = (ROOT / "Makefile").read_text()
+    installs = [line for line in makefile.splitlines() if "$(DEMO_PY) -m pip install" in line]
+    assert len(installs) >= 2
+    for line in installs:
+        assert " -q" not in line and "torch" not in line
+        extras = set(re.findall(r"\.\[([a-z,]+)\]", line)[0].split(",")) if ".[" in line else set()
+        assert extras <= {"examples", "server"}, line
+    assert re.search(r"^demo: \$\(DEMO_STAMP\)\n\t\$\(DEMO_PY\) examples/pipeline.py", makefile, re.M)
+    assert re.search(r"^serve: \$\(SERVE_STAMP\)\n\t\$\(DEMO_PY\) examples/server.py", makefile, re.M)
 
 
 def test_kernels_without_torch_name_the_extra():
@@ -131,17 +163,26 @@ def test_sdist_holds_the_native_sources():
     for needed in ("native/build.py", "native/shmask_core.c", "native/shmask_core.h",
                    "native/shmask_layout.h", "native/shmask_exit.c", "native/shmask_exit.h",
                    "setup.py", "pyproject.toml", "shmask/_native.pyi",
-                   "kernels/__init__.py"):
+                   "kernels/__init__.py", "LICENSE", "shmask/integrations/sglang.patch",
+                   "shmask/integrations/vllm.patch", "docs/integrations/sglang.md"):
         assert needed in names, needed
     assert not any(name.endswith(".so") for name in names)
 
 
 @package_check
-def test_wheel_is_abi3_manylinux():
-    wheel = _dist("shmask-*.whl").name
-    assert re.fullmatch(r"shmask-[0-9.]+-cp310-abi3-(manylinux\S*_x86_64\.)*manylinux_\d+_\d+_x86_64\.whl",
-                        wheel), wheel
-    print(f"\nwheel: {wheel}")
+def test_wheel_is_abi3_manylinux2014():
+    """glibc 2.17 (manylinux2014): `make wheel` compiles with zig cc for that
+    baseline, whatever the build host's glibc."""
+    wheel = _dist("shmask-*.whl")
+    assert re.fullmatch(r"shmask-[0-9.]+-cp310-abi3-manylinux2014_x86_64\.manylinux_2_17_x86_64\.whl",
+                        wheel.name), wheel.name
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    for needed in ("shmask/integrations/sglang.patch", "shmask/integrations/vllm.patch",
+                   "shmask/_native.abi3.so", "shmask/py.typed"):
+        assert needed in names, needed
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
+    print(f"\nwheel: {wheel.name}")
 
 
 @package_check
@@ -167,6 +208,10 @@ def test_installs_into_a_clean_venv(kind, tmp_path, prefix):
         cli = subprocess.run([python, "-m", "shmask", *args], capture_output=True, text=True,
                              timeout=60, cwd=tmp_path, env=env)
         assert cli.returncode == 0, (args, cli.stdout, cli.stderr)
+    # the patches came along; no engine in this venv, said as such
+    cli = subprocess.run([python, "-m", "shmask", "integrate", "vllm"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env=env)
+    assert cli.returncode == 1 and "vllm is not installed in this Python" in cli.stdout, cli.stdout
     # the optional packages stayed out
     listed = subprocess.run([python, "-m", "pip", "list", "--format=freeze"], capture_output=True,
                             text=True, timeout=60).stdout.lower()

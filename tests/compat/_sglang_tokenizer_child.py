@@ -4,7 +4,7 @@ be read.
 
     python _sglang_tokenizer_child.py <patched sglang root> <shm name prefix>
 
-SGLang 0.5.23 (patched with docs/integrations/sglang.patch) runs
+SGLang 0.5.23 (patched with shmask/integrations/sglang.patch) runs
 ``TokenizerManager.handle_loop`` under its own ``print_exception_wrapper``,
 which kills the process (``kill_process_tree`` of itself, SIGKILL) on any
 exception: this process stands in for the server, so the test reads its

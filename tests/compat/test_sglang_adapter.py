@@ -1,6 +1,6 @@
 """shmask.adapters.sglang against the released SGLang 0.5.23 modules.
 
-At import this module applies docs/integrations/sglang.patch to a copy of
+At import this module applies shmask/integrations/sglang.patch to a copy of
 the installed package (a symlink tree; only the patched files are real
 copies) and imports SGLang from that copy, so every test here runs against
 the code a maintainer would ship. SGLang's *released* chunk and rows classes
@@ -37,7 +37,7 @@ import shmask
 from shmask.adapters import sglang as adapter
 
 REPO = Path(__file__).resolve().parents[2]
-PATCH = REPO / "docs" / "integrations" / "sglang.patch"
+PATCH = REPO / "shmask" / "integrations" / "sglang.patch"
 SITE = Path(importlib.util.find_spec("sglang").origin).parents[1]  # site-packages, not imported
 PATCHED_FILES = re.findall(r"^\+\+\+ b/(\S+)", PATCH.read_text(), re.MULTILINE)
 

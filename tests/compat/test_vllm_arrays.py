@@ -1,5 +1,5 @@
 """Arrays for in-process consumers (SHMASK_MASK_FORMAT=arrays) through the
-released vLLM 0.33.0: the patched OutputProcessor (docs/integrations/
+released vLLM 0.33.0: the patched OutputProcessor (shmask/integrations/
 vllm.patch applied to a copy of the installed files, as test_vllm_patch
 does), fed real EngineCoreOutputs through vLLM's own msgpack codec over
 several steps, builds each CompletionOutput's sampling_mask itself; in

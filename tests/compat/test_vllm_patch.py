@@ -1,4 +1,4 @@
-"""docs/integrations/vllm.patch against the installed vLLM 0.33.0: it applies
+"""shmask/integrations/vllm.patch against the installed vLLM 0.33.0: it applies
 cleanly (`patch --dry-run` on the package's own files), the guide holds it
 verbatim, and the patched modules import and work: the patched output
 processor, fed real EngineCoreOutputs through vLLM's codec, returns the
@@ -18,7 +18,7 @@ import pytest
 import vllm
 
 ROOT = Path(__file__).resolve().parents[2]
-PATCH = ROOT / "docs" / "integrations" / "vllm.patch"
+PATCH = ROOT / "shmask" / "integrations" / "vllm.patch"
 GUIDE = ROOT / "docs" / "integrations" / "vllm.md"
 SITE = Path(vllm.__file__).resolve().parents[1]  # the directory holding vllm/
 PATCHED = ["vllm/v1/core/sched/scheduler.py", "vllm/v1/engine/output_processor.py"]
