@@ -40,6 +40,7 @@ from .refs import ChunkRef, RefBatch, msgpack_enc_hook, msgpack_ext_hook
 # where the core is not built (a GPU box that only runs the kernels).
 _LAZY = {
     "Chunk": ".chunk",
+    "Offload": ".offload",
     "Reader": ".reader",
     "ReaderStats": ".reader",
     "host_id": ".segment",
