@@ -149,27 +149,41 @@ def test_bad_request(server):
 # -- at load ------------------------------------------------------------------
 # 64 requests streamed at once, as in the issue (64 x 20,000 tokens there):
 # 2,000 tokens of top-k 100 keep this test to seconds on a busy 2-core
-# machine and still stall the old on-loop server for seconds (measured: 3 s
-# /health p99 and one event per stream there; 25-130 ms and one event per
-# emission here).
+# machine and still stall the old on-loop server (measured on a shared
+# 2-core VM: /health p99 1.1 s and one event per stream there; p99 80-220 ms
+# and one event per emission here).
 LOAD_REQUESTS, LOAD_TOP_K, EMIT_EVERY = 64, 100, 16
-HEALTH_P99_MS = 250  # the issue's goal is 50 ms; a busy 2-core machine shares
-MAX_GAP_S = 2.0  # its cores with the engine and this client (see above)
+# The issue's goal is 50 ms p99; a busy 2-core machine shares its cores with
+# the engine, this client and the poller, so the bound is generous.
+HEALTH_P99_MS = 400
+MAX_GAP_S = 2.0
 
 # /health polled from its own process, so the latency is the server's (this
-# process is busy reading 64 streams); it stops when its stdin closes.
+# process is busy reading 64 streams), in an open loop: one GET every 20 ms
+# whether or not the last one was answered, so a stall of the server's loop
+# counts once per tick, not once. It stops when its stdin closes.
 POLLER = """
-import json, sys, threading, time, httpx
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-latencies = []
-with httpx.Client(timeout=60) as client:
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        assert client.get(sys.argv[1] + "/health").status_code == 200
-        latencies.append(time.perf_counter() - t0)
-        stop.wait(0.02)
-print(json.dumps(latencies))
+import asyncio, json, sys, time, httpx
+async def main():
+    latencies, stop = [], asyncio.Event()
+    asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
+    limits = httpx.Limits(max_connections=1000)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def one():
+            t0 = time.perf_counter()
+            assert (await client.get(sys.argv[1] + "/health")).status_code == 200
+            latencies.append(time.perf_counter() - t0)
+        tasks, tick = [], time.perf_counter()
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(one()))
+            tick += 0.02
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, tick - time.perf_counter()))
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.gather(*tasks)
+    print(json.dumps(latencies))
+asyncio.run(main())
 """
 
 
