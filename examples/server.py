@@ -257,7 +257,8 @@ class TokenizerManager:
 
     async def on_lane(self, state: ReqState, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the request's lane (after its folds so far), for a
-        client: given up when shutdown begins or the request fails."""
+        client: given up when shutdown begins (raises HTTPException, as it
+        does when the request or the engine failed)."""
         assert self.stopped is not None
         job = asyncio.wrap_future(self.offload.submit(state.rid, fn, *args))
         await asyncio.wait((job, self.stopped), return_when=asyncio.FIRST_COMPLETED)

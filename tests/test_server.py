@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -299,12 +300,22 @@ def test_signal_exits_under_load(signum):
                         await asyncio.sleep(0.05)
                         assert process.poll() is None
                         assert time.monotonic() < deadline, "streams send no events while running"
+                    # The exit is timed by a thread blocked in waitpid, not by
+                    # this loop, which is busy reading the streams' ends.
+                    exited: list[float] = []
+
+                    def wait_for_exit() -> None:
+                        process.wait()
+                        exited.append(time.monotonic())
+
+                    waiter = threading.Thread(target=wait_for_exit, daemon=True)
+                    waiter.start()
                     signalled = time.monotonic()
                     process.send_signal(signum)
-                    while process.poll() is None and time.monotonic() - signalled < 30:
-                        await asyncio.sleep(0.01)
-                    exit_s = time.monotonic() - signalled
                     await asyncio.wait_for(asyncio.gather(*tasks), 30)
+                    await asyncio.to_thread(waiter.join, 30)
+                    assert exited, "the server did not exit"
+                    exit_s = exited[0] - signalled
                 # Each stream ended with an event saying why (not [DONE]).
                 for received in events:
                     assert b"shutting down" in received[-1][1], received[-1][1][:200]
