@@ -54,6 +54,7 @@ def msgpack_enc_hook(obj: Any) -> Any:
 # where the core is not built (a GPU box that only runs the kernels).
 _LAZY = {
     "Chunk": ".chunk",
+    "Offload": ".offload",
     "Reader": ".reader",
     "ReaderStats": ".reader",
     "host_id": ".segment",

@@ -1,0 +1,184 @@
+"""Response work off the event loop: a bounded thread pool with one lane per
+request.
+
+A tokenizer process that folds each emission's chunks into per-request state
+and builds response bytes on its asyncio loop stalls the loop for as long as
+the rows take to write: health checks go unanswered, streams coalesce into
+one event, signals wait. The native JSON writer releases the GIL, so the same
+work on worker threads runs beside the loop. `Offload` gives that work:
+
+- **order per key**: jobs submitted with one key (a request id) run one at a
+  time, in submission order, so emission k+1 is never folded before emission
+  k and a response built in the lane sees a consistent state; jobs of
+  different keys run in parallel, up to `threads` at once, round robin (a
+  request with a long backlog does not hold a worker for all of it);
+- **backpressure**: `put` waits (without blocking the loop) while
+  `max_pending` of its jobs are queued or running, so a receive loop that
+  awaits `put` stops reading its socket instead of growing a queue without
+  bound; `run` (a response for a client waiting on it) takes no slot and
+  so never waits behind that feed, only behind its own key's jobs;
+- **failures stay with their job**: a job's exception goes to its future
+  only; later jobs of the same key and every other key still run (what a
+  failed request means is the caller's to decide);
+- **shutdown**: `close()` cancels the jobs not started, waits only for the
+  ones running (each one fold or one response) and joins the threads.
+
+    offload = Offload(threads=4)
+    folded = await offload.put(rid, fold_ref, reader, ref, state.masks.extend)
+    body = await offload.run(rid, build_response, state)
+
+`submit` is the thread-level form (a `concurrent.futures.Future`, no bound)
+for engines that are not asyncio programs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import threading
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from .chunk import Chunk
+    from .reader import Reader
+    from .refs import ChunkRef
+
+T = TypeVar("T")
+
+__all__ = ["Offload", "default_threads", "fold_ref"]
+
+
+def default_threads() -> int:
+    """SHMASK_OFFLOAD_THREADS, else the cores this process may run on, at
+    most 8 (each worker's JSON writer may itself split a large chunk across
+    SHMASK_JSON_THREADS threads)."""
+    raw = os.environ.get("SHMASK_OFFLOAD_THREADS", "").strip()
+    if raw:
+        try:
+            threads = int(raw)
+        except ValueError:
+            threads = 0
+        if not 1 <= threads <= 256:
+            raise ValueError(f"SHMASK_OFFLOAD_THREADS must be an int in [1, 256], got {raw!r}")
+        return threads
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def fold_ref(reader: Reader, ref: ChunkRef, fold: Callable[[Chunk], T]) -> T:
+    """Open `ref`, give the chunk to `fold` and release it when `fold`
+    returns (or raises): the job for `Offload.put`, so that a ring record is
+    held only while its rows are being written, on a worker thread."""
+    with reader.open(ref) as chunk:
+        return fold(chunk)
+
+
+class Offload:
+    """A bounded thread pool with per-key order (see the module docstring)."""
+
+    def __init__(self, threads: int | None = None, *, max_pending: int | None = None) -> None:
+        threads = default_threads() if threads is None else threads
+        if type(threads) is not int or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        max_pending = 64 * threads if max_pending is None else max_pending
+        if type(max_pending) is not int or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
+        self.threads = threads
+        self.max_pending = max_pending
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shmask-offload")
+        self._lock = threading.Lock()
+        # key -> its jobs not yet started; a key is present while it has a
+        # job queued or running, and then exactly one pool task serves it.
+        self._lanes: dict[Hashable, collections.deque[tuple[Future, Callable, tuple]]] = {}
+        self._closed = False
+        self._slots: asyncio.Semaphore | None = None  # made in the loop, on first use
+
+    # -- thread-level ---------------------------------------------------------
+
+    def submit(self, key: Hashable, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` on a worker after every job submitted earlier with
+        `key` has finished. Never blocks and has no bound (`put` has)."""
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("Offload is closed")
+            idle = key not in self._lanes
+            if idle:
+                self._lanes[key] = collections.deque()
+            self._lanes[key].append((future, fn, args))
+        if idle:
+            self._pool.submit(self._serve, key)
+        return future
+
+    def _serve(self, key: Hashable) -> None:
+        # One job of the lane, then back of the pool's queue if more wait:
+        # lanes take turns on the workers.
+        with self._lock:
+            lane = self._lanes[key]
+            if not lane:  # close() emptied it after this task was queued
+                del self._lanes[key]
+                return
+            future, fn, args = lane.popleft()
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the job's future carries it, nothing else
+                future.set_exception(exc)
+        del future, fn, args  # hold no chunk or state while waiting for a turn
+        with self._lock:
+            if not lane:
+                del self._lanes[key]
+                return
+            if self._closed:  # close() cancels what is queued
+                return
+        try:
+            self._pool.submit(self._serve, key)
+        except RuntimeError:  # the pool shut down between the check and here
+            pass
+
+    # -- asyncio --------------------------------------------------------------
+
+    async def put(self, key: Hashable, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`submit` for an event loop's feeder: waits while `max_pending` jobs
+        of `put` are queued or running (backpressure), then returns the
+        job's future without waiting for it."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_pending)
+        slots = self._slots
+        await slots.acquire()
+        try:
+            future = asyncio.wrap_future(self.submit(key, fn, *args))
+        except BaseException:
+            slots.release()
+            raise
+        future.add_done_callback(lambda _: slots.release())
+        return future
+
+    async def run(self, key: Hashable, fn: Callable[..., T], *args: Any) -> T:
+        """`submit`, awaited: the result (or the exception) of `fn(*args)`.
+        It takes no slot, so it never queues behind `put`'s feeder: use it
+        for work bounded by its callers (one response per client at a time).
+        Cancelling the await cancels the job if it has not started."""
+        return await asyncio.wrap_future(self.submit(key, fn, *args))
+
+    # -- shutdown -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel every job not started, wait for the running ones (each is
+        one job) and join the threads. Idempotent; `submit` raises after."""
+        with self._lock:
+            self._closed = True
+            queued = [job[0] for lane in self._lanes.values() for job in lane]
+            for lane in self._lanes.values():
+                lane.clear()
+        for future in queued:
+            future.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Offload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,160 @@
+"""shmask.offload: per-key order, parallel keys, backpressure, failures that
+stay with their job, shutdown; and fold_ref on a real ring."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import random_chunk
+
+import shmask
+from shmask.offload import Offload, default_threads, fold_ref
+
+WAIT_S = 10  # a bound for waits that must not hang; no assertion is on speed
+
+
+def test_one_key_in_order_and_never_two_at_once():
+    log: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    running = {key: 0 for key in log}
+    overlap = []
+    lock = threading.Lock()
+
+    def job(key: int, n: int) -> int:
+        with lock:
+            running[key] += 1
+            overlap.append(running[key])
+        time.sleep(random.random() / 2000)
+        log[key].append(n)
+        with lock:
+            running[key] -= 1
+        return n
+
+    with Offload(threads=4) as offload:
+        futures = [offload.submit(n % 3, job, n % 3, n) for n in range(300)]
+        assert [f.result(WAIT_S) for f in futures] == list(range(300))
+    for key, done in log.items():
+        assert done == list(range(key, 300, 3))
+    assert max(overlap) == 1
+
+
+def test_keys_run_in_parallel():
+    # Two jobs that each wait for the other: they finish only if both run
+    # at once (on one key they would be serial and the barrier breaks).
+    barrier = threading.Barrier(2, timeout=WAIT_S)
+    with Offload(threads=2) as offload:
+        futures = [offload.submit(key, barrier.wait) for key in ("a", "b")]
+        assert sorted(f.result(WAIT_S) for f in futures) == [0, 1]
+    barrier = threading.Barrier(2, timeout=0.5)
+    with Offload(threads=2) as offload:
+        futures = [offload.submit("same", barrier.wait) for _ in range(2)]
+        with pytest.raises(threading.BrokenBarrierError):
+            futures[0].result(WAIT_S)
+
+
+def test_a_failure_stays_with_its_job():
+    def fail() -> None:
+        raise ValueError("request 3 is broken")
+
+    with Offload(threads=2) as offload:
+        broken = offload.submit(3, fail)
+        after = offload.submit(3, lambda: "later job of the same key")
+        other = offload.submit(4, lambda: "other key")
+        with pytest.raises(ValueError, match="request 3 is broken"):
+            broken.result(WAIT_S)
+        assert after.result(WAIT_S) == "later job of the same key"
+        assert other.result(WAIT_S) == "other key"
+
+
+def test_put_waits_for_a_slot_and_run_does_not():
+    async def main() -> None:
+        release = threading.Event()
+        with Offload(threads=2, max_pending=1) as offload:
+            held = await offload.put("a", release.wait, WAIT_S)
+            second = asyncio.ensure_future(offload.put("b", lambda: "second"))
+            await asyncio.sleep(0.05)
+            assert not second.done()  # the one slot is taken: the feeder waits
+            # run takes no slot: the other worker serves it meanwhile.
+            assert await asyncio.wait_for(offload.run("c", lambda: "run"), WAIT_S) == "run"
+            assert not second.done()
+            release.set()
+            assert await held is True
+            assert await (await asyncio.wait_for(second, WAIT_S)) == "second"
+
+    asyncio.run(main())
+
+
+def test_run_returns_and_raises():
+    async def main() -> None:
+        with Offload(threads=2) as offload:
+            assert await offload.run("k", sum, [1, 2, 3]) == 6
+            with pytest.raises(ZeroDivisionError):
+                await offload.run("k", lambda: 1 / 0)
+            assert await offload.run("k", len, "abc") == 3
+
+    asyncio.run(main())
+
+
+def test_close_cancels_queued_jobs_and_waits_for_running_ones():
+    started, release = threading.Event(), threading.Event()
+    finished = []
+
+    def running_job() -> str:
+        started.set()
+        release.wait(WAIT_S)
+        finished.append(True)
+        return "ran"
+
+    offload = Offload(threads=1)
+    first = offload.submit("a", running_job)
+    queued = [offload.submit(key, lambda: "never") for key in ("a", "b", "c")]
+    assert started.wait(WAIT_S)
+    threading.Timer(0.1, release.set).start()
+    offload.close()  # returns once the running job is done
+    assert finished == [True] and first.result(0) == "ran"
+    assert all(f.cancelled() for f in queued)
+    with pytest.raises(RuntimeError, match="closed"):
+        offload.submit("a", print)
+    offload.close()  # idempotent
+
+
+def test_bad_settings(monkeypatch):
+    for threads in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match="threads"):
+            Offload(threads=threads)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_pending"):
+        Offload(threads=1, max_pending=0)
+    monkeypatch.setenv("SHMASK_OFFLOAD_THREADS", "3")
+    assert default_threads() == 3
+    for raw in ("0", "many", "1000"):
+        monkeypatch.setenv("SHMASK_OFFLOAD_THREADS", raw)
+        with pytest.raises(ValueError, match="SHMASK_OFFLOAD_THREADS"):
+            default_threads()
+    monkeypatch.delenv("SHMASK_OFFLOAD_THREADS")
+    assert 1 <= default_threads() <= 8
+
+
+def test_fold_ref_releases_the_chunk(writer, reader):
+    rng = np.random.default_rng(7)
+    rows = [random_chunk(rng, 5, 40) for _ in range(3)]
+    refs = [writer.publish(*r) for r in rows]
+    seen: list[shmask.Chunk] = []
+
+    def fold(chunk: shmask.Chunk) -> int:
+        assert not chunk.released
+        seen.append(chunk)
+        if len(seen) == 2:
+            raise RuntimeError("fold failed")
+        return int(chunk.lengths.sum())
+
+    with Offload(threads=2) as offload:
+        futures = [offload.submit("r", fold_ref, reader, ref, fold) for ref in refs]
+        assert futures[0].result(WAIT_S) == rows[0][0].sum()
+        with pytest.raises(RuntimeError, match="fold failed"):
+            futures[1].result(WAIT_S)
+        assert futures[2].result(WAIT_S) == rows[2][0].sum()
+    assert all(chunk.released for chunk in seen)  # the failed fold's chunk too
