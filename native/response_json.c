@@ -218,8 +218,10 @@ static inline __attribute__((always_inline)) decimal17 decimal_of(float value) {
         int s_in = f <= below, t_in = ONE <= f + above;
         int s_closer = (f < ONE / 2) | ((f == ONE / 2) & !(s & 1));
         uint64_t chosen = s + (uint64_t)!(s_in & ((!t_in) | s_closer));
-        chosen = up10_in ? s - r + 10 : chosen;
-        digits = down10_in ? s - r : chosen;
+        /* Selected with masks: a compiler may turn a ?: into a branch. */
+        uint64_t up10_mask = 0 - (uint64_t)up10_in, down10_mask = 0 - (uint64_t)down10_in;
+        chosen = (chosen & ~up10_mask) | ((s - r + 10) & up10_mask);
+        digits = (chosen & ~down10_mask) | ((s - r) & down10_mask);
         k = scale->k;
         /* 16 or 17 digits (asserted by the generator): made 17. */
         int short16 = digits < rj_pow10[16];
