@@ -15,17 +15,29 @@
  * gen_response_json_tables.py), the interval holds at least one multiple of
  * 10^k and at most one multiple of 10^(k+1). So if a multiple of 10^(k+1)
  * lies in it, that is the shortest; otherwise the answer is one of the two
- * multiples of 10^k around v. What differs from the paper: the scaled
- * bounds u, v, w / 10^k are computed EXACTLY (v's 24 significant bits times
- * 5^p fit 256 bits over the whole float32 range), not from a rounded table
- * of powers of ten, so no error analysis is needed; it costs one 64x64-bit
- * multiply per bound for the usual range of logprobs (|v| >= 1e-11).
+ * multiples of 10^k around v. What differs from the paper: v / 10^k and
+ * the bounds are computed EXACTLY, not from a rounded table of powers of
+ * ten, so no error analysis is needed.
  *
- * A scaled bound Y is kept as floor(Y), or floor(Y) | 1 when Y is not an
- * integer ("round to odd"): compared with an even integer N that answers
- * Y <= N, N <= Y and Y == N exactly, and every comparison below is with
- * 4 * an integer (the bounds are taken 4 times, 4u = (4c - 2) 2^q, so that
- * they are integers times 2^q).
+ * The fast path (decimal_of; normal values from about 2e-9 to 1e15, all
+ * logprobs in practice): with v = m * 2^e (m the 24-bit significand), the
+ * generated table holds per exponent an integer G = 5^p * 2^(e + p + 28)
+ * (p = -k) below 2^62, so T = (m << 31) * G is v / 10^k * 2^59 exactly in
+ * 128 bits, and the interval's ends are T - 2G and T + 2G (T - G below a
+ * power of two). The integer part s = T >> 59 and the fraction f answer
+ * every question of the search by comparing f with multiples of 2^59 and
+ * of G: one multiply, a few compares, no division.
+ *
+ * The general path (shortest_decimal; subnormals and the extremes) scales
+ * the bounds by 5^p in up to 256 bits (v's 24 significant bits times 5^p
+ * fit over the whole float32 range). A scaled bound Y is kept as floor(Y),
+ * or floor(Y) | 1 when Y is not an integer ("round to odd"): compared with
+ * an even integer N that answers Y <= N, N <= Y and Y == N exactly, and
+ * every comparison there is with 4 * an integer (the bounds are taken 4
+ * times, 4u = (4c - 2) 2^q, so that they are integers times 2^q).
+ *
+ * Both are checked against orjson for all 2^32 float32 bit patterns by
+ * tests/exhaustive_float_json.py (make test-exhaustive).
  */
 #include "response_json.h"
 

@@ -5,7 +5,10 @@ lists (`Chunk.to_lists()`), without a Python object per value.
 Floats are float32 values widened to double and written in the shortest
 form that reads back as the same double, exactly as orjson writes a Python
 float (NaN and infinities as null). The C call releases the GIL and splits
-the rows across up to SHMASK_JSON_THREADS threads.
+the rows across up to SHMASK_JSON_THREADS threads: the calling thread and
+workers of a pool the C core starts once per process (not per call), each
+writing its own span of each array into this thread's scratch buffer; the
+spans are joined in the one copy that makes the returned bytes.
 """
 
 from __future__ import annotations
