@@ -75,29 +75,43 @@ def tables() -> tuple[list[tuple[int, int]], int, int]:
     return ks, p_min, p_max
 
 
-def scales(ks: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """Per float32 biased exponent b and irregular (fraction 0): (4 * 5^p,
-    k, drop, fast) for the fast path of a normal value, c = m * 2^29,
-    q = b - 179: 4c * 5^p * 2^-drop with one 64x64-bit multiply and a shift
-    by 0 < drop < 64. fast 0: the general path (b 0 and 255, p < 0, and
-    5^p too large)."""
+FIXED_BITS = 28  # G = 5^p * 2^(e + p + FIXED_BITS): v * 10^p * 2^28 = m * G
+POINT = FIXED_BITS + 31  # (m << 31) * G = v * 10^p * 2^POINT
+
+
+def scales(ks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Per float32 biased exponent b and irregular (fraction 0): (G, k, fast)
+    for the fast path of a normal value v = m * 2^e (m < 2^24, e = b - 150)
+    with p = -k: T = (m << 31) * G is v * 10^p * 2^POINT exactly, and the
+    rounding interval's ends are T - 2G and T + 2G (T - G below a power of
+    two): the double's half gap is 2^(e - 30), a quarter below a power of
+    two. fast 0 (the general path): b 0 and 255, and where G would not be an
+    exact integer below 2^62 (below about 2e-9 and above about 1e15)."""
     out = []
     for b in range(256):
         for irregular in (0, 1):
             if not 1 <= b <= 254:
-                out.append((0, 0, 0, 0))
+                out.append((0, 0, 0))
                 continue
-            q = b - 179
-            k = ks[q - Q_MIN][irregular]
+            e = b - 150
+            k = ks[e - 29 - Q_MIN][irregular]  # q = e - 29: c = m * 2^29
             p = -k
-            drop = -(q + p)
-            if p >= 0 and 4 * 5**p < 2**64 and 0 < drop < 64:
-                # c * 4 * 5^p < 2^53 * 2^64: fits 128 bits; the floor after
-                # the shift is below 2^60 (4 v / 10^k < 4 * 13.4 * 2^53).
-                assert 53 + (4 * 5**p).bit_length() <= 128
-                out.append((4 * 5**p, k, drop, 1))
-            else:
-                out.append((0, k, 0, 0))
+            shift = e + p + FIXED_BITS
+            if p < 0 or shift < 0 or 5**p << shift >= 2**62:
+                out.append((0, k, 0))
+                continue
+            g = 5**p << shift
+            # s = T >> POINT, the digits before the point, has 16 or 17
+            # digits, as do s + 1 and the multiples of ten around it; the
+            # fraction below 2^POINT and the half interval 2G keep
+            # 10 * 2^POINT + 2G below 2^64 (the C code's comparisons).
+            low_m = 2**23 if irregular else 2**23 + 1  # fraction 0 is the irregular case
+            high_m = 2**23 if irregular else 2**24 - 1
+            assert 10**15 <= ((low_m << 31) * g - 2 * g) >> POINT
+            assert (((high_m << 31) * g + 2 * g) >> POINT) + 10 < 10**17
+            assert (high_m << 31) * g + 2 * g < 2**128
+            assert 10 * 2**POINT + 2 * g < 2**64
+            out.append((g, k, 1))
     return out
 
 
@@ -128,14 +142,15 @@ def render() -> str:
         limbs = [(value >> (64 * i)) & (2**64 - 1) for i in range(3)]
         lines.append("    {" + ", ".join(f"0x{limb:016x}u" for limb in limbs) + "},")
     lines += ["};", "", "/* The fast path's scale per float32 biased exponent and irregular (see",
-              " * scales() in the generator): {4 * 5^p, k, drop, fast} */",
-              "typedef struct {", "    uint64_t five4;", "    int16_t k;", "    uint8_t drop;",
+              " * scales() in the generator): {G = 5^p * 2^(e + p + RJ_FIXED_BITS), k, fast} */",
+              f"#define RJ_FIXED_BITS {FIXED_BITS}", f"#define RJ_POINT {POINT}",
+              "typedef struct {", "    uint64_t g;", "    int16_t k;",
               "    uint8_t fast;", "} rj_scale;", "static const rj_scale rj_scales[256][2] = {"]
     table = scales(ks)
     for b in range(256):
         regular, irregular = table[2 * b], table[2 * b + 1]
-        lines.append("    {" + ", ".join(f"{{UINT64_C({f}), {k}, {d}, {ok}}}"
-                                         for f, k, d, ok in (regular, irregular)) + "},")
+        lines.append("    {" + ", ".join(f"{{UINT64_C({g}), {k}, {ok}}}"
+                                         for g, k, ok in (regular, irregular)) + "},")
     lines += ["};", "", "/* 10^i for i in [0, 19] */", "static const uint64_t rj_pow10[20] = {"]
     for start in range(0, 20, 4):
         lines.append("    " + " ".join(f"UINT64_C({10**i})," for i in range(start, start + 4)))

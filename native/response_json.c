@@ -15,17 +15,29 @@
  * gen_response_json_tables.py), the interval holds at least one multiple of
  * 10^k and at most one multiple of 10^(k+1). So if a multiple of 10^(k+1)
  * lies in it, that is the shortest; otherwise the answer is one of the two
- * multiples of 10^k around v. What differs from the paper: the scaled
- * bounds u, v, w / 10^k are computed EXACTLY (v's 24 significant bits times
- * 5^p fit 256 bits over the whole float32 range), not from a rounded table
- * of powers of ten, so no error analysis is needed; it costs one 64x64-bit
- * multiply per bound for the usual range of logprobs (|v| >= 1e-11).
+ * multiples of 10^k around v. What differs from the paper: v / 10^k and
+ * the bounds are computed EXACTLY, not from a rounded table of powers of
+ * ten, so no error analysis is needed.
  *
- * A scaled bound Y is kept as floor(Y), or floor(Y) | 1 when Y is not an
- * integer ("round to odd"): compared with an even integer N that answers
- * Y <= N, N <= Y and Y == N exactly, and every comparison below is with
- * 4 * an integer (the bounds are taken 4 times, 4u = (4c - 2) 2^q, so that
- * they are integers times 2^q).
+ * The fast path (decimal_of; normal values from about 2e-9 to 1e15, all
+ * logprobs in practice): with v = m * 2^e (m the 24-bit significand), the
+ * generated table holds per exponent an integer G = 5^p * 2^(e + p + 28)
+ * (p = -k) below 2^62, so T = (m << 31) * G is v / 10^k * 2^59 exactly in
+ * 128 bits, and the interval's ends are T - 2G and T + 2G (T - G below a
+ * power of two). The integer part s = T >> 59 and the fraction f answer
+ * every question of the search by comparing f with multiples of 2^59 and
+ * of G: one multiply, a few compares, no division.
+ *
+ * The general path (shortest_decimal; subnormals and the extremes) scales
+ * the bounds by 5^p in up to 256 bits (v's 24 significant bits times 5^p
+ * fit over the whole float32 range). A scaled bound Y is kept as floor(Y),
+ * or floor(Y) | 1 when Y is not an integer ("round to odd"): compared with
+ * an even integer N that answers Y <= N, N <= Y and Y == N exactly, and
+ * every comparison there is with 4 * an integer (the bounds are taken 4
+ * times, 4u = (4c - 2) 2^q, so that they are integers times 2^q).
+ *
+ * Both are checked against orjson for all 2^32 float32 bit patterns by
+ * tests/exhaustive_float_json.py (make test-exhaustive).
  */
 #include "response_json.h"
 
@@ -96,14 +108,8 @@ static inline __attribute__((always_inline)) void scaled_bounds(uint64_t c, int 
     *high = scaled_round_odd(4 * c + 2, q, p);
 }
 
-/* x * 2^-drop rounded to odd, 0 < drop < 64, the result below 2^64. */
-static inline uint64_t shift_round_odd(u128 x, unsigned drop) {
-    uint64_t low = (uint64_t)x, high = (uint64_t)(x >> 64);
-    return (low >> drop | high << (64 - drop)) | ((low << (64 - drop)) != 0);
-}
-
-/* The general path of shortest_decimal: any positive finite float32. */
-__attribute__((noinline)) static void general_bounds(uint32_t bits, int *exponent,
+/* The bounds of any positive finite float32, scaled (shortest_decimal). */
+static void general_bounds(uint32_t bits, int *exponent,
                                                      uint64_t *low, uint64_t *mid,
                                                      uint64_t *high) {
     uint32_t biased = (bits >> 23) & 0xff;
@@ -125,30 +131,13 @@ __attribute__((noinline)) static void general_bounds(uint32_t bits, int *exponen
     *exponent = k;
 }
 
-/* The shortest-then-closest decimal of a positive finite float32 value:
- * returns its digits, *exponent its power of ten (trailing zeros may be
- * left: the caller drops them). */
-static inline __attribute__((always_inline)) uint64_t shortest_decimal(uint32_t bits,
-                                                                       int *exponent) {
-    uint32_t fraction = bits & 0x7fffff;
-    const rj_scale *scale = &rj_scales[bits >> 23][fraction == 0];
+/* The shortest-then-closest decimal of a positive finite float32 value
+ * outside the fast path of decimal_of (subnormals, below about 2e-9 and
+ * above about 1e15): returns its digits, *exponent its power of ten
+ * (trailing zeros may be left: the caller drops them). */
+__attribute__((noinline)) static uint64_t shortest_decimal(uint32_t bits, int *exponent) {
     uint64_t low, mid, high;
-    if (scale->fast) {
-        /* A normal value of the usual range (about 1e-8 to 1e7): c = m *
-         * 2^29, one multiply by 4 * 5^p, the bounds 2 * 5^p away (1 * 5^p
-         * below a power of two), one shift (all from the generated table). */
-        uint64_t c = (uint64_t)(fraction | 0x800000) << 29;
-        u128 centre = (u128)c * scale->five4;
-        uint64_t half = scale->five4 >> 1;
-        unsigned drop = scale->drop;
-        low = shift_round_odd(centre - (fraction ? half : half >> 1), drop);
-        mid = shift_round_odd(centre, drop);
-        high = shift_round_odd(centre + half, drop);
-        *exponent = scale->k;
-    } else {
-        general_bounds(bits, exponent, &low, &mid, &high);
-    }
-
+    general_bounds(bits, exponent, &low, &mid, &high);
     uint64_t s = mid >> 2; /* floor(v / 10^k) */
     /* A multiple of 10^(k+1) in [u, w] is the answer: one of the two
      * around v, at most one. Otherwise s or s + 1, whichever is in (at
@@ -208,88 +197,216 @@ typedef struct {
 
 enum { FINITE, ZERO, NONE };
 
+/* The fast path's fixed point: 2^RJ_POINT is 1 in units of 10^k. */
+#define ONE (UINT64_C(1) << RJ_POINT)
+
 static inline __attribute__((always_inline)) decimal17 decimal_of(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
+    uint32_t magnitude = bits & 0x7fffffff, fraction = bits & 0x7fffff;
+    const rj_scale *scale = &rj_scales[magnitude >> 23][fraction == 0];
     decimal17 d = {0, 0, (uint8_t)(bits >> 31), FINITE};
-    if (((bits >> 23) & 0xff) == 0xff) {
+    uint64_t digits;
+    int k;
+    if (__builtin_expect(scale->fast, 1)) {
+        /* A normal value v = m * 2^e of the usual range: T = (m << 31) * G
+         * is v / 10^k in fixed point, exactly (G from the generated table),
+         * and the interval's ends lie 2G above and 2G below it (G below a
+         * power of two: the gap below is half the gap above). With s the
+         * integer part and f the fraction of v / 10^k, every question of
+         * the search is a comparison of f with a multiple of 2G or G. */
+        uint64_t m = fraction | 0x800000;
+        u128 t = (u128)(m << 31) * scale->g;
+        uint64_t s = (uint64_t)(t >> RJ_POINT), f = (uint64_t)t & (ONE - 1);
+        uint64_t above = 2 * scale->g, below = fraction ? above : scale->g;
+        uint64_t r = s % 10;
+        /* A multiple of 10^(k+1) in the interval is the answer (at most one
+         * is): s - r if v - (s - r) <= v - u, s - r + 10 if it <= w - v.
+         * Otherwise s or s + 1, whichever is in (at least one is), the
+         * closer to v if both (f against 1/2; a tie to the even one). Every
+         * outcome is a coin toss for random values: selected without
+         * branches. */
+        int down10_in = r * ONE + f <= below, up10_in = (10 - r) * ONE <= f + above;
+        int s_in = f <= below, t_in = ONE <= f + above;
+        int s_closer = (f < ONE / 2) | ((f == ONE / 2) & !(s & 1));
+        uint64_t chosen = s + (uint64_t)!(s_in & ((!t_in) | s_closer));
+        /* Selected with masks: a compiler may turn a ?: into a branch. */
+        uint64_t up10_mask = 0 - (uint64_t)up10_in, down10_mask = 0 - (uint64_t)down10_in;
+        chosen = (chosen & ~up10_mask) | ((s - r + 10) & up10_mask);
+        digits = (chosen & ~down10_mask) | ((s - r) & down10_mask);
+        k = scale->k;
+        /* 16 or 17 digits (asserted by the generator): made 17. */
+        int short16 = digits < rj_pow10[16];
+        digits = short16 ? digits * 10 : digits;
+        k -= short16;
+    } else if ((magnitude >> 23) == 0xff) {
         d.kind = NONE;
-    } else if (!(bits & 0x7fffffff)) {
+        return d;
+    } else if (!magnitude) {
         d.kind = ZERO;
+        return d;
     } else {
-        int k;
-        uint64_t digits = shortest_decimal(bits & 0x7fffffff, &k);
+        digits = shortest_decimal(magnitude, &k);
         /* 16 or 17 digits (v / 10^k >= c >= 2^52 > 10^15), 18 only for a
          * multiple of 10 (17 significant digits always suffice): made 17. */
         int short16 = digits < rj_pow10[16], long18 = digits >= rj_pow10[17];
         digits = short16 ? digits * 10 : long18 ? digits / 10 : digits;
         k += long18 - short16;
-        d.digits = digits;
-        d.exponent = k + 16;
     }
+    d.digits = digits;
+    d.exponent = k + 16;
     return d;
 }
 
+static inline void store64(char *o, uint64_t word) { memcpy(o, &word, 8); }
+
+/* Digits 1..16 of a 17-digit decimal (all but its first), as two words of
+ * byte values 0..9 (`front`: digits 1-8, `back`: 9-16, each in memory
+ * order), and the count of its significant digits (17 less its trailing
+ * zeros; digit 0 is never zero). */
+typedef struct {
+    uint64_t front, back;
+    int significant;
+} digits16;
+
+#if defined(__SSE2__) && !defined(SHM_JSON_SCALAR)
+#include <emmintrin.h>
+
+/* The 16 digits of b < 10^16 with SSE2 (every x86-64 has it): b as two
+ * halves of 8 digits, each split in two of 4 digits (one multiply for both
+ * halves), and each 4-digit value x in four 16-bit lanes that make
+ * x / 1000, x / 100, x / 10 and x with a multiply-high by a constant and
+ * one by a power of two (a shift per lane); a digit is its lane less ten
+ * times the lane before. The constants are exact for every x < 10^4
+ * (tests/test_response_json.py checks them over that range). */
+/* The digits of two values below 10^8, as two words of byte values
+ * (`first` and `second`), in one vector. */
+static inline __m128i digit_values8x2(uint64_t first8, uint64_t second8) {
+    __m128i halves = _mm_set_epi64x((long long)second8, (long long)first8);
+    __m128i above = _mm_srli_epi64(_mm_mul_epu32(halves, _mm_set1_epi64x(3518437209)), 45);
+    __m128i below = _mm_sub_epi64(halves, _mm_mul_epu32(above, _mm_set1_epi64x(10000)));
+    __m128i first = _mm_unpacklo_epi64(above, below), second = _mm_unpackhi_epi64(above, below);
+    /* Each 4-digit value (times 4) in all four lanes of its 64 bits. */
+    first = _mm_slli_epi16(_mm_shufflehi_epi16(_mm_shufflelo_epi16(first, 0), 0), 2);
+    second = _mm_slli_epi16(_mm_shufflehi_epi16(_mm_shufflelo_epi16(second, 0), 0), 2);
+    const __m128i divide = _mm_set_epi16(-32768, 3277, 5243, 8389, -32768, 3277, 5243, 8389);
+    const __m128i shift = _mm_set_epi16(-32768, -32768, 2048, 128, -32768, -32768, 2048, 128);
+    first = _mm_mulhi_epu16(_mm_mulhi_epu16(first, divide), shift);
+    second = _mm_mulhi_epu16(_mm_mulhi_epu16(second, divide), shift);
+    const __m128i ten = _mm_set1_epi16(10);
+    first = _mm_sub_epi16(first, _mm_mullo_epi16(_mm_slli_epi64(first, 16), ten));
+    second = _mm_sub_epi16(second, _mm_mullo_epi16(_mm_slli_epi64(second, 16), ten));
+    return _mm_packus_epi16(first, second);
+}
+
+static inline void digit_words8x2(uint32_t x, uint32_t y, uint64_t *wx, uint64_t *wy) {
+    __m128i digits = digit_values8x2(x, y);
+    *wx = (uint64_t)_mm_cvtsi128_si64(digits);
+    *wy = (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(digits, digits));
+}
+
+static inline digits16 split_digits16(uint64_t b) {
+    uint64_t high8 = b / 100000000, low8 = b - high8 * 100000000;
+    __m128i digits = digit_values8x2(high8, low8);
+    unsigned zero = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(digits, _mm_setzero_si128()));
+    unsigned nonzero = (~zero & 0xffff) << 1 | 1; /* bit i: digit i is not 0 */
+    digits16 d;
+    d.front = (uint64_t)_mm_cvtsi128_si64(digits);
+    d.back = (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(digits, digits));
+    d.significant = 32 - __builtin_clz(nonzero);
+    return d;
+}
+#else
+static inline void digit_words8x2(uint32_t x, uint32_t y, uint64_t *wx, uint64_t *wy) {
+    *wx = digit_values8(x);
+    *wy = digit_values8(y);
+}
+
+static inline digits16 split_digits16(uint64_t b) {
+    uint32_t high8 = (uint32_t)(b / 100000000);
+    digits16 d;
+    d.front = digit_values8(high8);
+    d.back = digit_values8((uint32_t)(b - (uint64_t)high8 * 100000000));
+    int in_back = 17 - __builtin_clzll(d.back | 1) / 8, in_front = 9 - __builtin_clzll(d.front | 1) / 8;
+    d.significant = d.back ? in_back : d.front ? in_front : 1;
+    return d;
+}
+#endif
+
 /* orjson's layout of a float: with E the exponent of the first significant
  * digit, plain for -5 <= E <= 15 ("0.00012", "12.5", "1500.0"), else
- * "d.ddde+E" / "de-E". The 17 digits are made in registers, in words
- * `high` (digits 0-7), `low` (8-15) and `last` (16); each layout is a few
- * stores of them. */
+ * "d.ddde+E" / "de-E". The 17 digits are the first (`lead`, a character)
+ * and two words of 8; each layout is a few overlapping 8-byte stores of
+ * them, shifted in registers: nothing is stored in one width and read back
+ * in another (such a load waits for the stores to drain, which once cost a
+ * fifth of the time). */
 static inline __attribute__((always_inline)) char *write_decimal(char *o, decimal17 d) {
-    if (d.kind == NONE) {
-        memcpy(o, "null", 4);
-        return o + 4;
-    }
-    if (d.negative) *o++ = '-';
-    if (d.kind == ZERO) {
+    if (__builtin_expect(d.kind != FINITE, 0)) {
+        if (d.kind == NONE) {
+            memcpy(o, "null", 4);
+            return o + 4;
+        }
+        if (d.negative) *o++ = '-';
         memcpy(o, "0.0", 3);
         return o + 3;
     }
+    if (d.negative) *o++ = '-';
+    uint64_t lead = d.digits / UINT64_C(10000000000000000); /* 1..9 */
+    digits16 rest = split_digits16(d.digits - lead * UINT64_C(10000000000000000));
+    uint64_t front = rest.front | ASCII_ZEROS, back = rest.back | ASCII_ZEROS;
+    int significant = rest.significant;
+    lead |= '0';
     int scientific = d.exponent;
-    uint32_t first8 = (uint32_t)(d.digits / 1000000000);
-    uint32_t rest9 = (uint32_t)(d.digits - (uint64_t)first8 * 1000000000);
-    uint32_t next8 = rest9 / 10;
-    uint64_t high = digit_values8(first8), low = digit_values8(next8);
-    char last = (char)('0' + rest9 - next8 * 10);
-    /* Significant digits: 17 less the trailing zeros (digit 0 is nonzero). */
-    int significant;
-    if (last != '0')
-        significant = 17;
-    else if (low)
-        significant = 16 - __builtin_clzll(low) / 8;
-    else
-        significant = 8 - __builtin_clzll(high) / 8;
-    high |= ASCII_ZEROS;
-    low |= ASCII_ZEROS;
-    u128 all16 = (u128)high | ((u128)low << 64); /* digits 0-15 as 16 bytes */
-    if (scientific >= 0 && scientific <= 15) {
-        int point = scientific + 1; /* digits before the point: 1..16 */
-        memcpy(o, &all16, 16);
-        if (point >= significant) { /* an integer: the zeros are already there */
+    if (__builtin_expect(scientific == 0, 1)) { /* 1 <= |v| < 10: most logprobs */
+        o[0] = (char)lead;
+        o[1] = '.';
+        store64(o + 2, front);
+        store64(o + 10, back);
+        return o + (significant > 1 ? significant + 1 : 3); /* "5.0": the zero is there */
+    }
+    if (scientific > 0 && scientific <= 15) {
+        unsigned point = (unsigned)scientific + 1; /* digits before the point: 2..16 */
+        uint64_t head = lead | front << 8;         /* digits 0-7 */
+        if (point >= (unsigned)significant) {      /* an integer: the zeros are there */
+            o[0] = (char)lead;
+            store64(o + 1, front);
+            store64(o + 9, back);
             memcpy(o + point, ".0", 2);
             return o + point + 2;
         }
-        /* Digits point..16 go one byte right, after the point; digit 16
-         * then lands at 17 whatever the point. */
-        u128 after = all16 >> (8 * point);
-        memcpy(o + point + 1, &after, 16);
-        o[point] = '.';
-        o[17] = last;
+        if (point < 8) { /* digits 0..point-1, '.', then digits point..16 */
+            unsigned bits = 8 * point, after = bits - 8; /* after: 8..48 */
+            store64(o, (head & ((UINT64_C(1) << bits) - 1)) | (UINT64_C(0x2e) << bits));
+            store64(o + point + 1, front >> after | back << (64 - after));
+            store64(o + point + 9, back >> after);
+            return o + significant + 1;
+        }
+        /* point 8..15: digits 8..point-1 lie in `middle` (digits 8-15). */
+        uint64_t middle = front >> 56 | back << 8;
+        unsigned bits = 8 * (point - 8); /* 0..56 */
+        store64(o, head);
+        store64(o + 8, (bits ? middle & ((UINT64_C(1) << bits) - 1) : 0) | (UINT64_C(0x2e) << bits));
+        if (point == 8) { /* digit 8 is the last of `front` */
+            store64(o + 9, middle);
+            o[17] = (char)(back >> 56);
+        } else {
+            store64(o + point + 1, back >> (8 * (point - 9))); /* digits point..16 */
+        }
         return o + significant + 1;
     }
     if (scientific < 0 && scientific >= -5) {
-        int zeros = -scientific - 1; /* 0..4 after "0." */
+        unsigned zeros = (unsigned)(-scientific - 1); /* 0..4 after "0." */
         memcpy(o, "0.000000", 8);
-        memcpy(o + 2 + zeros, &all16, 16);
-        o[18 + zeros] = last;
+        o[2 + zeros] = (char)lead;
+        store64(o + 3 + zeros, front);
+        store64(o + 11 + zeros, back);
         return o + 2 + zeros + significant;
     }
-    o[0] = (char)high;
+    o[0] = (char)lead;
     if (significant > 1) {
-        u128 after = all16 >> 8;
         o[1] = '.';
-        memcpy(o + 2, &after, 16);
-        o[17] = last;
+        store64(o + 2, front);
+        store64(o + 10, back);
         o += significant + 1;
     } else {
         o += 1;
@@ -309,19 +426,16 @@ static char *write_float(char *o, float value) {
     return write_decimal(o, decimal_of(value));
 }
 
-#define BATCH 64
-
 /* `count` floats, each preceded by a comma except the very first when
- * `comma_first` is 0. */
+ * `comma_first` is 0. (Converting a run of values in one loop and laying
+ * them out in another was no faster: nothing here waits on memory.) */
 static char *write_floats(char *o, const float *values, uint64_t count, int comma_first) {
-    decimal17 batch[BATCH];
-    for (uint64_t done = 0; done < count; done += BATCH) {
-        uint64_t n = count - done < BATCH ? count - done : BATCH;
-        for (uint64_t i = 0; i < n; i++) batch[i] = decimal_of(values[done + i]);
-        for (uint64_t i = 0; i < n; i++) {
-            if (done + i || comma_first) *o++ = ',';
-            o = write_decimal(o, batch[i]);
-        }
+    if (!count) return o;
+    if (comma_first) *o++ = ',';
+    o = write_decimal(o, decimal_of(values[0]));
+    for (uint64_t i = 1; i < count; i++) {
+        *o++ = ',';
+        o = write_decimal(o, decimal_of(values[i]));
     }
     return o;
 }
@@ -352,6 +466,41 @@ static char *write_int(char *o, int32_t value) {
     *o = (char)('0' + top);
     memcpy(o + 1, &word, 8);
     return o + 9;
+}
+
+/* An int below 10^8 and a comma, from the word of its eight digits
+ * (leading zeros included): the leading zero digits are the word's low
+ * zero bytes, dropped with one shift (0 keeps one). */
+static inline char *write_word_comma(char *o, uint64_t digits) {
+    unsigned zeros = (unsigned)__builtin_ctzll(digits | (UINT64_C(1) << 56)) & 56;
+    store64(o, (digits | ASCII_ZEROS) >> zeros);
+    o[8 - zeros / 8] = ',';
+    return o + 9 - zeros / 8;
+}
+
+/* `count` ints, each followed by a comma. Ids are below 10^8: their
+ * digits are made two at a time (one vector for both on x86-64). */
+static char *write_ints_comma(char *o, const int32_t *values, uint64_t count) {
+    uint64_t i = 0;
+    for (; i + 1 < count; i += 2) {
+        uint32_t x = (uint32_t)values[i], y = (uint32_t)values[i + 1];
+        if (__builtin_expect((x | y) < (1u << 26) || (x < 100000000 && y < 100000000), 1)) {
+            uint64_t wx, wy;
+            digit_words8x2(x, y, &wx, &wy);
+            o = write_word_comma(o, wx);
+            o = write_word_comma(o, wy);
+        } else { /* negative or 9 digits and more */
+            o = write_int(o, values[i]);
+            *o++ = ',';
+            o = write_int(o, values[i + 1]);
+            *o++ = ',';
+        }
+    }
+    if (i < count) {
+        o = write_int(o, values[i]);
+        *o++ = ',';
+    }
+    return o;
 }
 
 /* Per-row and per-entry bounds of each field; a row's own bytes include its
@@ -442,10 +591,7 @@ static void write_part(rows_part *part) {
         if (length > part->end_entry - entry) length = part->end_entry - entry;
         lengths_out = write_int(lengths_out, (int32_t)length);
         *ids_out++ = '[';
-        for (uint64_t i = 0; i < length; i++) {
-            ids_out = write_int(ids_out, job->ids[entry + i]);
-            *ids_out++ = ',';
-        }
+        ids_out = write_ints_comma(ids_out, job->ids + entry, length);
         if (length) ids_out--; /* the last comma becomes the "]" */
         *ids_out++ = ']';
         if (job->support) {
@@ -462,9 +608,111 @@ static void write_part(rows_part *part) {
     part->written[2] = (uint64_t)(lengths_out - part->out[2]);
 }
 
-static void *write_part_thread(void *part) {
-    write_part(part);
+/* ------------------------------------------------------- the thread pool */
+
+/* Workers are started once, on first need, and wait for parts; a call
+ * hands its parts to them and writes parts itself too until none is left
+ * unclaimed, so it finishes even if no worker could be started or every
+ * worker is busy with another call's parts. (Starting threads per call
+ * cost 10-40 us each, on the calling thread, serially: more than a part's
+ * work in a chunk of 50 x 1000.) */
+typedef struct job_batch {
+    rows_part *parts;
+    uint64_t count, claimed, finished;
+    pthread_cond_t done;
+    struct job_batch *next;
+} job_batch;
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static job_batch *pool_queue; /* batches with unclaimed parts, oldest first */
+static int pool_workers;      /* workers started (and alive) in this process */
+static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
+
+/* The first unclaimed part of the oldest batch (pool_lock held), or NULL. */
+static rows_part *claim_part(job_batch **from) {
+    while (pool_queue && pool_queue->claimed == pool_queue->count) pool_queue = pool_queue->next;
+    if (!pool_queue) return NULL;
+    *from = pool_queue;
+    return &pool_queue->parts[pool_queue->claimed++];
+}
+
+static void finish_part(job_batch *batch) { /* pool_lock held */
+    if (++batch->finished == batch->count) pthread_cond_signal(&batch->done);
+}
+
+static void *pool_worker(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&pool_lock);
+    for (;;) {
+        job_batch *batch;
+        rows_part *part = claim_part(&batch);
+        if (!part) {
+            pthread_cond_wait(&pool_wake, &pool_lock);
+            continue;
+        }
+        pthread_mutex_unlock(&pool_lock);
+        write_part(part);
+        pthread_mutex_lock(&pool_lock);
+        finish_part(batch);
+    }
     return NULL;
+}
+
+/* A forked child has none of the parent's workers, and the lock may have
+ * been held by one of them at the fork: start over. */
+static void pool_prepare_fork(void) { pthread_mutex_lock(&pool_lock); }
+static void pool_parent_after_fork(void) { pthread_mutex_unlock(&pool_lock); }
+static void pool_child_after_fork(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_wake, NULL);
+    pool_queue = NULL;
+    pool_workers = 0;
+}
+static void pool_register_fork(void) {
+    pthread_atfork(pool_prepare_fork, pool_parent_after_fork, pool_child_after_fork);
+}
+
+/* Writes every part: this thread and up to count - 1 workers. */
+static void write_parts(rows_part *parts, uint64_t count) {
+    if (count == 1) {
+        write_part(&parts[0]);
+        return;
+    }
+    pthread_once(&pool_fork_once, pool_register_fork);
+    job_batch batch = {parts, count, 0, 0, PTHREAD_COND_INITIALIZER, NULL};
+    pthread_mutex_lock(&pool_lock);
+    while ((uint64_t)pool_workers < count - 1) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, pool_worker, NULL) != 0) break;
+        pthread_detach(thread);
+        pool_workers++;
+    }
+    job_batch **tail = &pool_queue;
+    while (*tail) tail = &(*tail)->next;
+    *tail = &batch;
+    if (count - 1 >= (uint64_t)pool_workers)
+        pthread_cond_broadcast(&pool_wake);
+    else
+        for (uint64_t i = 1; i < count; i++) pthread_cond_signal(&pool_wake);
+    /* This thread writes this batch's parts as long as any is unclaimed. */
+    while (batch.claimed < batch.count) {
+        rows_part *part = &batch.parts[batch.claimed++];
+        pthread_mutex_unlock(&pool_lock);
+        write_part(part);
+        pthread_mutex_lock(&pool_lock);
+        finish_part(&batch);
+    }
+    while (batch.finished < batch.count) pthread_cond_wait(&batch.done, &pool_lock);
+    /* Out of the queue (claim_part drops it only when it looks there). */
+    for (job_batch **link = &pool_queue; *link; link = &(*link)->next) {
+        if (*link == &batch) {
+            *link = batch.next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pool_lock);
+    pthread_cond_destroy(&batch.done);
 }
 
 /* Entries (plus one per row) a thread is worth starting for: below this a
@@ -474,7 +722,7 @@ static void *write_part_thread(void *part) {
 int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uint64_t rows,
                   const int32_t *ids, uint64_t ids_count, const float *logprobs,
                   uint64_t logprobs_count, int threads, char *out, uint64_t out_capacity,
-                  uint64_t *written) {
+                  uint64_t *spans, int *parts_out) {
     support = support != 0;
     if (rows > COUNT_LIMIT) return SHM_JSON_E_CAPACITY;
     /* Every count first: nothing is read from ids or logprobs past them. */
@@ -503,6 +751,7 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
     uint64_t slack = SHM_JSON_MAX_THREADS * SHM_JSON_ROOM;
     char *region[3] = {out, out + bound[0] + slack + 2, out + bound[0] + bound[1] + 2 * slack + 4};
     char *cursor[3] = {region[0] + 1, region[1] + 1, region[2] + 1};
+    for (int f = 0; f < 3; f++) region[f][0] = '[';
     uint64_t row = 0, entry = 0, done = 0;
     for (uint64_t i = 0; i < parts; i++) {
         uint64_t target = work * (i + 1) / parts, first_row = row, first_entry = entry;
@@ -522,32 +771,21 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
         for (int f = 0; f < 3; f++) cursor[f] += own[f] + SHM_JSON_ROOM;
     }
 
-    /* The first part on this thread; a thread that cannot start leaves its
-     * part to this one too. */
-    pthread_t thread[SHM_JSON_MAX_THREADS];
-    int started[SHM_JSON_MAX_THREADS] = {0};
-    for (uint64_t i = 1; i < parts; i++)
-        started[i] = pthread_create(&thread[i], NULL, write_part_thread, &part[i]) == 0;
-    write_part(&part[0]);
-    for (uint64_t i = 1; i < parts; i++) {
-        if (started[i])
-            pthread_join(thread[i], NULL);
-        else
-            write_part(&part[i]);
-    }
+    write_parts(part, parts);
 
-    /* Close the gaps: each field's parts, then the fields, moved down to
-     * follow each other (memmove: a destination never passes its source). */
-    char *o = out;
+    /* Each part's span of each field, the field's "[" before the first and
+     * its "]" after the last (in the slack after that part). */
     for (int f = 0; f < 3; f++) {
-        char *start = o;
-        *o++ = '[';
         for (uint64_t i = 0; i < parts; i++) {
-            memmove(o, part[i].out[f], part[i].written[f]);
-            o += part[i].written[f];
+            uint64_t *span = spans + 2 * (f * SHM_JSON_MAX_THREADS + i);
+            span[0] = (uint64_t)(part[i].out[f] - out);
+            span[1] = part[i].written[f];
         }
-        *o++ = ']';
-        written[f] = (uint64_t)(o - start);
+        spans[2 * (f * SHM_JSON_MAX_THREADS)] -= 1;
+        spans[2 * (f * SHM_JSON_MAX_THREADS) + 1] += 1;
+        part[parts - 1].out[f][part[parts - 1].written[f]] = ']';
+        spans[2 * (f * SHM_JSON_MAX_THREADS + parts - 1) + 1] += 1;
     }
+    *parts_out = (int)parts;
     return 0;
 }

@@ -40,18 +40,22 @@ int64_t shm_json_floats(const float *values, uint64_t count, char *out, uint64_t
  * in support mode, as many logprobs); 0 past 2^56 rows or entries. */
 uint64_t shm_json_rows_bound(int support, uint64_t rows, uint64_t entries);
 
-/* The three response arrays of a chunk, written back to back into `out`:
- * ids per row ("[[3,7],null,[]]"), logprobs (per row in support mode, one
- * value per row otherwise) and lengths ("[2,null,0]"); written[0..2] get
- * each array's bytes. A row whose status (flags & 3; flags NULL: all OK)
- * is not OK is null in all three and must have length 0. `ids` holds the
- * rows' ids back to back (sum of lengths), `logprobs` as many values
+/* The three response arrays of a chunk: ids per row ("[[3,7],null,[]]"),
+ * logprobs (per row in support mode, one value per row otherwise) and
+ * lengths ("[2,null,0]"). A row whose status (flags & 3; flags NULL: all
+ * OK) is not OK is null in all three and must have length 0. `ids` holds
+ * the rows' ids back to back (sum of lengths), `logprobs` as many values
  * (support) or one per row (selected). Up to `threads` threads share the
- * rows (fewer for small chunks). Every count is checked before anything is
- * read. Returns 0, SHM_JSON_E_ROWS or SHM_JSON_E_CAPACITY. */
+ * rows (fewer for small chunks), each writing its own part of each array
+ * into `out`: array f is the concatenation of its *parts_out spans, span i
+ * at spans[2 * (f * SHM_JSON_MAX_THREADS + i)] (offset into `out`, then
+ * length); `spans` holds 6 * SHM_JSON_MAX_THREADS values. (The caller joins
+ * the spans in the one copy it makes of them anyway: no moving them
+ * together here.) Every count is checked before anything is read. Returns
+ * 0, SHM_JSON_E_ROWS or SHM_JSON_E_CAPACITY. */
 int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uint64_t rows,
                   const int32_t *ids, uint64_t ids_count, const float *logprobs,
                   uint64_t logprobs_count, int threads, char *out, uint64_t out_capacity,
-                  uint64_t *written);
+                  uint64_t *spans, int *parts_out);
 
 #endif

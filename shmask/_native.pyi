@@ -271,7 +271,7 @@ class _Lib:
     def shm_json_rows(
         self, support: int, lengths: CData, flags: CData, rows: int, ids: CData, ids_count: int,
         logprobs: CData, logprobs_count: int, threads: int, out: CData, out_capacity: int,
-        written: CData, /,
+        spans: CData, parts_out: CData, /,
     ) -> int: ...
     def shm_reserve(
         self, ring: CData, mode: int, rows_capacity: int, words_capacity: int, nnz_capacity: int,

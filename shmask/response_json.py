@@ -5,7 +5,10 @@ lists (`Chunk.to_lists()`), without a Python object per value.
 Floats are float32 values widened to double and written in the shortest
 form that reads back as the same double, exactly as orjson writes a Python
 float (NaN and infinities as null). The C call releases the GIL and splits
-the rows across up to SHMASK_JSON_THREADS threads.
+the rows across up to SHMASK_JSON_THREADS threads: the calling thread and
+workers of a pool the C core starts once per process (not per call), each
+writing its own span of each array into this thread's scratch buffer; the
+spans are joined in the one copy that makes the returned bytes.
 """
 
 from __future__ import annotations
@@ -52,14 +55,15 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
     if bound == 0:
         raise ShmaskError(f"response JSON: {rows} rows of {ids.size} ids are too many to write")
     out = _scratch_buffer(bound)
-    written = ffi.new("uint64_t[3]")
+    spans = ffi.new("uint64_t[]", 6 * lib.SHM_JSON_MAX_THREADS)
+    parts = ffi.new("int *")
     flags_ptr = ffi.NULL if flags is None else ffi.from_buffer("uint8_t[]",
                                                                _contiguous(flags, np.uint8))
     code = lib.shm_json_rows(int(support), ffi.from_buffer("int32_t[]", lengths), flags_ptr, rows,
                              ffi.from_buffer("int32_t[]", ids), ids.size,
                              ffi.from_buffer("float[]", logprobs), logprobs.size,
                              json_threads() if threads is None else threads,
-                             ffi.from_buffer(out), bound, written)
+                             ffi.from_buffer(out), bound, spans, parts)
     if code == lib.SHM_JSON_E_ROWS:
         raise ShmaskError(
             f"response JSON: {rows} rows whose lengths (sum {int(lengths.sum())}) or statuses "
@@ -67,11 +71,18 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
             f"({'support' if support else 'selected'} mode)")
     if code != 0:
         raise ShmaskError(f"response JSON: the writer failed with code {code}")
-    view = memoryview(out)
-    ids_end = written[0]
-    logprobs_end = ids_end + written[1]
-    return (bytes(view[:ids_end]), bytes(view[ids_end:logprobs_end]),
-            bytes(view[logprobs_end:logprobs_end + written[2]]))
+    # Each array is its parts' spans, joined in the one copy out of the scratch.
+    view, count, stride = memoryview(out), parts[0], lib.SHM_JSON_MAX_THREADS
+    if count == 1:
+        return (bytes(view[spans[0]:spans[0] + spans[1]]),
+                bytes(view[spans[2 * stride]:spans[2 * stride] + spans[2 * stride + 1]]),
+                bytes(view[spans[4 * stride]:spans[4 * stride] + spans[4 * stride + 1]]))
+    fields = []
+    for field in range(3):
+        pairs = [(spans[2 * (field * stride + i)], spans[2 * (field * stride + i) + 1])
+                 for i in range(count)]
+        fields.append(b"".join([view[start:start + length] for start, length in pairs]))
+    return fields[0], fields[1], fields[2]
 
 
 def _scratch_buffer(size: int) -> bytearray:

@@ -7,7 +7,10 @@ SGLang's to_lists + orjson does), and the two byte strings must be equal.
 The first difference is printed with its bit pattern. Exit status 0 only if
 all 2^32 agree.
 
-    python tests/exhaustive_float_json.py [--processes N] [--block-bits B]
+    python tests/exhaustive_float_json.py [--processes N] [--block-bits B] [--shard K/N]
+
+--shard K/N checks every N-th block from block K (K in 0..N-1), so that N
+machines (or N runs) share the work; all N shards passing is the full check.
 """
 
 from __future__ import annotations
@@ -47,10 +50,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--block-bits", type=int, default=21, help="log2 of values per block")
+    parser.add_argument("--shard", default="0/1", help="K/N: every N-th block from block K")
     args = parser.parse_args()
+    shard, shards = (int(part) for part in args.shard.split("/"))
+    if not 0 <= shard < shards:
+        parser.error(f"--shard {args.shard}: K must be in 0..N-1")
     block = 1 << args.block_bits
-    blocks = [(start, block) for start in range(0, TOTAL, block)]
-    print(f"checking all {TOTAL:,} float32 bit patterns against orjson "
+    blocks = [(start, block) for start in range(0, TOTAL, block)][shard::shards]
+    total = len(blocks) * block
+    what = f"all {TOTAL:,}" if shards == 1 else f"shard {shard}/{shards}: {total:,} of the {TOTAL:,}"
+    print(f"checking {what} float32 bit patterns against orjson "
           f"{orjson.__version__} in {len(blocks)} blocks, {args.processes} processes", flush=True)
     started = time.monotonic()
     checked, failures = 0, []
@@ -62,14 +71,15 @@ def main() -> int:
                 print("MISMATCH", failure, flush=True)
             if done % max(1, len(blocks) // 64) == 0 or done == len(blocks):
                 elapsed = time.monotonic() - started
-                eta = elapsed / checked * (TOTAL - checked)
-                print(f"{checked / TOTAL:6.1%}  {checked:>13,} checked  {elapsed:7.0f} s elapsed  "
+                eta = elapsed / checked * (total - checked)
+                print(f"{checked / total:6.1%}  {checked:>13,} checked  {elapsed:7.0f} s elapsed  "
                       f"~{eta:.0f} s left  {len(failures)} mismatching blocks", flush=True)
     elapsed = time.monotonic() - started
     if failures:
         print(f"FAIL: {len(failures)} blocks differ ({elapsed:.0f} s)")
         return 1
-    print(f"PASS: all {checked:,} float32 bit patterns byte-identical to orjson ({elapsed:.0f} s)")
+    print(f"PASS: {what} float32 bit patterns ({checked:,}) byte-identical to orjson "
+          f"({elapsed:.0f} s)")
     return 0
 
 

@@ -254,3 +254,84 @@ def test_json_threads_setting():
     assert 1 <= shmask.Config().json_threads <= 4
     assert shmask.Config.from_env({"SHMASK_JSON_THREADS": "1"}).json_threads == 1
     assert shmask.Config.from_env({"SHMASK_JSON_THREADS": "16"}).json_threads == 16
+
+
+def test_ids_of_every_length_and_digit_group_match_orjson():
+    """Ids are written two at a time from digit words (one vector for both
+    on x86-64): 0..99_999 covers every 4-digit group in the low half and
+    every length to 5, then every length to 10, the 10^8 edge where the
+    word no longer holds them, and negatives, each in odd and even places."""
+    rng = np.random.default_rng(8)
+    edges = [10**e + d for e in range(11) for d in (-1, 0, 1) if 10**e + d < 2**31]
+    values = np.concatenate([
+        np.arange(100_000), np.arange(0, 10**8, 9_973), np.array(edges),
+        rng.integers(-2**31, 2**31, 50_000), [-(2**31), 2**31 - 1, -1, 99_999_999, 100_000_000],
+    ]).astype(np.int32)
+    for offset in (0, 1):  # each value first and second of a pair
+        row = values[offset:]
+        lengths = np.array([row.size], np.int32)
+        ids_json, _, lengths_json = response_arrays(True, lengths, None, row,
+                                                    np.zeros(row.size, np.float32), threads=1)
+        assert ids_json == orjson.dumps([row.tolist()])
+        assert lengths_json == orjson.dumps([row.size])
+
+
+def test_concurrent_callers_share_the_thread_pool():
+    """Python threads calling the writer at once (the GIL released) hand
+    parts to the same workers: every caller gets its own bytes."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(9)
+    jobs = []
+    for index in range(8):
+        lengths = rng.integers(0, 3000, 30).astype(np.int32)
+        ids = rng.integers(0, 151_936, int(lengths.sum())).astype(np.int32)
+        logprobs = from_bits(rng.integers(0, 2**32, ids.size, dtype=np.uint64))
+        jobs.append((lengths, ids, logprobs, index % 5 + 2))
+    expected = [response_arrays(True, lengths, None, ids, logprobs, threads=1)
+                for lengths, ids, logprobs, _ in jobs]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda job: response_arrays(True, job[0], None, job[1], job[2],
+                                                            threads=job[3]), jobs))
+            assert got == expected
+
+
+def test_thread_pool_works_in_a_forked_child():
+    """A child forked after the workers started has none of them: its calls
+    must still finish (the caller writes the parts no worker takes)."""
+    import os
+    import signal
+    import time
+
+    rng = np.random.default_rng(10)
+    lengths = np.full(40, 1000, np.int32)
+    ids = rng.integers(0, 151_936, int(lengths.sum())).astype(np.int32)
+    logprobs = rng.standard_normal(ids.size).astype(np.float32)
+    expected = response_arrays(True, lengths, None, ids, logprobs, threads=8)  # workers started
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own process group, one call, the bytes' digest back
+        try:
+            os.setpgid(0, 0)
+            got = response_arrays(True, lengths, None, ids, logprobs, threads=8)
+            os.write(write_end, b"same" if got == expected else b"diff")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        os.setpgid(pid, pid)  # as the child does: whichever runs first
+    except OSError:
+        pass  # the child did it already (or exited)
+    deadline = time.monotonic() + 60
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the forked child's call never finished"
+            time.sleep(0.01)
+        pid = 0
+        assert os.read(read_end, 4) == b"same"
+    finally:
+        os.close(read_end)
+        if pid:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
