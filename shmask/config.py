@@ -47,6 +47,15 @@ def _default_json_threads() -> int:
     return max(1, min(4, usable))
 
 
+def _default_offload_threads() -> int:
+    """min(8, the CPUs this process may run on)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    return max(1, min(8, usable))
+
+
 def _log_level(raw: str) -> str:
     level = raw.upper()
     return _LEVEL_ALIASES.get(level, level)
@@ -98,6 +107,10 @@ class Config:
     """Threads that share the rows of one chunk's response JSON
     (Chunk.to_json / json_arrays; 1: the calling thread only). Default
     min(4, usable CPUs); small chunks use fewer."""
+    offload_threads: int = _default_offload_threads()
+    """Worker threads of a shmask.Offload pool built without `threads=`:
+    they open chunks and write responses off a server's event loop (each
+    may split a large chunk's JSON across json_threads threads)."""
     mask_format: str = "lists"
     """What the engine adapters put in the engine's own output objects on the
     consumer side (shmask.adapters.sglang / .vllm): "lists", the engine's
@@ -122,6 +135,7 @@ class Config:
         _check_choice("SHMASK_GPU_DIRECT", self.gpu_direct, GPU_DIRECT)
         _check_choice("SHMASK_LOG_LEVEL", self.log_level, LOG_LEVELS)
         _check_range("SHMASK_JSON_THREADS", self.json_threads, 1, JSON_THREADS_MAX)
+        _check_range("SHMASK_OFFLOAD_THREADS", self.offload_threads, 1, 256)
         _check_choice("SHMASK_MASK_FORMAT", self.mask_format, MASK_FORMATS)
 
     @property

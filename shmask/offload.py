@@ -41,6 +41,8 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .config import Config
+
 if TYPE_CHECKING:
     from .chunk import Chunk
     from .reader import Reader
@@ -52,19 +54,12 @@ __all__ = ["Offload", "default_threads", "fold_ref"]
 
 
 def default_threads() -> int:
-    """SHMASK_OFFLOAD_THREADS, else the cores this process may run on, at
-    most 8 (each worker's JSON writer may itself split a large chunk across
-    SHMASK_JSON_THREADS threads)."""
-    raw = os.environ.get("SHMASK_OFFLOAD_THREADS", "").strip()
-    if raw:
-        try:
-            threads = int(raw)
-        except ValueError:
-            threads = 0
-        if not 1 <= threads <= 256:
-            raise ValueError(f"SHMASK_OFFLOAD_THREADS must be an int in [1, 256], got {raw!r}")
-        return threads
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+    """SHMASK_OFFLOAD_THREADS, else min(8, the cores this process may run on)
+    (each worker's JSON writer may itself split a large chunk across
+    SHMASK_JSON_THREADS threads). A bad value is a ConfigError naming it."""
+    name = "SHMASK_OFFLOAD_THREADS"
+    environ = {name: os.environ[name]} if name in os.environ else {}
+    return Config.from_env(environ).offload_threads
 
 
 def fold_ref(reader: Reader, ref: ChunkRef, fold: Callable[[Chunk], T]) -> T:

@@ -347,6 +347,7 @@ class _Reader:
 
     def __init__(self, chunks: dict[int, tuple[list[Row], int]]) -> None:
         self.chunks = chunks
+        self.config = shmask.Config()  # the resolver reads SHMASK_MASK_FORMAT from it
 
     def open(self, ref: ChunkRef) -> Chunk:
         rows, vocab = self.chunks[ref.position]
