@@ -4,9 +4,11 @@ Every test gets a segment-name prefix of its own (`prefix`). After each test:
   - processes it started that still run are killed, each with its whole
     process group (a test that timed out, under pytest-timeout's signal
     method, never got to its own clean-up), and named in a warning;
-  - segments left under its prefix are removed and the test errors at
-    teardown, naming them: one leak costs the test that leaked, not the
-    tests after it.
+  - segments left under its prefix are removed and reported against it,
+    not against the tests after it: a segment of a live process (a Writer
+    left open) fails the test at teardown; one whose creator is dead (a
+    child the test killed, or crashed on purpose: what shmask's own
+    garbage collection reclaims at the next Writer) is named in a warning.
 Segments under the session prefix itself (module fixtures and child
 processes started with SESSION_PREFIX) are checked the same way when their
 module ends."""
@@ -38,6 +40,20 @@ _SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forks
 
 def leftover_segments(prefix: str = SESSION_PREFIX) -> list[str]:
     return sorted(e for e in os.listdir("/dev/shm") if e.startswith(prefix))
+
+
+def creator_alive(entry: str) -> bool:
+    """Whether the process that created segment `entry` (named
+    <prefix>-<uid>-<pid>-<random>) still runs; True when the name says no pid."""
+    try:
+        pid = int(entry.split("-")[-2])
+    except (IndexError, ValueError):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
 
 
 def remove_segments(prefix: str) -> list[str]:
@@ -120,6 +136,20 @@ def kill_new_processes(before: dict[int, tuple[int, str]]) -> list[int]:
 
 # ------------------------------------------------------------ fixtures
 
+def report_segments(prefix: str, nodeid: str, who: str) -> None:
+    """Remove the segments under `prefix`: fail for those of live processes,
+    warn for those of dead ones."""
+    live = [entry for entry in leftover_segments(prefix) if creator_alive(entry)]
+    dead = [entry for entry in remove_segments(prefix) if entry not in live]
+    if dead:
+        warnings.warn(pytest.PytestWarning(
+            f"{nodeid} left segments of dead processes behind (now removed): {dead}"),
+            stacklevel=1)
+    if live:
+        pytest.fail(f"{who} left shared-memory segments behind (now removed): {live}",
+                    pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftovers(request: pytest.FixtureRequest):
     """Yields this test's segment prefix; afterwards kills what the test left
@@ -132,10 +162,7 @@ def _no_leftovers(request: pytest.FixtureRequest):
         warnings.warn(pytest.PytestWarning(
             f"{request.node.nodeid} left processes running; killed with their groups: {killed}"),
             stacklevel=1)
-    left = remove_segments(own)
-    if left:
-        pytest.fail(f"the test left shared-memory segments behind (now removed): {left}",
-                    pytrace=False)
+    report_segments(own, request.node.nodeid, "the test")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -144,10 +171,7 @@ def _no_session_segments_left(request: pytest.FixtureRequest):
     fixtures and child processes given SESSION_PREFIX): removed at the
     module's end, and reported against its last test."""
     yield
-    left = remove_segments(SESSION_PREFIX)
-    if left:
-        pytest.fail(f"tests in {request.node.nodeid} left shared-memory segments behind "
-                    f"(now removed): {left}", pytrace=False)
+    report_segments(SESSION_PREFIX, request.node.nodeid, f"tests in {request.node.nodeid}")
 
 
 @pytest.fixture

@@ -41,8 +41,10 @@ def run_session(tmp_path: Path, files: dict[str, str]) -> str:
         proc.wait()
 
 
-def summary(output: str) -> str:
-    return output.strip().splitlines()[-1]
+def summary(output: str) -> dict[str, int]:
+    """The counts of the last line: {'passed': 6, 'errors': 2, ...}."""
+    last = output.strip().splitlines()[-1]
+    return {word: int(count) for count, word in re.findall(r"(\d+) (\w+)", last)}
 
 
 def reported(output: str) -> list[str]:
@@ -53,12 +55,20 @@ def reported(output: str) -> list[str]:
 def test_a_leaked_segment_fails_only_the_test_that_leaked_it(tmp_path):
     output = run_session(tmp_path, {
         "test_a.py": """
+            import subprocess, sys
             import shmask
             from conftest import SESSION_PREFIX, leftover_segments
             KEPT = []
 
             def test_leaks(prefix):
                 KEPT.append(shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)))
+
+            def test_a_child_killed_with_its_writer_open(prefix):
+                code = ("import os, signal, sys, shmask; "
+                        "w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=sys.argv[1])); "
+                        "os.kill(os.getpid(), signal.SIGKILL)")
+                assert subprocess.run([sys.executable, "-c", code, prefix]).returncode == -9
+                assert leftover_segments(prefix)
 
             def test_after_it_nothing_of_its_prefix_is_left():
                 assert not leftover_segments(SESSION_PREFIX)
@@ -79,10 +89,14 @@ def test_a_leaked_segment_fails_only_the_test_that_leaked_it(tmp_path):
                 assert not leftover_segments(SESSION_PREFIX)
         """,
     })
-    assert summary(output).startswith("6 passed, 2 errors"), output
+    assert summary(output) == {"passed": 7, "warning": 1, "errors": 2}, output
     assert reported(output) == ["test_leaks", "test_last_of_the_module"], output
-    assert "left shared-memory segments behind" in output
+    assert "the test left shared-memory segments behind" in output
     assert "tests in test_a.py left shared-memory segments behind" in output
+    # a dead process's segment (what shmask's garbage collection reclaims)
+    # is removed and named in a warning against its test
+    assert re.search(r"test_a_child_killed_with_its_writer_open left segments of dead processes",
+                     output), output
 
 
 def _gone(pid: int, timeout: float = 10) -> bool:
@@ -124,7 +138,7 @@ def test_a_test_that_times_out_has_its_children_killed_and_the_next_test_passes(
             pass
     """.replace("PIDS_FILE", repr(str(pids)))
     output = run_session(tmp_path, {"test_hang.py": hang})
-    assert summary(output).startswith("1 failed, 1 passed"), output
+    assert summary(output) == {"failed": 1, "passed": 1, "warning": 1}, output
     assert reported(output) == ["test_hangs"], output
     assert "Timeout" in output and "left processes running" in output, output
     started = [int(line) for line in pids.read_text().split()]
