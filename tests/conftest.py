@@ -1,10 +1,26 @@
-"""Shared fixtures. Every test gets its own segment-name prefix, and the
-session fails if a test leaves a segment of that prefix in /dev/shm."""
+"""Shared fixtures, and what keeps one test's mess out of the next one.
+
+Every test gets a segment-name prefix of its own (`prefix`). After each test:
+  - processes it started that still run are killed, each with its whole
+    process group (a test that timed out, under pytest-timeout's signal
+    method, never got to its own clean-up), and named in a warning;
+  - segments left under its prefix are removed and reported against it,
+    not against the tests after it: a segment of a live process (a Writer
+    left open) fails the test at teardown; one whose creator is dead (a
+    child the test killed, or crashed on purpose: what shmask's own
+    garbage collection reclaims at the next Writer) is named in a warning.
+Segments under the session prefix itself (module fixtures and child
+processes started with SESSION_PREFIX) are checked the same way when their
+module ends."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
+import signal
+import time
+import warnings
 
 # Kernels run under Triton's interpreter on machines without a GPU; set it
 # before anything imports triton. SHMASK_TEST_GPU=1 runs them on CUDA.
@@ -17,15 +33,150 @@ import pytest
 import shmask
 
 SESSION_PREFIX = "shmtest" + secrets.token_hex(3)
+_TEST_NUMBERS = itertools.count(1)
+# multiprocessing's helpers start at first use and serve the whole session.
+_SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
 
 
 def leftover_segments(prefix: str = SESSION_PREFIX) -> list[str]:
-    return [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(prefix))
+
+
+def creator_alive(entry: str) -> bool:
+    """Whether the process that created segment `entry` (named
+    <prefix>-<uid>-<pid>-<random>) still runs; True when the name says no pid."""
+    try:
+        pid = int(entry.split("-")[-2])
+    except (IndexError, ValueError):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+def remove_segments(prefix: str) -> list[str]:
+    """Unlink every segment whose name starts with `prefix`; returns their names."""
+    left = leftover_segments(prefix)
+    for entry in left:
+        try:
+            os.unlink(os.path.join("/dev/shm", entry))
+        except OSError:
+            pass
+    return left
+
+
+# ------------------------------------------------------------ processes
+
+def _processes() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (ppid, process group, state, start time) of every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0].decode(), fields[19].decode())
+    return table
+
+
+def descendants() -> dict[int, tuple[int, str]]:
+    """pid -> (process group, start time) of this process's live descendants,
+    multiprocessing's session-wide helpers left out. The start time tells a
+    process from a later one that got the same pid."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        _, group, state, started = table[pid]
+        if state in "ZX":
+            continue  # exited, waiting to be reaped: nothing left to kill
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if any(helper in f.read() for helper in _SESSION_HELPERS):
+                    continue
+        except OSError:
+            continue
+        found[pid] = (group, started)
+    return found
+
+
+def kill_new_processes(before: dict[int, tuple[int, str]]) -> list[int]:
+    """Kill every descendant not in `before`, with its process group when it
+    has one of its own (never ours). Repeated, since a dying parent's
+    children can be forking still. Returns the pids killed."""
+    killed: list[int] = []
+    own_group = os.getpgrp()
+    for _ in range(5):
+        new = {pid: info for pid, info in descendants().items()
+               if pid not in before or before[pid][1] != info[1]}
+        if not new:
+            break
+        for pid, (group, _) in new.items():
+            for send, target in ((os.killpg, group), (os.kill, pid)):
+                if send is os.killpg and group == own_group:
+                    continue
+                try:
+                    send(target, signal.SIGCONT)  # a stopped process must be able to die
+                    send(target, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            killed.append(pid)
+        time.sleep(0.05)
+    return killed
+
+
+# ------------------------------------------------------------ fixtures
+
+def report_segments(prefix: str, nodeid: str, who: str) -> None:
+    """Remove the segments under `prefix`: fail for those of live processes,
+    warn for those of dead ones."""
+    live = [entry for entry in leftover_segments(prefix) if creator_alive(entry)]
+    dead = [entry for entry in remove_segments(prefix) if entry not in live]
+    if dead:
+        warnings.warn(pytest.PytestWarning(
+            f"{nodeid} left segments of dead processes behind (now removed): {dead}"),
+            stacklevel=1)
+    if live:
+        pytest.fail(f"{who} left shared-memory segments behind (now removed): {live}",
+                    pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(request: pytest.FixtureRequest):
+    """Yields this test's segment prefix; afterwards kills what the test left
+    running and fails the test (only it) if it left segments behind."""
+    own = f"{SESSION_PREFIX}t{next(_TEST_NUMBERS):05d}"  # fixed width: no prefix of another
+    before = descendants()
+    yield own
+    killed = kill_new_processes(before)
+    if killed:
+        warnings.warn(pytest.PytestWarning(
+            f"{request.node.nodeid} left processes running; killed with their groups: {killed}"),
+            stacklevel=1)
+    report_segments(own, request.node.nodeid, "the test")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_session_segments_left(request: pytest.FixtureRequest):
+    """Segments of the session prefix itself, made in this module (module
+    fixtures and child processes given SESSION_PREFIX): removed at the
+    module's end, and reported against its last test."""
+    yield
+    report_segments(SESSION_PREFIX, request.node.nodeid, f"tests in {request.node.nodeid}")
 
 
 @pytest.fixture
-def prefix() -> str:
-    return SESSION_PREFIX
+def prefix(_no_leftovers: str) -> str:
+    return _no_leftovers
 
 
 @pytest.fixture
@@ -46,18 +197,6 @@ def reader(config: shmask.Config):
     r = shmask.Reader(config)
     yield r
     r.close()
-
-
-@pytest.fixture(autouse=True, scope="session")
-def no_segments_left():
-    yield
-    left = leftover_segments()
-    for entry in left:  # clean up anyway, then fail loudly
-        try:
-            os.unlink(os.path.join("/dev/shm", entry))
-        except OSError:
-            pass
-    assert not left, f"tests left shared-memory segments behind: {left}"
 
 
 def random_chunk(rng: np.random.Generator, rows: int, max_len: int, mode: str = "support",

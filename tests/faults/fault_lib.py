@@ -216,7 +216,7 @@ class Child:
         self.proc = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env if env is not None else child_env(prefix), cwd=str(REPO),
-            preexec_fn=preexec_fn,
+            preexec_fn=preexec_fn, start_new_session=True,  # kill() takes its whole group
         )
         self.pid = self.proc.pid
         self._buffer = b""
@@ -279,13 +279,15 @@ class Child:
         return self._stderr[-limit:]
 
     def kill(self) -> None:
+        """SIGKILL the child's process group: the child and anything it
+        started (an `unshare -f` prefix's python, a child's own children)."""
+        kill_group(self.pid)
         if self.proc.poll() is None:
             try:
-                os.kill(self.pid, signal.SIGCONT)  # a stopped child must be able to die
                 self.proc.kill()
             except ProcessLookupError:
                 pass
-            self.wait(10)
+        self.wait(10)
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 if stream:
@@ -300,17 +302,34 @@ class Child:
         self.kill()
 
 
+def kill_group(pid: int) -> None:
+    """SIGKILL process group `pid` (a child started with start_new_session),
+    stopped members included; nothing if it is gone."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped process must be able to die
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+
+
 def run_script(code: str, env: dict[str, str], timeout: float,
                argv_prefix: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run python -c code (bounded); a timeout is returned as rc None-like 124."""
+    """Run python -c code (bounded) in its own process group, killed whole
+    when it runs past `timeout` or the caller is interrupted; a timeout is
+    returned as rc 124."""
     command = [*(argv_prefix or []), sys.executable, "-c", code]
+    proc = subprocess.Popen(command, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        return subprocess.run(command, env=env, cwd=str(REPO), capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out, err = (v.decode(errors="replace") if isinstance(v, bytes) else (v or "")
-                    for v in (exc.stdout, exc.stderr))
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(command, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        out, err = proc.communicate()
         return subprocess.CompletedProcess(command, 124, out, err)
+    finally:
+        kill_group(proc.pid)
+        proc.wait()
 
 
 def describe_rc(rc: int | None) -> str:
