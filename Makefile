@@ -8,7 +8,7 @@ NATIVE_SOURCES := setup.py pyproject.toml native/build.py native/shmask_core.c n
 	native/shmask_layout.h native/shmask_exit.c native/shmask_exit.h native/response_json.c \
 	native/response_json.h native/response_json_tables.h
 
-.PHONY: demo test test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
+.PHONY: demo test test-gpu test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
 
 $(STAMP): $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ test: $(STAMP)
 
 # The response writer's floats against orjson for all 2^32 float32 bit
 # patterns (minutes, one process per CPU; `make test` runs a sample).
+# The kernel and GPU-direct tests at their long sizes on CUDA (a GPU host
+# whose torch has CUDA, e.g. the H200: `bash .device/setup.sh` there puts
+# shmask beside the host's own torch); `make test` runs them small, in
+# Triton's interpreter.
+test-gpu:
+	SHMASK_TEST_GPU=1 python3 -m pytest -q tests/test_direct.py tests/test_kernel_*.py tests/test_benchmarks_smoke.py
+
 test-exhaustive: $(STAMP)
 	$(PY) tests/exhaustive_float_json.py
 

@@ -666,14 +666,15 @@ def shm_too_small(result: Result, prefix: str, full: bool) -> None:
 
 
 BAD_VALUES = {
-    "SHMASK_TRANSPORT": ["tcp", "", "shm,inline"],
+    # An empty value means unset (the default), so none is listed here.
+    "SHMASK_TRANSPORT": ["tcp", "shm!", "shm,inline"],
     "SHMASK_RING_MB": ["0", "-1", "abc", "1.5", "1048577"],
-    "SHMASK_NAME_PREFIX": ["", "a-b", "../x", "x" * 33, "sh m"],
+    "SHMASK_NAME_PREFIX": ["a.b", "a-b", "../x", "x" * 33, "sh m"],
     "SHMASK_FULL_WAIT_MS": ["-1", "nan", "inf", "abc", "60001"],
     "SHMASK_LEASE_S": ["0", "-5", "nan", "inf", "abc", "86401"],
     "SHMASK_MAX_TOKENS": ["0", "-1", "1e9", "abc", "4194305"],
     "SHMASK_QUEUE_ROWS": ["0", "-1", "abc", "1048576"],
-    "SHMASK_LOG_LEVEL": ["LOUD", "", "5"],
+    "SHMASK_LOG_LEVEL": ["LOUD", "verbose", "5"],
 }
 
 
