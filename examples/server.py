@@ -1,40 +1,78 @@
-"""An HTTP front end in the shape of SGLang's tokenizer manager: FastAPI +
-uvicorn, a `/generate` endpoint that streams (SSE) or returns whole
-responses whose meta_info holds SGLang's three sampling-mask fields,
-accumulated across emissions and written straight from shared memory.
+"""An HTTP front end in the shape of SGLang's: FastAPI + uvicorn, a
+`/generate` endpoint that takes SGLang's request body and answers in
+SGLang's shape (whole responses, or SSE streams), the sampling masks in
+meta_info written straight from what the engine put in shared memory, so an
+RL client written for SGLang runs against it unchanged.
 
     python examples/server.py [--port 30000 --requests 32 --tokens 200 --top-k 100]
 
+    curl -s localhost:30000/generate -d '{"text": "The capital of France is",
+        "sampling_params": {"max_new_tokens": 16}, "return_sampling_mask": true}'
+    curl -sN localhost:30000/generate -d '{"text": "Hi", "return_sampling_mask": true,
+        "stream": true}'
+    curl -s localhost:30000/health
+    curl -s localhost:30000/metrics
+
 It starts the example producer (examples/producer.py, the "engine": a
-seeded decode loop over --requests requests) and the example detokenizer
-(examples/detokenizer.py) as processes joined by zmq, exactly as
-examples/pipeline.py wires them, and plays the tokenizer manager itself.
+seeded decode loop over --requests pre-planned requests of up to --tokens
+tokens) and the example detokenizer (examples/detokenizer.py) as processes
+joined by zmq, exactly as examples/pipeline.py wires them, and plays the
+tokenizer manager itself.
+
+The request body, as SGLang 0.5.23's /generate reads it:
+- `text` (a string) or `input_ids` (a list of ints): the prompt. The
+  example engine does not read prompts: a prompt picks one of its planned
+  requests by a stable hash (workload.request_for_prompt), with
+  `sampling_params.sampling_seed` mixed in, so the same prompt and seed get
+  the same completion. Batches (a list of prompts) are refused.
+- `sampling_params`: `max_new_tokens` (default 128, as SGLang's; null: no
+  limit) caps the output, which otherwise ends where the planned request
+  ends (finish_reason `stop`). The other SGLang sampling parameters are
+  accepted and ignored (the engine samples from its seed; `n` must be 1);
+  a key SGLang does not know is refused with 400 naming it, as SGLang does.
+- `return_sampling_mask` (bool, default false): the three sampling-mask
+  fields in meta_info. `sampling_logprobs_mode` ("selected" | "support")
+  must match the engine's --mode when given (the engine records one kind
+  of row); left out, the engine's mode is used (SGLang would default to
+  "selected"). Set without return_sampling_mask it is refused, as SGLang does.
+- `sampling_mask_format`: "json" (default, SGLang's lists) or "base64"
+  (shmask's binary rows: one object under output_token_sampling_mask,
+  decoded by shmask.decode_rows; docs/architecture.md, "Binary rows").
+- `stream` (bool; anything else is a 400): SSE `data: {...}` events, then
+  `data: [DONE]`. Each event holds everything so far (SGLang's default);
+  with `"incremental": true` (this example's per-request form of SGLang's
+  --incremental-streaming-output, also a flag here) each holds only what
+  is new: one event per emission, built as soon as it is folded.
+- `rid` (a string, optional): meta_info.id; a random hex id otherwise.
+Other top-level keys are ignored, as SGLang ignores keys it does not use.
+Bodies above --max-body-bytes (1 MiB) get 413; errors are JSON
+`{"error": {"message": ..., "code": ...}}`.
+
+The answer: `text` (the output ids detokenized as "<id>" pieces),
+`output_ids` (the engine's sampled token per row: each row's first id,
+workload.sampled_tokens, so output_ids and the mask rows have one entry per
+generated token), `meta_info` with id, finish_reason, prompt_tokens (bytes
+of a text prompt, ids of input_ids), the mask fields, completion_tokens and
+cached_tokens.
+
 Its event loop only routes: an asyncio task receives each emission's
 references and hands every chunk to a thread pool (shmask.offload.Offload,
---threads), where it is opened, folded into its request's state as JSON
-pieces and released at once (shmask.adapters.sglang.SamplingMaskJSON), so
-no ring record is held while a client is slow. Each request has a lane in
-the pool: its folds and response builds run in order, one at a time, while
-other requests' run beside them (the native JSON writer lets go of the
-GIL). Responses embed the pieces as orjson.Fragments
-(shmask.adapters.sglang.response_meta_info): no Python list per row. So
-/health answers while 64 requests stream, and SIGTERM or Ctrl-C ends open
-streams (with an error event), stops the engine and exits within a second
-or two.
+--threads), where its rows are copied into the planned request's
+SamplingMaskCSR and the ring record is released at once, so no record is
+held while a client is slow. Each planned request has a lane in the pool:
+its folds and response builds run in order, one at a time, while other
+requests' run beside them; responses are written by shmask's native JSON
+writer (or the binary-rows encoder) from those arrays and embedded as
+orjson.Fragments: no Python list per row. So /health answers while 64
+requests stream, and SIGTERM or Ctrl-C ends open streams (with an error
+event), stops the engine and exits within a second or two. A port in use
+is reported at once (exit code 1), before the engine starts.
 
-    curl -s localhost:30000/generate -d '{"rid": 3}'
-    curl -sN localhost:30000/generate -d '{"rid": 3, "stream": true, "incremental": true}'
-    curl -s localhost:30000/health
-
-`rid` picks one of the engine's requests (0 .. --requests-1); a request can
-be asked for any number of times. Streaming with `"incremental": true` (as
-SGLang's --incremental-streaming-output) sends one `data: {...}` event per
-emission with that emission's rows, built on the request's lane as soon as
-it is folded (a client more than 64 events behind gets the rest coalesced).
-Without it, each event holds every row so far (cumulative, SGLang's
-default) and is built when the stream is ready to send, so emissions that
-arrived meanwhile share one event (one copy of every row per emission would
-be quadratic). Then `data: [DONE]`.
+/metrics serves shmask's Prometheus metrics (docs/metrics.md) of the
+server and its engine processes when prometheus_client is installed (the
+`metrics` extra), through its multiprocess mode (PROMETHEUS_MULTIPROC_DIR:
+a temporary directory unless it is set); without it /metrics is a 404
+that says so.
 """
 
 from __future__ import annotations
@@ -44,12 +82,16 @@ import asyncio
 import collections
 import contextlib
 import functools
+import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
@@ -62,56 +104,66 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
-from workload import configure, request_lengths
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from workload import configure, request_for_prompt, request_lengths, sampled_tokens
 
 import shmask
-from shmask.adapters.sglang import SamplingMaskJSON, response_meta_info
+from shmask.adapters.sglang import LENGTH_FIELD, LOGPROBS_FIELD, MASK_FIELD, SamplingMaskCSR
+from shmask.binary_rows import encode_chunk
 from shmask.offload import Offload, fold_ref
+from shmask.refs import MODE_SELECTED, MODE_SUPPORT
 
 HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
 
 
 MAX_QUEUED_EVENTS = 64  # per stream; beyond, emissions coalesce into one event
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+# The sampling_params keys SGLang 0.5.23 knows (its /generate refuses any
+# other); this example honours max_new_tokens and sampling_seed.
+SAMPLING_PARAMS = frozenset((
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice"))
+INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class ReqState:
-    """One request's accumulated output (SGLang's ReqState, masks only).
+    """One planned request of the engine: its rows as they arrive (copied
+    out of the ring), and the streams that wait on them.
 
-    `masks` and `streams` change only on the request's lane of the Offload
+    `rows` and `streams` change only on the request's lane of the Offload
     pool (folds and event builds run there one at a time, in order); the
-    loop reads them and waits on `updated`."""
+    loop reads len(rows) and waits on `updated`."""
 
-    __slots__ = ("rid", "length", "masks", "streams", "error", "updated")
+    __slots__ = ("index", "length", "rows", "streams", "error", "updated")
 
-    def __init__(self, rid: int, length: int, support: bool) -> None:
-        self.rid = rid
+    def __init__(self, index: int, length: int, support: bool) -> None:
+        self.index = index
         self.length = length  # tokens the engine generates for it
-        self.masks = SamplingMaskJSON(support)
+        self.rows = SamplingMaskCSR(support)
         self.streams: list[Stream] = []
         self.error: str | None = None  # this request failed; the others go on
         self.updated = asyncio.Event()
-
-    @property
-    def finished(self) -> bool:
-        return len(self.masks) >= self.length
 
     def fold(self, start: int, chunk: shmask.Chunk) -> None:
         """One emission's chunk into the state (on the lane, a worker thread),
         then one event for each incremental stream that keeps up."""
         if self.error is not None:
             return  # the chunk is only released
-        if start != len(self.masks):
-            raise RuntimeError(f"request {self.rid}: emission starts at token {start}, "
-                               f"{len(self.masks)} received")
-        self.masks.extend(chunk)
+        if start != len(self.rows):
+            raise RuntimeError(f"request {self.index}: emission starts at token {start}, "
+                               f"{len(self.rows)} received")
+        self.rows.extend(chunk)  # a copy: the record is released when this returns
         for stream in self.streams:
             # Built now, each event holds exactly this emission's rows; a
-            # cumulative stream builds when it is ready to send (what
-            # SGLang's streams do: one copy of every row per event is
-            # quadratic), as does one whose client lags MAX_QUEUED_EVENTS.
-            if stream.incremental and len(stream.events) < MAX_QUEUED_EVENTS:
-                stream.build(self)
+            # cumulative stream builds when it is ready to send (one copy of
+            # every row per emission would be quadratic), as does one whose
+            # client lags MAX_QUEUED_EVENTS.
+            if stream.generation.incremental and len(stream.events) < MAX_QUEUED_EVENTS:
+                stream.build()
 
     def notify(self) -> None:
         """Wake everything waiting on this request (on the loop)."""
@@ -119,39 +171,60 @@ class ReqState:
         self.updated = asyncio.Event()
 
 
+@dataclass(frozen=True)
+class Generation:
+    """One /generate request, served from a planned request's rows."""
+
+    rid: str
+    state: ReqState
+    stop: int  # rows it returns: max_new_tokens or the planned length, the smaller
+    finish_reason: dict[str, Any]
+    output_ids: np.ndarray  # int32 [stop]: the engine's sampled tokens
+    prompt_tokens: int
+    masks: bool  # return_sampling_mask
+    base64: bool  # sampling_mask_format "base64"
+    incremental: bool
+
+    def ready(self) -> int:
+        """Rows available to it now."""
+        return min(len(self.state.rows), self.stop)
+
+
 class Stream:
     """One open SSE stream: events built on its request's lane, sent by the loop."""
 
-    __slots__ = ("incremental", "events", "sent", "done")
+    __slots__ = ("generation", "events", "sent", "done")
 
-    def __init__(self, incremental: bool) -> None:
-        self.incremental = incremental
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
         self.events: collections.deque[bytes] = collections.deque()  # workers append, loop pops
         self.sent = 0  # rows that the built events cover
         self.done = False  # the last event (finish_reason set) is built
 
-    def build(self, state: ReqState) -> None:
+    def build(self) -> None:
         """One event of every row not yet in an event (on the lane)."""
-        total = len(state.masks)
-        if self.done or (total == self.sent and not state.finished):
+        generation = self.generation
+        total = generation.ready()
+        finished = total >= generation.stop
+        if self.done or (total == self.sent and not finished):
             return
-        start = self.sent if self.incremental else 0
-        self.events.append(b"data: " + response(state, start) + b"\n\n")
+        start = self.sent if generation.incremental else 0
+        self.events.append(b"data: " + response(generation, start) + b"\n\n")
         self.sent = total
-        self.done = state.finished
+        self.done = finished
 
 
 class TokenizerManager:
-    """Receives the detokenizer's emissions and keeps every request's state.
-    The loop only routes: every chunk is opened, folded and released on the
-    Offload pool, on its request's lane."""
+    """Receives the detokenizer's emissions and keeps every planned
+    request's rows. The loop only routes: every chunk is opened, copied and
+    released on the Offload pool, on its request's lane."""
 
     def __init__(self, args: argparse.Namespace, endpoints: dict[str, str]) -> None:
         self.args = args
         self.endpoints = endpoints
-        support = args.mode == "support"
+        self.support = args.mode == "support"
         lengths = request_lengths(np.arange(args.requests), args.tokens)
-        self.states = [ReqState(r, int(n), support) for r, n in enumerate(lengths)]
+        self.states = [ReqState(r, int(n), self.support) for r, n in enumerate(lengths)]
         self.reader = shmask.Reader(configure())
         self.offload = Offload(args.threads)
         self.engine_done = False
@@ -194,8 +267,8 @@ class TokenizerManager:
         # running ones (one fold each) finish; then nothing reads the ring.
         self.offload.close()
         self.reader.close()
-        for socket in (self.inp, self.results, self.control):
-            socket.close(linger=0)
+        for sock in (self.inp, self.results, self.control):
+            sock.close(linger=0)
         self.context.term()
 
     async def _handle_loop(self) -> None:
@@ -208,7 +281,7 @@ class TokenizerManager:
                     # Every chunk is released once folded: the producer may
                     # unlink its ring once every lane has done the folds
                     # queued before (a no-op job on each lane runs after them).
-                    await asyncio.gather(*(self.offload.run(state.rid, _nothing)
+                    await asyncio.gather(*(self.offload.run(state.index, _nothing)
                                            for state in self.states))
                     self.engine_done = True
                     await self.control.send(b"exit")
@@ -220,12 +293,12 @@ class TokenizerManager:
                                                           for r in requests):
                     raise RuntimeError(f"an emission names requests {requests} for "
                                        f"{len(batch)} refs")
-                for ref, rid, start in zip(batch, requests, starts, strict=True):
-                    state = self.states[rid]
+                for ref, index, start in zip(batch, requests, starts, strict=True):
+                    state = self.states[index]
                     # Waits (off the loop) while the pool has its fill of
                     # jobs: the socket then queues, and the engine behind it.
                     folded = await self.offload.put(
-                        rid, fold_ref, self.reader, ref, functools.partial(state.fold, start))
+                        index, fold_ref, self.reader, ref, functools.partial(state.fold, start))
                     folded.add_done_callback(functools.partial(self._folded, state))
                 await asyncio.sleep(0)  # a burst of queued emissions lets the loop in
         except asyncio.CancelledError:
@@ -251,7 +324,7 @@ class TokenizerManager:
         if self.error is not None:
             raise HTTPException(500, f"engine failed: {self.error}")
         if state.error is not None:
-            raise HTTPException(500, f"request {state.rid} failed: {state.error}")
+            raise HTTPException(500, f"request {state.index} failed: {state.error}")
         if self.stopping:
             raise HTTPException(503, "the server is shutting down")
 
@@ -260,37 +333,210 @@ class TokenizerManager:
         client: given up when shutdown begins (raises HTTPException, as it
         does when the request or the engine failed)."""
         assert self.stopped is not None
-        job = asyncio.wrap_future(self.offload.submit(state.rid, fn, *args))
+        job = asyncio.wrap_future(self.offload.submit(state.index, fn, *args))
         await asyncio.wait((job, self.stopped), return_when=asyncio.FIRST_COMPLETED)
         if not job.done():
             job.cancel()  # not started: dropped; running: it ends on its own
         self.check(state)
         return job.result()
 
+    def generation(self, body: dict[str, Any]) -> Generation:
+        """SGLang's /generate body as a Generation, or HTTPException 400
+        naming what is wrong."""
+        prompt, prompt_tokens = _prompt(body)
+        params = body.get("sampling_params")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise HTTPException(400, "sampling_params must be a JSON object")
+        unknown = sorted(set(params) - SAMPLING_PARAMS)
+        if unknown:
+            raise HTTPException(400, f"sampling_params: unknown field {unknown[0]!r}, expected "
+                                f"one of {', '.join(sorted(SAMPLING_PARAMS))}")
+        max_new_tokens = _optional_int(params, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS,
+                                       "sampling_params.")
+        if max_new_tokens is not None and max_new_tokens < 0:
+            raise HTTPException(400, f"sampling_params.max_new_tokens must be at least 0, "
+                                f"got {max_new_tokens}")
+        seed = _optional_int(params, "sampling_seed", 0, "sampling_params.") or 0
+        n = _optional_int(params, "n", 1, "sampling_params.")
+        if n not in (None, 1):
+            raise HTTPException(400, f"sampling_params.n must be 1 in this example, got {n}")
+        masks = _bool(body, "return_sampling_mask")
+        mode = body.get("sampling_logprobs_mode")
+        engine_mode = self.args.mode
+        if mode is not None:
+            if not masks:
+                raise HTTPException(400, "sampling_logprobs_mode can only be set when "
+                                    "return_sampling_mask=true")
+            if mode not in ("selected", "support"):
+                raise HTTPException(400, f"sampling_logprobs_mode must be 'selected' or "
+                                    f"'support', got {mode!r}")
+            if mode != engine_mode:
+                raise HTTPException(400, f"sampling_logprobs_mode {mode!r} is not available: "
+                                    f"this server's engine records {engine_mode}-mode rows "
+                                    f"(--mode {engine_mode})")
+        mask_format = body.get("sampling_mask_format", "json")
+        if mask_format not in ("json", "base64"):
+            raise HTTPException(400, f"sampling_mask_format must be 'json' or 'base64', "
+                                f"got {mask_format!r}")
+        rid = body.get("rid")
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif not isinstance(rid, str):
+            raise HTTPException(400, f"rid must be a string, got {_describe(rid)}")
+        incremental = _bool(body, "incremental", self.args.incremental_streaming_output)
+
+        state = self.states[request_for_prompt(prompt, len(self.states), seed)]
+        if max_new_tokens is not None and max_new_tokens <= state.length:
+            stop = max_new_tokens
+        else:
+            stop = state.length
+        output_ids = sampled_tokens(self.args.seed, self.args.top_k, state.index, 0, stop)
+        if stop == max_new_tokens:
+            finish_reason: dict[str, Any] = {"type": "length", "length": stop}
+        else:  # the planned request ended first: as if at its end-of-sequence token
+            finish_reason = {"type": "stop", "matched": int(output_ids[-1])}
+        return Generation(rid, state, stop, finish_reason, output_ids, prompt_tokens, masks,
+                          mask_format == "base64", incremental)
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {orjson.dumps(value).decode()[:40]}"
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | list[int], int]:
+    """The prompt (text or input_ids, exactly one) and its token count."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise HTTPException(400, "give the prompt as either text or input_ids" if text is None
+                            else "give text or input_ids, not both")
+    if text is not None:
+        if isinstance(text, list):
+            raise HTTPException(400, "batch requests (a list of prompts) are not supported by "
+                                "this example: send one request per prompt")
+        if not isinstance(text, str):
+            raise HTTPException(400, f"text must be a string, got {_describe(text)}")
+        return text, len(text.encode())  # the example "tokenizer": one token per byte
+    if not isinstance(input_ids, list) or not input_ids:
+        raise HTTPException(400, "input_ids must be a non-empty list of token ids")
+    if isinstance(input_ids[0], list):
+        raise HTTPException(400, "batch requests (a list of prompts) are not supported by "
+                            "this example: send one request per prompt")
+    if not all(type(i) is int and 0 <= i <= INT64[1] for i in input_ids):
+        raise HTTPException(400, "input_ids must hold non-negative integer token ids")
+    return input_ids, len(input_ids)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
+    """A boolean field: true, false or null (the default); anything else,
+    e.g. "no", is refused rather than taken as true."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not bool:
+        raise HTTPException(400, f"{key} must be a boolean (true or false), got "
+                            f"{_describe(value)}")
+    return value
+
+
+def _optional_int(params: dict[str, Any], key: str, default: int | None,
+                  where: str) -> int | None:
+    if key not in params:
+        return default
+    value = params[key]
+    if value is not None and (type(value) is not int or not INT64[0] <= value <= INT64[1]):
+        raise HTTPException(400, f"{where}{key} must be an integer, got {_describe(value)}")
+    return value
+
 
 def _nothing() -> None:
     pass
 
 
-def response(state: ReqState, start: int = 0) -> bytes:
-    finished = state.finished
-    meta_info = {
-        "id": str(state.rid),
-        "finish_reason": {"type": "length", "length": state.length} if finished else None,
-        "completion_tokens": len(state.masks),
-        **response_meta_info(state.masks, start=start),
+def mask_fields(rows: SamplingMaskCSR, start: int, total: int,
+                base64: bool) -> dict[str, Any]:
+    """The meta_info sampling-mask fields of `rows` (the response's rows,
+    from row `start` of the request; `total` rows so far), as SGLang names
+    and orders them: the JSON lists (by shmask's native writer) or one
+    binary-rows object. A chunk without a ring record wraps the arrays so
+    that both writers take them as they take a chunk from the ring."""
+    mode = MODE_SUPPORT if rows.support else MODE_SELECTED
+    chunk = shmask.Chunk(mode, rows.lengths, rows.token_ids, rows.logprobs, None,
+                         flags=rows.status)
+    if base64:
+        return {MASK_FIELD: orjson.Fragment(encode_chunk(chunk, start)), LENGTH_FIELD: total}
+    ids, logprobs = (chunk.json_arrays()[:2] if len(rows) else (b"[]", b"[]"))
+    return {MASK_FIELD: orjson.Fragment(ids), LOGPROBS_FIELD: orjson.Fragment(logprobs),
+            LENGTH_FIELD: total}
+
+
+def response(generation: Generation, start: int = 0) -> bytes:
+    """A response (or stream event) for rows [start, ready) of a
+    generation: built on its planned request's lane."""
+    total = generation.ready()
+    start = min(start, total)
+    output_ids = generation.output_ids[start:total].tolist()
+    meta_info: dict[str, Any] = {
+        "id": generation.rid,
+        "finish_reason": generation.finish_reason if total >= generation.stop else None,
+        "prompt_tokens": generation.prompt_tokens,
     }
-    return orjson.dumps({"text": "", "output_ids": [], "meta_info": meta_info})
+    if generation.masks:
+        meta_info.update(mask_fields(generation.state.rows[start:total], start, total,
+                                     generation.base64))
+    meta_info["completion_tokens"] = total
+    meta_info["cached_tokens"] = 0
+    return orjson.dumps({"text": detokenize(output_ids), "output_ids": output_ids,
+                         "meta_info": meta_info})
+
+
+def detokenize(ids: list[int]) -> str:
+    """The example's tokenizer: "<id>" per token, so incremental pieces
+    concatenate to the whole text."""
+    return "".join(f"<{i}>" for i in ids)
+
+
+def error_body(status: int, message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "code": status}})
 
 
 def error_event(exc: HTTPException) -> bytes:
-    return b"data: " + orjson.dumps({"error": {"message": exc.detail, "code": exc.status_code}}) \
-        + b"\n\n"
+    return b"data: " + error_body(exc.status_code, str(exc.detail)) + b"\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to be
+    larger than `limit` (by its Content-Length, or while it arrives)."""
+    declared = request.headers.get("content-length")
+    too_large = f"the body is larger than this server takes ({limit} bytes, --max-body-bytes)"
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, too_large)
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise HTTPException(413, too_large)
+    return bytes(body)
+
+
+def metrics_registry() -> Any:
+    """A registry that collects every process's shmask metrics from
+    prometheus_client's multiprocess directory, or None without
+    prometheus_client."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR") \
+            or importlib.util.find_spec("prometheus_client") is None:
+        return None
+    from prometheus_client import CollectorRegistry, multiprocess
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
 
 
 def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[FastAPI, TokenizerManager]:
     manager = TokenizerManager(args, endpoints)
     offload = manager.offload
+    registry = metrics_registry()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -300,35 +546,47 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
 
     app = FastAPI(lifespan=lifespan)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return Response(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                        media_type="application/json")
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if manager.error is None else 503)
 
-    @app.post("/generate")
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if registry is None:
+            raise HTTPException(404, "metrics need prometheus_client, which is not installed: "
+                                "pip install 'shmask[metrics]'")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        data = await asyncio.to_thread(generate_latest, registry)  # reads every process's file
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         try:
-            body = orjson.loads(await request.body() or b"{}")
+            body = orjson.loads(await read_body(request, args.max_body_bytes) or b"{}")
         except orjson.JSONDecodeError as exc:
             raise HTTPException(400, f"the body is not JSON: {exc}") from None
         if not isinstance(body, dict):
             raise HTTPException(400, "the body must be a JSON object")
-        rid = body.get("rid")
-        if type(rid) is not int or not 0 <= rid < len(manager.states):
-            raise HTTPException(400, f"rid must be an int in [0, {len(manager.states)})")
-        state = manager.states[rid]
+        generation = manager.generation(body)
+        state = generation.state
         manager.check(state)
-        if body.get("stream"):
-            return StreamingResponse(stream(state, bool(body.get("incremental"))),
-                                     media_type="text/event-stream")
-        while not state.finished:
+        if _bool(body, "stream"):
+            return StreamingResponse(stream(generation), media_type="text/event-stream")
+        while generation.ready() < generation.stop:
             await state.updated.wait()
             manager.check(state)
         # Built on the request's lane: after its last fold, off the loop.
-        return Response(await manager.on_lane(state, response, state),
+        return Response(await manager.on_lane(state, response, generation),
                         media_type="application/json")
 
-    async def stream(state: ReqState, incremental: bool) -> AsyncIterator[bytes]:
-        subscriber = Stream(incremental)
+    async def stream(generation: Generation) -> AsyncIterator[bytes]:
+        state = generation.state
+        subscriber = Stream(generation)
         try:
             await manager.on_lane(state, state.streams.append, subscriber)
             while True:
@@ -337,10 +595,10 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
                 if subscriber.done:
                     break
                 manager.check(state)
-                if len(state.masks) > subscriber.sent or state.finished:
+                if generation.ready() > subscriber.sent or generation.ready() >= generation.stop:
                     # Rows that no event holds (a cumulative stream, or a
                     # client that lagged): one event of them all.
-                    await manager.on_lane(state, subscriber.build, state)
+                    await manager.on_lane(state, subscriber.build)
                     continue
                 await state.updated.wait()
             yield b"data: [DONE]\n\n"
@@ -350,7 +608,7 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
             yield error_event(HTTPException(500, f"{type(exc).__name__}: {exc}"))
         finally:
             with contextlib.suppress(RuntimeError):  # the pool is closed: nothing folds any more
-                offload.submit(state.rid, unsubscribe, state, subscriber)
+                offload.submit(state.index, unsubscribe, state, subscriber)
 
     return app, manager
 
@@ -378,6 +636,27 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self.loop is not None:  # a signal handler: hand it to the loop
             self.loop.call_soon_threadsafe(self.manager.shut_down)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything starts: a port
+    in use is one clear message and exit code 1, with no engine to stop."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        sys.exit(f"shmask example server: cannot listen on {host}:{port}: {exc}")
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = " (another server is listening there: stop it or choose another --port)" \
+            if exc.errno == 98 else ""
+        sys.exit(f"shmask example server: cannot listen on {host}:{port}: "
+                 f"{exc.strerror or exc}{hint}")
+    return sock
 
 
 def start_engine(args: argparse.Namespace, endpoints: dict[str, str]) -> list[subprocess.Popen]:
@@ -418,7 +697,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="SGLang's default port")
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=32,
+                        help="the engine's planned requests, which prompts map onto")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--top-k", type=int, default=100)
     parser.add_argument("--mode", choices=["support", "selected"], default="support")
@@ -427,17 +707,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="threads that fold chunks and build responses off the event loop "
                              "(default SHMASK_OFFLOAD_THREADS, else the cores, at most 8)")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                        help="larger request bodies get 413 (default 1 MiB)")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="stream events hold only what is new (a request's "
+                             "\"incremental\" overrides it)")
     args = parser.parse_args()
+    if args.requests < 1 or args.tokens < 1 or args.max_body_bytes < 1:
+        parser.error("--requests, --tokens and --max-body-bytes must be positive")
+    listener = listen(args.host, args.port)  # before any child: a busy port ends here
     os.environ.setdefault("SHMASK_RING_MB", "64")  # the children inherit it
 
     with tempfile.TemporaryDirectory(prefix="shmask-serve-") as tmp:
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR") \
+                and importlib.util.find_spec("prometheus_client") is not None:
+            # Set before prometheus_client is imported anywhere (here and in
+            # the children, which inherit it): every process writes there.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(tmp, "metrics")
+            os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         endpoints = {name: f"ipc://{tmp}/{name}"
                      for name in ("tokenizer", "detok", "results", "control")}
         app, manager = build_app(args, endpoints)
         # The graceful-shutdown timeout is a backstop: streams end as soon as
         # the signal arrives (Server.handle_exit).
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
         server = Server(config, manager)
         processes = start_engine(args, endpoints)
         print(f"shmask example server: http://{args.host}:{args.port}/generate "
@@ -448,11 +741,12 @@ def main() -> None:
         # default SIGTERM would kill this process and orphan the children).
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
-            server.run()
+            server.run(sockets=[listener])
         except KeyboardInterrupt:
             pass
         finally:
             stop_engine(processes, manager.engine_done)
+            listener.close()
 
 
 if __name__ == "__main__":

@@ -9,11 +9,15 @@ row, and negative float32 logprobs (or one logprob per row, selected mode).
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
+import os
 
 import numpy as np
 
 import shmask
+import shmask.metrics
 
 VOCAB = 151_936
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -83,4 +87,31 @@ def configure() -> shmask.Config:
     config = shmask.Config.from_env()
     logging.basicConfig(format="%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
     config.apply_log_level()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") \
+            and importlib.util.find_spec("prometheus_client") is not None:
+        # prometheus_client's multiprocess mode (examples/server.py sets it
+        # when prometheus_client is installed): every process of the
+        # pipeline writes its shmask metrics there, the server exports them.
+        shmask.metrics.enable()
     return config
+
+
+def sampled_tokens(seed: int, top_k: int, request: int, start: int, rows: int) -> np.ndarray:
+    """The token the engine sampled at tokens [start, start + rows) of one
+    request: each row's first id, the most likely one (its support-mode
+    logprob, -offset, is the row's largest and is the selected-mode value)."""
+    tokens = np.arange(start, start + rows, dtype=np.int64)
+    _, first, _, _ = row_params(seed, top_k, np.full(rows, request), tokens)
+    return first.astype(np.int32)
+
+
+def request_for_prompt(prompt: str | list[int], requests: int, sampling_seed: int = 0) -> int:
+    """Which of the engine's pre-planned requests answers a prompt (text or
+    token ids): a stable hash of the prompt and the sampling seed, so the
+    same prompt and seed get the same completion, and another seed likely
+    another one."""
+    data = b"text:" + prompt.encode() if isinstance(prompt, str) \
+        else b"ids:" + ",".join(map(str, prompt)).encode()
+    digest = hashlib.blake2b(data, digest_size=8, salt=sampling_seed.to_bytes(16, "little",
+                                                                             signed=True))
+    return int.from_bytes(digest.digest(), "little") % requests

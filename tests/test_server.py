@@ -1,7 +1,10 @@
 """examples/server.py for real: the server, producer and detokenizer as
-processes, driven over HTTP (httpx), every row of every response checked
-against the producer's seed; and at load (64 streams at once): one event per
-emission, /health answered between them, SIGTERM and Ctrl-C obeyed at once."""
+processes, driven over HTTP (httpx) with SGLang's request body, every row of
+every response checked against the producer's seed; an SGLang-style RL
+client (tests/sglang_style_client.py) run against it unchanged; bad bodies,
+an over-large body, a busy port and /metrics; and at load (64 streams at
+once): one event per emission, /health answered between them, SIGTERM and
+Ctrl-C obeyed at once."""
 
 from __future__ import annotations
 
@@ -24,10 +27,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from workload import expected_chunk, request_lengths  # noqa: E402
+from workload import (  # noqa: E402
+    expected_chunk,
+    request_for_prompt,
+    request_lengths,
+    sampled_tokens,
+)
+
+import shmask  # noqa: E402
 
 REQUESTS, TOKENS, TOP_K, SEED = 6, 90, 24, 5
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def prompt_for(request: int, requests: int = REQUESTS) -> str:
+    """A prompt that the server maps onto the engine's planned `request`."""
+    i = 0
+    while request_for_prompt(f"prompt {i}", requests) != request:
+        i += 1
+    return f"prompt {i}"
+
+
+def request_body(request: int, requests: int = REQUESTS, **fields) -> dict:
+    """SGLang's /generate body for the whole of one planned request, masks on."""
+    return {"text": prompt_for(request, requests), "sampling_params": {"max_new_tokens": None},
+            "return_sampling_mask": True, **fields}
 
 
 def free_port() -> int:
@@ -106,13 +130,57 @@ def test_whole_responses(server):
     lengths = request_lengths(np.arange(REQUESTS), TOKENS)
     with httpx.Client(timeout=20) as client:
         for rid in range(REQUESTS):
-            reply = client.post(url + "/generate", json={"rid": rid})
+            reply = client.post(url + "/generate", json=request_body(rid, rid=f"r{rid}"))
             assert reply.status_code == 200
-            meta = reply.json()["meta_info"]
+            result = reply.json()
+            meta = result["meta_info"]
             assert check_rows(meta, rid, mode) == lengths[rid] > 0
             assert meta["output_token_sampling_mask_length"] == lengths[rid]
-            assert list(meta)[-3:] == ["output_token_sampling_mask", "output_token_sampling_logprobs",
+            keys = list(meta)
+            at = keys.index("output_token_sampling_mask")  # SGLang's three fields, in its order
+            assert keys[at:at + 3] == ["output_token_sampling_mask", "output_token_sampling_logprobs",
                                        "output_token_sampling_mask_length"]
+            check_output(result, rid)
+            assert meta["id"] == f"r{rid}" and meta["completion_tokens"] == lengths[rid]
+            # The planned request ended before max_new_tokens: SGLang's "stop".
+            assert meta["finish_reason"] == {"type": "stop", "matched": result["output_ids"][-1]}
+
+
+def check_output(result: dict, rid: int, start: int = 0) -> None:
+    """output_ids (and text) are the engine's sampled tokens, one per mask
+    row: each is its row's first id."""
+    ids = result["output_ids"]
+    assert ids == sampled_tokens(SEED, TOP_K, rid, start, len(ids)).tolist()
+    masks = result["meta_info"].get("output_token_sampling_mask")
+    if isinstance(masks, list):
+        assert len(masks) == len(ids) and all(row[0] == i for row, i in zip(masks, ids, strict=True))
+    assert result["text"] == "".join(f"<{i}>" for i in ids)
+
+
+def test_max_new_tokens_and_binary_rows(server):
+    """max_new_tokens cuts the output (finish_reason length); masks off by
+    default; sampling_mask_format "base64" gives the same rows as binary rows."""
+    url, mode = server
+    rid, cut = 2, 7
+    with httpx.Client(timeout=20) as client:
+        plain = client.post(url + "/generate", json={"input_ids": [5, 6, 7]}).json()
+        assert "output_token_sampling_mask" not in plain["meta_info"]
+        assert plain["meta_info"]["prompt_tokens"] == 3 and len(plain["output_ids"]) > 0
+        json_rows = client.post(url + "/generate", json=request_body(
+            rid, sampling_params={"max_new_tokens": cut})).json()
+        binary = client.post(url + "/generate", json=request_body(
+            rid, sampling_params={"max_new_tokens": cut}, sampling_mask_format="base64")).json()
+    for result in (json_rows, binary):
+        assert result["meta_info"]["finish_reason"] == {"type": "length", "length": cut}
+        assert result["meta_info"]["output_token_sampling_mask_length"] == cut
+        check_output(result, rid)
+    assert check_rows(json_rows["meta_info"], rid, mode) == cut
+    rows = shmask.decode_rows(binary["meta_info"])
+    assert rows.mode == mode and rows.rows == cut
+    lengths, ids, logprobs = expected_chunk(SEED, TOP_K, rid, 0, cut, mode)
+    assert rows.lengths.tolist() == lengths.tolist() and rows.ids.tolist() == ids.tolist()
+    assert rows.logprobs.tolist() == logprobs.tolist()
+    assert binary["output_ids"] == json_rows["output_ids"]
 
 
 @pytest.mark.parametrize("incremental", [False, True])
@@ -123,7 +191,7 @@ def test_streaming(server, incremental):
         for rid in (0, REQUESTS - 1):
             events = []
             with client.stream("POST", url + "/generate",
-                               json={"rid": rid, "stream": True, "incremental": incremental}) as reply:
+                               json=request_body(rid, stream=True, incremental=incremental)) as reply:
                 assert reply.headers["content-type"].startswith("text/event-stream")
                 body = b"".join(reply.iter_bytes())
             assert body.endswith(b"data: [DONE]\n\n")
@@ -133,18 +201,158 @@ def test_streaming(server, incremental):
             assert events.pop() == b"[DONE]" and events
             seen = 0
             for event in events:
-                meta = orjson.loads(event)["meta_info"]
+                result = orjson.loads(event)
+                meta = result["meta_info"]
                 rows = check_rows(meta, rid, mode, start=seen if incremental else 0)
+                check_output(result, rid, start=seen if incremental else 0)
                 seen = seen + rows if incremental else rows
             assert seen == lengths[rid]
-            assert meta["finish_reason"]["type"] == "length"
+            assert meta["finish_reason"]["type"] == "stop"
+
+
+def test_stream_must_be_a_boolean(server):
+    """"stream": false is a whole JSON response, true an SSE stream, and
+    anything else (e.g. "no", which is truthy) a 400, not a stream."""
+    url, _ = server
+    with httpx.Client(timeout=20) as client:
+        whole = client.post(url + "/generate", json=request_body(1, stream=False))
+        assert whole.status_code == 200 and whole.headers["content-type"] == "application/json"
+        streamed = client.post(url + "/generate", json=request_body(1, stream=True))
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        assert streamed.text.endswith("data: [DONE]\n\n")
+        last = orjson.loads(streamed.text.split("\n\n")[-3][len("data: "):])
+        assert last["output_ids"] == whole.json()["output_ids"]
+        for value in ("no", "false", 1, 0, [], {}):
+            reply = client.post(url + "/generate", json=request_body(1, stream=value))
+            assert reply.status_code == 400, value
+            assert "stream must be a boolean" in reply.json()["error"]["message"]
 
 
 def test_bad_request(server):
+    url, mode = server
+    other = "selected" if mode == "support" else "support"
+    for raw, says in (
+        (b"not json", "not JSON"), (b"[1, 2]", "JSON object"), (b"{}", "either text or input_ids"),
+        (b'{"text": "a", "input_ids": [1]}', "not both"), (b'{"text": ["a", "b"]}', "batch"),
+        (b'{"text": 3}', "text must be a string"), (b'{"input_ids": [1, -2]}', "input_ids"),
+        (b'{"text": "a", "rid": 3}', "rid must be a string"),
+        (b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', "at least 0"),
+        (b'{"text": "a", "sampling_params": {"max_new_tokens": 1.5}}', "must be an integer"),
+        (b'{"text": "a", "sampling_params": {"maxnewtokens": 4}}', "unknown field 'maxnewtokens'"),
+        (b'{"text": "a", "sampling_params": {"n": 2}}', "n must be 1"),
+        (b'{"text": "a", "return_sampling_mask": "yes"}', "must be a boolean"),
+        (b'{"text": "a", "sampling_logprobs_mode": "support"}', "return_sampling_mask=true"),
+        (b'{"text": "a", "return_sampling_mask": true, "sampling_logprobs_mode": "%s"}'
+         % other.encode(), f"--mode {mode}"),
+        (b'{"text": "a", "sampling_mask_format": "msgpack"}', "'json' or 'base64'"),
+    ):
+        reply = httpx.post(url + "/generate", content=raw)
+        assert reply.status_code == 400, raw
+        assert says in reply.json()["error"]["message"], (raw, reply.text)
+    # Keys SGLang knows (or that it ignores) are taken.
+    ok = httpx.post(url + "/generate", json={
+        "text": "a", "sampling_params": {"max_new_tokens": 2, "temperature": 0.7, "top_k": 5},
+        "return_sampling_mask": True, "sampling_logprobs_mode": mode, "return_logprob": False,
+        "unknown_top_level_key": 1})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+
+
+def test_body_too_large(server):
+    """Above --max-body-bytes (1 MiB by default): 413, whether the size is
+    declared or the body is streamed without a length; at the limit: taken."""
     url, _ = server
-    assert httpx.post(url + "/generate", json={"rid": REQUESTS}).status_code == 400
-    for body in (b"not json", b"[1, 2]", b'{"rid": true}', b'{"rid": "3"}'):
-        assert httpx.post(url + "/generate", content=body).status_code == 400, body
+    limit = 1 << 20
+    head = b'{"text": "a", "sampling_params": {"max_new_tokens": 1}}'
+    at_limit = head + b" " * (limit - len(head))
+    with httpx.Client(timeout=20) as client:
+        assert client.post(url + "/generate", content=at_limit).status_code == 200
+        reply = client.post(url + "/generate", content=at_limit + b" ")
+        assert reply.status_code == 413 and "--max-body-bytes" in reply.json()["error"]["message"]
+        chunked = client.post(url + "/generate", content=iter([at_limit, b" " * 4096]))
+        assert chunked.status_code == 413
+        assert client.get(url + "/health").status_code == 200  # and it goes on serving
+
+
+def test_sglang_style_client(server):
+    """tests/sglang_style_client.py, written for SGLang's /generate, runs
+    unchanged (whole responses and streamed) and every token, mask and
+    logprob it reads is the producer's."""
+    url, mode = server
+    prompts = ["Solve 2 + 2.", "Write a haiku about shared memory.", "input_ids please"]
+    lengths = request_lengths(np.arange(REQUESTS), TOKENS)
+    max_new = 40
+    for stream in (False, True):
+        command = [sys.executable, str(ROOT / "tests" / "sglang_style_client.py"), url, *prompts,
+                   "--max-new-tokens", str(max_new), "--sampling-logprobs-mode", mode]
+        process = subprocess.Popen(command + (["--stream"] if stream else []), env=ENV,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+        try:
+            out, err = process.communicate(timeout=60)
+        finally:
+            kill_group(process)
+        assert process.returncode == 0, err
+        results = [orjson.loads(line) for line in out.splitlines()]
+        assert [r["prompt"] for r in results] == prompts
+        for result in results:
+            rid = request_for_prompt(result["prompt"], REQUESTS)
+            rows = min(max_new, int(lengths[rid]))
+            assert len(result["token_ids"]) == rows == result["completion_tokens"]
+            assert result["token_ids"] == sampled_tokens(SEED, TOP_K, rid, 0, rows).tolist()
+            check_rows({"output_token_sampling_mask": result["masks"],
+                        "output_token_sampling_logprobs": result["logprobs"]}, rid, mode)
+            assert all(token in mask for token, mask in zip(result["token_ids"], result["masks"],
+                                                            strict=True))
+            assert result["finish_reason"]["type"] == ("length" if rows == max_new else "stop")
+
+
+def test_metrics(server):
+    """/metrics has shmask's metrics of the server and its engine: the
+    producer's rows add up to every planned request's tokens."""
+    url, _ = server
+    total = int(request_lengths(np.arange(REQUESTS), TOKENS).sum())
+    names = ["shmask_producer_chunks_total", "shmask_producer_bytes_total",
+             "shmask_producer_full_ring_waits_total", "shmask_reader_opens_total",
+             "shmask_reader_stale_total", "shmask_ring_capacity_bytes", "shmask_ring_used_bytes"]
+    deadline = time.monotonic() + 20
+    while True:  # the engine runs ahead of the clients; its counts land per emission
+        reply = httpx.get(url + "/metrics", timeout=10)
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+        if f"shmask_producer_rows_total {float(total)}" in reply.text:
+            break
+        assert time.monotonic() < deadline, reply.text
+        time.sleep(0.2)
+    for name in names:
+        assert f"\n# TYPE {name} " in reply.text, name
+    assert 'shmask_ring_capacity_bytes{segment="/' in reply.text  # the engine's ring, by name
+
+
+def test_busy_port_exits_at_once():
+    """A port in use: one clear message and exit code 1 within seconds,
+    before the engine starts (nothing left in its process group)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "server.py"), "--port", str(port)],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        started = time.monotonic()
+        try:
+            out, err = process.communicate(timeout=30)
+        finally:
+            kill_group(process)
+        elapsed = time.monotonic() - started
+    assert process.returncode == 1, (out, err)
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "already in use" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert out == ""  # no banner: nothing started
+    # Generous for a busy 2-core machine (the issue saw 11 s; it takes the
+    # interpreter's start-up and imports here).
+    assert elapsed < 8, elapsed
+    with pytest.raises(ProcessLookupError):  # no engine process was left behind
+        os.killpg(process.pid, 0)
 
 
 # -- at load ------------------------------------------------------------------
@@ -216,7 +424,7 @@ def start_server(tokens: int, log) -> tuple[subprocess.Popen, str]:
 async def read_stream(client: httpx.AsyncClient, url: str, rid: int, events: list) -> None:
     """Appends (arrival time, event) per SSE event until the stream ends."""
     async with client.stream("POST", url + "/generate",
-                             json={"rid": rid, "stream": True, "incremental": True}) as reply:
+                             json=request_body(rid, LOAD_REQUESTS, stream=True, incremental=True)) as reply:
         assert reply.status_code == 200
         pending = b""
         async for data in reply.aiter_bytes():
@@ -263,7 +471,7 @@ def test_load_one_event_per_emission_and_health():
         metas = [orjson.loads(event[6:])["meta_info"] for _, event in received[:-1]]
         rows = [len(meta["output_token_sampling_mask"]) for meta in metas]
         assert rows == [EMIT_EVERY] * (emissions - 1) + [lengths[rid] - EMIT_EVERY * (emissions - 1)]
-        assert metas[-1]["finish_reason"]["type"] == "length"
+        assert metas[-1]["finish_reason"]["type"] == "stop"
         if rid in (0, LOAD_REQUESTS - 1):  # every value, for two of them
             start = 0
             for meta in metas:
