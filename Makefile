@@ -38,8 +38,8 @@ $(DEMO_STAMP): $(NATIVE_SOURCES)
 	touch $(DEMO_STAMP)
 
 $(SERVE_STAMP): $(DEMO_STAMP)
-	@echo "== $(DEMO_VENV): the server extra (fastapi, uvicorn)"
-	$(DEMO_PY) -m pip install --progress-bar off --no-build-isolation -e ".[examples,server]"
+	@echo "== $(DEMO_VENV): the server and metrics extras (fastapi, uvicorn, prometheus_client)"
+	$(DEMO_PY) -m pip install --progress-bar off --no-build-isolation -e ".[examples,server,metrics]"
 	touch $(SERVE_STAMP)
 
 demo: $(DEMO_STAMP)

@@ -89,7 +89,7 @@ def test_demo_and_serve_install_only_what_they_run():
     for line in installs:
         assert " -q" not in line and "torch" not in line
         extras = set(re.findall(r"\.\[([a-z,]+)\]", line)[0].split(",")) if ".[" in line else set()
-        assert extras <= {"examples", "server"}, line
+        assert extras <= {"examples", "server", "metrics"}, line
     assert re.search(r"^demo: \$\(DEMO_STAMP\)\n\t\$\(DEMO_PY\) examples/pipeline.py", makefile, re.M)
     assert re.search(r"^serve: \$\(SERVE_STAMP\)\n\t\$\(DEMO_PY\) examples/server.py", makefile, re.M)
 
