@@ -1,3 +1,5 @@
+/* GPU-direct publishing (shmask_direct.c): the table the GPU stores rows
+ * through, and the CPU side of each step. Return codes: shmask_core.h. */
 #ifndef SHMASK_DIRECT_H
 #define SHMASK_DIRECT_H
 
