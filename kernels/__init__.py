@@ -78,8 +78,8 @@ with _interpreter_scope():
     from .admission import check_admission
     from .capture import capture, reference_capture
     from .compact import compact, reference_compact
-    from .direct import DirectPublisher, publisher_for, reference_direct
-    from .host import HostRows, HostStaging, publish
+    from .direct import DirectPublisher, publish, publisher_for, reference_direct
+    from .host import HostRows, HostStaging
     from .sample import reference_sample, sample
 
 __all__ = [

@@ -75,8 +75,8 @@ from ._common import (
     triton,
     values_capacity,
 )
-from .direct import claim_step, launching
-from .host import check_into, publish_into
+from .direct import claim_step, launching, publish_into
+from .host import check_into
 from .ring import ring_arrive, ring_claim, ring_commit
 
 __all__ = ["ORDERS", "capture", "reference_capture"]

@@ -59,8 +59,8 @@ from ._common import (
     scan_kernel,
     values_capacity,
 )
-from .direct import claim_step, launching
-from .host import check_into, publish_into
+from .direct import claim_step, launching, publish_into
+from .host import check_into
 
 __all__ = ["compact", "reference_compact"]
 

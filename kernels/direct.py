@@ -1,10 +1,13 @@
-"""GPU-direct publishing (issue 10): the GPU stores each step's rows straight
-into their requests' RowQueue buffers in the ring, so the scheduler's CPU
-work per step is one native call and one kernel launch.
+"""Publishing a step's rows, and the choice of path (:func:`publish`): device
+rows go GPU-direct (issue 10) where it can, the GPU storing each step's rows
+straight into their requests' RowQueue buffers in the ring, so the
+scheduler's CPU work per step is one native call and one kernel launch;
+else, and for rows already on the host, through kernels/host.py's CPU path
+(which knows nothing of this module).
 
 The ring (and a small device-visible queue table, C memory owned by the
 native core) are registered with CUDA as mapped host memory. Each queue's
-table entry (``shm_direct_entry`` in native/shmask_core.h) holds the
+table entry (``shm_direct_entry`` in native/shmask_direct.h) holds the
 addresses of its buffer's arrays, its counts and capacities; a step
 descriptor holds the addresses of the step's Rows and the row -> queue
 slot array. The kernel, one program per row, stores an OK row's id data,
@@ -23,7 +26,7 @@ with ``Writer.append_step`` in order, before anything else touches the
 queues.
 
 Without CUDA, or when registration fails, :class:`DirectPublisher` falls
-back to today's path (:class:`.host.HostStaging` + :func:`.host.publish`)
+back to the CPU path (:class:`.host.HostStaging` + :func:`.host.append_host_rows`)
 with one warning; ``DirectPublisher.active`` says which. With
 ``TRITON_INTERPRET=1`` set in the environment (the CPU tests; not what
 shmask.kernels sets by itself on a host without CUDA) the kernel runs in
@@ -40,7 +43,7 @@ import ctypes
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -51,10 +54,10 @@ import triton
 import triton.language as tl
 
 from ._common import Rows, Status, bitmask_words
-from .host import HostStaging, _handle_array, check_fits_writer, publish
+from .host import _MODES, HostRows, HostStaging, append_host_rows, check_fits_writer
 from .ring import ring_arrive, ring_claim, ring_commit
 
-__all__ = ["DirectPublisher", "publisher_for", "reference_direct"]
+__all__ = ["DirectPublisher", "publish", "publisher_for", "reference_direct"]
 
 log = logging.getLogger("shmask")
 
@@ -66,7 +69,7 @@ _BLOCK = 1024  # entries a program stores per loop iteration
 # ------------------------------------------------------------------ kernel
 @triton.jit
 def _direct_kernel(
-    table,  # int64: device address of the table (native/shmask_core.h's layout)
+    table,  # int64: device address of the table (native/shmask_direct.h's layout)
     arrivals,  # int64[1] on the device: programs that finished, ever
     SUPPORT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -536,7 +539,7 @@ class DirectPublisher:
 
     def _publish_on_cpu(self, handles: np.ndarray, rows: Rows, mode: str) -> None:
         host = self.staging.fetch(rows, values=mode == "support")
-        publish(self.writer, handles, host, mode)  # the Writer's hooks quiesce around it
+        append_host_rows(self.writer, handles, host, mode)  # the Writer's hooks quiesce around it
         self._stats["cpu_steps"] += 1
 
     def _register(self, address: int, size: int) -> int:
@@ -617,6 +620,60 @@ def launching(claim: Claim | None, what: str) -> Iterator[None]:
         if claim is not None:
             claim.publisher.launch_failed(exc, what)
         raise
+
+
+def publish(
+    writer: Any,
+    slots: np.ndarray | Sequence[Any],
+    rows: HostRows | Rows,
+    mode: str = "support",
+) -> np.ndarray | None:
+    """Append one step's rows to the transport.
+
+    Device ``Rows`` (what capture / sample / compact return) go through the
+    Writer's :class:`DirectPublisher` (:func:`publisher_for`):
+    with CUDA (and ``SHMASK_GPU_DIRECT`` not "off") the GPU stores them into
+    the ring, one native call and one launch on the CPU; else they are
+    fetched into pinned host buffers and appended as below. Returns None
+    (their statuses stay on the device). Rows whose ids form may be longer
+    than the Writer accepts (the kernel's ``max_tokens`` above
+    ``SHMASK_MAX_TOKENS``) are refused whole, on every path, before anything
+    is stored (:func:`.host.check_fits_writer`).
+
+    ``HostRows`` (from :meth:`.host.HostStaging.fetch`) are appended by the
+    CPU (:func:`.host.append_host_rows`): ``writer.append_step(slots,
+    lengths, ids, logprobs, status=, forms=, vocab=)`` with ``ids`` /
+    ``logprobs`` the staging views.
+
+    ``slots[b]`` is row b's RowQueue handle (int64 array) or RowQueue. Rows that
+    were not opted in (SKIPPED) are left out. Every other row travels exactly
+    as it is: in its form (ids or bitmask), with its status, so an OVERFLOW
+    (overflow="status") or INVALID row reaches the reader as that status and
+    is never mistaken for an empty support. ``mode`` "support" sends the
+    support logprobs, "selected" the selected logprob of each row. Returns
+    the statuses of the rows sent.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
+    if isinstance(rows, Rows):
+        publisher_for(writer).publish(_handle_array(slots), rows, mode)
+        return None
+    return append_host_rows(writer, slots, rows, mode)
+
+
+def publish_into(target: tuple[Any, Any, str] | None, rows: Rows) -> Rows:
+    """Publish ``rows`` where check_into's ``target`` says (if anywhere)."""
+    if target is not None:
+        writer, handles, mode = target
+        publish(writer, handles, rows, mode)
+    return rows
+
+
+def _handle_array(slots: np.ndarray | Sequence[Any]) -> np.ndarray:
+    """RowQueue handles as an int64 array (RowQueues or handles given)."""
+    if isinstance(slots, np.ndarray):
+        return slots
+    return np.array([getattr(s, "handle", s) for s in slots], np.int64)
 
 
 def publisher_for(writer: Any) -> DirectPublisher:

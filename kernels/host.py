@@ -28,7 +28,7 @@ from shmask.errors import InvalidRowsError
 
 from ._common import Rows, Status, longest_ids_row
 
-__all__ = ["HostRows", "HostStaging", "publish"]
+__all__ = ["HostRows", "HostStaging", "append_host_rows"]
 
 _MODES = ("support", "selected")
 
@@ -129,43 +129,21 @@ class HostStaging:
         )
 
 
-def publish(
+def append_host_rows(
     writer: Any,
     slots: np.ndarray | Sequence[Any],
-    rows: HostRows | Rows,
+    rows: HostRows,
     mode: str = "support",
-) -> np.ndarray | None:
-    """Append one step's rows to the transport.
-
-    Device ``Rows`` (what capture / sample / compact return) go through the
-    Writer's :class:`.direct.DirectPublisher` (:func:`.direct.publisher_for`):
-    with CUDA (and ``SHMASK_GPU_DIRECT`` not "off") the GPU stores them into
-    the ring, one native call and one launch on the CPU; else they are
-    fetched into pinned host buffers and appended as below. Returns None
-    (their statuses stay on the device). Rows whose ids form may be longer
-    than the Writer accepts (the kernel's ``max_tokens`` above
-    ``SHMASK_MAX_TOKENS``) are refused whole, on every path, before anything
-    is stored (:func:`check_fits_writer`).
-
-    ``HostRows`` (from :meth:`HostStaging.fetch`) are appended by the CPU:
-    ``writer.append_step(slots, lengths, ids, logprobs, status=, forms=,
-    vocab=)`` with ``ids`` / ``logprobs`` the staging views.
-
-    ``slots[b]`` is row b's RowQueue handle (int64 array) or RowQueue. Rows that
-    were not opted in (SKIPPED) are left out. Every other row travels exactly
-    as it is: in its form (ids or bitmask), with its status, so an OVERFLOW
-    (overflow="status") or INVALID row reaches the reader as that status and
-    is never mistaken for an empty support. ``mode`` "support" sends the
-    support logprobs, "selected" the selected logprob of each row. Returns
-    the statuses of the rows sent.
+) -> np.ndarray:
+    """Append one step's ``HostRows`` (from :meth:`HostStaging.fetch`) on
+    the CPU: ``writer.append_step(slots, lengths, ids, logprobs, status=,
+    forms=, vocab=)`` with ``ids`` / ``logprobs`` the staging views. The
+    CPU path of ``kernels.publish``, whose docstring says what travels
+    (SKIPPED rows are left out, every other row goes in its form, with its
+    status). Returns the statuses of the rows sent.
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be 'support' or 'selected', got {mode!r}")
-    if isinstance(rows, Rows):
-        from .direct import publisher_for  # direct.py builds on this module
-
-        publisher_for(writer).publish(_handle_array(slots), rows, mode)
-        return None
     batch = rows.lengths.size
     if len(slots) != batch:
         raise ValueError(f"slots has {len(slots)} entries; expected one per row ({batch})")
@@ -232,18 +210,3 @@ def check_into(into: Any, selected: bool, max_tokens: int,
         raise ValueError("into's mode 'selected' needs rows from capture() or sample()")
     check_fits_writer(writer, max_tokens, vocab)
     return writer, handles, mode
-
-
-def publish_into(target: tuple[Any, Any, str] | None, rows: Rows) -> Rows:
-    """Publish ``rows`` where check_into's ``target`` says (if anywhere)."""
-    if target is not None:
-        writer, handles, mode = target
-        publish(writer, handles, rows, mode)
-    return rows
-
-
-def _handle_array(slots: np.ndarray | Sequence[Any]) -> np.ndarray:
-    """RowQueue handles as an int64 array (RowQueues or handles given)."""
-    if isinstance(slots, np.ndarray):
-        return slots
-    return np.array([getattr(s, "handle", s) for s in slots], np.int64)

@@ -6,7 +6,19 @@ from cffi import FFI
 
 NATIVE_DIR = Path(__file__).resolve().parent
 
-HEADERS = ("shmask_core.h", "shmask_exit.h", "response_json.h")
+# Each exported header of the core, in an order where every type is declared
+# before it is used (shmask_queue.h and shmask_direct.h use shmask_ring.h's
+# shm_ring). shmask_core.h's own #includes are dropped with every other
+# preprocessor line, so it contributes only what it declares itself.
+HEADERS = ("shmask_core.h", "shmask_ring.h", "shmask_reader.h", "shmask_queue.h",
+           "shmask_decode.h", "shmask_guard.h", "shmask_json_nest.h", "shmask_direct.h",
+           "shmask_exit.h", "response_json.h")
+
+# The core's .c files, one per concern (shmask_core.h lists them), then the
+# SIGTERM cleanup and the response writer.
+SOURCES = ("shmask_core.c", "shmask_ring.c", "shmask_reader.c", "shmask_queue.c",
+           "shmask_decode.c", "shmask_guard.c", "shmask_json_nest.c", "shmask_direct.c",
+           "shmask_exit.c", "response_json.c")
 
 
 def _declarations(header: str) -> str:
@@ -45,8 +57,7 @@ ffibuilder.set_source(
     "shmask._native",
     '#include "shmask_core.h"\n#include "shmask_exit.h"\n#include "shmask_layout.h"\n'
     '#include "response_json.h"',
-    sources=[str(Path("native") / name)
-             for name in ("shmask_core.c", "shmask_exit.c", "response_json.c")],
+    sources=[str(Path("native") / name) for name in SOURCES],
     include_dirs=["native"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

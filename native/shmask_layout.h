@@ -150,6 +150,7 @@ struct shm_record_header {
     uint64_t reserved[4];
 };
 
+_Static_assert(offsetof(struct shm_segment_header, magic) == 0, "magic at byte 0");
 _Static_assert(offsetof(struct shm_segment_header, head) == 64, "head at byte 64");
 _Static_assert(offsetof(struct shm_segment_header, tail) == 128, "tail at byte 128");
 _Static_assert(offsetof(struct shm_segment_header, counters) == 192, "counters at 192");
@@ -181,6 +182,8 @@ _Static_assert(offsetof(struct shm_record_header, owner) == 56, "owner at 56");
 _Static_assert(offsetof(struct shm_record_header, words) == 64, "words at 64");
 _Static_assert(offsetof(struct shm_record_header, words_capacity) == 72, "words_capacity at 72");
 _Static_assert(offsetof(struct shm_record_header, vocab) == 80, "vocab at 80");
+_Static_assert(offsetof(struct shm_record_header, pad) == 84, "pad at 84");
 _Static_assert(offsetof(struct shm_record_header, seal) == 88, "seal at 88");
+_Static_assert(offsetof(struct shm_record_header, reserved) == 96, "reserved: zeros at 96..127");
 
 #endif

@@ -1,0 +1,186 @@
+/* Guarded mappings (shmask_guard.h). */
+#define _GNU_SOURCE /* MAP_POPULATE, MAP_ANONYMOUS, SA_ONSTACK */
+#include "shmask_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define GUARD_SLOTS 1024
+struct guard {
+    _Atomic uintptr_t start; /* 0: free */
+    _Atomic uintptr_t end;
+    _Atomic uint32_t truncated;
+    _Atomic int fd; /* our own descriptor of the file: its size, from a handler */
+};
+static struct guard guards[GUARD_SLOTS];
+static _Atomic int guards_used; /* slots at or past this index were never used */
+static pthread_mutex_t guards_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct sigaction previous_sigbus;
+/* Set once a foreign fault was handed to the previous handler. A handler
+ * that re-raises after putting its own predecessor back (faulthandler does,
+ * and its predecessor may be us) must not bounce the signal forever: the
+ * second time round the process dies, as it would have without shmask. */
+static volatile sig_atomic_t sigbus_chained;
+
+/* Zero pages over the whole mapping (mmap is a plain system call, safe in
+ * a handler); the faulting access then completes on them. */
+static int replace_with_zeros(struct guard *g, uintptr_t start, uintptr_t end) {
+    void *replaced = mmap((void *)start, end - start, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (replaced == MAP_FAILED) return 0;
+    atomic_store_explicit(&g->truncated, 1, memory_order_release);
+    return 1;
+}
+
+/* A SIGBUS that a handler installed after ours re-raised (faulthandler puts
+ * its predecessor back, then raise()s): the fault's address is gone, so
+ * every mapping whose file is now shorter than it gets zero pages. Returns
+ * how many; when one of them was the faulting one, the access completes on
+ * them once that handler returns. fstat is async-signal-safe. */
+static int replace_cut_mappings(void) {
+    int replaced = 0, used = atomic_load_explicit(&guards_used, memory_order_acquire);
+    for (int i = 0; i < used; i++) {
+        struct guard *g = &guards[i];
+        uintptr_t start = atomic_load_explicit(&g->start, memory_order_acquire);
+        uintptr_t end = atomic_load_explicit(&g->end, memory_order_acquire);
+        int fd = atomic_load_explicit(&g->fd, memory_order_acquire);
+        if (!start || fd < 0 || atomic_load_explicit(&g->truncated, memory_order_acquire))
+            continue;
+        struct stat st;
+        if (fstat(fd, &st) != 0 || (uint64_t)st.st_size >= end - start) continue;
+        /* Still the same mapping (not unmapped while we looked)? */
+        if (atomic_load_explicit(&g->start, memory_order_acquire) != start) continue;
+        replaced += replace_with_zeros(g, start, end);
+    }
+    return replaced;
+}
+
+static void on_sigbus(int signum, siginfo_t *info, void *context) {
+    if (info && info->si_code > 0) { /* a fault (never a SIGBUS sent with kill()) */
+        uintptr_t address = (uintptr_t)info->si_addr;
+        int used = atomic_load_explicit(&guards_used, memory_order_acquire);
+        for (int i = 0; i < used; i++) {
+            uintptr_t start = atomic_load_explicit(&guards[i].start, memory_order_acquire);
+            uintptr_t end = atomic_load_explicit(&guards[i].end, memory_order_acquire);
+            if (!start || address < start || address >= end) continue;
+            if (replace_with_zeros(&guards[i], start, end)) return;
+            break;
+        }
+    } else if (info && info->si_code == SI_TKILL && info->si_pid == getpid() &&
+               replace_cut_mappings()) {
+        return; /* our fault, re-raised (raise()) by a handler in front of ours */
+    }
+    /* Not ours: what would have happened without shmask. */
+    if (sigbus_chained) {
+        signal(SIGBUS, SIG_DFL);
+        raise(SIGBUS);
+        return;
+    }
+    sigbus_chained = 1;
+    if ((previous_sigbus.sa_flags & SA_SIGINFO) && previous_sigbus.sa_sigaction) {
+        previous_sigbus.sa_sigaction(signum, info, context);
+        return;
+    }
+    if (previous_sigbus.sa_handler != SIG_DFL && previous_sigbus.sa_handler != SIG_IGN) {
+        previous_sigbus.sa_handler(signum);
+        return;
+    }
+    signal(SIGBUS, SIG_DFL);
+    raise(SIGBUS);
+}
+
+/* Puts our handler in front (the one found there is chained). Called under
+ * guards_lock at every mapping and by shm_guard_front. */
+static void install_sigbus_handler(void) {
+    struct sigaction current;
+    if (sigaction(SIGBUS, NULL, &current) != 0) return;
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus) return;
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_sigbus;
+    ours.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&ours.sa_mask);
+    previous_sigbus = current;
+    sigaction(SIGBUS, &ours, NULL);
+}
+
+void shm_guard_front(void) {
+    if (!atomic_load_explicit(&guards_used, memory_order_acquire)) return; /* nothing mapped */
+    pthread_mutex_lock(&guards_lock);
+    install_sigbus_handler();
+    pthread_mutex_unlock(&guards_lock);
+}
+
+void *shm_map(int fd, uint64_t bytes, int populate, int *errno_out) {
+    *errno_out = 0;
+    pthread_mutex_lock(&guards_lock);
+    int slot = -1;
+    for (int i = 0; i < GUARD_SLOTS && slot < 0; i++)
+        if (!atomic_load_explicit(&guards[i].start, memory_order_relaxed)) slot = i;
+    void *address = NULL;
+    if (slot < 0) {
+        *errno_out = EMFILE;
+    } else {
+        int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
+        /* Our own descriptor (the caller closes its one): it tells the
+         * handler the file's size when a fault reaches us re-raised. */
+        int own_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        void *mapped = own_fd < 0 ? MAP_FAILED
+                                  : mmap(NULL, bytes, PROT_READ | PROT_WRITE, flags, fd, 0);
+        if (mapped == MAP_FAILED) {
+            *errno_out = errno;
+            if (own_fd >= 0) close(own_fd);
+        } else {
+            address = mapped;
+            atomic_store_explicit(&guards[slot].truncated, 0, memory_order_relaxed);
+            atomic_store_explicit(&guards[slot].fd, own_fd, memory_order_relaxed);
+            atomic_store_explicit(&guards[slot].end, (uintptr_t)mapped + bytes, memory_order_release);
+            atomic_store_explicit(&guards[slot].start, (uintptr_t)mapped, memory_order_release);
+            if (slot >= atomic_load_explicit(&guards_used, memory_order_relaxed))
+                atomic_store_explicit(&guards_used, slot + 1, memory_order_release);
+            install_sigbus_handler();
+        }
+    }
+    pthread_mutex_unlock(&guards_lock);
+    return address;
+}
+
+void shm_unmap(void *address) {
+    pthread_mutex_lock(&guards_lock);
+    int used = atomic_load_explicit(&guards_used, memory_order_relaxed);
+    for (int i = 0; i < used; i++) {
+        uintptr_t start = atomic_load_explicit(&guards[i].start, memory_order_relaxed);
+        if (start != (uintptr_t)address || !start) continue;
+        uintptr_t end = atomic_load_explicit(&guards[i].end, memory_order_relaxed);
+        /* Forget it first: once unmapped, the range may be mapped again by
+         * someone else, whose faults are not ours to paper over. */
+        atomic_store_explicit(&guards[i].start, 0, memory_order_release);
+        int fd = atomic_exchange_explicit(&guards[i].fd, -1, memory_order_acq_rel);
+        munmap(address, end - start);
+        if (fd >= 0) close(fd);
+        break;
+    }
+    pthread_mutex_unlock(&guards_lock);
+}
+
+int shm_mapping_truncated(const void *address) {
+    int used = atomic_load_explicit(&guards_used, memory_order_acquire);
+    for (int i = 0; i < used; i++) {
+        if (atomic_load_explicit(&guards[i].start, memory_order_acquire) != (uintptr_t)address)
+            continue;
+        if (atomic_load_explicit(&guards[i].truncated, memory_order_acquire)) return 1;
+        /* Cut and grown back to its size (no fault then: the pages read as
+         * zeros), or declared lost by its producer: the magic reads zero. */
+        uint64_t bytes = atomic_load_explicit(&guards[i].end, memory_order_acquire) -
+                         (uintptr_t)address;
+        return bytes >= SHM_HEADER_BYTES &&
+               __atomic_load_n(&cseg(address)->magic, __ATOMIC_ACQUIRE) == 0;
+    }
+    return 0;
+}
