@@ -11,13 +11,13 @@ NATIVE_DIR = Path(__file__).resolve().parent
 # shm_ring). shmask_core.h's own #includes are dropped with every other
 # preprocessor line, so it contributes only what it declares itself.
 HEADERS = ("shmask_core.h", "shmask_ring.h", "shmask_reader.h", "shmask_queue.h",
-           "shmask_decode.h", "shmask_guard.h", "shmask_json_nest.h", "shmask_direct.h",
+           "shmask_decode.h", "shmask_guard.h", "shmask_direct.h",
            "shmask_exit.h", "response_json.h")
 
 # The core's .c files, one per concern (shmask_core.h lists them), then the
 # SIGTERM cleanup and the response writer.
 SOURCES = ("shmask_core.c", "shmask_ring.c", "shmask_reader.c", "shmask_queue.c",
-           "shmask_decode.c", "shmask_guard.c", "shmask_json_nest.c", "shmask_direct.c",
+           "shmask_decode.c", "shmask_guard.c", "shmask_direct.c",
            "shmask_exit.c", "response_json.c")
 
 

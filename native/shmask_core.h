@@ -10,7 +10,6 @@
  *   shmask_queue.h      RowQueue buffers: append_step, growth, take
  *   shmask_decode.h     row decoding (bitmask rows to ids)
  *   shmask_guard.h      guarded mappings (SIGBUS)
- *   shmask_json_nest.h  nesting a flat JSON array by row lengths
  *   shmask_direct.h     GPU-direct publishing
  *
  * The bytes themselves are described once, in shmask_layout.h.
@@ -76,7 +75,6 @@ uint64_t shm_bitmask_words(uint32_t vocab);
 #include "shmask_queue.h"
 #include "shmask_decode.h"
 #include "shmask_guard.h"
-#include "shmask_json_nest.h"
 #include "shmask_direct.h"
 
 #endif
