@@ -743,6 +743,7 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
     uint64_t parts = threads < 1 ? 1 : threads > SHM_JSON_MAX_THREADS ? SHM_JSON_MAX_THREADS
                                                                          : (uint64_t)threads;
     if (parts > work / WORK_PER_THREAD) parts = work / WORK_PER_THREAD ? work / WORK_PER_THREAD : 1;
+    if (parts > rows) parts = rows ? rows : 1; /* a part takes whole rows: no empty parts */
 
     /* Each field's region starts with its "[" and holds every part's span
      * plus its slack; parts take consecutive rows of about equal work and

@@ -47,7 +47,11 @@ def patch_path(engine: Engine) -> Path:
 
 def patched_files(engine: Engine) -> list[str]:
     """The files the patch changes, relative to the directory that holds the package."""
-    return re.findall(r"^\+\+\+ b/(\S+)", patch_path(engine).read_text(), re.MULTILINE)
+    return _files_of(patch_path(engine))
+
+
+def _files_of(patch: Path) -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), re.MULTILINE)
 
 
 def find_site(engine: Engine, site: Path | None = None) -> Path:
@@ -138,7 +142,18 @@ def integrate(name: str, action: str = "check", site: Path | None = None, force:
 
 
 def _run(site: Path, patch: Path, direction: str) -> None:
-    result = _patch(site, patch, direction, "--no-backup-if-mismatch")
+    # GNU patch writes one file at a time: if the real run fails after the
+    # dry run passed (a write error, a file changed in between), the files
+    # it already wrote are put back, so the engine is never half-patched.
+    saved = {name: (site / name).read_bytes() for name in set(_files_of(patch))
+             if (site / name).is_file()}
+    result = _patch(site, patch, direction, "--no-backup-if-mismatch", "--reject-file=-")
     if result.returncode != 0:  # e.g. site-packages not writable; the dry run passed
-        raise IntegrateError(f"patch failed in {site}:\n{(result.stdout + result.stderr).strip()}")
+        for name, data in saved.items():
+            try:
+                (site / name).write_bytes(data)
+            except OSError:
+                pass  # not writable at all: nothing was written there either
+        raise IntegrateError(f"patch failed in {site} (every file left as it was):\n"
+                             f"{(result.stdout + result.stderr).strip()}")
 

@@ -130,8 +130,11 @@ class Offload:
                 return
         try:
             self._pool.submit(self._serve, key)
-        except RuntimeError:  # the pool shut down between the check and here
-            pass
+        except RuntimeError:  # the pool shut down (close(), or interpreter exit)
+            with self._lock:
+                stranded = self._lanes.pop(key, None) or ()
+            for future, _, _ in stranded:
+                future.cancel()
 
     # -- asyncio --------------------------------------------------------------
 
@@ -144,12 +147,22 @@ class Offload:
         slots = self._slots
         await slots.acquire()
         try:
-            future = asyncio.wrap_future(self.submit(key, fn, *args))
+            job = self.submit(key, fn, *args)
         except BaseException:
             slots.release()
             raise
-        future.add_done_callback(lambda _: slots.release())
-        return future
+        # The slot is freed when the job itself ends (cancelling the awaitable
+        # below does not stop a running job, so it must not free the slot).
+        loop = asyncio.get_running_loop()
+
+        def free_slot(_: Future[T]) -> None:
+            try:
+                loop.call_soon_threadsafe(slots.release)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits for the slot
+                pass
+
+        job.add_done_callback(free_slot)
+        return asyncio.wrap_future(job)
 
     async def run(self, key: Hashable, fn: Callable[..., T], *args: Any) -> T:
         """`submit`, awaited: the result (or the exception) of `fn(*args)`.

@@ -737,3 +737,34 @@ def test_sglang_server_args_carry_what_start_reads():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["4096", "False"]
     assert shmask.Config().max_tokens >= 4096  # the defaults agree
+
+
+def test_arrays_mode_switched_mid_request_fails_it_and_gives_the_chunk_back(writer, monkeypatch):
+    """A request that began with lists cannot continue as arrays: it fails
+    alone, and its chunk's record goes back at once, not at the lease."""
+    from types import SimpleNamespace
+
+    modes = ["support", "support"]
+    rows, emissions = stream_with_drops(writer, 11, modes, emissions=2)
+    rids = ["r0", "r1"]
+    manager = SimpleNamespace(abort_request=lambda rid: None, rid_to_state={
+        rid: SimpleNamespace(output_token_sampling_mask=[], output_token_sampling_logprobs=[])
+        for rid in rids})
+    first = SimpleNamespace(rids=rids, finished_reasons=[None, None],
+                            output_token_sampling_mask=emissions[0])
+    for i in range(2):  # the first emission as lists
+        tokenizer_step(manager, first, i, {}, True)
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    manager.rid_to_state["r1"].output_token_sampling_mask = []  # r1 starts over: arrays are fine
+    second = SimpleNamespace(rids=rids, finished_reasons=[None, None],
+                             output_token_sampling_mask=emissions[1])
+    metas = [{}, {}]
+    for i in range(2):
+        tokenizer_step(manager, second, i, metas[i], True)
+    assert second.finished_reasons[0]["type"] == "abort"  # r0 failed alone
+    assert second.finished_reasons[1] is None
+    assert isinstance(metas[1][adapter.MASK_FIELD], adapter.SamplingMaskCSR)
+    for r in rows:
+        r.close()
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0, "the failed request's chunk must be given back"

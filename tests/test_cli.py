@@ -265,3 +265,24 @@ def test_integrate_without_the_engine_or_its_metadata(tmp_path):
     result = _integrate("vllm", "--site", str(tmp_path))
     assert result.returncode == 1 and "cannot tell which vllm version" in result.stdout
     assert _cli("integrate", "tgi").returncode == 2
+
+
+def test_a_failed_apply_leaves_every_file_as_it_was(tmp_path):
+    """GNU patch writes file by file: when the real run fails after the dry
+    run (a file changed in between), the file it already patched is put back
+    and no reject file is left in the engine's directory."""
+    from shmask.integrate import IntegrateError, _run
+
+    (tmp_path / "pkg").mkdir()
+    first, second = tmp_path / "pkg" / "a.py", tmp_path / "pkg" / "b.py"
+    first.write_text("x = 1\ny = 2\nz = 3\n")
+    second.write_text("changed meanwhile\n")
+    patch = tmp_path / "two.patch"
+    patch.write_text(
+        "--- a/pkg/a.py\n+++ b/pkg/a.py\n@@ -1,3 +1,3 @@\n x = 1\n-y = 2\n+y = 20\n z = 3\n"
+        "--- a/pkg/b.py\n+++ b/pkg/b.py\n@@ -1 +1 @@\n-original\n+patched\n")
+    with pytest.raises(IntegrateError, match="left as it was"):
+        _run(tmp_path, patch, "--forward")
+    assert first.read_text() == "x = 1\ny = 2\nz = 3\n"
+    assert second.read_text() == "changed meanwhile\n"
+    assert not list(tmp_path.rglob("*.rej")) and not list(tmp_path.rglob("*.orig"))

@@ -88,6 +88,24 @@ def test_put_waits_for_a_slot_and_run_does_not():
     asyncio.run(main())
 
 
+def test_cancelling_a_put_does_not_free_the_slot_of_a_running_job():
+    """The slot is the job's: a feeder that cancels the awaitable of a job
+    already running must still wait, or max_pending stops bounding."""
+    async def main() -> None:
+        release = threading.Event()
+        with Offload(threads=1, max_pending=1) as offload:
+            held = await offload.put("a", release.wait, WAIT_S)
+            await asyncio.sleep(0.05)  # the job is running now
+            held.cancel()
+            second = asyncio.ensure_future(offload.put("b", lambda: "second"))
+            await asyncio.sleep(0.05)
+            assert not second.done(), "a cancelled awaitable freed a running job's slot"
+            release.set()
+            assert await (await asyncio.wait_for(second, WAIT_S)) == "second"
+
+    asyncio.run(main())
+
+
 def test_run_returns_and_raises():
     async def main() -> None:
         with Offload(threads=2) as offload:

@@ -396,7 +396,14 @@ def lists_or_abort(manager: Any, recv_obj: Any, index: int, meta_info: dict[str,
             # The rows go straight into the request's CSR buffers, which the
             # patched code's extend calls then leave as they are.
             state = manager.rid_to_state[recv_obj.rids[index]]
-            _csr_of(state, support_logprobs).extend(chunk)
+            try:
+                csr = _csr_of(state, support_logprobs)
+            except Exception:
+                # The reference itself was fine: give its record back now
+                # rather than at the lease.
+                release_chunk(chunk)
+                raise
+            csr.extend(chunk)
             return [], []
         return chunk.to_lists(support_logprobs=support_logprobs)
     except Exception as exc:  # noqa: BLE001 - any read failure costs this request only
