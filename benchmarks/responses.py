@@ -29,9 +29,11 @@ also against float() of the producer's float32 values.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -158,18 +160,12 @@ def sglang_meta_info(masks: Any, logprobs: Any, rows: int) -> bytes:
                          "output_token_sampling_mask_length": rows})
 
 
-def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict[str, Any]:
-    """One emission's meta_info bytes for every request, three ways on the
-    same chunks (read out of a ring like the tokenizer does): SGLang's lists
-    + orjson, and the native writer on 1 and on SHMASK_JSON_THREADS threads.
-    Totals over all requests, medians over `repeats`."""
+@contextlib.contextmanager
+def one_emission(requests: int, tokens: int, width: int) -> Iterator[list[shmask.Chunk]]:
+    """One emission of `tokens` steps for `requests` requests (support
+    mode, support `width`), published through a ring and opened as the
+    tokenizer does: the chunks, released when the block ends."""
     pool = make_pool(requests, width, "support", seed=width)
-    chunk_class = sglang_chunk_class()
-    threads = json_threads()
-    paths = {"sglang to_lists + orjson": None, "native, 1 thread": 1,
-             f"native, {threads} threads": threads}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    mismatches = 0
     config = shmask.Config(ring_mb=ring_mb_for(requests, tokens, width, 2),
                            name_prefix=SEGMENT_PREFIX)
     with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
@@ -178,6 +174,27 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
             lengths, ids, logprobs = pool.step(step)
             writer.append_step(queues, lengths, ids, logprobs)
         chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+        try:
+            yield chunks
+        finally:
+            for c in chunks:
+                c.release()
+            for q in queues:
+                q.close()
+
+
+def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict[str, Any]:
+    """One emission's meta_info bytes for every request, three ways on the
+    same chunks (read out of a ring like the tokenizer does): SGLang's lists
+    + orjson, and the native writer on 1 and on SHMASK_JSON_THREADS threads.
+    Totals over all requests, medians over `repeats`."""
+    chunk_class = sglang_chunk_class()
+    threads = json_threads()
+    paths = {"sglang to_lists + orjson": None, "native, 1 thread": 1,
+             f"native, {threads} threads": threads}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    mismatches = 0
+    with one_emission(requests, tokens, width) as chunks:
         for _ in range(repeats):
             out: dict[str, list[bytes]] = {}
             for name, path_threads in paths.items():
@@ -196,10 +213,6 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
             baseline = out["sglang to_lists + orjson"]
             mismatches += sum(a != b for got in out.values() for a, b in zip(got, baseline,
                                                                              strict=True))
-        for c in chunks:
-            c.release()
-        for q in queues:
-            q.close()
     result = {name: median_ms(values) for name, values in times.items()}
     return {"requests": requests, "tokens": tokens, "width": width, "threads": threads,
             "times": result, "mismatches": mismatches, "repeats": repeats,
@@ -240,7 +253,6 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
     rows, built at the server and decoded at the client; totals over all
     requests, medians over `repeats`. Every decoded array is compared with
     the chunk's own rows (floats by their bits)."""
-    pool = make_pool(requests, width, "support", seed=width)
     chunk_class = sglang_chunk_class()
     threads = json_threads()
     server = (BINARY_BASELINE, f"native JSON, {threads} threads", "binary, encode_chunk",
@@ -250,14 +262,7 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
     times: dict[str, list[float]] = {name: [] for name in server + client}
     sizes: dict[str, int] = {}
     mismatches = 0
-    config = shmask.Config(ring_mb=ring_mb_for(requests, tokens, width, 2),
-                           name_prefix=SEGMENT_PREFIX)
-    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
-        queues = [writer.open_queue("support") for _ in range(requests)]
-        for step in range(tokens):
-            lengths, ids, logprobs = pool.step(step)
-            writer.append_step(queues, lengths, ids, logprobs)
-        chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+    with one_emission(requests, tokens, width) as chunks:
         for _ in range(repeats):
             out: dict[str, list[bytes]] = {}
             started = now()
@@ -310,10 +315,6 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
                       and np.array_equal(arrays[2].view(np.uint32), c.logprobs.view(np.uint32)))
                 mismatches += not ok
             sizes = {name: sum(map(len, out[name])) for name in (server[0], server[2])}
-        for c in chunks:
-            c.release()
-        for q in queues:
-            q.close()
     result = {name: median_ms(values) for name, values in times.items()}
     return {"requests": requests, "tokens": tokens, "width": width, "times": result,
             "server": server, "client": client, "sizes": sizes, "mismatches": mismatches,

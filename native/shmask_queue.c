@@ -9,6 +9,20 @@ static int64_t make_handle(const shm_ring *ring, uint64_t slot) {
     return (int64_t)(slot | generation << SHM_HANDLE_SLOT_BITS | ring->handle_tag << 48);
 }
 
+/* The queue holds no buffer any more (dropped, or handed to a reader). */
+static inline void forget_buffer(shm_queue *q) {
+    q->lengths = NULL;
+    q->flags = NULL;
+    q->ids = NULL;
+    q->logprobs = NULL;
+    q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
+    q->words = q->words_capacity = 0;
+    q->vocab = 0;
+    q->flagged = 0;
+    q->in_ring = 0;
+    q->position = 0;
+}
+
 static void drop_buffer(shm_ring *ring, shm_queue *q) {
     if (q->in_ring && q->rows_capacity && ring_usable(ring)) {
         struct shm_record_header *r = ring_record(ring, q->position);
@@ -21,16 +35,7 @@ static void drop_buffer(shm_ring *ring, shm_queue *q) {
             bump(ring->base, SHM_COUNTER_DISCARDED);
     }
     free_private(q);
-    q->lengths = NULL;
-    q->flags = NULL;
-    q->ids = NULL;
-    q->logprobs = NULL;
-    q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
-    q->words = q->words_capacity = 0;
-    q->vocab = 0;
-    q->flagged = 0;
-    q->in_ring = 0;
-    q->position = 0;
+    forget_buffer(q);
 }
 
 /* Whether rows just copied out of the queue buffer at `position` are the
@@ -496,16 +501,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         put_ring_ref(e, q->position, layout.record_bytes, seal, q);
         size_next_buffer(q);
         /* The published record is the reader's now: forget it, don't discard. */
-        q->in_ring = 0;
-        q->lengths = NULL;
-        q->flags = NULL;
-        q->ids = NULL;
-        q->logprobs = NULL;
-        q->rows = q->nnz = q->rows_capacity = q->nnz_capacity = 0;
-        q->words = q->words_capacity = 0;
-        q->vocab = 0;
-        q->flagged = 0;
-        q->position = 0;
+        forget_buffer(q);
         /* Next emission's buffer now, while we are at it; if the ring has no
          * room the next append takes the slow path instead. */
         if (!final && ring_usable(ring)) {

@@ -117,7 +117,7 @@ def encode_chunk(chunk: Chunk, start: int = 0) -> bytes:
     the request. Bitmask rows are decoded; a dropped row (status not OK) has
     length 0 and its status. Raises StaleChunkError if the record was
     reclaimed before or while it was read."""
-    ids, _ = chunk.csr()
+    ids, _ = chunk._csr_arrays()  # checked below, once the views were read
     status = chunk.status if chunk.flags is not None else None
     logprobs = chunk.logprobs if chunk.support_mode else _selected_values(chunk.logprobs, status)
     out = _object(chunk.support_mode, start, chunk.rows, int(ids.size),
@@ -175,7 +175,7 @@ class SamplingMaskBase64:
                 f"{'support' if self.support else 'selected'}-mode")
         if not chunk.rows:
             return
-        ids, _ = chunk.csr()
+        ids, _ = chunk._csr_arrays()  # checked below, once copied
         status = chunk.status
         logprobs = chunk.logprobs if self.support else _selected_values(chunk.logprobs, status)
         columns = (self._lengths, self._status, self._ids, self._logprobs)

@@ -167,6 +167,13 @@ class Chunk:
         otherwise the ids are a private copy, made once per chunk. Raises
         StaleChunkError once the record was reclaimed (views of it would show
         whatever the ring holds there now)."""
+        out = self._csr_arrays()
+        self.check()  # views, or a copy, are only good if the record was not reclaimed
+        return out
+
+    def _csr_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """csr() without its closing check: for the accessors that check
+        once, after they have read every row."""
         if self._csr is None:
             if self.flags is None or not self._bitmask_rows().any():
                 self._csr = (self.ids, self.offsets)
@@ -177,7 +184,6 @@ class Chunk:
                     self.check()  # rows overwritten under us: say so (StaleChunkError)
                     raise
                 self._csr = (ids, self.offsets)
-        self.check()  # views, or a copy, are only good if the record was not reclaimed
         return self._csr
 
     def _decode(self) -> np.ndarray:
@@ -250,7 +256,7 @@ class Chunk:
         return ids, logprobs
 
     def _lists(self) -> tuple[list[list[int] | None], list[Any]]:
-        flat_ids, offsets = self.csr()
+        flat_ids, offsets = self._csr_arrays()
         bounds = offsets.tolist()
         all_ids = flat_ids.tolist()
         ids: list[Any] = [all_ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -296,7 +302,7 @@ class Chunk:
 
     def _json(self, threads: int | None) -> tuple[bytes, bytes, bytes]:
         # Bitmask rows need decoding (csr); otherwise the views go as they are.
-        flat_ids = self.ids if self.flags is None else self.csr()[0]
+        flat_ids = self.ids if self.flags is None else self._csr_arrays()[0]
         return response_arrays(self.support_mode, self.lengths, self.flags, flat_ids,
                                self.logprobs, threads)
 

@@ -38,22 +38,13 @@ _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
 
 
-def _default_json_threads() -> int:
-    """min(4, the CPUs this process may run on)."""
+def _usable_cpus(at_most: int) -> int:
+    """min(at_most, the CPUs this process may run on): a default thread count."""
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count() or 1
-    return max(1, min(4, usable))
-
-
-def _default_offload_threads() -> int:
-    """min(8, the CPUs this process may run on)."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count() or 1
-    return max(1, min(8, usable))
+    return max(1, min(at_most, usable))
 
 
 def _log_level(raw: str) -> str:
@@ -103,11 +94,11 @@ class Config:
     log_level: str = "WARNING"
     """Level of the `shmask` logger, applied by the CLI and the examples
     (Config.apply_log_level); the library never sets it on its own."""
-    json_threads: int = _default_json_threads()
+    json_threads: int = _usable_cpus(4)
     """Threads that share the rows of one chunk's response JSON
     (Chunk.to_json / json_arrays; 1: the calling thread only). Default
     min(4, usable CPUs); small chunks use fewer."""
-    offload_threads: int = _default_offload_threads()
+    offload_threads: int = _usable_cpus(8)
     """Worker threads of a shmask.Offload pool built without `threads=`:
     they open chunks and write responses off a server's event loop (each
     may split a large chunk's JSON across json_threads threads)."""

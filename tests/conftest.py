@@ -19,6 +19,7 @@ import itertools
 import os
 import secrets
 import signal
+import subprocess
 import time
 import warnings
 
@@ -217,3 +218,17 @@ def assert_chunk_equal(chunk: shmask.Chunk, lengths, ids, logprobs) -> None:
     np.testing.assert_array_equal(chunk.ids, ids)
     assert chunk.logprobs.dtype == np.float32
     np.testing.assert_array_equal(chunk.logprobs.view(np.uint32), np.asarray(logprobs).view(np.uint32))
+
+
+def run_child(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run a child in its own process group and return what it printed; on
+    a timeout (or the test interrupted) the whole group is killed."""
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)

@@ -9,7 +9,6 @@ import gc
 import importlib.util
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import msgspec
 import numpy as np
 import orjson
 import pytest
+from conftest import run_child
 
 import shmask
 from shmask.adapters import sglang as adapter
@@ -676,16 +676,9 @@ def test_start_scheduler_turns_metrics_on_with_sglangs_rank_labels(prefix):
     """)
     pytest.importorskip("prometheus_client")
     env = dict(os.environ, SHMASK_NAME_PREFIX=prefix, SHMASK_RING_MB="1")
-    proc = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
-    segment, text = out.split("\n", 1)
+    done = run_child([sys.executable, "-c", child], env)
+    assert done.returncode == 0, done.stderr
+    segment, text = done.stdout.split("\n", 1)
     labels = f'model_name="m",pp_rank="0",segment="{segment}",tp_rank="1"'
     line = f"shmask_ring_capacity_bytes{{{labels}}} 1.048576e+06"
     assert line in text.splitlines()

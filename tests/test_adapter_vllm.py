@@ -5,14 +5,13 @@ over real shared memory."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import run_child
 
 import shmask
 from shmask.adapters import vllm as shmask_vllm
@@ -219,15 +218,8 @@ def test_start_engine_core_turns_metrics_on_with_log_stats(prefix):
         publisher.close()
     """)
     env = dict(os.environ, SHMASK_NAME_PREFIX=prefix, SHMASK_RING_MB="1")
-    proc = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
-    segment, text = out.split("\n", 1)
+    done = run_child([sys.executable, "-c", child], env)
+    assert done.returncode == 0, done.stderr
+    segment, text = done.stdout.split("\n", 1)
     labels = f'engine="0",model_name="m",segment="{segment}"'
     assert f"shmask_ring_capacity_bytes{{{labels}}} 1.048576e+06" in text.splitlines()

@@ -541,7 +541,8 @@ class SamplingMaskCSR:
 
     def _extend_chunk(self, chunk: Chunk) -> None:
         _check_mode(chunk, self.support)
-        ids, offsets = chunk.csr()  # bitmask rows decoded; views of the ring otherwise
+        # Bitmask rows decoded; views of the ring otherwise (checked below).
+        ids, offsets = chunk._csr_arrays()
         count, nnz = chunk.rows, int(offsets[-1])
         self._reserve(count, nnz)
         start, begin = self._rows, self._nnz

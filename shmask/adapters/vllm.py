@@ -454,7 +454,7 @@ class MaskResolver:
             # SamplingMaskLists has no status: a row sent without its ids
             # (OVERFLOW, INVALID) fails this output rather than pass as empty.
             chunk.check_rows(0, positions)
-            ids, offsets = chunk.csr()  # bitmask rows decoded to ascending ids
+            ids, offsets = chunk._csr_arrays()  # bitmask rows decoded; checked below
             token_ids = ids[:int(offsets[positions])].copy()
             out_offsets = None if positions == 1 else offsets[:positions + 1].copy()
             chunk.check()  # the copy is good only if the record was not reclaimed under it

@@ -17,22 +17,10 @@ import sys
 import textwrap
 
 import pytest
-from test_vllm_patch import ROOT, patched_tree  # noqa: F401 - the patched copy fixture
+from test_vllm_patch import PATCHED_PRELUDE, ROOT, patched_tree  # noqa: F401 - the patched copy fixture
 
-_PROBE = textwrap.dedent("""
-    import importlib.util, json, sys, time
-    import numpy as np
-
-    def load(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-    tree, kind = sys.argv[1], sys.argv[2]
-    scheduler = load("vllm.v1.core.sched.scheduler", tree + "/vllm/v1/core/sched/scheduler.py")
-    processor = load("vllm.v1.engine.output_processor", tree + "/vllm/v1/engine/output_processor.py")
+_PROBE = PATCHED_PRELUDE + textwrap.dedent("""
+    kind = sys.argv[2]
 
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason

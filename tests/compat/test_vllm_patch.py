@@ -56,10 +56,11 @@ def patched_tree(tmp_path):
     return tmp_path
 
 
-# Loads the patched files under their real module names (the rest of vLLM is
-# the installed package), then runs one frontend step through them.
-_PROBE = textwrap.dedent("""
-    import importlib.util, sys, time
+# What every probe of the patched modules starts with: the patched files
+# loaded under their real module names from the copy in argv[1] (the rest of
+# vLLM is the installed package).
+PATCHED_PRELUDE = textwrap.dedent("""
+    import importlib.util, json, sys, time
     import numpy as np
 
     def load(name, path):
@@ -72,6 +73,10 @@ _PROBE = textwrap.dedent("""
     tree = sys.argv[1]
     scheduler = load("vllm.v1.core.sched.scheduler", tree + "/vllm/v1/core/sched/scheduler.py")
     processor = load("vllm.v1.engine.output_processor", tree + "/vllm/v1/engine/output_processor.py")
+""")
+
+# One frontend step through the patched modules.
+_PROBE = PATCHED_PRELUDE + textwrap.dedent("""
     assert scheduler.shmask_vllm.publish_step and scheduler.Scheduler.update_from_output
     assert scheduler.__file__.startswith(tree) and processor.__file__.startswith(tree)
 
@@ -135,20 +140,8 @@ def test_unpatched_frontend_would_not_deliver(writer):
 # index: what RefBatch.build refuses for the whole joined batch). argv[2]:
 # "queue" (AsyncLLM: each request's RequestOutputCollector) or "list"
 # (LLMEngine: the returned RequestOutputs).
-_BAD_REF_PROBE = textwrap.dedent("""
-    import importlib.util, json, sys, time
-    import numpy as np
-
-    def load(name, path):
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-    tree, mode = sys.argv[1], sys.argv[2]
-    scheduler = load("vllm.v1.core.sched.scheduler", tree + "/vllm/v1/core/sched/scheduler.py")
-    processor = load("vllm.v1.engine.output_processor", tree + "/vllm/v1/engine/output_processor.py")
+_BAD_REF_PROBE = PATCHED_PRELUDE + textwrap.dedent("""
+    mode = sys.argv[2]
 
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
