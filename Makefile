@@ -4,13 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # A change to any of these reinstalls shmask (the native core compiles at install).
-NATIVE_SOURCES := setup.py pyproject.toml native/build.py native/shmask_core.c native/shmask_core.h \
-	native/shmask_layout.h native/shmask_internal.h native/shmask_ring.c native/shmask_ring.h \
-	native/shmask_reader.c native/shmask_reader.h native/shmask_queue.c native/shmask_queue.h \
-	native/shmask_decode.c native/shmask_decode.h native/shmask_guard.c native/shmask_guard.h \
-	native/shmask_direct.c native/shmask_direct.h \
-	native/shmask_exit.c native/shmask_exit.h native/response_json.c \
-	native/response_json.h native/response_json_tables.h
+NATIVE_SOURCES := setup.py pyproject.toml native/build.py $(wildcard native/*.c native/*.h)
 
 .PHONY: demo test test-gpu test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
 

@@ -18,7 +18,7 @@ HEADERS = ("shmask_core.h", "shmask_ring.h", "shmask_reader.h", "shmask_queue.h"
 # SIGTERM cleanup and the response writer.
 SOURCES = ("shmask_core.c", "shmask_ring.c", "shmask_reader.c", "shmask_queue.c",
            "shmask_decode.c", "shmask_guard.c", "shmask_direct.c",
-           "shmask_exit.c", "response_json.c")
+           "shmask_exit.c", "shmask_pool.c", "response_json.c")
 
 
 def _declarations(header: str) -> str:

@@ -41,7 +41,7 @@
  */
 #include "response_json.h"
 
-#include <pthread.h>
+#include "shmask_pool.h"
 #include <string.h>
 
 #include "response_json_tables.h"
@@ -608,112 +608,8 @@ static void write_part(rows_part *part) {
     part->written[2] = (uint64_t)(lengths_out - part->out[2]);
 }
 
-/* ------------------------------------------------------- the thread pool */
-
-/* Workers are started once, on first need, and wait for parts; a call
- * hands its parts to them and writes parts itself too until none is left
- * unclaimed, so it finishes even if no worker could be started or every
- * worker is busy with another call's parts. (Starting threads per call
- * cost 10-40 us each, on the calling thread, serially: more than a part's
- * work in a chunk of 50 x 1000.) */
-typedef struct job_batch {
-    rows_part *parts;
-    uint64_t count, claimed, finished;
-    pthread_cond_t done;
-    struct job_batch *next;
-} job_batch;
-
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
-static job_batch *pool_queue; /* batches with unclaimed parts, oldest first */
-static int pool_workers;      /* workers started (and alive) in this process */
-static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
-
-/* The first unclaimed part of the oldest batch (pool_lock held), or NULL. */
-static rows_part *claim_part(job_batch **from) {
-    while (pool_queue && pool_queue->claimed == pool_queue->count) pool_queue = pool_queue->next;
-    if (!pool_queue) return NULL;
-    *from = pool_queue;
-    return &pool_queue->parts[pool_queue->claimed++];
-}
-
-static void finish_part(job_batch *batch) { /* pool_lock held */
-    if (++batch->finished == batch->count) pthread_cond_signal(&batch->done);
-}
-
-static void *pool_worker(void *unused) {
-    (void)unused;
-    pthread_mutex_lock(&pool_lock);
-    for (;;) {
-        job_batch *batch;
-        rows_part *part = claim_part(&batch);
-        if (!part) {
-            pthread_cond_wait(&pool_wake, &pool_lock);
-            continue;
-        }
-        pthread_mutex_unlock(&pool_lock);
-        write_part(part);
-        pthread_mutex_lock(&pool_lock);
-        finish_part(batch);
-    }
-    return NULL;
-}
-
-/* A forked child has none of the parent's workers, and the lock may have
- * been held by one of them at the fork: start over. */
-static void pool_prepare_fork(void) { pthread_mutex_lock(&pool_lock); }
-static void pool_parent_after_fork(void) { pthread_mutex_unlock(&pool_lock); }
-static void pool_child_after_fork(void) {
-    pthread_mutex_init(&pool_lock, NULL);
-    pthread_cond_init(&pool_wake, NULL);
-    pool_queue = NULL;
-    pool_workers = 0;
-}
-static void pool_register_fork(void) {
-    pthread_atfork(pool_prepare_fork, pool_parent_after_fork, pool_child_after_fork);
-}
-
-/* Writes every part: this thread and up to count - 1 workers. */
-static void write_parts(rows_part *parts, uint64_t count) {
-    if (count == 1) {
-        write_part(&parts[0]);
-        return;
-    }
-    pthread_once(&pool_fork_once, pool_register_fork);
-    job_batch batch = {parts, count, 0, 0, PTHREAD_COND_INITIALIZER, NULL};
-    pthread_mutex_lock(&pool_lock);
-    while ((uint64_t)pool_workers < count - 1) {
-        pthread_t thread;
-        if (pthread_create(&thread, NULL, pool_worker, NULL) != 0) break;
-        pthread_detach(thread);
-        pool_workers++;
-    }
-    job_batch **tail = &pool_queue;
-    while (*tail) tail = &(*tail)->next;
-    *tail = &batch;
-    if (count - 1 >= (uint64_t)pool_workers)
-        pthread_cond_broadcast(&pool_wake);
-    else
-        for (uint64_t i = 1; i < count; i++) pthread_cond_signal(&pool_wake);
-    /* This thread writes this batch's parts as long as any is unclaimed. */
-    while (batch.claimed < batch.count) {
-        rows_part *part = &batch.parts[batch.claimed++];
-        pthread_mutex_unlock(&pool_lock);
-        write_part(part);
-        pthread_mutex_lock(&pool_lock);
-        finish_part(&batch);
-    }
-    while (batch.finished < batch.count) pthread_cond_wait(&batch.done, &pool_lock);
-    /* Out of the queue (claim_part drops it only when it looks there). */
-    for (job_batch **link = &pool_queue; *link; link = &(*link)->next) {
-        if (*link == &batch) {
-            *link = batch.next;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&pool_lock);
-    pthread_cond_destroy(&batch.done);
-}
+/* The pool's task: part `index` of the parts array. */
+static void write_part_task(void *parts, uint64_t index) { write_part((rows_part *)parts + index); }
 
 /* Entries (plus one per row) a thread is worth starting for: below this a
  * thread's start costs more than it saves. */
@@ -772,7 +668,7 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
         for (int f = 0; f < 3; f++) cursor[f] += own[f] + SHM_JSON_ROOM;
     }
 
-    write_parts(part, parts);
+    shm_pool_run(write_part_task, part, parts);
 
     /* Each part's span of each field, the field's "[" before the first and
      * its "]" after the last (in the slack after that part). */

@@ -1,0 +1,25 @@
+/*
+ * shmask thread pool: the workers the response writers (JSON rows, the
+ * gather of a response's pieces, binary rows) share. Started once per
+ * process on first need, never per call; the calling thread always takes
+ * tasks too, so a call finishes even when no worker could be started or
+ * every worker is busy with another call's tasks. Fork-safe: a child starts
+ * over with no workers.
+ * Internal to the C core (not declared to cffi).
+ */
+#ifndef SHMASK_POOL_H
+#define SHMASK_POOL_H
+
+#include <stdint.h>
+
+/* One task: `run(context, index)` for index in [0, count). */
+typedef void (*shm_pool_task)(void *context, uint64_t index);
+
+/* Runs run(context, i) for every i < count on this thread and up to
+ * count - 1 workers (at most SHM_POOL_MAX_WORKERS), and returns when every
+ * task has returned. count 1 runs on this thread only, with no locking. */
+void shm_pool_run(shm_pool_task run, void *context, uint64_t count);
+
+#define SHM_POOL_MAX_WORKERS 63
+
+#endif
