@@ -19,11 +19,12 @@ segment prefix are set here).
                RefBatch.select (it never touches the rows).
   tokenizer    per emission: opens every chunk it was sent, builds each
                request's response (an SGLang meta_info dict whose three
-               sampling-mask fields come from
-               shmask.adapters.sglang.response_meta_info, i.e. the native
-               response writer on SHMASK_JSON_THREADS threads, then
-               orjson.dumps), and releases the chunks. Incremental streaming:
-               each response carries the emission's rows.
+               sampling-mask fields are shmask.adapters.sglang.meta_info_rows
+               of the chunk, written by shmask.response_json.dumps: the
+               native response writer on SHMASK_JSON_THREADS threads, straight
+               from the ring into the response's bytes), and releases the
+               chunks. Incremental streaming: each response carries the
+               emission's rows.
 
 Per emission (warmup left out: by default as many emissions as lap the ring
 once, so every process has its ring pages mapped, as in a long-running server):
@@ -101,7 +102,8 @@ from responses import sglang_chunk_class, sglang_lists
 from transport import HEADER, LINGER_MS, MARK, STOP, socket, wait_readable
 
 import shmask
-from shmask.adapters.sglang import LENGTH_FIELD, LOGPROBS_FIELD, MASK_FIELD, response_meta_info
+from shmask import response_json
+from shmask.adapters.sglang import LENGTH_FIELD, LOGPROBS_FIELD, MASK_FIELD, meta_info_rows
 
 SCRIPT = Path(__file__).resolve()
 RING_COPIES = 3  # emissions the ring holds (x1.25 staging slack): room to fall a little behind
@@ -132,7 +134,7 @@ def control(out: zmq.Socket[Any], acks: zmq.Socket[Any], index: int, tokenizers:
 
 def meta_info(request: int, completion_tokens: int, mask_fields: dict[str, Any]) -> dict[str, Any]:
     """The response's meta_info: a few of SGLang's own fields, then the three
-    sampling-mask fields (Fragments from the native writer, or SGLang's lists)."""
+    sampling-mask fields (holes the native writer fills, or SGLang's lists)."""
     return {"id": f"req-{request}", "finish_reason": None, "prompt_tokens": 128,
             "completion_tokens": completion_tokens, **mask_fields}
 
@@ -272,8 +274,8 @@ def run_tokenizer(spec: dict[str, Any], index: int) -> None:
             sampled = {0, len(chunks) - 1}  # kept for the check; the others are dropped as sent
             kept, response_bytes = {}, 0
             for k, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
-                response = orjson.dumps(meta_info(request, completion_tokens,
-                                                  response_meta_info(chunk, support_logprobs=True)))
+                response = response_json.dumps(meta_info(request, completion_tokens,
+                                                         meta_info_rows(chunk)))
                 response_bytes += len(response)
                 if k in sampled:
                     kept[k] = response

@@ -686,3 +686,46 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
     *parts_out = (int)parts;
     return 0;
 }
+
+/* ------------------------------------------------------------ the gather */
+
+/* Bytes of output a gather thread is worth starting for. */
+#define GATHER_PER_THREAD (256u << 10)
+
+typedef struct {
+    char *out;
+    const char *const *sources;
+    const uint64_t *lengths;
+    uint64_t count, total, parts;
+} gather_job;
+
+/* Part `index` copies output bytes [total * index / parts, total * (index + 1) / parts). */
+static void gather_part(void *context, uint64_t index) {
+    const gather_job *job = context;
+    uint64_t begin = (uint64_t)((u128)job->total * index / job->parts);
+    uint64_t end = (uint64_t)((u128)job->total * (index + 1) / job->parts);
+    uint64_t at = 0;
+    for (uint64_t i = 0; i < job->count && at < end; i++) {
+        uint64_t from = at, to = at + job->lengths[i];
+        at = to;
+        if (to <= begin) continue;
+        uint64_t lo = from > begin ? from : begin, hi = to < end ? to : end;
+        memcpy(job->out + lo, job->sources[i] + (lo - from), hi - lo);
+    }
+}
+
+int shm_json_gather(char *out, uint64_t out_length, const char *const *sources,
+                    const uint64_t *lengths, uint64_t count, int threads) {
+    uint64_t total = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        if (lengths[i] > out_length - total) return SHM_JSON_E_CAPACITY;
+        total += lengths[i];
+    }
+    if (total != out_length) return SHM_JSON_E_CAPACITY;
+    uint64_t parts = threads < 1 ? 1 : threads > SHM_JSON_MAX_THREADS ? SHM_JSON_MAX_THREADS
+                                                                        : (uint64_t)threads;
+    if (parts > total / GATHER_PER_THREAD) parts = total / GATHER_PER_THREAD ? total / GATHER_PER_THREAD : 1;
+    gather_job job = {out, sources, lengths, count, total, parts};
+    shm_pool_run(gather_part, &job, parts);
+    return 0;
+}

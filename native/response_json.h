@@ -58,4 +58,14 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
                   uint64_t logprobs_count, int threads, char *out, uint64_t out_capacity,
                   uint64_t *spans, int *parts_out);
 
+/* Copies `count` pieces (sources[i], lengths[i] bytes) back to back into
+ * `out`, which holds exactly their total, `out_length` bytes: the one copy
+ * that makes a response of orjson's small skeleton and the written rows.
+ * Up to `threads` threads share the bytes (fewer below a few hundred KiB
+ * each): fresh output memory costs a page fault per 4 KiB, which threads
+ * take in parallel. Returns 0, or SHM_JSON_E_CAPACITY when the pieces do
+ * not add up to out_length (nothing is written then). */
+int shm_json_gather(char *out, uint64_t out_length, const char *const *sources,
+                    const uint64_t *lengths, uint64_t count, int threads);
+
 #endif

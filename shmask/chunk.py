@@ -9,12 +9,11 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
-import orjson
 
 from ._native import ffi, lib
 from .errors import DoubleReleaseError, RowDroppedError, ShmaskError
 from .refs import MODE_NAMES, MODE_SUPPORT
-from .response_json import response_arrays
+from .response_json import RowsJSON, dumps, response_arrays
 
 DEFAULT_FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
 
@@ -281,10 +280,24 @@ class Chunk:
         `threads` (default SHMASK_JSON_THREADS) threads share the rows. A
         row whose status is not OK is null in all three fields (ids,
         logprobs, length), as in to_lists; bitmask rows are decoded."""
-        ids_field, logprobs_field, lengths_field = (orjson.dumps(str(f)) for f in fields)
-        ids, logprobs, lengths = self.json_arrays(threads)
-        return b"".join((b"{", ids_field, b":", ids, b",", logprobs_field, b":", logprobs, b",",
-                         lengths_field, b":", lengths, b"}"))
+        ids_field, logprobs_field, lengths_field = (str(f) for f in fields)
+        rows = self.json_rows()
+        return dumps({ids_field: rows.ids, logprobs_field: rows.logprobs,
+                      lengths_field: rows.lengths_field}, threads=threads)
+
+    def json_rows(self) -> RowsJSON:
+        """The rows as a RowsJSON: its `.ids`, `.logprobs` and `.lengths_field`
+        placed anywhere in a document given to shmask.response_json.dumps are
+        written there natively (the arrays json_arrays returns), in the one
+        copy that makes the document's bytes. The chunk must stay open until
+        dumps returns; a record reclaimed meanwhile raises StaleChunkError."""
+        try:
+            flat_ids = self.ids if self.flags is None else self._csr_arrays()[0]
+        except Exception:
+            self.check()  # a late read is StaleChunkError, whatever failed
+            raise
+        return RowsJSON(self.support_mode, self.lengths, self.flags, flat_ids, self.logprobs,
+                        check=self.check)
 
     def json_arrays(self, threads: int | None = None) -> tuple[bytes, bytes, bytes]:
         """The three arrays to_json writes (ids per row, logprobs, lengths),

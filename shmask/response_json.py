@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import orjson
 
 from ._native import ffi, lib
 from .config import Config
@@ -47,6 +50,22 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
     row whose status (flags & 3) is not OK is null in all three and must
     have length 0. `threads` (default SHMASK_JSON_THREADS): at most this
     many threads share the rows; small chunks use fewer."""
+    out, fields = _write_rows(support, lengths, flags, ids, logprobs, threads, _scratch_buffer)
+    # Each array is its parts' spans, joined in the one copy out of the scratch.
+    view = memoryview(out)
+    joined = [b"".join([view[start:start + length] for start, length in spans])
+              for spans in fields]
+    return joined[0], joined[1], joined[2]
+
+
+Spans = list[tuple[int, int]]
+
+
+def _write_rows(support: bool, lengths: np.ndarray, flags: np.ndarray | None, ids: np.ndarray,
+                logprobs: np.ndarray, threads: int | None,
+                buffer_for: Callable[[int], bytearray]) -> tuple[bytearray, list[Spans]]:
+    """The three arrays written into a buffer from `buffer_for(bound)`: the
+    buffer and, per field, its (offset, length) spans in order."""
     lengths = _contiguous(lengths, np.int32)
     ids = _contiguous(ids, np.int32)
     logprobs = _contiguous(logprobs, np.float32)
@@ -54,7 +73,7 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
     bound = lib.shm_json_rows_bound(int(support), rows, ids.size)
     if bound == 0:
         raise ShmaskError(f"response JSON: {rows} rows of {ids.size} ids are too many to write")
-    out = _scratch_buffer(bound)
+    out = buffer_for(bound)
     spans = ffi.new("uint64_t[]", 6 * lib.SHM_JSON_MAX_THREADS)
     parts = ffi.new("int *")
     flags_ptr = ffi.NULL if flags is None else ffi.from_buffer("uint8_t[]",
@@ -63,7 +82,7 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
                              ffi.from_buffer("int32_t[]", ids), ids.size,
                              ffi.from_buffer("float[]", logprobs), logprobs.size,
                              json_threads() if threads is None else threads,
-                             ffi.from_buffer(out), bound, spans, parts)
+                             ffi.from_buffer(out), len(out), spans, parts)
     if code == lib.SHM_JSON_E_ROWS:
         raise ShmaskError(
             f"response JSON: {rows} rows whose lengths (sum {int(lengths.sum())}) or statuses "
@@ -71,18 +90,125 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
             f"({'support' if support else 'selected'} mode)")
     if code != 0:
         raise ShmaskError(f"response JSON: the writer failed with code {code}")
-    # Each array is its parts' spans, joined in the one copy out of the scratch.
-    view, count, stride = memoryview(out), parts[0], lib.SHM_JSON_MAX_THREADS
-    if count == 1:
-        return (bytes(view[spans[0]:spans[0] + spans[1]]),
-                bytes(view[spans[2 * stride]:spans[2 * stride] + spans[2 * stride + 1]]),
-                bytes(view[spans[4 * stride]:spans[4 * stride] + spans[4 * stride + 1]]))
-    fields = []
-    for field in range(3):
-        pairs = [(spans[2 * (field * stride + i)], spans[2 * (field * stride + i) + 1])
-                 for i in range(count)]
-        fields.append(b"".join([view[start:start + length] for start, length in pairs]))
-    return fields[0], fields[1], fields[2]
+    count, stride = parts[0], lib.SHM_JSON_MAX_THREADS
+    return out, [[(spans[2 * (field * stride + i)], spans[2 * (field * stride + i) + 1])
+                  for i in range(count)] for field in range(3)]
+
+
+# ----------------------------------------------------------- whole documents
+
+class RowsJSON:
+    """A chunk's rows, to be written as JSON arrays where a document given
+    to `dumps` holds `.ids`, `.logprobs` or `.lengths` (each the array
+    Chunk.json_arrays would return). Nothing is written before `dumps`: the
+    rows go from the ring straight into the document's bytes, with one copy
+    of the written text (no bytes object per array, no orjson pass over
+    them). `check` (if given) is called after writing: a chunk whose record
+    was reclaimed meanwhile raises StaleChunkError there."""
+
+    __slots__ = ("support", "lengths", "flags", "ids_values", "logprobs_values", "check",
+                 "ids", "logprobs", "lengths_field")
+
+    def __init__(self, support: bool, lengths: np.ndarray, flags: np.ndarray | None,
+                 ids: np.ndarray, logprobs: np.ndarray,
+                 check: Callable[[], None] | None = None) -> None:
+        self.support, self.lengths, self.flags = bool(support), lengths, flags
+        self.ids_values, self.logprobs_values, self.check = ids, logprobs, check
+        self.ids, self.logprobs, self.lengths_field = (_RowsField(self, f) for f in range(3))
+
+
+class _RowsField:
+    """One of a RowsJSON's three arrays, as placed in a document."""
+
+    __slots__ = ("rows", "field")
+
+    def __init__(self, rows: RowsJSON, field: int) -> None:
+        self.rows, self.field = rows, field
+
+
+class RawJSON:
+    """JSON text given as pieces (bytes or memoryviews), placed in a
+    document by `dumps` as their concatenation, copied once, into it."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, *pieces: bytes | memoryview) -> None:
+        self.pieces = pieces
+
+
+# orjson never writes a NUL byte (strings escape control characters), so a
+# NUL in its output marks where a hole was.
+_HOLE = b"\x00"
+_HOLE_FRAGMENT = orjson.Fragment(_HOLE)
+
+
+def dumps(obj: Any, *, option: int | None = None, default: Callable[[Any], Any] | None = None,
+          threads: int | None = None) -> bytes:
+    """orjson.dumps(obj), where RowsJSON fields and RawJSON values are
+    written natively: orjson writes the document around them (small), every
+    RowsJSON is written once by the native writer, and the pieces are
+    gathered into the one result in a single copy, shared by up to
+    `threads` (SHMASK_JSON_THREADS) threads. Byte for byte what orjson
+    writes for the same document with the rows as Python lists."""
+    holes: list[_RowsField | RawJSON] = []
+
+    def place(value: Any) -> Any:
+        if isinstance(value, _RowsField | RawJSON):
+            holes.append(value)
+            return _HOLE_FRAGMENT
+        if default is not None:
+            return default(value)
+        raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+    skeleton = (orjson.dumps(obj, default=place) if option is None
+                else orjson.dumps(obj, default=place, option=option))
+    around = skeleton.split(_HOLE)
+    if len(around) != len(holes) + 1:
+        raise ShmaskError("response JSON: a NUL byte in the document outside shmask's "
+                          "placeholders (an orjson.Fragment holding one?)")
+    threads = json_threads() if threads is None else threads
+    written: dict[int, tuple[bytearray, list[Spans]]] = {}
+    pieces: list[Any] = [around[0]]
+    for hole, after in zip(holes, around[1:], strict=True):
+        if isinstance(hole, RawJSON):
+            pieces.extend(hole.pieces)
+        else:
+            rows = hole.rows
+            if id(rows) not in written:
+                # The first RowsJSON uses this thread's scratch, any other a buffer of its own.
+                try:
+                    written[id(rows)] = _write_rows(
+                        rows.support, rows.lengths, rows.flags, rows.ids_values,
+                        rows.logprobs_values, threads, _scratch_buffer if not written else bytearray)
+                except Exception:
+                    if rows.check is not None:
+                        rows.check()  # a late read is StaleChunkError, whatever failed
+                    raise
+            out, fields = written[id(rows)]
+            view = memoryview(out)
+            pieces.extend(view[start:start + length] for start, length in fields[hole.field])
+        pieces.append(after)
+    document = _gather(pieces, threads)
+    for hole in holes:
+        if isinstance(hole, _RowsField) and hole.rows.check is not None:
+            hole.rows.check()
+    return document
+
+
+def _gather(pieces: list[Any], threads: int) -> bytes:
+    """The pieces' concatenation as a new bytes object, copied natively."""
+    keep = [ffi.from_buffer(piece) for piece in pieces]
+    lengths = [len(piece) for piece in keep]
+    total = sum(lengths)
+    # A fresh bytes object, filled here before anyone else sees it (what C
+    # code does with PyBytes_FromStringAndSize(NULL, n)); a large one is
+    # calloc'd memory whose pages are first touched by the copy's threads.
+    document = bytes(total)
+    code = lib.shm_json_gather(ffi.from_buffer(document), total, keep, lengths, len(keep),
+                               threads)
+    if code != 0:
+        raise ShmaskError(f"response JSON: the gather failed with code {code}")
+    return document
 
 
 def _scratch_buffer(size: int) -> bytearray:

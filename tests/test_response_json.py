@@ -335,3 +335,60 @@ def test_thread_pool_works_in_a_forked_child():
         if pid:
             os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+# ------------------------------------------------------- whole documents
+
+def test_dumps_writes_rows_into_the_document_as_orjson_writes_the_lists(writer, reader):
+    """Issue 18, item 1: response_json.dumps places a chunk's arrays where
+    its holes are, around the rest of the document as orjson writes it
+    (options and a caller's default kept), byte for byte what orjson writes
+    with the lists, on one thread and many (the gather splits the copy)."""
+    from shmask.response_json import RawJSON, dumps
+
+    rng = np.random.default_rng(181)
+    rows = random_rows(rng, 150, 151_936, 1000, dropped=0.1, bitmasks=0.1)
+    with reader.open(publish_rows(writer, "support", rows, 151_936)) as chunk:
+        ids, logprobs, lengths = expected_arrays(chunk)
+        holes = chunk.json_rows()
+
+        class Custom:
+            pass
+
+        def document(a, b, c, raw):
+            return {"text": "x\u00e9\n", 3: [1.5, None], "meta_info": {
+                "mask": a, "logprobs": b, "raw": raw, "lengths": c, "n": chunk.rows,
+                "custom": Custom()}}
+
+        def default(value):
+            if isinstance(value, Custom):
+                return "custom"
+            raise TypeError
+
+        expected = orjson.dumps(document(orjson.Fragment(ids), orjson.Fragment(logprobs),
+                                         orjson.Fragment(lengths), [1, 2]),
+                                option=orjson.OPT_NON_STR_KEYS, default=default)
+        for threads in (1, 2, 5, JSON_THREADS_MAX):
+            raw = RawJSON(b"[1,", memoryview(b"..2]")[2:])
+            got = dumps(document(holes.ids, holes.logprobs, holes.lengths_field, raw),
+                        option=orjson.OPT_NON_STR_KEYS, default=default, threads=threads)
+            assert got == expected, threads
+        assert len(expected) > 4 * (256 << 10)  # the gather is split across threads
+        # Two chunks in one document: each written from its own rows.
+        other_rows = random_rows(rng, 5, 3000, 7, dropped=0.2, bitmasks=0)
+        with reader.open(publish_rows(writer, "selected", other_rows, 3000)) as other:
+            theirs = other.json_rows()
+            assert dumps([holes.ids, theirs.ids, theirs.logprobs, holes.lengths_field]) == (
+                b"[%s,%s,%s,%s]" % (ids, *expected_arrays(other)[:2], lengths))
+            assert chunk.to_json(("a", "b", "c")) == b'{"a":%s,"b":%s,"c":%s}' % (
+                ids, logprobs, lengths)
+
+
+def test_dumps_refuses_what_it_cannot_place(writer, reader):
+    from shmask.response_json import dumps
+
+    with pytest.raises(shmask.ShmaskError, match="NUL byte"):
+        dumps({"a": orjson.Fragment(b'"\x00"')})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        dumps({"a": object()})
+

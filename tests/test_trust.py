@@ -16,6 +16,7 @@ import pytest
 
 import shmask
 from shmask.refs import ENTRY_DTYPE, KIND_LOST, KIND_SHM, RefBatch
+from shmask.response_json import dumps
 
 VOCAB = 1 << 30
 
@@ -245,6 +246,7 @@ def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, re
         "to_lists": lambda c: c.to_lists(),
         "to_json": lambda c: c.to_json(),
         "json_arrays": lambda c: c.json_arrays(),
+        "dumps(json_rows)": lambda c: dumps({"ids": c.json_rows().ids}),
         "csr": lambda c: c.csr(),
         "row": lambda c: c.row(1),
         "slice": lambda c: c.slice(1).to_lists(),

@@ -25,7 +25,11 @@ semantics whose rows live in a shmask ring:
   as bitmasks are decoded: ``token_ids`` is then a copy).
 - ``response_meta_info``: the three meta_info fields as ``orjson.Fragment``s
   (plus the count), byte-identical under orjson to what SGLang builds from
-  its lists, without a Python object per row or value.
+  its lists, without a Python object per row or value; with ``raw=True`` as
+  ``shmask.response_json.RawJSON`` for ``shmask.response_json.dumps`` (one
+  copy fewer). ``meta_info_rows(chunk)``: one open chunk's fields as holes
+  that ``dumps`` fills straight from the ring (no copy before the response's
+  own bytes).
 
 Rows whose status is not OK (a producer under the ``overflow="status"``
 policy sends OVERFLOW / INVALID rows with their status and no ids; SGLang
@@ -88,6 +92,7 @@ from ..config import MASK_FORMATS, Config
 from ..errors import ConfigError, InvalidRefError, InvalidRowsError, ShmaskError
 from ..reader import Reader
 from ..refs import ChunkRef, RefBatch
+from ..response_json import RawJSON
 from ..writer import RowQueue, Writer, _as_array
 
 log = logging.getLogger("shmask")
@@ -1071,11 +1076,21 @@ class SamplingMaskJSON:
         """The three meta_info fields for rows [start:] (``start`` is the
         incremental-streaming offset SGLang slices with); the length field is
         the total, as SGLang's is."""
-        ids, logprobs = self._from(start)
-        return {MASK_FIELD: orjson.Fragment(ids), LOGPROBS_FIELD: orjson.Fragment(logprobs),
+        ids, logprobs = self._pieces(start)
+        return {MASK_FIELD: orjson.Fragment(_joined(ids)),
+                LOGPROBS_FIELD: orjson.Fragment(_joined(logprobs)), LENGTH_FIELD: self._total}
+
+    def raw_fields(self, start: int = 0) -> dict[str, Any]:
+        """fields(start) with the arrays as RawJSON, for
+        shmask.response_json.dumps: each emission's array is copied once,
+        straight into the response (no joined array first, no orjson pass)."""
+        ids, logprobs = self._pieces(start)
+        return {MASK_FIELD: RawJSON(*ids), LOGPROBS_FIELD: RawJSON(*logprobs),
                 LENGTH_FIELD: self._total}
 
-    def _from(self, start: int) -> tuple[bytes, bytes]:
+    def _pieces(self, start: int) -> tuple[list[bytes | memoryview], list[bytes | memoryview]]:
+        """Each field for rows [start:] as pieces of JSON text whose
+        concatenation is its array."""
         start = min(max(start, 0), self._total)
         piece, skip = 0, start
         while piece < len(self._rows) and skip >= self._rows[piece]:
@@ -1083,25 +1098,31 @@ class SamplingMaskJSON:
             piece += 1
         ids, logprobs = self._ids[piece:], self._logprobs[piece:]
         if len(ids) == 1 and not skip:
-            return ids[0], logprobs[0]  # one emission: its arrays are the fields
-        ids = [memoryview(p)[1:-1] for p in ids]  # contents, without the brackets
-        logprobs = [memoryview(p)[1:-1] for p in logprobs]
+            return [ids[0]], [logprobs[0]]  # one emission: its arrays are the fields
+        id_parts = [memoryview(p)[1:-1] for p in ids]  # contents, without the brackets
+        logprob_parts = [memoryview(p)[1:-1] for p in logprobs]
         if skip:  # an offset inside one emission's rows: cut that piece at the row
             # Only a dropped row writes null among the ids (the logprobs may
             # hold null for NaN): bytes search, far cheaper than a scan.
             dropped = b"null" in self._ids[piece]
-            ids[0] = _drop_rows(ids[0], skip, nested=True, dropped=dropped)
-            logprobs[0] = _drop_rows(logprobs[0], skip, nested=self.support, dropped=dropped)
-        return _array(ids), _array(logprobs)
+            id_parts[0] = _drop_rows(id_parts[0], skip, nested=True, dropped=dropped)
+            logprob_parts[0] = _drop_rows(logprob_parts[0], skip, nested=self.support,
+                                          dropped=dropped)
+        return _array(id_parts), _array(logprob_parts)
 
 
-def _array(pieces: list[memoryview]) -> bytes:
-    # One copy of every piece, straight into the response bytes.
+def _array(contents: list[memoryview]) -> list[bytes | memoryview]:
+    """The pieces of a JSON array of `contents` (each the inside of one)."""
     parts: list[bytes | memoryview] = [b"["]
-    for piece in pieces:
+    for piece in contents:
         parts += (piece, b",")
-    parts[-1] = b"]" if pieces else b"[]"
-    return b"".join(parts)
+    parts[-1] = b"]" if contents else b"[]"
+    return parts
+
+
+def _joined(pieces: list[bytes | memoryview]) -> bytes:
+    # One copy of every piece (none for a single bytes piece).
+    return pieces[0] if len(pieces) == 1 and isinstance(pieces[0], bytes) else b"".join(pieces)
 
 
 def _drop_rows(piece: memoryview, count: int, nested: bool, dropped: bool) -> memoryview:
@@ -1120,9 +1141,22 @@ def _drop_rows(piece: memoryview, count: int, nested: bool, dropped: bool) -> me
     return piece[cut:]
 
 
+def meta_info_rows(chunk: Chunk) -> dict[str, Any]:
+    """One open chunk's three meta_info fields for shmask.response_json.dumps:
+    the arrays as holes (``Chunk.json_rows``) that dumps writes natively,
+    straight from the ring into the response's bytes, byte-identical to
+    SGLang's lists under orjson. Keep the chunk open until dumps returns
+    (then release it): a record reclaimed meanwhile raises StaleChunkError
+    there."""
+    if not chunk.rows:
+        return {MASK_FIELD: RawJSON(b"[]"), LOGPROBS_FIELD: RawJSON(b"[]"), LENGTH_FIELD: 0}
+    rows = chunk.json_rows()
+    return {MASK_FIELD: rows.ids, LOGPROBS_FIELD: rows.logprobs, LENGTH_FIELD: chunk.rows}
+
+
 def response_meta_info(source: SamplingMaskJSON | SamplingMaskChunk | Chunk
                        | Iterable[SamplingMaskChunk | Chunk], *, start: int = 0,
-                       support_logprobs: bool | None = None) -> dict[str, Any]:
+                       support_logprobs: bool | None = None, raw: bool = False) -> dict[str, Any]:
     """The three sampling-mask fields of a response's meta_info:
     ``output_token_sampling_mask`` and ``output_token_sampling_logprobs`` as
     ``orjson.Fragment``s and ``output_token_sampling_mask_length`` (an int),
@@ -1141,4 +1175,4 @@ def response_meta_info(source: SamplingMaskJSON | SamplingMaskChunk | Chunk
         for chunk in chunks:
             accumulated.extend(chunk)
         source = accumulated
-    return source.fields(start)
+    return source.raw_fields(start) if raw else source.fields(start)
