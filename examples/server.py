@@ -108,10 +108,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from workload import configure, request_for_prompt, request_lengths, sampled_tokens
 
 import shmask
+from shmask import response_json
 from shmask.adapters.sglang import LENGTH_FIELD, LOGPROBS_FIELD, MASK_FIELD, SamplingMaskCSR
 from shmask.binary_rows import encode_chunk
 from shmask.offload import Offload, fold_ref
 from shmask.refs import MODE_SELECTED, MODE_SUPPORT
+from shmask.response_json import RawJSON
 
 HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
@@ -466,9 +468,10 @@ def mask_fields(rows: SamplingMaskCSR, start: int, total: int,
                          flags=rows.status)
     if base64:
         return {MASK_FIELD: orjson.Fragment(encode_chunk(chunk, start)), LENGTH_FIELD: total}
-    ids, logprobs = (chunk.json_arrays()[:2] if len(rows) else (b"[]", b"[]"))
-    return {MASK_FIELD: orjson.Fragment(ids), LOGPROBS_FIELD: orjson.Fragment(logprobs),
-            LENGTH_FIELD: total}
+    if not len(rows):
+        return {MASK_FIELD: RawJSON(b"[]"), LOGPROBS_FIELD: RawJSON(b"[]"), LENGTH_FIELD: total}
+    holes = chunk.json_rows()  # written by response_json.dumps, straight into the response
+    return {MASK_FIELD: holes.ids, LOGPROBS_FIELD: holes.logprobs, LENGTH_FIELD: total}
 
 
 def response(generation: Generation, start: int = 0) -> bytes:
@@ -487,8 +490,8 @@ def response(generation: Generation, start: int = 0) -> bytes:
                                      generation.base64))
     meta_info["completion_tokens"] = total
     meta_info["cached_tokens"] = 0
-    return orjson.dumps({"text": detokenize(output_ids), "output_ids": output_ids,
-                         "meta_info": meta_info})
+    return response_json.dumps({"text": detokenize(output_ids), "output_ids": output_ids,
+                                "meta_info": meta_info})
 
 
 def detokenize(ids: list[int]) -> str:
