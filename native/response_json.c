@@ -690,7 +690,7 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
 /* ------------------------------------------------------------ the gather */
 
 /* Bytes of output a gather thread is worth starting for. */
-#define GATHER_PER_THREAD (256u << 10)
+#define GATHER_PER_THREAD (128u << 10)
 
 typedef struct {
     char *out;

@@ -1,7 +1,16 @@
 /* shmask thread pool: see shmask_pool.h. */
+#define _POSIX_C_SOURCE 200809L
 #include "shmask_pool.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 /* Workers wait for batches; a call queues its batch, wakes as many workers
  * as it has tasks beyond its own, and takes tasks itself until none is left
@@ -20,6 +29,30 @@ static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
 static batch *pool_queue; /* batches with unclaimed tasks, oldest first */
 static int pool_workers;  /* workers started (and alive) in this process */
 static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
+/* Batches queued so far: a worker out of work watches it for a while
+ * before it sleeps. A response writer calls the pool once or twice per
+ * request, back to back; a sleeping worker takes tens of microseconds to
+ * wake (more from a deep idle state), which left the caller doing most
+ * parts itself. */
+static atomic_ulong pool_posted;
+#define SPIN_NS 200000 /* 0.2 ms of watching after the last task */
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Without the lock: watch pool_posted move past `seen` for up to SPIN_NS.
+ * Returns whether it moved (then look for work again before sleeping). */
+static int spin_for_work(unsigned long seen) {
+    uint64_t until = now_ns() + SPIN_NS;
+    for (unsigned i = 0;; i++) {
+        if (atomic_load_explicit(&pool_posted, memory_order_acquire) != seen) return 1;
+        if ((i & 63) == 63 && now_ns() > until) return 0;
+        CPU_RELAX();
+    }
+}
 
 /* The oldest batch with an unclaimed task (pool_lock held), or NULL. */
 static batch *claimable(void) {
@@ -38,13 +71,24 @@ static void run_task(batch *b, uint64_t index) { /* pool_lock held on entry and 
 static void *pool_worker(void *unused) {
     (void)unused;
     pthread_mutex_lock(&pool_lock);
+    int spun = 0; /* spun since the last task: then sleep */
     for (;;) {
         batch *b = claimable();
-        if (!b) {
-            pthread_cond_wait(&pool_wake, &pool_lock);
+        if (b) {
+            run_task(b, b->claimed++);
+            spun = 0;
             continue;
         }
-        run_task(b, b->claimed++);
+        if (!spun) {
+            unsigned long seen = atomic_load_explicit(&pool_posted, memory_order_acquire);
+            pthread_mutex_unlock(&pool_lock);
+            spin_for_work(seen);
+            pthread_mutex_lock(&pool_lock);
+            spun = 1;
+            continue;
+        }
+        pthread_cond_wait(&pool_wake, &pool_lock);
+        spun = 0;
     }
     return NULL;
 }
@@ -82,6 +126,7 @@ void shm_pool_run(shm_pool_task run, void *context, uint64_t count) {
     batch **tail = &pool_queue;
     while (*tail) tail = &(*tail)->next;
     *tail = &b;
+    atomic_fetch_add_explicit(&pool_posted, 1, memory_order_release);
     if (wanted >= (uint64_t)pool_workers)
         pthread_cond_broadcast(&pool_wake);
     else
