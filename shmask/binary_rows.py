@@ -503,14 +503,23 @@ class _Scanned:
             return int(value[len(self.nonce):])
         return None
 
+    def escaped(self, index: int) -> bool:
+        """Whether field `index`'s string holds a JSON escape (a backslash)."""
+        begin, end = self.spans[index].tolist()
+        return bool((np.frombuffer(self.body, np.uint8)[begin:end] == ord("\\")).any())
+
+    def text(self, index: int) -> str:
+        """Field `index`'s string, its escapes resolved (as orjson reads it)."""
+        begin, end = self.spans[index].tolist()
+        return orjson.loads(b'"' + bytes(self.body[begin:end]) + b'"')
+
     def restore(self, obj: dict[str, Any]) -> None:
         """Puts back the strings of an object the scan took for binary rows
         and the parser does not (a duplicate or escaped "format" key)."""
         for name, _ in _FIELDS:
             index = self.index(obj.get(name))
             if index is not None:
-                begin, end = self.spans[index].tolist()
-                obj[name] = orjson.loads(b'"' + bytes(self.body[begin:end]) + b'"')
+                obj[name] = self.text(index)
 
 
 def _decode_all(objects: list[dict[str, Any]], torch: bool,
@@ -519,8 +528,9 @@ def _decode_all(objects: list[dict[str, Any]], torch: bool,
     native field of every object decoded in one parallel call into one
     buffer, then each object's fields checked against each other."""
     plans = []
-    native: list[tuple[int, int, str, str, int, int]] = []  # object, field, name, dtype,
-    # count, offset in `out`
+    # Native fields: object, field index in scanned.spans, name, dtype, count,
+    # offset in `out`.
+    native: list[tuple[int, int, str, str, int, int]] = []
     spans: list[int] = []
     out_size = 0
     for number, obj in enumerate(objects):
@@ -533,9 +543,17 @@ def _decode_all(objects: list[dict[str, Any]], torch: bool,
                 arrays[name] = _field(obj, name, counts[name], dtype, torch,
                                       required=name != "status")
                 continue
-            begin, end = scanned.spans[index].tolist()  # type: ignore[union-attr]
-            size = _check_chars(name, end - begin, counts[name], np.dtype(dtype).itemsize)
-            native.append((number, len(spans) // 4, name, dtype, counts[name], out_size))
+            assert scanned is not None
+            begin, end = scanned.spans[index].tolist()
+            itemsize = np.dtype(dtype).itemsize
+            if end - begin != 4 * -(-counts[name] * itemsize // 3) and scanned.escaped(index):
+                # JSON escapes in the base64 (no encoder writes them, but
+                # they are JSON): read as orjson reads them.
+                arrays[name] = _field({name: scanned.text(index)}, name, counts[name], dtype,
+                                      torch)
+                continue
+            size = _check_chars(name, end - begin, counts[name], itemsize)
+            native.append((number, index, name, dtype, counts[name], out_size))
             spans += [begin, end - begin, out_size, size]
             out_size += -(-size // _ALIGN) * _ALIGN
         plans.append((mode, start, nnz, arrays))
@@ -554,8 +572,12 @@ def _decode_all(objects: list[dict[str, Any]], torch: bool,
                                   ffi.from_buffer("int64_t[]", results), _threads(None))
         if code != 0:
             raise BinaryRowsError(f"binary rows: the decoder failed with code {code}")
-        for number, field, name, dtype, count, offset in native:
+        for field, (number, index, name, dtype, count, offset) in enumerate(native):
             bad = int(results[2 * field])
+            if bad >= 0 and scanned.escaped(index):  # escapes: read as above (and refused)
+                plans[number][3][name] = _field({name: scanned.text(index)}, name, count, dtype,
+                                                torch)
+                continue
             if bad >= 0:
                 raise BinaryRowsError(f"binary rows: {name!r} is not valid base64: character "
                                       f"{bad} is not in the alphabet or its padding")
