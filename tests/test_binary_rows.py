@@ -540,3 +540,27 @@ def test_loads_without_the_core_is_orjson_and_decode_rows(numpy_path):
     assert parsed["meta_info"]["x"] == [1, "ids"]
     with pytest.raises(BinaryRowsError, match="'nnz'"):
         numpy_path(loads, orjson.dumps([{**good(), "nnz": -1}]))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD)
+def test_loads_names_each_malformed_field(field, value, message):
+    """The malformed objects above, inside a body: loads refuses each,
+    naming the field (the native decoder's checks, not decode_rows')."""
+    obj = good()
+    obj[field] = value
+    body = orjson.dumps({"meta_info": {"a": [obj]}})
+    if field in ("format", "version"):  # not binary rows then: left as parsed
+        assert loads(body) == orjson.loads(body)
+        return
+    with pytest.raises(BinaryRowsError) as info:
+        loads(body)
+    assert f"'{field}'" in str(info.value)
+
+
+def test_an_object_the_parser_does_not_take_keeps_its_strings():
+    """The scan reads keys without resolving escapes; the parser does. An
+    object whose escaped "format" key overrides "base64" is not binary
+    rows: its strings come back as the text they were."""
+    text = (b'{"x":{"format":"base64","version":1,"ids":"AAAA","lengths":"A\\u0041==",'
+            b'"form\\u0061t":"other"}}')
+    assert loads(text) == orjson.loads(text)
