@@ -15,7 +15,6 @@ import pytest
 
 import shmask
 from shmask import binary_rows
-from shmask.refs import MODE_SELECTED, MODE_SUPPORT
 from shmask.binary_rows import (
     BinaryRowsError,
     SamplingMaskBase64,
@@ -24,6 +23,7 @@ from shmask.binary_rows import (
     encode_meta_info,
     loads,
 )
+from shmask.refs import MODE_SELECTED, MODE_SUPPORT
 
 OK, OVERFLOW, INVALID = 0, 1, 2
 VOCAB = 2048 + 17  # bitmask rows of 65 words
