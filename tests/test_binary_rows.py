@@ -564,3 +564,26 @@ def test_an_object_the_parser_does_not_take_keeps_its_strings():
     text = (b'{"x":{"format":"base64","version":1,"ids":"AAAA","lengths":"A\\u0041==",'
             b'"form\\u0061t":"other"}}')
     assert loads(text) == orjson.loads(text)
+
+
+@needs_core
+def test_every_byte_is_judged_as_the_alphabet_says():
+    """Each of the 256 byte values at each of the 32 places of a vector
+    block (and in the scalar tail): valid exactly when it is in the base64
+    alphabet, and then decoded to its value."""
+    ffi, lib = binary_rows._native()
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    base = bytearray((alphabet * 3)[:48])  # 12 quartets: one vector block, then the tail
+    spans = np.array([0, 48, 0, 36], np.uint64)
+    results = np.empty(2, np.int64)
+    out = bytearray(40)
+    for place in (*range(32), 40):
+        for value in range(256):
+            text = bytearray(base)
+            text[place] = value
+            lib.shm_b64_decode(ffi.from_buffer(text), 48, ffi.from_buffer("uint64_t[]", spans), 1,
+                               ffi.from_buffer(out), 40, ffi.from_buffer("int64_t[]", results), 1)
+            if value in alphabet:
+                assert results[0] == -1 and bytes(out[:36]) == base64.b64decode(bytes(text))
+            else:
+                assert results[0] == place, (place, value)
