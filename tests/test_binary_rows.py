@@ -254,13 +254,16 @@ def test_not_an_object():
 
 
 def test_a_client_decodes_without_the_native_core_or_torch():
-    """decode_rows needs numpy and orjson only: no compiled core, no torch
-    unless tensors are asked for."""
+    """decode_rows and loads need numpy and orjson only: no compiled core,
+    no torch unless tensors are asked for."""
     import subprocess
     import sys
 
     code = ("import sys, json; sys.modules['shmask._native'] = None; import shmask; "
             f"rows = shmask.decode_rows(json.loads({orjson.dumps(good()).decode()!r})); "
+            "from shmask.binary_rows import loads; "
+            f"doc = loads({orjson.dumps([good()])!r}); "
+            "assert doc[0].ids.tolist() == rows.ids.tolist(); "
             "print(rows.ids.tolist(), 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, start_new_session=True)
