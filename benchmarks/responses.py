@@ -13,12 +13,15 @@
              byte-identical checked for every request, medians of the totals
   binary     the same emission as binary rows (shmask.binary_rows, the opt-in
              sampling_mask_format "base64"): at the server, the meta_info
-             bytes with the base64 object (encode_chunk, and the per-request
-             accumulator's extend + fields) against SGLang's to_lists +
-             orjson and the native JSON writer; at the client, orjson.loads +
-             decode_rows against orjson.loads + numpy arrays of the JSON
-             lists (lengths, flat ids, flat logprobs: np.fromiter over the
-             rows); every decoded value checked bit for bit
+             bytes with the base64 object (encode_meta_info: the whole
+             meta_info written natively, on SHMASK_JSON_THREADS threads and
+             on 1; encode_chunk + orjson; the per-request accumulator's
+             extend + fields) against SGLang's to_lists + orjson and the
+             native JSON writer; at the client, binary_rows.loads of the
+             body and orjson.loads + decode_rows against orjson.loads +
+             numpy arrays of the JSON lists (lengths, flat ids, flat
+             logprobs: np.fromiter over the rows); every decoded value
+             checked bit for bit, every binary document byte for byte
 
 Each chunk is one request's emission, 50 rows of support W (support mode),
 published with Writer.publish and opened with a Reader, like the tokenizer
@@ -52,7 +55,13 @@ from _common import (
 
 import shmask
 from shmask import response_json
-from shmask.binary_rows import SamplingMaskBase64, decode_rows, encode_chunk
+from shmask.binary_rows import (
+    SamplingMaskBase64,
+    decode_rows,
+    encode_chunk,
+    encode_meta_info,
+    loads,
+)
 from shmask.response_json import json_threads
 
 FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
@@ -273,9 +282,11 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
     chunk_class = sglang_chunk_class()
     threads = json_threads()
     server = (BINARY_BASELINE, f"native JSON, {threads} threads", "binary, encode_chunk",
-              "binary, accumulator extend + fields", "floor: one copy of the raw rows")
+              "binary, accumulator extend + fields", "floor: one copy of the raw rows",
+              f"binary, encode_meta_info (native, {threads} threads)",
+              "binary, encode_meta_info (native, 1 thread)")
     client = ("orjson.loads + np.fromiter (JSON lists)", "orjson.loads + decode_rows (binary)",
-              "floor: orjson.loads of the binary meta_info")
+              "floor: orjson.loads of the binary meta_info", "binary_rows.loads")
     times: dict[str, list[float]] = {name: [] for name in server + client}
     sizes: dict[str, int] = {}
     mismatches = 0
@@ -311,8 +322,13 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
             floor = [(bytes(c.lengths), bytes(c.ids), bytes(c.logprobs)) for c in chunks]
             times[server[4]].append(now() - started)
             del floor
+            for name, path_threads in ((server[5], threads), (server[6], 1)):
+                started = now()
+                out[name] = [encode_meta_info(c, threads=path_threads) for c in chunks]
+                times[name].append(now() - started)
             mismatches += sum(a != b for a, b in zip(out[server[1]], out[server[0]], strict=True))
-            mismatches += sum(a != b for a, b in zip(out[server[3]], out[server[2]], strict=True))
+            for name in (server[3], server[5], server[6]):  # the same bytes as encode_chunk's
+                mismatches += sum(a != b for a, b in zip(out[name], out[server[2]], strict=True))
 
             started = now()
             from_lists = [lists_to_arrays(orjson.loads(b)) for b in out[server[0]]]
@@ -324,12 +340,22 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
             parsed = [orjson.loads(b) for b in out[server[2]]]
             times[client[2]].append(now() - started)
             del parsed
-            for c, rows, arrays in zip(chunks, decoded, from_lists, strict=True):
+            started = now()
+            scanned = [loads(b) for b in out[server[5]]]
+            times[client[3]].append(now() - started)
+            for c, rows, arrays, meta in zip(chunks, decoded, from_lists, scanned, strict=True):
+                native = meta["output_token_sampling_mask"]
                 ok = (np.array_equal(rows.lengths, c.lengths) and np.array_equal(rows.ids, c.ids)
                       and np.array_equal(rows.logprobs.view(np.uint32), c.logprobs.view(np.uint32))
                       and not rows.status.any() and np.array_equal(arrays[0], c.lengths)
                       and np.array_equal(arrays[1], c.ids)
-                      and np.array_equal(arrays[2].view(np.uint32), c.logprobs.view(np.uint32)))
+                      and np.array_equal(arrays[2].view(np.uint32), c.logprobs.view(np.uint32))
+                      and np.array_equal(native.lengths, c.lengths)
+                      and np.array_equal(native.ids, c.ids)
+                      and np.array_equal(native.logprobs.view(np.uint32),
+                                         c.logprobs.view(np.uint32))
+                      and not native.status.any()
+                      and meta["output_token_sampling_mask_length"] == c.rows)
                 mismatches += not ok
             sizes = {name: sum(map(len, out[name])) for name in (server[0], server[2])}
     result = {name: median_ms(values) for name, values in times.items()}

@@ -173,6 +173,13 @@ class _Lib:
     SHM_JSON_ROOM: int
     SHM_JSON_E_ROWS: int
     SHM_JSON_E_CAPACITY: int
+    # binary_rows.h
+    SHM_B64_MAX_THREADS: int
+    SHM_B64_E_ARGS: int
+    SHM_B64_E_CAPACITY: int
+    SHM_B64_E_SYNTAX: int
+    SHM_B64_E_DEPTH: int
+    SHM_B64_MAX_DEPTH: int
     # shmask_layout.h (through native/build.py's LAYOUT_CDEF)
     SHM_HEADER_BYTES: int
     SHM_RECORD_ALIGN: int
@@ -268,6 +275,25 @@ class _Lib:
         self, support: int, lengths: CData, flags: CData, rows: int, ids: CData, ids_count: int,
         logprobs: CData, logprobs_count: int, threads: int, out: CData, out_capacity: int,
         spans: CData, parts_out: CData, /,
+    ) -> int: ...
+    # binary_rows.h
+    def shm_b64_encoded_size(self, n: int, /) -> int: ...
+    def shm_b64_encode(self, src: CData, n: int, dst: CData, threads: int, /) -> None: ...
+    def shm_b64_rows_size(
+        self, meta_info: int, support: int, start: int, rows: int, nnz: int, with_status: int,
+        length: int, /,
+    ) -> int: ...
+    def shm_b64_rows(
+        self, meta_info: int, support: int, start: int, rows: int, nnz: int, length: int,
+        lengths: CData, status: CData, ids: CData, logprobs: CData, out: CData, capacity: int,
+        threads: int, /,
+    ) -> int: ...
+    def shm_b64_scan(
+        self, text: CData, n: int, found: CData, capacity: int, error_at: CData, /,
+    ) -> int: ...
+    def shm_b64_decode(
+        self, text: CData, text_size: int, spans: CData, count: int, out: CData, out_size: int,
+        results: CData, threads: int, /,
     ) -> int: ...
     def shm_reserve(
         self, ring: CData, mode: int, rows_capacity: int, words_capacity: int, nnz_capacity: int,

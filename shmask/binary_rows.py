@@ -10,23 +10,31 @@ docs/architecture.md, "Binary rows"; in short, one JSON object::
      "ids": b64(int32 LE [N]),
      "logprobs": b64(float32 LE [N] in support mode, [R] in selected mode)}
 
-Server side: `encode_chunk(chunk)` (one chunk's rows) or `SamplingMaskBase64`
-(a request's rows accumulated across emissions, like the SGLang adapter's
-SamplingMaskJSON: `extend(chunk)` per emission, `fields(start)` per
-response, the object as an orjson.Fragment). Client side: `decode_rows(obj)`
-gives CSR numpy arrays (or torch tensors) with no Python object per row, and
-checks everything it reads: the client's input is untrusted too.
+Server side: `encode_meta_info(chunk, start)` (one chunk's rows as SGLang's
+two meta_info fields, the whole JSON object written by the compiled core in
+one pass, its base64 encoded on SHMASK_JSON_THREADS threads),
+`encode_chunk(chunk)` (the binary-rows object alone, as an orjson.Fragment
+to embed) or `SamplingMaskBase64` (a request's rows accumulated across
+emissions, like the SGLang adapter's SamplingMaskJSON: `extend(chunk)` per
+emission, `fields(start)` per response). Client side: `loads(body)` is
+orjson.loads with every binary-rows object of the document decoded (found
+by a native scan of the body, its big strings decoded in parallel straight
+into numpy arrays, never made Python strings); `decode_rows(obj)` decodes
+one object already parsed. Both give CSR numpy arrays (or torch tensors)
+with no Python object per row and check everything they read: the client's
+input is untrusted too.
 
-This module needs numpy only (and orjson for the Fragment): a client decodes
-without the compiled core. pybase64 (the `binary` extra) is used when it is
-installed: 2x faster encoding and 7x faster decoding than binascii here, the
-same bytes.
+The compiled core is optional: without it (a client that installed the
+package without building it) the same functions run on numpy, orjson and
+pybase64 (the `binary` extra; 2x faster encoding and 7x faster decoding than
+binascii here) or binascii, giving the same bytes and the same rows.
 """
 
 from __future__ import annotations
 
 import binascii
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +62,32 @@ MASK_FIELD = "output_token_sampling_mask"
 LENGTH_FIELD = "output_token_sampling_mask_length"
 _STATUS_MAX = 2  # OK 0, OVERFLOW 1, INVALID 2 (shmask.chunk.ROW_*)
 _LITTLE = sys.byteorder == "little"
+_FIELDS = (("lengths", "<i4"), ("status", "u1"), ("ids", "<i4"), ("logprobs", "<f4"))
+_ALIGN = 64  # each decoded array's offset in the one buffer they share
+_native_core: Any = None  # (ffi, lib) of the compiled core, False without it
+
+
+def _native() -> Any:
+    """(ffi, lib) of the compiled core, or None: imported on first use, so
+    that a client without it still imports this module. The core writes
+    and reads little-endian bytes as they lie in memory: a big-endian host
+    takes the numpy path."""
+    global _native_core
+    if _native_core is None:
+        try:
+            module = importlib.import_module("shmask._native")
+        except ImportError:
+            _native_core = False
+        else:
+            _native_core = (module.ffi, module.lib) if _LITTLE else False
+    return _native_core or None
+
+
+def _threads(threads: int | None) -> int:
+    if threads is not None:
+        return threads
+    from .response_json import json_threads  # the core is there: this imports it
+    return json_threads()
 
 
 class BinaryRowsError(ShmaskError, ValueError):
@@ -111,12 +145,35 @@ def _selected_values(logprobs: np.ndarray, status: np.ndarray | None) -> np.ndar
     return out
 
 
-def encode_chunk(chunk: Chunk, start: int = 0) -> bytes:
+def encode_meta_info(chunk: Chunk, start: int = 0, threads: int | None = None, *,
+                     length: int | None = None) -> bytes:
+    """SGLang's two meta_info fields for one chunk's rows, as one JSON
+    object: {"output_token_sampling_mask": <the binary-rows object>,
+    "output_token_sampling_mask_length": length} (`length` defaults to
+    start + chunk.rows, the request's rows through this chunk). The same
+    bytes as orjson.dumps of encode_chunk's Fragment and the length, but
+    written by the compiled core in one pass into a bytes object of the
+    exact size, the base64 on up to `threads` threads (default
+    SHMASK_JSON_THREADS) straight from the chunk's views; without the core,
+    that orjson.dumps. Raises StaleChunkError if the record was reclaimed
+    before or while it was read."""
+    total = start + chunk.rows if length is None else length
+    if _native() is not None:
+        return _encode_native(chunk, start, threads, True, total)
+    return orjson.dumps({MASK_FIELD: orjson.Fragment(encode_chunk(chunk, start)),
+                         LENGTH_FIELD: total})
+
+
+def encode_chunk(chunk: Chunk, start: int = 0, threads: int | None = None) -> bytes:
     """One chunk's rows as the binary-rows object (JSON bytes; embed it
     with orjson.Fragment). `start` is recorded as the first row's index in
     the request. Bitmask rows are decoded; a dropped row (status not OK) has
-    length 0 and its status. Raises StaleChunkError if the record was
-    reclaimed before or while it was read."""
+    length 0 and its status. Written by the compiled core as
+    encode_meta_info does (numpy and the base64 codec without it). Raises
+    StaleChunkError if the record was reclaimed before or while it was
+    read."""
+    if _native() is not None:
+        return _encode_native(chunk, start, threads, False, 0)
     ids, _ = chunk._csr_arrays()  # checked below, once the views were read
     status = chunk.status if chunk.flags is not None else None
     logprobs = chunk.logprobs if chunk.support_mode else _selected_values(chunk.logprobs, status)
@@ -124,6 +181,42 @@ def encode_chunk(chunk: Chunk, start: int = 0) -> bytes:
                   [_b64encode(_le_bytes(chunk.lengths, "<i4"))],
                   None if status is None else [_b64encode(_le_bytes(status, "u1"))],
                   [_b64encode(_le_bytes(ids, "<i4"))], [_b64encode(_le_bytes(logprobs, "<f4"))])
+    chunk.check()  # the views were read: only good if the record is still ours
+    return out
+
+
+def _encode_native(chunk: Chunk, start: int, threads: int | None, meta_info: bool,
+                   length: int) -> bytes:
+    ffi, lib = _native()
+    if start < 0 or length < 0:
+        raise BinaryRowsError(f"binary rows: start ({start}) and length ({length}) must be "
+                              f"non-negative")
+    ids, _ = chunk._csr_arrays()  # checked below, once the views were read
+    status = chunk.status if chunk.flags is not None else None
+    logprobs = chunk.logprobs if chunk.support_mode else _selected_values(chunk.logprobs, status)
+    rows, nnz, support = chunk.rows, int(ids.size), chunk.support_mode
+    lengths = np.ascontiguousarray(chunk.lengths, "<i4")
+    ids = np.ascontiguousarray(ids, "<i4")
+    logprobs = np.ascontiguousarray(logprobs, "<f4")
+    if (lengths.size != rows or logprobs.size != (nnz if support else rows)
+            or status is not None and status.size != rows):
+        raise BinaryRowsError(f"binary rows: a chunk of {rows} rows with {nnz} ids has "
+                              f"{lengths.size} lengths and {logprobs.size} logprobs")
+    size = lib.shm_b64_rows_size(meta_info, support, start, rows, nnz, status is not None, length)
+    if size == 0:
+        raise BinaryRowsError(f"binary rows: {rows} rows of {nnz} ids are too many to write")
+    # The result is written in place: a bytes object that no one else holds
+    # yet, as a C extension fills PyBytes_FromStringAndSize(NULL, n) before
+    # handing it out. bytes(n) of a large n is calloc'd: its pages are first
+    # touched by the threads that write them, so their faults run in parallel.
+    out = bytes(size)
+    status_ptr = ffi.NULL if status is None else ffi.from_buffer(np.ascontiguousarray(status, "u1"))
+    written = lib.shm_b64_rows(meta_info, support, start, rows, nnz, length,
+                               ffi.from_buffer(lengths), status_ptr, ffi.from_buffer(ids),
+                               ffi.from_buffer(logprobs), ffi.from_buffer(out), size,
+                               _threads(threads))
+    if written != size:
+        raise BinaryRowsError(f"binary rows: the writer failed with code {written}")
     chunk.check()  # the views were read: only good if the record is still ours
     return out
 
@@ -250,6 +343,37 @@ def _count(obj: dict[str, Any], name: str) -> int:
     return value
 
 
+def _header(obj: dict[str, Any]) -> tuple[str, int, int, int]:
+    """(mode, start, rows, nnz) of a parsed object, checked."""
+    if obj.get("format") != FORMAT:
+        raise BinaryRowsError(f"binary rows: 'format' must be {FORMAT!r}, got "
+                              f"{obj.get('format')!r}")
+    if obj.get("version") != VERSION:
+        raise BinaryRowsError(f"binary rows: 'version' {obj.get('version')!r} is not supported "
+                              f"(this decoder reads version {VERSION})")
+    mode = obj.get("mode")
+    if mode not in MODES:
+        raise BinaryRowsError(f"binary rows: 'mode' must be one of {MODES}, got {mode!r}")
+    return mode, _count(obj, "start"), _count(obj, "rows"), _count(obj, "nnz")
+
+
+def _counts(mode: str, rows: int, nnz: int) -> dict[str, int]:
+    """Each field's number of values."""
+    return {"lengths": rows, "status": rows, "ids": nnz,
+            "logprobs": nnz if mode == "support" else rows}
+
+
+def _check_chars(name: str, chars: int, count: int, itemsize: int) -> int:
+    """The field's decoded size; its base64 length checked against it
+    before decoding, so that a forged count cannot size an allocation."""
+    size = count * itemsize
+    if chars != 4 * -(-size // 3):
+        raise BinaryRowsError(
+            f"binary rows: {name!r} has {chars} base64 characters; {count} values of "
+            f"{itemsize} bytes take {4 * -(-size // 3)}")
+    return size
+
+
 def _field(obj: dict[str, Any], name: str, count: int, dtype: str, writable: bool,
            required: bool = True) -> np.ndarray | None:
     """Field `name`: `count` values of `dtype` (little-endian), checked
@@ -261,12 +385,7 @@ def _field(obj: dict[str, Any], name: str, count: int, dtype: str, writable: boo
         raise BinaryRowsError(f"binary rows: {name!r} must be a base64 string, got "
                               f"{type(text).__name__}")
     itemsize = np.dtype(dtype).itemsize
-    size = count * itemsize
-    # Checked before decoding: a forged count cannot size an allocation.
-    if len(text) != 4 * -(-size // 3):
-        raise BinaryRowsError(
-            f"binary rows: {name!r} has {len(text)} base64 characters; {count} values of "
-            f"{itemsize} bytes take {4 * -(-size // 3)}")
+    size = _check_chars(name, len(text), count, itemsize)
     try:
         data = _b64decode(text, writable)
     except (binascii.Error, ValueError) as exc:
@@ -280,39 +399,20 @@ def _field(obj: dict[str, Any], name: str, count: int, dtype: str, writable: boo
     return array
 
 
-def decode_rows(obj: dict[str, Any] | str | bytes, *, torch: bool = False) -> BinaryRows:
-    """The binary-rows object (as parsed from JSON, or its JSON text, or a
-    meta_info dict holding it under output_token_sampling_mask) as CSR
-    arrays: numpy arrays (the decoded ones read-only, views of the decoded
-    bytes), or torch tensors sharing writable buffers (`torch=True`; torch
-    is imported only then): pybase64 decodes into them directly, the stdlib
-    codec's bytes are copied once.
-    Raises BinaryRowsError naming the field for anything malformed."""
-    if isinstance(obj, str | bytes):
-        try:
-            obj = orjson.loads(obj)
-        except orjson.JSONDecodeError as exc:
-            raise BinaryRowsError(f"binary rows: not JSON: {exc}") from None
-    if isinstance(obj, dict) and MASK_FIELD in obj:
-        obj = obj[MASK_FIELD]
-    if not isinstance(obj, dict):
-        raise BinaryRowsError(f"binary rows: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("format") != FORMAT:
-        raise BinaryRowsError(f"binary rows: 'format' must be {FORMAT!r}, got "
-                              f"{obj.get('format')!r}")
-    if obj.get("version") != VERSION:
-        raise BinaryRowsError(f"binary rows: 'version' {obj.get('version')!r} is not supported "
-                              f"(this decoder reads version {VERSION})")
-    mode = obj.get("mode")
-    if mode not in MODES:
-        raise BinaryRowsError(f"binary rows: 'mode' must be one of {MODES}, got {mode!r}")
-    start, rows, nnz = _count(obj, "start"), _count(obj, "rows"), _count(obj, "nnz")
-    lengths = _field(obj, "lengths", rows, "<i4", torch)
-    status = _field(obj, "status", rows, "u1", torch, required=False)
-    ids = _field(obj, "ids", nnz, "<i4", torch)
-    logprobs = _field(obj, "logprobs", nnz if mode == "support" else rows, "<f4", torch)
+def _has_negative(array: np.ndarray, negative: dict[str, bool | None] | None, name: str) -> bool:
+    known = negative.get(name) if negative else None
+    return int(array.min()) < 0 if known is None else known
+
+
+def _rows(mode: str, start: int, nnz: int, arrays: dict[str, Any], torch: bool,
+          negative: dict[str, bool | None] | None = None) -> BinaryRows:
+    """The decoded fields checked against each other, as BinaryRows.
+    `negative` (from the native decoder) says which int32 fields hold a
+    negative value; without it numpy looks."""
+    lengths, status, ids, logprobs = (arrays.get(name) for name, _ in _FIELDS)
     assert lengths is not None and ids is not None and logprobs is not None
-    if rows and int(lengths.min()) < 0:
+    rows = lengths.shape[0]
+    if rows and _has_negative(lengths, negative, "lengths"):
         raise BinaryRowsError(f"binary rows: 'lengths' has a negative length at row "
                               f"{int(np.argmin(lengths))}")
     offsets = np.zeros(rows + 1, np.int64)
@@ -330,10 +430,224 @@ def decode_rows(obj: dict[str, Any] | str | bytes, *, torch: bool = False) -> Bi
         if bad.size:
             raise BinaryRowsError(f"binary rows: row {int(bad[0])} is dropped ('status') "
                                   f"but has length {int(lengths[bad[0]])}")
-    if nnz and int(ids.min()) < 0:
+    if nnz and _has_negative(ids, negative, "ids"):
         raise BinaryRowsError(f"binary rows: 'ids' has a negative id at {int(np.argmin(ids))}")
-    arrays: tuple[Any, ...] = (lengths, offsets, ids, logprobs, status)
+    result: tuple[Any, ...] = (lengths, offsets, ids, logprobs, status)
     if torch:
         import torch as _torch
-        arrays = tuple(_torch.from_numpy(a) for a in arrays)
-    return BinaryRows(mode, start, *arrays)
+        result = tuple(_torch.from_numpy(a) for a in result)
+    return BinaryRows(mode, start, *result)
+
+
+def decode_rows(obj: dict[str, Any] | str | bytes, *, torch: bool = False) -> BinaryRows:
+    """The binary-rows object (as parsed from JSON, or its JSON text, or a
+    meta_info dict holding it under output_token_sampling_mask) as CSR
+    arrays: numpy arrays (the decoded ones read-only, views of the decoded
+    bytes), or torch tensors sharing writable buffers (`torch=True`; torch
+    is imported only then): pybase64 decodes into them directly, the stdlib
+    codec's bytes are copied once. (`loads` decodes a whole response body,
+    faster: it never makes the base64 Python strings.)
+    Raises BinaryRowsError naming the field for anything malformed."""
+    if isinstance(obj, str | bytes):
+        try:
+            obj = orjson.loads(obj)
+        except orjson.JSONDecodeError as exc:
+            raise BinaryRowsError(f"binary rows: not JSON: {exc}") from None
+    if isinstance(obj, dict) and MASK_FIELD in obj:
+        obj = obj[MASK_FIELD]
+    if not isinstance(obj, dict):
+        raise BinaryRowsError(f"binary rows: expected a JSON object, got {type(obj).__name__}")
+    mode, start, rows, nnz = _header(obj)
+    counts = _counts(mode, rows, nnz)
+    arrays = {name: _field(obj, name, counts[name], dtype, torch, required=name != "status")
+              for name, dtype in _FIELDS}
+    return _rows(mode, start, nnz, arrays, torch)
+
+
+# ------------------------------------------------------- client: loads
+def _is_rows(value: Any) -> bool:
+    """A binary-rows object: "format": "base64" and "version": 1 (an int)."""
+    return (type(value) is dict and value.get("format") == FORMAT
+            and type(value.get("version")) is int and value["version"] == VERSION)
+
+
+class _Scanned:
+    """What the native scan found in a body: each binary-rows field's
+    base64 as a span of the body. In the text orjson parses, each such
+    string is replaced by `nonce` + its index (a random nonce: no string of
+    the body can be mistaken for one)."""
+
+    def __init__(self, body: bytes | bytearray | memoryview, spans: np.ndarray) -> None:
+        self.body = body
+        self.spans = spans  # int64 [fields, 2]: begin, end (-1: not a native field)
+        self.nonce = f"shmask-binary-rows:{os.urandom(8).hex()}:"
+
+    def remainder(self) -> bytes:
+        """The body with every found field's base64 replaced by its
+        placeholder: what is left for orjson, a few hundred bytes per object."""
+        view = memoryview(self.body)
+        present = np.flatnonzero(self.spans[:, 0] >= 0)
+        order = present[np.argsort(self.spans[present, 0], kind="stable")].tolist()
+        pieces: list[Any] = []
+        done = 0
+        for index in order:
+            begin, end = self.spans[index].tolist()
+            pieces += [view[done:begin], f"{self.nonce}{index}".encode()]
+            done = end
+        pieces.append(view[done:])
+        return b"".join(pieces)
+
+    def index(self, value: Any) -> int | None:
+        """The field index a placeholder stands for, or None."""
+        if type(value) is str and value.startswith(self.nonce):
+            return int(value[len(self.nonce):])
+        return None
+
+    def escaped(self, index: int) -> bool:
+        """Whether field `index`'s string holds a JSON escape (a backslash)."""
+        begin, end = self.spans[index].tolist()
+        return bool((np.frombuffer(self.body, np.uint8)[begin:end] == ord("\\")).any())
+
+    def text(self, index: int) -> str:
+        """Field `index`'s string, its escapes resolved (as orjson reads it)."""
+        begin, end = self.spans[index].tolist()
+        return orjson.loads(b'"' + bytes(self.body[begin:end]) + b'"')
+
+    def restore(self, obj: dict[str, Any]) -> None:
+        """Puts back the strings of an object the scan took for binary rows
+        and the parser does not (a duplicate or escaped "format" key)."""
+        for name, _ in _FIELDS:
+            index = self.index(obj.get(name))
+            if index is not None:
+                obj[name] = self.text(index)
+
+
+def _decode_all(objects: list[dict[str, Any]], torch: bool,
+                scanned: _Scanned | None) -> list[BinaryRows]:
+    """Every object's rows: headers and sizes checked first, then every
+    native field of every object decoded in one parallel call into one
+    buffer, then each object's fields checked against each other."""
+    plans = []
+    # Native fields: object, field index in scanned.spans, name, dtype, count,
+    # offset in `out`.
+    native: list[tuple[int, int, str, str, int, int]] = []
+    spans: list[int] = []
+    out_size = 0
+    for number, obj in enumerate(objects):
+        mode, start, rows, nnz = _header(obj)
+        counts = _counts(mode, rows, nnz)
+        arrays: dict[str, Any] = {}
+        for name, dtype in _FIELDS:
+            index = scanned.index(obj.get(name)) if scanned else None
+            if index is None:
+                arrays[name] = _field(obj, name, counts[name], dtype, torch,
+                                      required=name != "status")
+                continue
+            assert scanned is not None
+            begin, end = scanned.spans[index].tolist()
+            itemsize = np.dtype(dtype).itemsize
+            if end - begin != 4 * -(-counts[name] * itemsize // 3) and scanned.escaped(index):
+                # JSON escapes in the base64 (no encoder writes them, but
+                # they are JSON): read as orjson reads them.
+                arrays[name] = _field({name: scanned.text(index)}, name, counts[name], dtype,
+                                      torch)
+                continue
+            size = _check_chars(name, end - begin, counts[name], itemsize)
+            native.append((number, index, name, dtype, counts[name], out_size))
+            spans += [begin, end - begin, out_size, size]
+            out_size += -(-size // _ALIGN) * _ALIGN
+        plans.append((mode, start, nnz, arrays))
+    # Whether an int32 field holds a negative value, as the native decoder
+    # saw it (None: numpy looks).
+    negative: list[dict[str, bool | None]] = [{"lengths": None, "ids": None} for _ in objects]
+    if native:
+        assert scanned is not None
+        ffi, lib = _native()
+        out = np.empty(max(out_size, 1), np.uint8)
+        span_array = np.array(spans, np.uint64)
+        results = np.empty(2 * len(native), np.int64)
+        code = lib.shm_b64_decode(ffi.from_buffer(scanned.body), len(scanned.body),
+                                  ffi.from_buffer("uint64_t[]", span_array), len(native),
+                                  ffi.from_buffer("uint8_t[]", out), out.size,
+                                  ffi.from_buffer("int64_t[]", results), _threads(None))
+        if code != 0:
+            raise BinaryRowsError(f"binary rows: the decoder failed with code {code}")
+        for field, (number, index, name, dtype, count, offset) in enumerate(native):
+            bad = int(results[2 * field])
+            if bad >= 0 and scanned.escaped(index):  # escapes: read as above (and refused)
+                plans[number][3][name] = _field({name: scanned.text(index)}, name, count, dtype,
+                                                torch)
+                continue
+            if bad >= 0:
+                raise BinaryRowsError(f"binary rows: {name!r} is not valid base64: character "
+                                      f"{bad} is not in the alphabet or its padding")
+            size = count * np.dtype(dtype).itemsize
+            plans[number][3][name] = out[offset:offset + size].view(dtype)
+            if name in negative[number]:
+                negative[number][name] = bool(results[2 * field + 1])
+    return [_rows(mode, start, nnz, arrays, torch, negative[number])
+            for number, (mode, start, nnz, arrays) in enumerate(plans)]
+
+
+def _convert(tree: Any, torch: bool, scanned: _Scanned | None) -> Any:
+    """`tree` with every binary-rows object in it (itself included) decoded
+    in place."""
+    if _is_rows(tree):
+        return _decode_all([tree], torch, scanned)[0]
+    found: list[tuple[Any, Any, dict[str, Any]]] = []  # container, key, object
+    stack = [tree] if type(tree) in (dict, list) else []
+    if scanned is not None and type(tree) is dict:
+        scanned.restore(tree)
+    while stack:
+        node = stack.pop()
+        for key, value in (node.items() if type(node) is dict else enumerate(node)):
+            if type(value) is dict:
+                if _is_rows(value):
+                    found.append((node, key, value))
+                    continue
+                if scanned is not None:
+                    scanned.restore(value)
+                stack.append(value)
+            elif type(value) is list:
+                stack.append(value)
+    if found:
+        for (node, key, _), rows in zip(found, _decode_all([obj for _, _, obj in found], torch,
+                                                           scanned), strict=True):
+            node[key] = rows
+    return tree
+
+
+def loads(body: bytes | bytearray | memoryview | str, *, torch: bool = False) -> Any:
+    """orjson.loads(body), with every binary-rows object in the document
+    (an object whose "format" is "base64" and "version" 1) decoded as
+    decode_rows does: BinaryRows in its place, numpy arrays or (`torch`)
+    tensors, every field checked (BinaryRowsError names it). Malformed JSON
+    raises orjson.JSONDecodeError, as orjson.loads does.
+
+    With the compiled core, the base64 never becomes Python strings: a
+    native scan of the body (a JSON tokenizer: strings, escapes, nesting)
+    finds the objects, their big strings are decoded in parallel
+    (SHMASK_JSON_THREADS threads) straight into numpy arrays (one buffer
+    per body), and orjson parses only the rest. Without it: orjson.loads
+    and decode_rows."""
+    native = _native()
+    if native is None:
+        return _convert(orjson.loads(body), torch, None)
+    ffi, lib = native
+    data = body.encode() if isinstance(body, str) else body
+    if isinstance(data, memoryview):
+        data = data.cast("B") if data.contiguous else data.tobytes()
+    text = ffi.from_buffer(data)
+    error_at = ffi.new("uint64_t *")
+    capacity = 4
+    while True:
+        found = np.empty((capacity, 8), np.int64)
+        count = lib.shm_b64_scan(text, len(data), ffi.from_buffer("int64_t[]", found), capacity,
+                                 error_at)
+        if count <= capacity:
+            break
+        capacity = count  # more objects than room: once more, with room for all
+    if count <= 0:  # none, or not JSON: orjson says what is wrong
+        return _convert(orjson.loads(data), torch, None)
+    scanned = _Scanned(data, found[:count].reshape(-1, 2))
+    return _convert(orjson.loads(scanned.remainder()), torch, scanned)

@@ -15,7 +15,15 @@ import pytest
 
 import shmask
 from shmask import binary_rows
-from shmask.binary_rows import BinaryRowsError, SamplingMaskBase64, decode_rows, encode_chunk
+from shmask.binary_rows import (
+    BinaryRowsError,
+    SamplingMaskBase64,
+    decode_rows,
+    encode_chunk,
+    encode_meta_info,
+    loads,
+)
+from shmask.refs import MODE_SELECTED, MODE_SUPPORT
 
 OK, OVERFLOW, INVALID = 0, 1, 2
 VOCAB = 2048 + 17  # bitmask rows of 65 words
@@ -246,13 +254,16 @@ def test_not_an_object():
 
 
 def test_a_client_decodes_without_the_native_core_or_torch():
-    """decode_rows needs numpy and orjson only: no compiled core, no torch
-    unless tensors are asked for."""
+    """decode_rows and loads need numpy and orjson only: no compiled core,
+    no torch unless tensors are asked for."""
     import subprocess
     import sys
 
     code = ("import sys, json; sys.modules['shmask._native'] = None; import shmask; "
             f"rows = shmask.decode_rows(json.loads({orjson.dumps(good()).decode()!r})); "
+            "from shmask.binary_rows import loads; "
+            f"doc = loads({orjson.dumps([good()])!r}); "
+            "assert doc[0].ids.tolist() == rows.ids.tolist(); "
             "print(rows.ids.tolist(), 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, start_new_session=True)
@@ -264,3 +275,318 @@ def test_field_names_are_the_adapters():
     sglang = pytest.importorskip("shmask.adapters.sglang")
     assert (binary_rows.MASK_FIELD, binary_rows.LENGTH_FIELD) == (sglang.MASK_FIELD,
                                                                    sglang.LENGTH_FIELD)
+
+
+# ------------------------------------------------ the compiled core's paths
+# encode_meta_info / encode_chunk / loads run on the compiled core when it is
+# built; `numpy_path` switches it off (the client without the core), which
+# is the oracle: the same bytes, the same rows, the same refusals.
+
+needs_core = pytest.mark.skipif(binary_rows._native() is None, reason="compiled core not built")
+
+
+@pytest.fixture
+def numpy_path(monkeypatch):
+    """A function that runs its argument without the compiled core."""
+    def run(function, *args, **kwargs):
+        with monkeypatch.context() as patch:
+            patch.setattr(binary_rows, "_native_core", False)
+            return function(*args, **kwargs)
+    return run
+
+
+def old_meta_info(chunk, start, numpy_path) -> bytes:
+    """What a server wrote before encode_meta_info: orjson around the
+    numpy path's object."""
+    obj = numpy_path(encode_chunk, chunk, start)
+    return orjson.dumps({binary_rows.MASK_FIELD: orjson.Fragment(obj),
+                         binary_rows.LENGTH_FIELD: start + chunk.rows})
+
+
+def big_rows(rng, rows: int, width: int) -> tuple:
+    """`rows` rows of `width` ids each (support mode): a chunk large enough
+    that the encoder splits it across threads and takes its vector path."""
+    lengths = np.full(rows, width, np.int32)
+    ids = np.concatenate([np.sort(rng.choice(1 << 20, width, replace=False))
+                          for _ in range(rows)]).astype(np.int32)
+    return lengths, ids, rng.standard_normal(rows * width).astype(np.float32)
+
+
+@needs_core
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_native_bytes_are_the_numpy_paths(writer, reader, numpy_path, mode, threads):
+    """Byte for byte the object and meta_info of the numpy path: bitmask
+    and dropped rows (selected mode: NaN logprobs), every start offset
+    width (so every digit count), one thread and several."""
+    rng = np.random.default_rng(21 if mode == "support" else 22)
+    (ref,) = emission(writer, mode, rng, 30)
+    with reader.open(ref) as chunk:
+        assert chunk.flags is not None and chunk.status.any()
+        for start in (0, 7, 12345678901):
+            expected = numpy_path(encode_chunk, chunk, start)
+            assert encode_chunk(chunk, start, threads) == expected
+            assert encode_meta_info(chunk, start, threads) == old_meta_info(chunk, start,
+                                                                              numpy_path)
+        assert encode_meta_info(chunk, 3, length=99).endswith(b',"output_token_sampling_mask_length":99}')
+
+
+@needs_core
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_large_chunk_is_split_and_still_identical(writer, reader, numpy_path, threads):
+    lengths, ids, logprobs = big_rows(np.random.default_rng(5), 40, 1500)
+    ref = writer.publish(lengths, ids, logprobs, "support")
+    with reader.open(ref) as chunk:
+        got = encode_meta_info(chunk, threads=threads)
+        assert got == old_meta_info(chunk, 0, numpy_path)
+    rows = loads(got)[binary_rows.MASK_FIELD]
+    np.testing.assert_array_equal(rows.ids, ids)
+    np.testing.assert_array_equal(rows.logprobs.view(np.uint32), logprobs.view(np.uint32))
+
+
+@needs_core
+def test_base64_of_every_size_and_split():
+    """The encoder entry point for assemblers, and the decoder, against
+    the stdlib codec: every length 0..100 (every tail, the vector path's
+    edges) and splits into up to 5 parts, and the decoder's sign report."""
+    ffi, lib = binary_rows._native()
+    rng = np.random.default_rng(9)
+    for size in [*range(101), 3 * 40000 + 1, 3 * 40000 + 2]:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        for threads in (1, 5):
+            dst = bytearray(lib.shm_b64_encoded_size(size))
+            lib.shm_b64_encode(ffi.from_buffer(data), size, ffi.from_buffer(dst), threads)
+            assert bytes(dst) == base64.b64encode(data), (size, threads)
+            out = bytearray(size + 1)
+            results = np.empty(2, np.int64)
+            spans = np.array([0, len(dst), 0, size], np.uint64)
+            assert lib.shm_b64_decode(ffi.from_buffer(dst), len(dst),
+                                      ffi.from_buffer("uint64_t[]", spans), 1,
+                                      ffi.from_buffer(out), len(out),
+                                      ffi.from_buffer("int64_t[]", results), threads) == 0
+            assert results[0] == -1 and bytes(out[:size]) == data
+            words = np.frombuffer(data[:size // 4 * 4], "<i4")
+            assert bool(results[1]) == bool((words < 0).any())
+
+
+# ------------------------------------------------------------ loads
+def rows_key(rows: binary_rows.BinaryRows) -> tuple:
+    """Everything a BinaryRows holds, comparable (floats by their bits)."""
+    return (rows.mode, rows.start, *(np.asarray(getattr(rows, name)).tobytes()
+                                     for name in ("lengths", "offsets", "ids", "logprobs",
+                                                  "status")))
+
+
+def canonical(tree):
+    if isinstance(tree, binary_rows.BinaryRows):
+        return ("rows", rows_key(tree))
+    if isinstance(tree, dict):
+        return {k: canonical(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [canonical(v) for v in tree]
+    return tree
+
+
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_loads_gives_each_object_as_rows(writer, reader, mode):
+    """A response body as the example server writes it, several objects
+    deep in it: each comes back decoded in its place, the rest as orjson
+    reads it; the same with torch tensors."""
+    rng = np.random.default_rng(31)
+    objects, expected = [], []
+    for tokens, start in ((12, 0), (5, 3), (0, 0)):
+        (ref,) = emission(writer, mode, rng, tokens) if tokens else (None,)
+        if ref is None:
+            chunk = shmask.Chunk.empty(MODE_SUPPORT if mode == "support"
+                                       else MODE_SELECTED)
+            objects.append(encode_meta_info(chunk, start))
+            expected.append(([], []))
+            continue
+        with reader.open(ref) as chunk:
+            objects.append(encode_meta_info(chunk, start))
+            expected.append(chunk.to_lists())
+    body = orjson.dumps({"id": "r\"1\\", "choices": [
+        {"meta_info": orjson.Fragment(obj), "n": i} for i, obj in enumerate(objects)]})
+    parsed = loads(body)
+    for i, (choice, lists) in enumerate(zip(parsed["choices"], expected, strict=True)):
+        rows = choice["meta_info"][binary_rows.MASK_FIELD]
+        assert isinstance(rows, binary_rows.BinaryRows) and choice["n"] == i
+        assert lists_of(rows) == lists
+        assert rows_key(rows) == rows_key(decode_rows(orjson.loads(objects[i])))
+    assert parsed["id"] == "r\"1\\"
+    assert parsed["choices"][1]["meta_info"][binary_rows.LENGTH_FIELD] == 3 + 5
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # writable buffers: no read-only warning
+        tensors = loads(body, torch=True)["choices"][0]["meta_info"][binary_rows.MASK_FIELD]
+    assert isinstance(tensors.ids, torch.Tensor)
+    np.testing.assert_array_equal(tensors.ids.numpy(), parsed["choices"][0]["meta_info"][
+        binary_rows.MASK_FIELD].ids)
+
+
+def tricky_document() -> bytes:
+    """Binary rows among look-alikes: escaped quotes and keys, strings that
+    hold binary-rows JSON, members in another order, version 2, a top
+    level list, unicode, nesting in lists and objects."""
+    obj = good()
+    reordered = {k: obj[k] for k in ("ids", "logprobs", "status", "lengths", "nnz", "rows",
+                                      "start", "mode", "version", "format")}
+    text = orjson.dumps(obj).decode()
+    return (
+        '[{"a\\"ids":"x\\\\","s":' + orjson.dumps(text).decode() + ','
+        ' "rows" : ' + text + ',\n "deep":[[{"x":[' + orjson.dumps(reordered).decode() + ']}]],'
+        ' "v2":' + orjson.dumps({**obj, "version": 2}).decode() + ','
+        ' "ids":"\\u00e9\\"", "format":"base64", "version":"1", "\\u0069ds":"AAAA",'
+        ' "esc":' + orjson.dumps({**obj, "lengths": obj["lengths"].replace("A", "\\u0041")}
+                                 ).decode().replace("\\\\u0041", "\\u0041") + '},'
+        ' "\u00e9t\u00e9", null, true, -1.5e3, ' + text + ']').encode()
+
+
+def test_loads_scans_like_a_json_parser(numpy_path):
+    body = tricky_document()
+    plain = orjson.loads(body)  # valid JSON, whatever the scan makes of it
+    got = loads(body)
+    assert canonical(got) == canonical(numpy_path(loads, body))
+    expected = rows_key(decode_rows(good()))
+    assert got[0]["s"] == plain[0]["s"]  # binary rows as a string stay a string
+    assert got[0]["a\"ids"] == "x\\"
+    assert rows_key(got[0]["rows"]) == expected
+    assert rows_key(got[0]["deep"][0][0]["x"][0]) == expected
+    assert got[0]["v2"] == plain[0]["v2"]  # version 2: not binary rows, left as parsed
+    assert rows_key(got[0]["esc"]) == expected  # JSON escapes in base64: read as JSON
+    assert rows_key(got[-1]) == expected
+    assert got[1:-1] == plain[1:-1]
+    assert got[0]["ids"] == 'AAAA' and got[0]["version"] == "1"  # a look-alike: left as parsed
+
+
+@needs_core
+def test_the_scan_finds_only_real_objects():
+    """The native scan itself: which objects it takes for binary rows and
+    where their strings are, on the tricky document."""
+    ffi, lib = binary_rows._native()
+    body = tricky_document()
+    found = np.full((8, 8), -7, np.int64)
+    error_at = ffi.new("uint64_t *")
+    count = lib.shm_b64_scan(ffi.from_buffer(body), len(body),
+                             ffi.from_buffer("int64_t[]", found), 8, error_at)
+    # "rows", the one in "deep", "esc", the last element; not the string,
+    # not version 2, not the outer object (version "1").
+    assert count == 4
+    ids = [body[b:e] for b, e in found[:count, 4:6].tolist()]
+    assert ids == [good()["ids"].encode()] * 4
+    lengths = [body[b:e] for b, e in found[:count, 0:2].tolist()]
+    assert lengths[2] == good()["lengths"].replace("A", "\\u0041").encode()  # escapes kept
+    assert (found[4:] == -7).all()  # nothing written past the objects
+    assert lib.shm_b64_scan(ffi.from_buffer(body), len(body),
+                            ffi.from_buffer("int64_t[]", found), 2, error_at) == 4  # counted
+
+
+@needs_core
+@pytest.mark.parametrize("body", [b"", b"{", b'{"a":1,}', b'["x]', b'"\\', b"[1 2]", b"{}}",
+                                  b'{"a" 1}', b"nul", b"[" * 2000 + b"]" * 2000])
+def test_the_scan_refuses_what_is_not_json(body):
+    ffi, lib = binary_rows._native()
+    error_at = ffi.new("uint64_t *")
+    found = np.empty((1, 8), np.int64)
+    code = lib.shm_b64_scan(ffi.from_buffer(body), len(body),
+                            ffi.from_buffer("int64_t[]", found), 1, error_at)
+    assert code in (lib.SHM_B64_E_SYNTAX, lib.SHM_B64_E_DEPTH)
+    assert error_at[0] <= len(body)
+    with pytest.raises(ValueError):
+        loads(body)
+
+
+def fuzz_document() -> bytes:
+    support = good()
+    selected = {**good(), "mode": "selected", "rows": 3, "nnz": 1,
+                "lengths": b64(np.array([0, 1, 0], "<i4")), "status": b64(np.array([1, 0, 2], "u1")),
+                "ids": b64(np.array([5], "<i4")), "logprobs": b64(np.array([np.nan, -1, np.nan],
+                                                                          "<f4"))}
+    return orjson.dumps({"meta_info": {binary_rows.MASK_FIELD: support, "x": [1, "ids"]},
+                         "more": [selected]})
+
+
+def outcome(function, body):
+    """The decoded document, or "error". (Which error may differ: a raw
+    control character or a byte that is not UTF-8 in a base64 string is
+    bad JSON to orjson, bad base64 to the native decoder, which reads those
+    strings instead of orjson.)"""
+    try:
+        return canonical(function(body))
+    except ValueError:  # BinaryRowsError and orjson.JSONDecodeError both
+        return "error"
+
+
+def test_fuzz_truncations_and_flips(numpy_path):
+    """Every truncation and 1500 random byte flips of a valid body: loads
+    gives what orjson.loads + decode_rows give (the same rows, or an error
+    where they raise one), never a crash or a read outside the body."""
+    body = fuzz_document()
+    assert outcome(loads, body) == outcome(lambda b: numpy_path(loads, b), body)
+    assert outcome(loads, body)["more"][0][0] == "rows"
+    rng = np.random.default_rng(18)
+    cases = [body[:n] for n in range(len(body))]
+    alphabet = np.frombuffer(b'AQgw+/=0"\\{}[],:1 \x00\xff\x80u', np.uint8)
+    for _ in range(1500):
+        data = bytearray(body)
+        position = int(rng.integers(len(data)))
+        data[position] = int(rng.choice(alphabet)) if rng.random() < 0.7 else int(rng.integers(256))
+        cases.append(bytes(data))
+    differ = [c for c in cases if outcome(loads, c) != outcome(lambda b: numpy_path(loads, b), c)]
+    assert not differ, differ[:3]
+
+
+def test_loads_without_the_core_is_orjson_and_decode_rows(numpy_path):
+    body = fuzz_document()
+    parsed = numpy_path(loads, body)
+    assert rows_key(parsed["meta_info"][binary_rows.MASK_FIELD]) == rows_key(decode_rows(good()))
+    assert parsed["meta_info"]["x"] == [1, "ids"]
+    with pytest.raises(BinaryRowsError, match="'nnz'"):
+        numpy_path(loads, orjson.dumps([{**good(), "nnz": -1}]))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD)
+def test_loads_names_each_malformed_field(field, value, message):
+    """The malformed objects above, inside a body: loads refuses each,
+    naming the field (the native decoder's checks, not decode_rows')."""
+    obj = good()
+    obj[field] = value
+    body = orjson.dumps({"meta_info": {"a": [obj]}})
+    if field in ("format", "version"):  # not binary rows then: left as parsed
+        assert loads(body) == orjson.loads(body)
+        return
+    with pytest.raises(BinaryRowsError) as info:
+        loads(body)
+    assert f"'{field}'" in str(info.value)
+
+
+def test_an_object_the_parser_does_not_take_keeps_its_strings():
+    """The scan reads keys without resolving escapes; the parser does. An
+    object whose escaped "format" key overrides "base64" is not binary
+    rows: its strings come back as the text they were."""
+    text = (b'{"x":{"format":"base64","version":1,"ids":"AAAA","lengths":"A\\u0041==",'
+            b'"form\\u0061t":"other"}}')
+    assert loads(text) == orjson.loads(text)
+
+
+@needs_core
+def test_every_byte_is_judged_as_the_alphabet_says():
+    """Each of the 256 byte values at each of the 32 places of a vector
+    block (and in the scalar tail): valid exactly when it is in the base64
+    alphabet, and then decoded to its value."""
+    ffi, lib = binary_rows._native()
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    base = bytearray((alphabet * 3)[:48])  # 12 quartets: one vector block, then the tail
+    spans = np.array([0, 48, 0, 36], np.uint64)
+    results = np.empty(2, np.int64)
+    out = bytearray(40)
+    for place in (*range(32), 40):
+        for value in range(256):
+            text = bytearray(base)
+            text[place] = value
+            lib.shm_b64_decode(ffi.from_buffer(text), 48, ffi.from_buffer("uint64_t[]", spans), 1,
+                               ffi.from_buffer(out), 40, ffi.from_buffer("int64_t[]", results), 1)
+            if value in alphabet:
+                assert results[0] == -1 and bytes(out[:36]) == base64.b64decode(bytes(text))
+            else:
+                assert results[0] == place, (place, value)

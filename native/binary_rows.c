@@ -1,0 +1,621 @@
+/*
+ * Binary rows: see binary_rows.h.
+ *
+ * Base64 (RFC 4648, standard alphabet, padded). Encoding takes 3 bytes to
+ * 4 characters of 6 bits each. The scalar path looks each 6-bit value up in
+ * the alphabet; on x86-64 with AVX2 (checked at run time) 24 bytes at a
+ * time are spread to 32 lanes of 6 bits with one byte shuffle, two 16-bit
+ * multiplies and masks, and mapped to characters by adding a per-range
+ * offset chosen by a second shuffle (the well-known vector formulation).
+ * Decoding, scalar: four tables of the character's 6 bits already shifted
+ * into place, OR-ed, with one marker bit that any non-alphabet character
+ * sets, so a block of characters is checked with one test; only a block
+ * that fails is read again to find the first bad character. With AVX2, 32
+ * characters at a time (decode_avx2), the scalar code taking the tail and
+ * any block with a bad character.
+ *
+ * Splitting: a job (one or more arrays) is cut into `tasks` ranges of about
+ * equal size, each a whole number of 3-byte groups (encoding) or 4-character
+ * quartets (decoding) of each array, so every task writes its own bytes of
+ * the destination and no two tasks touch the same byte: writing the
+ * destination in parallel also spreads its first-touch page faults.
+ */
+#include "binary_rows.h"
+
+#include "shmask_pool.h"
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define B64_X86 1
+#endif
+
+#define COUNT_LIMIT ((uint64_t)1 << 56)
+/* Base64 characters a task is worth waking a worker for (a wake-up costs
+ * several microseconds; 32 KiB takes about that to encode). */
+#define CHARS_PER_TASK (32u << 10)
+
+static const char alphabet[64] =
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+uint64_t shm_b64_encoded_size(uint64_t n) { return (n + 2) / 3 * 4; }
+
+/* ------------------------------------------------------------ encoding */
+
+/* Base64 of the whole 3-byte groups of src[0:n], then of the 1 or 2 bytes
+ * left, padded. */
+static void encode_scalar(const uint8_t *src, uint64_t n, char *dst) {
+    uint64_t i = 0;
+    for (; i + 3 <= n; i += 3, dst += 4) {
+        uint32_t v = (uint32_t)src[i] << 16 | (uint32_t)src[i + 1] << 8 | src[i + 2];
+        dst[0] = alphabet[v >> 18];
+        dst[1] = alphabet[v >> 12 & 63];
+        dst[2] = alphabet[v >> 6 & 63];
+        dst[3] = alphabet[v & 63];
+    }
+    if (n - i == 1) {
+        uint32_t v = (uint32_t)src[i] << 16;
+        dst[0] = alphabet[v >> 18];
+        dst[1] = alphabet[v >> 12 & 63];
+        dst[2] = dst[3] = '=';
+    } else if (n - i == 2) {
+        uint32_t v = (uint32_t)src[i] << 16 | (uint32_t)src[i + 1] << 8;
+        dst[0] = alphabet[v >> 18];
+        dst[1] = alphabet[v >> 12 & 63];
+        dst[2] = alphabet[v >> 6 & 63];
+        dst[3] = '=';
+    }
+}
+
+#ifdef B64_X86
+/* Encodes 24-byte blocks while 28 bytes remain (each lane loads 16 bytes
+ * for its 12) and returns the bytes done (a multiple of 3). */
+__attribute__((target("avx2"))) static uint64_t encode_avx2(const uint8_t *src, uint64_t n,
+                                                             char *dst) {
+    /* Each 32-bit lane gets bytes b1 b0 b2 b1 of its group b0 b1 b2: the
+     * low 16 bits then hold b0b1 (sextets a, b at bits 10 and 4), the high
+     * 16 bits b1b2 (sextets c, d at bits 6 and 0). */
+    const __m256i spread = _mm256_setr_epi8(1, 0, 2, 1, 4, 3, 5, 4, 7, 6, 8, 7, 10, 9, 11, 10,
+                                            1, 0, 2, 1, 4, 3, 5, 4, 7, 6, 8, 7, 10, 9, 11, 10);
+    const __m256i mask_ac = _mm256_set1_epi32(0x0fc0fc00), mul_ac = _mm256_set1_epi32(0x04000040);
+    const __m256i mask_bd = _mm256_set1_epi32(0x003f03f0), mul_bd = _mm256_set1_epi32(0x01000010);
+    /* Character = sextet + offset of its range: A-Z (0-25), a-z (26-51),
+     * 0-9 (52-61), '+' (62), '/' (63); the range's index is the sextet
+     * minus 51 (saturated), or 13 below 26. */
+    const __m256i offsets = _mm256_setr_epi8(
+        'a' - 26, '0' - 52, '0' - 52, '0' - 52, '0' - 52, '0' - 52, '0' - 52, '0' - 52, '0' - 52,
+        '0' - 52, '0' - 52, '+' - 62, '/' - 63, 'A', 0, 0, 'a' - 26, '0' - 52, '0' - 52, '0' - 52,
+        '0' - 52, '0' - 52, '0' - 52, '0' - 52, '0' - 52, '0' - 52, '0' - 52, '+' - 62, '/' - 63,
+        'A', 0, 0);
+    const __m256i s51 = _mm256_set1_epi8(51), s26 = _mm256_set1_epi8(26), s13 = _mm256_set1_epi8(13);
+    uint64_t i = 0;
+    for (; i + 28 <= n; i += 24, dst += 32) {
+        __m128i low = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i high = _mm_loadu_si128((const __m128i *)(src + i + 12));
+        __m256i in = _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
+        in = _mm256_shuffle_epi8(in, spread);
+        __m256i ac = _mm256_mulhi_epu16(_mm256_and_si256(in, mask_ac), mul_ac);
+        __m256i bd = _mm256_mullo_epi16(_mm256_and_si256(in, mask_bd), mul_bd);
+        __m256i sextets = _mm256_or_si256(ac, bd);
+        __m256i range = _mm256_subs_epu8(sextets, s51);
+        range = _mm256_or_si256(range, _mm256_and_si256(_mm256_cmpgt_epi8(s26, sextets), s13));
+        __m256i chars = _mm256_add_epi8(sextets, _mm256_shuffle_epi8(offsets, range));
+        _mm256_storeu_si256((__m256i *)dst, chars);
+    }
+    return i;
+}
+
+static int use_avx2(void) {
+    static int cached = -1; /* benign race: every thread computes the same value */
+    int value = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (value < 0) {
+        __builtin_cpu_init();
+        value = __builtin_cpu_supports("avx2") ? 1 : 0;
+        __atomic_store_n(&cached, value, __ATOMIC_RELAXED);
+    }
+    return value;
+}
+#endif
+
+static void encode_block(const uint8_t *src, uint64_t n, char *dst) {
+#ifdef B64_X86
+    if (n >= 28 && use_avx2()) {
+        uint64_t done = encode_avx2(src, n, dst);
+        src += done;
+        dst += done / 3 * 4;
+        n -= done;
+    }
+#endif
+    encode_scalar(src, n, dst);
+}
+
+/* Up to four arrays, encoded in `tasks` parts of about equal size. */
+typedef struct {
+    const uint8_t *src[4];
+    uint64_t size[4];
+    char *dst[4];
+    int arrays;
+    uint64_t total, tasks;
+} encode_job;
+
+/* A cut at byte `at` of an array of `size` bytes, moved up to a whole
+ * 3-byte group: every task computes the same cuts, so their parts meet. */
+static uint64_t group_cut(uint64_t at, uint64_t size) {
+    uint64_t cut = (at + 2) / 3 * 3;
+    return cut < size ? cut : size;
+}
+
+static void encode_task(void *context, uint64_t task) {
+    const encode_job *job = context;
+    uint64_t begin = job->total * task / job->tasks, end = job->total * (task + 1) / job->tasks;
+    uint64_t base = 0; /* where array a starts in the job's bytes */
+    for (int a = 0; a < job->arrays; base += job->size[a], a++) {
+        if (end <= base || begin >= base + job->size[a]) continue;
+        uint64_t from = begin > base ? group_cut(begin - base, job->size[a]) : 0;
+        uint64_t to = group_cut(end - base, job->size[a]);
+        if (to > from) encode_block(job->src[a] + from, to - from, job->dst[a] + from / 3 * 4);
+    }
+}
+
+static void run_encode(encode_job *job, int threads) {
+    uint64_t chars = job->total / 3 * 4;
+    uint64_t tasks = threads < 1 ? 1 : threads > SHM_B64_MAX_THREADS ? SHM_B64_MAX_THREADS
+                                                                       : (uint64_t)threads;
+    if (tasks > chars / CHARS_PER_TASK) tasks = chars / CHARS_PER_TASK ? chars / CHARS_PER_TASK : 1;
+    job->tasks = tasks;
+    shm_pool_run(encode_task, job, tasks);
+}
+
+void shm_b64_encode(const uint8_t *src, uint64_t n, char *dst, int threads) {
+    encode_job job = {{src}, {n}, {dst}, 1, n, 1};
+    run_encode(&job, threads);
+}
+
+/* ------------------------------------------------- the object, meta_info */
+
+/* Writes (when out is not NULL) and counts: the document is laid out once
+ * to size it and once to write it, by the same code. */
+typedef struct {
+    char *out;
+    uint64_t at;
+} cursor;
+
+static void put(cursor *c, const char *text) {
+    uint64_t length = strlen(text);
+    if (c->out) memcpy(c->out + c->at, text, length);
+    c->at += length;
+}
+
+static void put_uint(cursor *c, uint64_t value) {
+    char digits[24];
+    int count = 0;
+    do {
+        digits[count++] = (char)('0' + value % 10);
+        value /= 10;
+    } while (value);
+    for (int k = 0; k < count; k++)
+        if (c->out) c->out[c->at + k] = digits[count - 1 - k];
+    c->at += (uint64_t)count;
+}
+
+/* Lays the document out; the base64 fields become job arrays (their
+ * characters are left for the job). */
+static void layout(cursor *c, encode_job *job, int meta_info, int support, uint64_t start,
+                   uint64_t rows, uint64_t nnz, uint64_t length, const uint8_t *lengths,
+                   const uint8_t *status, int with_status, const uint8_t *ids,
+                   const uint8_t *logprobs) {
+    if (meta_info) put(c, "{\"output_token_sampling_mask\":");
+    put(c, support ? "{\"format\":\"base64\",\"version\":1,\"mode\":\"support\",\"start\":"
+                   : "{\"format\":\"base64\",\"version\":1,\"mode\":\"selected\",\"start\":");
+    put_uint(c, start);
+    put(c, ",\"rows\":");
+    put_uint(c, rows);
+    put(c, ",\"nnz\":");
+    put_uint(c, nnz);
+    const char *keys[4] = {",\"lengths\":\"", "\",\"status\":\"", "\",\"ids\":\"",
+                           "\",\"logprobs\":\""};
+    const uint8_t *arrays[4] = {lengths, status, ids, logprobs};
+    uint64_t sizes[4] = {4 * rows, rows, 4 * nnz, 4 * (support ? nnz : rows)};
+    job->arrays = 0;
+    job->total = 0;
+    for (int f = 0; f < 4; f++) {
+        if (f == 1 && !with_status) continue;
+        put(c, keys[f]);
+        job->src[job->arrays] = arrays[f];
+        job->size[job->arrays] = sizes[f];
+        job->dst[job->arrays] = c->out ? c->out + c->at : NULL;
+        job->arrays++;
+        job->total += sizes[f];
+        c->at += shm_b64_encoded_size(sizes[f]);
+    }
+    put(c, "\"}");
+    if (meta_info) {
+        put(c, ",\"output_token_sampling_mask_length\":");
+        put_uint(c, length);
+        put(c, "}");
+    }
+}
+
+uint64_t shm_b64_rows_size(int meta_info, int support, uint64_t start, uint64_t rows,
+                           uint64_t nnz, int with_status, uint64_t length) {
+    if (rows > COUNT_LIMIT || nnz > COUNT_LIMIT) return 0;
+    cursor c = {NULL, 0};
+    encode_job job;
+    layout(&c, &job, meta_info, support, start, rows, nnz, length, NULL, NULL, with_status, NULL,
+           NULL);
+    return c.at;
+}
+
+int64_t shm_b64_rows(int meta_info, int support, uint64_t start, uint64_t rows, uint64_t nnz,
+                     uint64_t length, const uint8_t *lengths, const uint8_t *status,
+                     const uint8_t *ids, const uint8_t *logprobs, char *out, uint64_t capacity,
+                     int threads) {
+    uint64_t size = shm_b64_rows_size(meta_info, support, start, rows, nnz, status != NULL, length);
+    if (size == 0) return SHM_B64_E_ARGS;
+    if (capacity != size) return SHM_B64_E_CAPACITY;
+    cursor c = {out, 0};
+    encode_job job;
+    layout(&c, &job, meta_info, support, start, rows, nnz, length, lengths, status,
+           status != NULL, ids, logprobs);
+    run_encode(&job, threads);
+    return (int64_t)size;
+}
+
+/* ------------------------------------------------------------ the scan */
+
+enum { KEY_OTHER, KEY_FORMAT, KEY_VERSION, KEY_FIELD /* + 0..3: lengths, status, ids, logprobs */ };
+
+static int key_of(const unsigned char *key, uint64_t length) {
+    static const char *const names[6] = {"format", "version", "lengths", "status", "ids",
+                                         "logprobs"};
+    for (int k = 0; k < 6; k++)
+        if (strlen(names[k]) == length && memcmp(key, names[k], length) == 0) return KEY_FORMAT + k;
+    return KEY_OTHER;
+}
+
+typedef struct {
+    uint8_t is_object, format_ok, version_ok, key;
+    int64_t span[8];
+} scan_frame;
+
+/* The string starting at s[*at] (a quote): its content's span, and *at
+ * moved past its closing quote; 0 if it does not end. The first quote
+ * found ends it unless a backslash stands before it; only then are the
+ * escapes followed from the start. */
+static int string_span(const unsigned char *s, uint64_t n, uint64_t *at, uint64_t *begin,
+                       uint64_t *end) {
+    uint64_t i = *at + 1;
+    const unsigned char *quote = i < n ? memchr(s + i, '"', n - i) : NULL;
+    if (!quote) return 0;
+    uint64_t q = (uint64_t)(quote - s);
+    if (s[q - 1] == '\\') { /* q - 1 >= *at: s[*at] is the opening quote, never a backslash */
+        for (q = i;; q++) {
+            if (q >= n) return 0;
+            if (s[q] == '\\') {
+                q++;
+                continue;
+            }
+            if (s[q] == '"') break;
+        }
+    }
+    *begin = i;
+    *end = q;
+    *at = q + 1;
+    return 1;
+}
+
+static int is_space(unsigned char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
+int64_t shm_b64_scan(const char *text, uint64_t n, int64_t *found, uint64_t capacity,
+                     uint64_t *error_at) {
+    const unsigned char *s = (const unsigned char *)text;
+    scan_frame *stack = malloc(sizeof(scan_frame) * SHM_B64_MAX_DEPTH);
+    if (!stack) return SHM_B64_E_ARGS;
+    int depth = 0, kind = 0; /* the value just read: 0 other, 1 a string, 2 the number 1 */
+    uint64_t i = 0, begin = 0, end = 0;
+    int64_t objects = 0, code = SHM_B64_E_SYNTAX;
+    scan_frame *top;
+
+value:
+    while (i < n && is_space(s[i])) i++;
+    if (i >= n) goto fail;
+    switch (s[i]) {
+    case '{':
+    case '[':
+        if (depth == SHM_B64_MAX_DEPTH) {
+            code = SHM_B64_E_DEPTH;
+            goto fail;
+        }
+        top = &stack[depth++];
+        top->is_object = s[i] == '{';
+        top->format_ok = top->version_ok = 0;
+        top->key = KEY_OTHER;
+        for (int k = 0; k < 8; k++) top->span[k] = -1;
+        i++;
+        while (i < n && is_space(s[i])) i++;
+        if (i < n && s[i] == (top->is_object ? '}' : ']')) {
+            i++;
+            goto close;
+        }
+        if (top->is_object) goto key;
+        goto value;
+    case '"':
+        if (!string_span(s, n, &i, &begin, &end)) goto fail;
+        kind = 1;
+        goto next;
+    case 't':
+    case 'f':
+    case 'n': {
+        const char *word = s[i] == 't' ? "true" : s[i] == 'f' ? "false" : "null";
+        uint64_t length = strlen(word);
+        if (n - i < length || memcmp(s + i, word, length) != 0) goto fail;
+        i += length;
+        kind = 0;
+        goto next;
+    }
+    default: { /* a number: its grammar is the parser's to check */
+        uint64_t first = i;
+        while (i < n && ((s[i] >= '0' && s[i] <= '9') || s[i] == '-' || s[i] == '+' ||
+                         s[i] == '.' || s[i] == 'e' || s[i] == 'E'))
+            i++;
+        if (i == first) goto fail;
+        kind = i - first == 1 && s[first] == '1' ? 2 : 0;
+        goto next;
+    }
+    }
+
+key:
+    if (i >= n || s[i] != '"' || !string_span(s, n, &i, &begin, &end)) goto fail;
+    stack[depth - 1].key = (uint8_t)key_of(s + begin, end - begin);
+    while (i < n && is_space(s[i])) i++;
+    if (i >= n || s[i] != ':') goto fail;
+    i++;
+    goto value;
+
+close: /* the container on top ended just before s[i] */
+    top = &stack[depth - 1];
+    if (top->is_object && top->format_ok && top->version_ok) {
+        if ((uint64_t)objects < capacity) memcpy(found + 8 * objects, top->span, sizeof top->span);
+        objects++;
+    }
+    depth--;
+    kind = 0;
+
+next: /* a value ended just before s[i] */
+    while (i < n && is_space(s[i])) i++;
+    if (depth == 0) {
+        if (i != n) goto fail;
+        free(stack);
+        return objects;
+    }
+    top = &stack[depth - 1];
+    if (top->is_object) {
+        if (top->key == KEY_FORMAT)
+            top->format_ok = kind == 1 && end - begin == 6 && memcmp(s + begin, "base64", 6) == 0;
+        else if (top->key == KEY_VERSION)
+            top->version_ok = kind == 2;
+        else if (top->key >= KEY_FIELD) {
+            int f = top->key - KEY_FIELD;
+            top->span[2 * f] = kind == 1 ? (int64_t)begin : -1;
+            top->span[2 * f + 1] = kind == 1 ? (int64_t)end : -1;
+        }
+    }
+    if (i < n && s[i] == ',') {
+        i++;
+        while (i < n && is_space(s[i])) i++;
+        if (top->is_object) goto key;
+        goto value;
+    }
+    if (i < n && s[i] == (top->is_object ? '}' : ']')) {
+        i++;
+        goto close;
+    }
+
+fail:
+    *error_at = i;
+    free(stack);
+    return code;
+}
+
+/* ------------------------------------------------------------ decoding */
+
+/* decode_table[k][c]: character c's 6 bits shifted to quartet position k
+ * (18, 12, 6, 0), or BAD for a character outside the alphabet. */
+#define BAD 0x01000000u
+static uint32_t decode_table[4][256];
+static pthread_once_t decode_once = PTHREAD_ONCE_INIT;
+
+static void fill_decode_table(void) {
+    for (int k = 0; k < 4; k++)
+        for (int c = 0; c < 256; c++) decode_table[k][c] = BAD;
+    for (uint32_t v = 0; v < 64; v++)
+        for (int k = 0; k < 4; k++)
+            decode_table[k][(unsigned char)alphabet[v]] = v << (18 - 6 * k);
+}
+
+static inline uint32_t quartet(const unsigned char *q) {
+    return decode_table[0][q[0]] | decode_table[1][q[1]] | decode_table[2][q[2]] |
+           decode_table[3][q[3]];
+}
+
+#ifdef B64_X86
+/* Decodes 32 characters (8 quartets) at a time while 11 quartets remain
+ * (each store writes 32 bytes for its 24: the next block's, or the scalar
+ * tail's, bytes), and returns the quartets done: up to the first block
+ * holding a character outside the alphabet, which the scalar code then
+ * finds. Validation and translation by nibble lookups: a character is in
+ * the alphabet when the class bits its low nibble allows and those its
+ * high nibble has share none; its 6 bits are the character plus an offset
+ * chosen by its high nibble ('/' set apart); the sextets are packed by two
+ * multiply-adds and a byte and a lane shuffle (the well-known method). */
+__attribute__((target("avx2"))) static uint64_t decode_avx2(const unsigned char *text,
+                                                             uint64_t count, uint8_t *out) {
+    const __m256i lut_lo = _mm256_setr_epi8(
+        0x15, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x13, 0x1A, 0x1B, 0x1B, 0x1B,
+        0x1A, 0x15, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x13, 0x1A, 0x1B, 0x1B,
+        0x1B, 0x1A);
+    const __m256i lut_hi = _mm256_setr_epi8(
+        0x10, 0x10, 0x01, 0x02, 0x04, 0x08, 0x04, 0x08, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10,
+        0x10, 0x10, 0x10, 0x01, 0x02, 0x04, 0x08, 0x04, 0x08, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10,
+        0x10, 0x10);
+    const __m256i lut_roll = _mm256_setr_epi8(0, 16, 19, 4, -65, -65, -71, -71, 0, 0, 0, 0, 0, 0,
+                                              0, 0, 0, 16, 19, 4, -65, -65, -71, -71, 0, 0, 0, 0,
+                                              0, 0, 0, 0);
+    const __m256i mask_2f = _mm256_set1_epi8(0x2f);
+    const __m256i merge_ab = _mm256_set1_epi32(0x01400140), merge_abc = _mm256_set1_epi32(0x00011000);
+    const __m256i pack = _mm256_setr_epi8(2, 1, 0, 6, 5, 4, 10, 9, 8, 14, 13, 12, -1, -1, -1, -1,
+                                          2, 1, 0, 6, 5, 4, 10, 9, 8, 14, 13, 12, -1, -1, -1, -1);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, -1, -1);
+    uint64_t q = 0;
+    for (; q + 11 <= count; q += 8) {
+        __m256i in = _mm256_loadu_si256((const __m256i *)(text + 4 * q));
+        __m256i hi_nibbles = _mm256_and_si256(_mm256_srli_epi32(in, 4), mask_2f);
+        __m256i lo = _mm256_shuffle_epi8(lut_lo, _mm256_and_si256(in, mask_2f));
+        __m256i hi = _mm256_shuffle_epi8(lut_hi, hi_nibbles);
+        if (!_mm256_testz_si256(lo, hi)) break;
+        __m256i roll = _mm256_shuffle_epi8(
+            lut_roll, _mm256_add_epi8(_mm256_cmpeq_epi8(in, mask_2f), hi_nibbles));
+        __m256i sextets = _mm256_add_epi8(in, roll);
+        __m256i words = _mm256_madd_epi16(_mm256_maddubs_epi16(sextets, merge_ab), merge_abc);
+        __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(words, pack), lanes);
+        _mm256_storeu_si256((__m256i *)(out + 3 * q), bytes);
+    }
+    return q;
+}
+#endif
+
+/* Decodes quartets [0, count) of `text` into out (3 bytes each); returns
+ * the offset of the first character outside the alphabet, or -1. */
+static int64_t decode_quartets(const unsigned char *text, uint64_t count, uint8_t *out) {
+    const uint64_t block = 64;
+    uint64_t start = 0;
+#ifdef B64_X86
+    if (count >= 11 && use_avx2()) start = decode_avx2(text, count, out);
+#endif
+    for (uint64_t q = start; q < count; q += block) {
+        uint64_t stop = q + block < count ? q + block : count;
+        uint32_t bad = 0;
+        uint64_t k = q;
+        /* 4-byte stores, each overwriting the previous one's spare byte;
+         * the last quartet stores 3 (its next byte may be another task's). */
+        for (; k + 1 < stop || (k < stop && stop < count); k++) {
+            uint32_t v = quartet(text + 4 * k);
+            bad |= v;
+            uint32_t bytes = __builtin_bswap32(v << 8);
+            memcpy(out + 3 * k, &bytes, 4);
+        }
+        for (; k < stop; k++) {
+            uint32_t v = quartet(text + 4 * k);
+            bad |= v;
+            out[3 * k] = (uint8_t)(v >> 16);
+            out[3 * k + 1] = (uint8_t)(v >> 8);
+            out[3 * k + 2] = (uint8_t)v;
+        }
+        if (bad & BAD)
+            for (uint64_t c = 4 * q; c < 4 * stop; c++)
+                if (decode_table[0][text[c]] == BAD) return (int64_t)c;
+    }
+    return -1;
+}
+
+typedef struct {
+    const unsigned char *text;
+    const uint64_t *spans;
+    uint64_t count, total, tasks; /* total: quartets of every string */
+    uint8_t *out;
+    int64_t *results;
+} decode_job;
+
+/* The first bad character of string k: the lowest offset any task found. */
+static void report_error(int64_t *slot, int64_t at) {
+    int64_t seen = __atomic_load_n(slot, __ATOMIC_RELAXED);
+    while ((seen < 0 || at < seen) &&
+           !__atomic_compare_exchange_n(slot, &seen, at, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
+/* Quartets [from, to) of string k. */
+static void decode_part(const decode_job *job, uint64_t k, uint64_t from, uint64_t to) {
+    const unsigned char *text = job->text + job->spans[4 * k];
+    uint64_t quartets = job->spans[4 * k + 1] / 4, size = job->spans[4 * k + 3];
+    uint8_t *out = job->out + job->spans[4 * k + 2];
+    uint64_t padding = (3 - size % 3) % 3, whole = to;
+    if (to == quartets && padding) whole--; /* the padded quartet: below */
+    int64_t bad = whole > from ? decode_quartets(text + 4 * from, whole - from, out + 3 * from)
+                               : -1;
+    if (bad >= 0) bad += (int64_t)(4 * from);
+    if (bad < 0 && whole < to) {
+        const unsigned char *q = text + 4 * whole;
+        uint32_t v = decode_table[0][q[0]] | decode_table[1][q[1]];
+        if (padding == 1) v |= decode_table[2][q[2]];
+        if (v & BAD) {
+            for (int c = 0; c < 4 - (int)padding; c++)
+                if (decode_table[0][q[c]] == BAD) {
+                    bad = (int64_t)(4 * whole) + c;
+                    break;
+                }
+        } else if (q[3] != '=' || (padding == 2 && q[2] != '=')) {
+            bad = (int64_t)(4 * whole) + (padding == 2 && q[2] != '=' ? 2 : 3);
+        } else {
+            out[3 * whole] = (uint8_t)(v >> 16);
+            if (padding == 1) out[3 * whole + 1] = (uint8_t)(v >> 8);
+        }
+    }
+    if (bad >= 0) report_error(&job->results[2 * k], bad);
+    /* A negative int32: the top bit of a byte at offset 3 modulo 4. */
+    uint64_t first = 3 * from, last = 3 * to < size ? 3 * to : size;
+    uint64_t b = first + (3 - first % 4) % 4; /* the first such byte */
+    uint32_t high = 0;
+    if (b < last && b < first + 3) { /* its word starts in another task's bytes */
+        high = (uint32_t)out[b] << 24;
+        b += 4;
+    }
+    /* Whole words (a loop the compiler vectorizes), then the last byte. */
+    for (b -= 3; b + 4 <= last; b += 4) {
+        uint32_t word;
+        memcpy(&word, out + b, 4);
+        high |= word;
+    }
+    if (b + 3 < last) high |= (uint32_t)out[b + 3] << 24;
+    if (high & 0x80000000u) __atomic_store_n(&job->results[2 * k + 1], 1, __ATOMIC_RELAXED);
+}
+
+static void decode_task(void *context, uint64_t task) {
+    const decode_job *job = context;
+    uint64_t begin = job->total * task / job->tasks, end = job->total * (task + 1) / job->tasks;
+    uint64_t base = 0;
+    for (uint64_t k = 0; k < job->count && base < end; k++) {
+        uint64_t quartets = job->spans[4 * k + 1] / 4;
+        if (begin < base + quartets && quartets) {
+            uint64_t from = begin > base ? begin - base : 0;
+            uint64_t to = end - base < quartets ? end - base : quartets;
+            decode_part(job, k, from, to);
+        }
+        base += quartets;
+    }
+}
+
+int shm_b64_decode(const char *text, uint64_t text_size, const uint64_t *spans, uint64_t count,
+                   uint8_t *out, uint64_t out_size, int64_t *results, int threads) {
+    pthread_once(&decode_once, fill_decode_table);
+    uint64_t total = 0;
+    for (uint64_t k = 0; k < count; k++) {
+        uint64_t begin = spans[4 * k], length = spans[4 * k + 1];
+        uint64_t at = spans[4 * k + 2], size = spans[4 * k + 3];
+        if (begin > text_size || length > text_size - begin || at > out_size ||
+            size > out_size - at || size > COUNT_LIMIT || length != shm_b64_encoded_size(size))
+            return SHM_B64_E_ARGS;
+        results[2 * k] = -1;
+        results[2 * k + 1] = 0;
+        total += length / 4;
+    }
+    uint64_t tasks = threads < 1 ? 1 : threads > SHM_B64_MAX_THREADS ? SHM_B64_MAX_THREADS
+                                                                       : (uint64_t)threads;
+    uint64_t chars = 4 * total;
+    if (tasks > chars / CHARS_PER_TASK) tasks = chars / CHARS_PER_TASK ? chars / CHARS_PER_TASK : 1;
+    decode_job job = {(const unsigned char *)text, spans, count, total, tasks, out, results};
+    if (total) shm_pool_run(decode_task, &job, tasks);
+    return 0;
+}
