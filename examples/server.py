@@ -467,7 +467,7 @@ def mask_fields(rows: SamplingMaskCSR, start: int, total: int,
     chunk = shmask.Chunk(mode, rows.lengths, rows.token_ids, rows.logprobs, None,
                          flags=rows.status)
     if base64:
-        return {MASK_FIELD: orjson.Fragment(encode_chunk(chunk, start)), LENGTH_FIELD: total}
+        return {MASK_FIELD: RawJSON(encode_chunk(chunk, start)), LENGTH_FIELD: total}
     if not len(rows):
         return {MASK_FIELD: RawJSON(b"[]"), LOGPROBS_FIELD: RawJSON(b"[]"), LENGTH_FIELD: total}
     holes = chunk.json_rows()  # written by response_json.dumps, straight into the response
