@@ -5,13 +5,18 @@ benchmarks/responses.py's SGLang comparison, read out of a ring), timed in
 parts, median of 3, in one run:
 
   sglang lists + orjson     what responses.py takes as the baseline
-  writer only               response_arrays per chunk (the C writer and the
-                            copy out of its scratch), results dropped
-  writer + orjson           as responses.py times it: the arrays as
-                            orjson Fragments, every document kept
-  orjson of ready arrays    the same documents from arrays made beforehand:
-                            the floor of any Fragment-based writer (orjson
-                            copies each array into fresh memory)
+  write only                the C writer into this thread's scratch (no
+                            result object: what the rows cost to format)
+  dumps                     response_json.dumps of the meta_info, every
+                            document kept (format + the one gathered copy
+                            into fresh memory)
+  dumps, dropped            the same, each document dropped once built (as
+                            a server does after sending it: memory reused)
+  gather of ready text      the copy alone: the same documents from text
+                            formatted beforehand (fresh memory's page faults
+                            are most of it)
+  writer + orjson           the arrays as orjson Fragments (the path an
+                            engine whose HTTP layer runs orjson takes)
 
 The last column divides the baseline by each row. The floor bounds what any
 writer can reach in responses.py: baseline / floor is the largest speedup.
@@ -30,7 +35,7 @@ import orjson
 from _common import SEGMENT_PREFIX, make_pool, now, print_table, ring_mb_for
 
 import shmask
-from shmask.response_json import json_threads, response_arrays
+from shmask.response_json import _gather, _scratch_buffer, _write_rows, dumps, json_threads
 
 REQUESTS, TOKENS, WIDTH, REPEATS = 256, 50, 1000, 3
 
@@ -77,22 +82,36 @@ def main(thread_counts: list[int]) -> None:
         chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
         baseline = median_ms(chunks, sglang_document, keep=True)
         rows: list[tuple[Any, ...]] = [("sglang lists + orjson", "", baseline, 1.0)]
+        dropped = median_ms(chunks, sglang_document, keep=False)
+        rows.append(("sglang lists + orjson, dropped", "", dropped, baseline / dropped))
         for threads in thread_counts:
-            def arrays(chunk: Any, threads: int = threads) -> tuple[bytes, bytes, bytes]:
-                return response_arrays(True, chunk.lengths, chunk.flags, chunk.ids,
-                                       chunk.logprobs, threads)
+            def write(chunk: Any, threads: int = threads) -> Any:
+                return _write_rows(True, chunk.lengths, chunk.flags, chunk.ids, chunk.logprobs,
+                                   threads, _scratch_buffer)[1]
+
+            def native(chunk: Any, threads: int = threads) -> bytes:
+                holes = chunk.json_rows()
+                return dumps({"output_token_sampling_mask": holes.ids,
+                              "output_token_sampling_logprobs": holes.logprobs,
+                              "output_token_sampling_mask_length": chunk.rows}, threads=threads)
 
             def full(chunk: Any, threads: int = threads) -> bytes:
                 ids, logprobs, _ = chunk.json_arrays(threads)
                 return document(chunk, ids, logprobs)
 
-            for name, build, keep in (("writer only", arrays, False),
+            ready: dict[int, bytes] = {id(chunk): native(chunk) for chunk in chunks}
+
+            def gather(chunk: Any, threads: int = threads,
+                       ready: dict[int, bytes] = ready) -> bytes:
+                return _gather([ready[id(chunk)]], threads)
+
+            for name, build, keep in (("write only", write, False), ("dumps", native, True),
+                                      ("dumps, dropped", native, False),
+                                      ("gather of ready text", gather, True),
                                       ("writer + orjson", full, True)):
                 took = median_ms(chunks, build, keep)
                 rows.append((name, threads, took, baseline / took))
-        ready = {id(chunk): chunk.json_arrays(1) for chunk in chunks}
-        floor = median_ms(chunks, lambda c: document(c, *ready[id(c)][:2]), keep=True)
-        rows.append(("orjson of ready arrays (floor)", "", floor, baseline / floor))
+            del ready
         for chunk in chunks:
             chunk.release()
         for queue in queues:

@@ -21,6 +21,7 @@ import pytest
 from conftest import run_child
 
 import shmask
+from shmask import response_json
 from shmask.adapters import sglang as adapter
 
 
@@ -315,11 +316,34 @@ def test_response_meta_info_byte_identical(mode):
         acc.extend(rows.take())
         # cumulative streaming / non-streaming: the whole accumulation
         assert meta_bytes(adapter.response_meta_info(acc)) == meta_bytes(lists_meta(masks, values))
-        # incremental streaming: every offset, on and inside emission boundaries
+        # incremental streaming: every offset, on and inside emission boundaries; the
+        # RawJSON form through response_json.dumps gives the same bytes
         for start in range(len(masks) + 1):
-            assert (meta_bytes(adapter.response_meta_info(acc, start=start))
-                    == meta_bytes(lists_meta(masks, values, start))), start
+            expected = meta_bytes(lists_meta(masks, values, start))
+            assert meta_bytes(adapter.response_meta_info(acc, start=start)) == expected, start
+            assert dumps_meta(adapter.response_meta_info(acc, start=start, raw=True)) == expected
     rows.close()
+
+
+def dumps_meta(meta):
+    return response_json.dumps({"id": "r", "finish_reason": None, **meta, "completion_tokens": 3})
+
+
+def test_meta_info_rows_written_by_dumps_byte_identical():
+    """meta_info_rows: an open chunk's fields as holes response_json.dumps
+    fills from the ring, the bytes SGLang writes from its lists."""
+    rng = np.random.default_rng(8)
+    rows, per_emission, expected = drive(rng, ["selected", "support"], emissions=1)
+    for i in range(2):
+        chunk = per_emission[0][i]
+        assert dumps_meta(adapter.meta_info_rows(chunk.open())) == meta_bytes(
+            lists_meta(*expected[i]))
+        chunk.release()
+    none = shmask.Chunk(shmask.refs.MODE_SUPPORT, np.zeros(0, np.int32), np.zeros(0, np.int32),
+                        np.zeros(0, np.float32), None)
+    assert dumps_meta(adapter.meta_info_rows(none)) == meta_bytes(lists_meta([], []))
+    for r in rows:
+        r.close()
 
 
 def test_response_meta_info_from_chunks():
