@@ -205,11 +205,13 @@ def _encode_native(chunk: Chunk, start: int, threads: int | None, meta_info: boo
     size = lib.shm_b64_rows_size(meta_info, support, start, rows, nnz, status is not None, length)
     if size == 0:
         raise BinaryRowsError(f"binary rows: {rows} rows of {nnz} ids are too many to write")
-    # The result is written in place: a bytes object that no one else holds
-    # yet, as a C extension fills PyBytes_FromStringAndSize(NULL, n) before
-    # handing it out. bytes(n) of a large n is calloc'd: its pages are first
-    # touched by the threads that write them, so their faults run in parallel.
-    out = bytes(size)
+    # The result is written in place, every byte of it: a bytes object that
+    # no one else holds yet, not zero-filled first (response_json.new_bytes);
+    # its pages are first touched by the threads that write them, so their
+    # faults run in parallel.
+    from .response_json import new_bytes  # needs the core, as this path does
+
+    out = new_bytes(size)
     status_ptr = ffi.NULL if status is None else ffi.from_buffer(np.ascontiguousarray(status, "u1"))
     written = lib.shm_b64_rows(meta_info, support, start, rows, nnz, length,
                                ffi.from_buffer(lengths), status_ptr, ffi.from_buffer(ids),

@@ -195,15 +195,38 @@ def dumps(obj: Any, *, option: int | None = None, default: Callable[[Any], Any] 
     return document
 
 
+def new_bytes(size: int) -> bytes:
+    """A new bytes object of `size` bytes whose contents the caller writes
+    in full before anyone else sees it (what C code does with
+    PyBytes_FromStringAndSize(NULL, n)): not zero-filled first. bytes(n)
+    is calloc'd, which zero-fills memory the allocator reuses: a second
+    pass over every byte of every response."""
+    return _uninitialized_bytes(None, size) if _uninitialized_bytes else bytes(size)
+
+
+def _uninitialized_bytes_function() -> Any:
+    try:
+        import ctypes
+
+        function = ctypes.pythonapi.PyBytes_FromStringAndSize
+    except (ImportError, AttributeError):  # not CPython: zero-filled bytes(n)
+        return None
+    function.restype = ctypes.py_object
+    function.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    return function
+
+
+_uninitialized_bytes = _uninitialized_bytes_function()
+
+
 def _gather(pieces: list[Any], threads: int) -> bytes:
     """The pieces' concatenation as a new bytes object, copied natively."""
     keep = [ffi.from_buffer(piece) for piece in pieces]
     lengths = [len(piece) for piece in keep]
     total = sum(lengths)
-    # A fresh bytes object, filled here before anyone else sees it (what C
-    # code does with PyBytes_FromStringAndSize(NULL, n)); a large one is
-    # calloc'd memory whose pages are first touched by the copy's threads.
-    document = bytes(total)
+    # Every byte is written by the gather (the pieces add up to `total`),
+    # on the pool's threads: they take the page faults of fresh memory too.
+    document = new_bytes(total)
     code = lib.shm_json_gather(ffi.from_buffer(document), total, keep, lengths, len(keep),
                                threads)
     if code != 0:
