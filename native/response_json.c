@@ -235,9 +235,13 @@ static inline __attribute__((always_inline)) decimal17 decimal_of(float value) {
         chosen = (chosen & ~up10_mask) | ((s - r + 10) & up10_mask);
         digits = (chosen & ~down10_mask) | ((s - r) & down10_mask);
         k = scale->k;
-        /* 16 or 17 digits (asserted by the generator): made 17. */
+        /* 16 or 17 digits (asserted by the generator): made 17, with a mask:
+         * which of the two is a coin toss where a binade straddles a power
+         * of ten (logprobs in [8, 16)), and a branch there mispredicted
+         * (1.5 ns a value on logprobs). */
         int short16 = digits < rj_pow10[16];
-        digits = short16 ? digits * 10 : digits;
+        uint64_t short16_mask = 0 - (uint64_t)short16;
+        digits = (digits & ~short16_mask) | (digits * 10 & short16_mask);
         k -= short16;
     } else if ((magnitude >> 23) == 0xff) {
         d.kind = NONE;
@@ -272,31 +276,28 @@ typedef struct {
 #if defined(__SSE2__) && !defined(SHM_JSON_SCALAR)
 #include <emmintrin.h>
 
-/* The 16 digits of b < 10^16 with SSE2 (every x86-64 has it): b as two
- * halves of 8 digits, each split in two of 4 digits (one multiply for both
- * halves), and each 4-digit value x in four 16-bit lanes that make
- * x / 1000, x / 100, x / 10 and x with a multiply-high by a constant and
- * one by a power of two (a shift per lane); a digit is its lane less ten
- * times the lane before. The constants are exact for every x < 10^4
- * (tests/test_response_json.py checks them over that range). */
-/* The digits of two values below 10^8, as two words of byte values
- * (`first` and `second`), in one vector. */
+/* The digits of two values below 10^8 (`first8`, `second8`) as two words
+ * of byte values (first's, then second's), in one vector, with SSE2 (every
+ * x86-64 has it): the scalar digit_values8's halving, lane by lane. Each
+ * 8-digit value is split in two of 4 digits (64-bit lanes -> 32), each of
+ * those in two of 2 (-> 16), each of those in two digits (-> 8): a
+ * quotient by a multiply (and a shift) exact over its lane's range (x <
+ * 10^8: (x * 3518437209) >> 45 = x / 10^4; y < 10^4: (y * 10486) >> 20 =
+ * y / 100; z < 100: (z * 6554) >> 16 = z / 10, each checked over its whole
+ * range), the remainder by a multiply and a subtraction, and the quotient
+ * (the earlier digits) kept in the lane's low half, which comes first in
+ * memory. */
 static inline __m128i digit_values8x2(uint64_t first8, uint64_t second8) {
-    __m128i halves = _mm_set_epi64x((long long)second8, (long long)first8);
-    __m128i above = _mm_srli_epi64(_mm_mul_epu32(halves, _mm_set1_epi64x(3518437209)), 45);
-    __m128i below = _mm_sub_epi64(halves, _mm_mul_epu32(above, _mm_set1_epi64x(10000)));
-    __m128i first = _mm_unpacklo_epi64(above, below), second = _mm_unpackhi_epi64(above, below);
-    /* Each 4-digit value (times 4) in all four lanes of its 64 bits. */
-    first = _mm_slli_epi16(_mm_shufflehi_epi16(_mm_shufflelo_epi16(first, 0), 0), 2);
-    second = _mm_slli_epi16(_mm_shufflehi_epi16(_mm_shufflelo_epi16(second, 0), 0), 2);
-    const __m128i divide = _mm_set_epi16(-32768, 3277, 5243, 8389, -32768, 3277, 5243, 8389);
-    const __m128i shift = _mm_set_epi16(-32768, -32768, 2048, 128, -32768, -32768, 2048, 128);
-    first = _mm_mulhi_epu16(_mm_mulhi_epu16(first, divide), shift);
-    second = _mm_mulhi_epu16(_mm_mulhi_epu16(second, divide), shift);
-    const __m128i ten = _mm_set1_epi16(10);
-    first = _mm_sub_epi16(first, _mm_mullo_epi16(_mm_slli_epi64(first, 16), ten));
-    second = _mm_sub_epi16(second, _mm_mullo_epi16(_mm_slli_epi64(second, 16), ten));
-    return _mm_packus_epi16(first, second);
+    __m128i x = _mm_set_epi64x((long long)second8, (long long)first8);
+    __m128i high = _mm_srli_epi64(_mm_mul_epu32(x, _mm_set1_epi64x(3518437209)), 45);
+    __m128i low = _mm_sub_epi64(x, _mm_mul_epu32(high, _mm_set1_epi64x(10000)));
+    x = _mm_or_si128(high, _mm_slli_epi64(low, 32)); /* four 32-bit lanes below 10^4 */
+    high = _mm_srli_epi16(_mm_mulhi_epu16(x, _mm_set1_epi32(10486)), 4);
+    low = _mm_sub_epi16(x, _mm_mullo_epi16(high, _mm_set1_epi32(100)));
+    x = _mm_or_si128(high, _mm_slli_epi32(low, 16)); /* eight 16-bit lanes below 100 */
+    high = _mm_mulhi_epu16(x, _mm_set1_epi16(6554));
+    low = _mm_sub_epi16(x, _mm_mullo_epi16(high, _mm_set1_epi16(10)));
+    return _mm_or_si128(high, _mm_slli_epi16(low, 8));
 }
 
 static inline void digit_words8x2(uint32_t x, uint32_t y, uint64_t *wx, uint64_t *wy) {
@@ -305,8 +306,14 @@ static inline void digit_words8x2(uint32_t x, uint32_t y, uint64_t *wx, uint64_t
     *wy = (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(digits, digits));
 }
 
-static inline digits16 split_digits16(uint64_t b) {
-    uint64_t high8 = b / 100000000, low8 = b - high8 * 100000000;
+/* Digits 1..16 of the 17-digit d17 whose first digit is `lead`. The
+ * digits behind the point are on the critical path of every value (each
+ * value's chain of dependent operations is long, and how many values the
+ * core keeps in flight bounds the speed), so the two halves come straight
+ * from d17, not from d17 less its lead (two divisions in a row). */
+static inline digits16 split_digits16(uint64_t d17, uint64_t lead) {
+    uint64_t high9 = d17 / 100000000, low8 = d17 - high9 * 100000000;
+    uint64_t high8 = high9 - lead * 100000000;
     __m128i digits = digit_values8x2(high8, low8);
     unsigned zero = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(digits, _mm_setzero_si128()));
     unsigned nonzero = (~zero & 0xffff) << 1 | 1; /* bit i: digit i is not 0 */
@@ -322,11 +329,11 @@ static inline void digit_words8x2(uint32_t x, uint32_t y, uint64_t *wx, uint64_t
     *wy = digit_values8(y);
 }
 
-static inline digits16 split_digits16(uint64_t b) {
-    uint32_t high8 = (uint32_t)(b / 100000000);
+static inline digits16 split_digits16(uint64_t d17, uint64_t lead) {
+    uint64_t high9 = d17 / 100000000;
     digits16 d;
-    d.front = digit_values8(high8);
-    d.back = digit_values8((uint32_t)(b - (uint64_t)high8 * 100000000));
+    d.front = digit_values8((uint32_t)(high9 - lead * 100000000));
+    d.back = digit_values8((uint32_t)(d17 - high9 * 100000000));
     int in_back = 17 - __builtin_clzll(d.back | 1) / 8, in_front = 9 - __builtin_clzll(d.front | 1) / 8;
     d.significant = d.back ? in_back : d.front ? in_front : 1;
     return d;
@@ -352,7 +359,7 @@ static inline __attribute__((always_inline)) char *write_decimal(char *o, decima
     }
     if (d.negative) *o++ = '-';
     uint64_t lead = d.digits / UINT64_C(10000000000000000); /* 1..9 */
-    digits16 rest = split_digits16(d.digits - lead * UINT64_C(10000000000000000));
+    digits16 rest = split_digits16(d.digits, lead);
     uint64_t front = rest.front | ASCII_ZEROS, back = rest.back | ASCII_ZEROS;
     int significant = rest.significant;
     lead |= '0';
