@@ -155,7 +155,10 @@ static void encode_task(void *context, uint64_t task) {
         if (end <= base || begin >= base + job->size[a]) continue;
         uint64_t from = begin > base ? group_cut(begin - base, job->size[a]) : 0;
         uint64_t to = group_cut(end - base, job->size[a]);
-        if (to > from) encode_block(job->src[a] + from, to - from, job->dst[a] + from / 3 * 4);
+        if (to <= from) continue;
+        char *dst = job->dst[a] + from / 3 * 4;
+        shm_pool_prefault(dst, dst + (to - from + 2) / 3 * 4);
+        encode_block(job->src[a] + from, to - from, dst);
     }
 }
 
@@ -542,6 +545,7 @@ static void decode_part(const decode_job *job, uint64_t k, uint64_t from, uint64
     uint64_t quartets = job->spans[4 * k + 1] / 4, size = job->spans[4 * k + 3];
     uint8_t *out = job->out + job->spans[4 * k + 2];
     uint64_t padding = (3 - size % 3) % 3, whole = to;
+    shm_pool_prefault((char *)out + 3 * from, (char *)out + (3 * to < size ? 3 * to : size));
     if (to == quartets && padding) whole--; /* the padded quartet: below */
     int64_t bad = whole > from ? decode_quartets(text + 4 * from, whole - from, out + 3 * from)
                                : -1;

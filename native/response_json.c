@@ -721,6 +721,15 @@ static void gather_part(void *context, uint64_t index) {
     }
 }
 
+/* A gather part: its output range mapped in one call, then copied. */
+static void gather_task(void *context, uint64_t index) {
+    const gather_job *job = context;
+    uint64_t begin = (uint64_t)((u128)job->total * index / job->parts);
+    uint64_t end = (uint64_t)((u128)job->total * (index + 1) / job->parts);
+    shm_pool_prefault(job->out + begin, job->out + end);
+    gather_part(context, index);
+}
+
 int shm_json_gather(char *out, uint64_t out_length, const char *const *sources,
                     const uint64_t *lengths, uint64_t count, int threads) {
     uint64_t total = 0;
@@ -733,6 +742,6 @@ int shm_json_gather(char *out, uint64_t out_length, const char *const *sources,
                                                                         : (uint64_t)threads;
     if (parts > total / GATHER_PER_THREAD) parts = total / GATHER_PER_THREAD ? total / GATHER_PER_THREAD : 1;
     gather_job job = {out, sources, lengths, count, total, parts};
-    shm_pool_run(gather_part, &job, parts);
+    shm_pool_run(gather_task, &job, parts);
     return 0;
 }

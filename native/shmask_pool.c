@@ -1,10 +1,18 @@
 /* shmask thread pool: see shmask_pool.h. */
-#define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* madvise */
 #include "shmask_pool.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack it */
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
@@ -143,4 +151,17 @@ void shm_pool_run(shm_pool_task run, void *context, uint64_t count) {
     }
     pthread_mutex_unlock(&pool_lock);
     pthread_cond_destroy(&b.done);
+}
+
+static atomic_int prefault_unsupported;
+
+void shm_pool_prefault(char *begin, char *end) {
+    if (atomic_load_explicit(&prefault_unsupported, memory_order_relaxed)) return;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t first = ((uintptr_t)begin + page - 1) & ~(page - 1), last = (uintptr_t)end & ~(page - 1);
+    if (last <= first) return;
+    if (madvise((void *)first, last - first, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
+        atomic_store_explicit(&prefault_unsupported, 1, memory_order_relaxed);
+    /* Any other failure (out of memory, a page that cannot be mapped) is
+     * left to the writes themselves, as without this call. */
 }

@@ -22,4 +22,11 @@ void shm_pool_run(shm_pool_task run, void *context, uint64_t count);
 
 #define SHM_POOL_MAX_WORKERS 63
 
+/* Before a task writes [begin, end) of memory that may be fresh: maps the
+ * whole pages inside it with one madvise(MADV_POPULATE_WRITE) instead of a
+ * fault per 4 KiB page at first touch (a third less time on the VM; page
+ * contents are not changed). A kernel without it (before Linux 5.14) is
+ * asked once; then this does nothing. */
+void shm_pool_prefault(char *begin, char *end);
+
 #endif
