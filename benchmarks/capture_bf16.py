@@ -68,6 +68,7 @@ def import_kernels():
     (shim / "shmask").mkdir()
     (shim / "shmask" / "__init__.py").write_text("")
     (shim / "shmask" / "kernels").symlink_to(REPO / "kernels")
+    (shim / "shmask" / "errors.py").symlink_to(REPO / "shmask" / "errors.py")  # host.py's
     for name in [m for m in sys.modules if m == "shmask" or m.startswith("shmask.")]:
         del sys.modules[name]
     sys.path.insert(0, str(shim))
@@ -77,6 +78,7 @@ def import_kernels():
 
 kernels = import_kernels()
 import triton  # noqa: E402
+from shmask.kernels.capture import reference_support  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 VOCAB = 151936
@@ -123,7 +125,7 @@ class InputSet:
 
     def __init__(self, logits: torch.Tensor, seed: int) -> None:
         self.probs = torch.softmax(logits, -1)
-        support, _, _ = kernels.capture.reference_support(self.probs, TOP_K, 1.0, 0.0, "joint")
+        support, _, _ = reference_support(self.probs, TOP_K, 1.0, 0.0, "joint")
         self.masked = torch.where(support, torch.log(self.probs), float("-inf"))
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.seeds = torch.randint(0, 2**40, (logits.shape[0],), device=DEVICE, generator=gen)
@@ -141,7 +143,7 @@ def torch_topk_sampler(probs: torch.Tensor, gen: torch.Generator | None = None) 
 
 
 def sample_from_support(probs, top_k, top_p, gen) -> torch.Tensor:
-    support, _, _ = kernels.capture.reference_support(probs, top_k, top_p, 0.0, "joint")
+    support, _, _ = reference_support(probs, top_k, top_p, 0.0, "joint")
     race = torch.empty_like(probs).exponential_(generator=gen)
     return torch.where(support, probs / race, -1.0).argmax(1)
 
