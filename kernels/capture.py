@@ -74,6 +74,7 @@ from ._common import (
     launch_mark,
     pack_rows,
     per_row,
+    popcount,
     row_mask,
     tl,
     triton,
@@ -92,13 +93,13 @@ ORDERS = ("joint", "sequential")
 # pass collects. Its estimates have margins; resolve verifies them exactly
 # and a row whose estimate was wrong is resolved from the whole row (slow,
 # exact).
-SAMPLE_BLOCKS = 8
+SAMPLE_BLOCKS = 16
 SAMPLE_COLS = 1024
 # top-k: sample ids above the floor >= K_SLACK * k / scale + 3 sqrt(k / scale) + 4
 K_SLACK = 1.25
 # top-p: the window holds the ids whose sampled mass share above them lies
 # within top_p +- P_MARGIN
-P_MARGIN = 0.025
+P_MARGIN = 0.05
 # a top-p row (top-k off) takes the window form when the sample says its
 # candidates would be more than this many ids
 WINDOW_MIN = 16384
@@ -196,15 +197,18 @@ def _bound_kernel(
 
 @triton.jit
 def _cand_mark_kernel(
-    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, bits_ptr, counts_ptr,
-    sum_ptr, max_ptr, bad_ptr, above_mass_ptr, above_count_ptr, n_chunks,
+    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
+    bits_ptr, counts_ptr, sum_ptr, max_ptr, bad_ptr, above_mass_ptr, above_count_ptr, n_chunks,
     CHUNK: tl.constexpr,
 ):
     """Program (b, c): one read of columns [c*CHUNK, (c+1)*CHUNK) of row b:
     the candidates lo <= key < hi as a bitmask (CHUNK/32 words) and their
-    count, and exact sums of the chunk: mass, max, bad values (NaN, inf,
-    negative), and the mass and count of the ids at or above hi (window
-    rows' support above the candidates)."""
+    count, the chunk's bad values (NaN, inf, negative), and the exact sums
+    the row's cutoffs need: its mass (top-p), its max (min-p, greedy) and,
+    for a window row, the mass and count of the ids at or above hi (its
+    support above the candidates). Each reduction over the chunk costs about
+    as much as the read (H200, 2026-12-02), so a row gets only the ones its
+    settings need."""
     WORDS: tl.constexpr = CHUNK // 32
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -214,25 +218,33 @@ def _cand_mark_kernel(
     inside = cols < vocab
     w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
     w = w.to(tl.float32)
-    good = (w >= 0.0) & (w < float("inf"))  # false for NaN
-    bad = tl.sum(tl.sum((inside & ~good).to(tl.int32), axis=1), axis=0)
-    w = tl.where(inside & good, w, 0.0)
-    key = w.to(tl.int32, bitcast=True)
     lo = tl.load(lo_ptr + row)
     hi = tl.load(hi_ptr + row)
-    positive = w > 0.0
-    keep = positive & (key >= lo) & (key < hi)
-    above = positive & (key >= hi)
-    keep_i = keep.to(tl.int32)
-    words = tl.sum(keep_i << bit_idx[None, :], axis=1)  # distinct bits: the sum is an OR
+    good = (w >= 0.0) & (w < float("inf"))  # false for NaN
+    key = w.to(tl.int32, bitcast=True)
+    keep = good & (w > 0.0) & (key >= lo) & (key < hi)
+    words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
     slot = row * n_chunks + chunk
     tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
-    tl.store(counts_ptr + slot, tl.sum(tl.sum(keep_i, axis=1), axis=0))
-    tl.store(sum_ptr + slot, tl.sum(tl.sum(w, axis=1), axis=0))
-    tl.store(max_ptr + slot, tl.max(tl.max(w, axis=1), axis=0))
-    tl.store(bad_ptr + slot, bad)
-    tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(above, w, 0.0), axis=1), axis=0))
-    tl.store(above_count_ptr + slot, tl.sum(tl.sum(above.to(tl.int32), axis=1), axis=0))
+    tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
+    tl.store(bad_ptr + slot, tl.sum(tl.sum((inside & ~good).to(tl.int32), axis=1), axis=0))
+    w = tl.where(good, w, 0.0)
+    total = tl.zeros([], dtype=tl.float32)
+    if tl.load(top_p_ptr + row) < 1.0:
+        total = tl.sum(tl.sum(w, axis=1), axis=0)
+    tl.store(sum_ptr + slot, total)
+    top = tl.zeros([], dtype=tl.float32)
+    if (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0):
+        top = tl.max(tl.max(w, axis=1), axis=0)
+    tl.store(max_ptr + slot, top)
+    above_mass = tl.zeros([], dtype=tl.float32)
+    above_count = tl.zeros([], dtype=tl.int32)
+    if hi < INF_KEY:
+        above = (w > 0.0) & (key >= hi)
+        above_mass = tl.sum(tl.sum(tl.where(above, w, 0.0), axis=1), axis=0)
+        above_count = tl.sum(tl.sum(above.to(tl.int32), axis=1), axis=0)
+    tl.store(above_mass_ptr + slot, above_mass)
+    tl.store(above_count_ptr + slot, above_count)
 
 
 @triton.jit
@@ -347,7 +359,7 @@ def _resolve_kernel(
             # the top-k mass: all of it lies among the candidates when cut_k was found
             mass = _reach(cand_vals_ptr, base, n, v0, key0, live0, tl.maximum(cut_k, 1), True,
                           BLOCK)
-        target = tl.maximum(top_p * mass, 1e-38)
+        target = tl.maximum(top_p * mass, 1e-38).to(tl.float32)
         # window rows: the candidates' mass is counted on top of the mass above hi
         cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
                                       target - above_mass, True, BLOCK)
@@ -393,7 +405,7 @@ def _resolve_kernel(
         live0 = idx0 < n
         v0 = tl.load(cand_vals_ptr + base + idx0, mask=live0, other=0.0)
         key0 = v0.to(tl.int32, bitcast=True)
-        window = window & False
+        window = tl.zeros_like(window)
         above_mass = tl.zeros_like(above_mass)
         above_count = tl.zeros_like(above_count)
     cutoff = tl.maximum(cutoff, 1)  # zeros are never in the support
@@ -445,6 +457,7 @@ def _resolve_kernel(
     # Greedy: the support is the token itself, logprob 0.
     invalid = tl.where(greedy, bad | ~token_ok, invalid)
     selected = tl.where(greedy, 0.0, selected)
+    size = tl.where(bad, 0, size)  # a bad row's w count as zeros: no support
     size = tl.where(greedy, 1, size)
     z = tl.where(greedy, w_y, z)
     opted = tl.load(opt_in_ptr + row) != 0
@@ -596,6 +609,14 @@ def _write_kernel(
         ring_arrive(table, arrivals)
 
 
+def may_be_window(top_k: Any, top_p: Any, vocab: int) -> bool:
+    """Whether some row may be top-p only (top-k off, top-p on): known from
+    scalars, assumed for [B] tensors (no host sync)."""
+    k_off = top_k is None or isinstance(top_k, torch.Tensor) or not 1 <= top_k < vocab
+    p_on = isinstance(top_p, torch.Tensor) or (top_p is not None and top_p < 1.0)
+    return bool(k_off and p_on)
+
+
 def run_capture(
     probs: torch.Tensor,
     *,
@@ -619,6 +640,7 @@ def run_capture(
     device = probs.device
     check_max_tokens(max_tokens, batch, vocab, overflow)
     target = check_into(into, True, max_tokens, vocab)  # refused before any kernel runs
+    top_k_arg, top_p_arg = top_k, top_p
     top_k = per_row(top_k, batch, torch.int32, device, "top_k", 0)
     top_p = per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0)
     min_p = per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0)
@@ -640,7 +662,7 @@ def run_capture(
     # Window rows (a top-p support of tens of thousands of ids, written by a
     # second mark pass) only in capture without into=: the sampler's draw
     # and the ring stores need every support id among the candidates.
-    window_on = not sample_mode and target is None
+    window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
     i32 = torch.empty(3 * batch, dtype=torch.int32, device=device)
     lo, hi, window = i32[:batch], i32[batch:2 * batch], i32[2 * batch:]
     _bound_kernel[(batch,)](
@@ -658,8 +680,8 @@ def run_capture(
     sums, maxes, above_mass = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
                                .view(torch.float32) for i in range(3, 6))
     _cand_mark_kernel[(batch, n_chunks)](
-        probs, probs.stride(0), vocab, lo, hi, bits, counts, sums, maxes, bads,
-        above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=4,
+        probs, probs.stride(0), vocab, lo, hi, top_p, min_p, greedy_i8, bits, counts, sums,
+        maxes, bads, above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=4,
     )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
