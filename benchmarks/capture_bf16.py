@@ -78,8 +78,8 @@ def import_kernels():
 
 kernels = import_kernels()
 import triton  # noqa: E402
-from shmask.kernels.capture import reference_support  # noqa: E402
 import triton.language as tl  # noqa: E402
+from shmask.kernels.capture import reference_support  # noqa: E402
 
 VOCAB = 151936
 HIDDEN = 4096
@@ -312,8 +312,8 @@ def launches_and_allocations(call) -> tuple[int, int]:
     return kernels_run, after - before
 
 
-def breakdown(name: str, call, runs: int = 5) -> str:
-    """Per-kernel device us of one call (torch.profiler, `runs` calls)."""
+def breakdown(name: str, call, runs: int = 8) -> str:
+    """Per-kernel device us of one call (torch.profiler, mean of `runs` calls)."""
     for _ in range(20):
         call()
     torch.cuda.synchronize()
@@ -510,14 +510,20 @@ def measure(label: str, sets: list[InputSet], args, results: list[dict]) -> None
         print(f"  {label} support sizes {key}: mean {s.mean():.0f}, min {s.min():.0f}, "
               f"max {s.max():.0f}")
     if args.breakdown:
+        # every input set in turn, so a slow row in any of them shows
+        turn = iter(range(10**9))
+
+        def each(fn):
+            return lambda: fn(sets[next(turn) % len(sets)])
+
         for bname, call in (
-            ("capture k1000", lambda: cap(first.probs, first.tokens, top_k=TOP_K,
-                                          max_tokens=MAX_TOKENS)),
-            ("sample k1000", lambda: smp(first.probs, first.seeds, top_k=TOP_K,
-                                         max_tokens=MAX_TOKENS)),
-            ("capture p0.9", lambda: cap(first.probs, first.tokens_p, top_p=TOP_P,
-                                         max_tokens=MAX_TOKENS)),
-            ("compact", lambda: cmp_(first.masked, MAX_TOKENS)),
+            ("capture k1000", each(lambda s: cap(s.probs, s.tokens, top_k=TOP_K,
+                                                 max_tokens=MAX_TOKENS))),
+            ("sample k1000", each(lambda s: smp(s.probs, s.seeds, top_k=TOP_K,
+                                                max_tokens=MAX_TOKENS))),
+            ("capture p0.9", each(lambda s: cap(s.probs, s.tokens_p, top_p=TOP_P,
+                                                max_tokens=MAX_TOKENS))),
+            ("compact", each(lambda s: cmp_(s.masked, MAX_TOKENS))),
         ):
             print(f"  breakdown {label} " + breakdown(bname, call), flush=True)
 

@@ -33,23 +33,38 @@ Masses are float32 sums in the kernel and float64 in the reference; a top-p
 target within rounding (about 1e-6 relative) of a cumulative mass may fall on
 either side.
 
-Kernels, each a single pass over its data:
-1. stats (program per row chunk): one read of ``probs``: sum, max, a bad-value
-   flag and a 32-bucket count histogram of the float exponent (octaves from
-   2**-30 to 1).
-2. bound (program per row): from the histogram, a key ``L`` that no cutoff can
-   be below: the bucket edge under the k-th largest, the bucket edge whose
-   lower-bound mass already reaches the top-p target, and ``t_m``.
-3. mark + expand (as in compaction): a second read of ``probs`` keeps
-   ``w >= L`` (the candidates: about top_k plus one octave) as a bitmask, then
-   ascending ids and values, row-local.
-4. resolve (program per row): exact cutoffs by bisection over the float bits of
-   the candidates (held in registers when they fit), ``Z``, the selected
-   logprob or, in :mod:`.sample`, the Gumbel-max draw; status and length.
+Kernels:
+1. bound (program per row): reads a sample of the row (8 blocks of 1024
+   columns spread over it; the whole row when V <= 8192) and sets the
+   candidates' key range [lo, hi): lo under every cutoff (top-k: the sampled
+   key with 1.25x its share of k above it, plus slack; top-p: the key whose
+   sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sampled
+   max), hi = +inf, except for a window row (top-k off, top-p on, a support
+   the sample puts past WINDOW_MIN ids, capture without ``into=``): hi is the
+   key whose sampled share reaches top_p - P_MARGIN, so its candidates are
+   only the ids near the cutoff.
+2. candidate mark (program per 8192-column chunk): one read of ``probs``:
+   the candidates as a bitmask and their count, the bad values, and only the
+   exact sums a row's settings need (mass for top-p, max for min-p/greedy,
+   mass and count above hi for a window row).
+3. expand (as in compaction): ascending candidate ids and values, row-local.
+4. resolve (program per row): exact cutoffs by bisection over the float bits
+   of the candidates (held in registers when they fit), then a check that
+   the sampled range held them (a cutoff at or above lo; a window row's
+   below hi with the mass above hi short of the target). A row that fails
+   the check is resolved from its whole row (31 passes over it, one program:
+   slow, exact) and its candidates rewritten as its support. Then ``Z``, the
+   selected logprob or, in :mod:`.sample`, the Gumbel-max draw; status,
+   length, form.
 5. write (program per row): the support's logprobs at offsets[b] and its
    ids or bitmask words at id_offsets[b], both computed from the lengths and
    forms of the rows before (a bitmask row is zeroed, then each run of
    support ids in one word is OR-ed by a segmented scan and stored once).
+   A window row gets only its offsets here:
+6. window rows (launched only when some row may be top-p only): the
+   compaction mark pass with key >= cutoff writes the support's bitmask
+   straight from the read, and expand_kernel stores the words (bitmask form)
+   or peels the ids, and gathers ``log(w) - log(Z)`` at the row's offsets.
 """
 
 from __future__ import annotations
@@ -93,7 +108,7 @@ ORDERS = ("joint", "sequential")
 # pass collects. Its estimates have margins; resolve verifies them exactly
 # and a row whose estimate was wrong is resolved from the whole row (slow,
 # exact).
-SAMPLE_BLOCKS = 16
+SAMPLE_BLOCKS = 8
 SAMPLE_COLS = 1024
 # top-k: sample ids above the floor >= K_SLACK * k / scale + 3 sqrt(k / scale) + 4
 K_SLACK = 1.25
@@ -103,6 +118,7 @@ P_MARGIN = 0.05
 # a top-p row (top-k off) takes the window form when the sample says its
 # candidates would be more than this many ids
 WINDOW_MIN = 16384
+CAND_MARK_WARPS = 8
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
 WINDOW_BLOCK = 16384  # the same for window rows (16 warps)
 WRITE_BLOCK = 4096  # candidates per step of the write program
@@ -681,7 +697,7 @@ def run_capture(
                                .view(torch.float32) for i in range(3, 6))
     _cand_mark_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, lo, hi, top_p, min_p, greedy_i8, bits, counts, sums,
-        maxes, bads, above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=4,
+        maxes, bads, above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=CAND_MARK_WARPS,
     )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
