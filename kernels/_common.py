@@ -371,9 +371,9 @@ def scan_kernel(
 def expand_kernel(
     x_ptr, stride_row, vocab, bits_ptr, counts_ptr, n_chunks,
     status_ptr, forms_ptr, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr,
-    table, arrivals, claims_ptr,
+    table, arrivals, claims_ptr, logz_ptr,
     ROW_LOCAL: tl.constexpr, PDL: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr, DIRECT: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr, DIRECT: tl.constexpr, LOG_VALUES: tl.constexpr,
 ):
     """Program (b, g) turns the bitmasks of chunks [g*GROUP, (g+1)*GROUP) of
     row b into ascending ids and gathers their values from x.
@@ -395,7 +395,10 @@ def expand_kernel(
     buffer in the ring, where it fits; the row's last program to finish
     (counted in its claim) commits its length, flags and counts
     (``ring_commit``) and arrives for it (``ring_arrive``), so the step is
-    done once every row's programs are."""
+    done once every row's programs are.
+
+    LOG_VALUES (capture's rows with a large support, kernels/capture.py):
+    the values stored are ``log(x) - logz[b]``, the support's logprobs."""
     WORDS: tl.constexpr = GROUP * (CHUNK // 32)
     if PDL:
         gdc_wait()
@@ -413,7 +416,9 @@ def expand_kernel(
         id_dst = dst  # ids sit beside their values
     else:
         ok = tl.load(status_ptr + row) == 0
-        bitmask = tl.load(forms_ptr + row) != 0
+        # (capture's window pass gates rows by status alone: a form counts only
+        # for an OK row)
+        bitmask = (tl.load(forms_ptr + row) != 0) & ok
         dst = tl.load(offsets_ptr + row).to(tl.int64)
         id_dst = tl.load(id_offsets_ptr + row).to(tl.int64)
         # A bitmask row's words are its id data as they stand. (A scalar
@@ -435,6 +440,9 @@ def expand_kernel(
     words = words.to(tl.uint32, bitcast=True)
     col_base = first_chunk * CHUNK + word_idx * 32
     x_row = x_ptr + row.to(tl.int64) * stride_row
+    logz = 0.0
+    if LOG_VALUES:
+        logz = tl.load(logz_ptr + row)
     cols_a, live_a, words_left = _peel(words, col_base)
     cols_b, live_b, words_left = _peel(words_left, col_base)
     cols_c, live_c, words_left = _peel(words_left, col_base)
@@ -443,6 +451,8 @@ def expand_kernel(
     vals_b = tl.load(x_row + cols_b, mask=live_b)
     vals_c = tl.load(x_row + cols_c, mask=live_c)
     vals_d = tl.load(x_row + cols_d, mask=live_d)
+    if LOG_VALUES:
+        vals_a, vals_b, vals_c, vals_d = _logprobs(vals_a, vals_b, vals_c, vals_d, logz)
     per_word = popcount(words)
     before = tl.sum(tl.where(chunk_idx < first_chunk, counts, 0), axis=0)
     slots = before + tl.cumsum(per_word, axis=0) - per_word  # rank in the row
@@ -462,6 +472,8 @@ def expand_kernel(
         vals_b = tl.load(x_row + cols_b, mask=live_b)
         vals_c = tl.load(x_row + cols_c, mask=live_c)
         vals_d = tl.load(x_row + cols_d, mask=live_d)
+        if LOG_VALUES:
+            vals_a, vals_b, vals_c, vals_d = _logprobs(vals_a, vals_b, vals_c, vals_d, logz)
         _place(out_ids_ptr, out_vals_ptr, dst, id_dst, slots, cols_a, vals_a, live_a,
                cols_b, vals_b, live_b, cols_c, vals_c, live_c, cols_d, vals_d, live_d)
         if DIRECT:
@@ -478,6 +490,14 @@ def expand_kernel(
                         tl.load(claim + 4), tl.load(status_ptr + row),
                         tl.load(forms_ptr + row), length, row_words, vocab)
             ring_arrive(table, arrivals)
+
+
+@triton.jit
+def _logprobs(a, b, c, d, logz):
+    """log(w) - logz of one peel step's four gathers (masked-off lanes
+    are never stored)."""
+    return (tl.log(a.to(tl.float32)) - logz, tl.log(b.to(tl.float32)) - logz,
+            tl.log(c.to(tl.float32)) - logz, tl.log(d.to(tl.float32)) - logz)
 
 
 @triton.jit
@@ -566,6 +586,7 @@ def launch_expand_local(
     group = max(1, EXPAND_WORDS // (chunk // WORD_BITS))
     expand_kernel[(batch, triton.cdiv(n_chunks, group))](
         x, x.stride(0), vocab, bits, counts, n_chunks, counts, counts, counts, counts,
-        out_ids, out_vals, 0, counts, counts, ROW_LOCAL=True, PDL=False, CHUNK=chunk,
-        GROUP=group, CHUNKS_PAD=triton.next_power_of_2(n_chunks), DIRECT=False, num_warps=8,
+        out_ids, out_vals, 0, counts, counts, counts, ROW_LOCAL=True, PDL=False, CHUNK=chunk,
+        GROUP=group, CHUNKS_PAD=triton.next_power_of_2(n_chunks), DIRECT=False,
+        LOG_VALUES=False, num_warps=8,
     )

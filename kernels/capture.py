@@ -33,23 +33,38 @@ Masses are float32 sums in the kernel and float64 in the reference; a top-p
 target within rounding (about 1e-6 relative) of a cumulative mass may fall on
 either side.
 
-Kernels, each a single pass over its data:
-1. stats (program per row chunk): one read of ``probs``: sum, max, a bad-value
-   flag and a 32-bucket count histogram of the float exponent (octaves from
-   2**-30 to 1).
-2. bound (program per row): from the histogram, a key ``L`` that no cutoff can
-   be below: the bucket edge under the k-th largest, the bucket edge whose
-   lower-bound mass already reaches the top-p target, and ``t_m``.
-3. mark + expand (as in compaction): a second read of ``probs`` keeps
-   ``w >= L`` (the candidates: about top_k plus one octave) as a bitmask, then
-   ascending ids and values, row-local.
-4. resolve (program per row): exact cutoffs by bisection over the float bits of
-   the candidates (held in registers when they fit), ``Z``, the selected
-   logprob or, in :mod:`.sample`, the Gumbel-max draw; status and length.
+Kernels:
+1. bound (program per row): reads a sample of the row (8 blocks of 1024
+   columns spread over it; the whole row when V <= 8192) and sets the
+   candidates' key range [lo, hi): lo under every cutoff (top-k: the sampled
+   key with 1.25x its share of k above it, plus slack; top-p: the key whose
+   sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sampled
+   max), hi = +inf, except for a window row (top-k off, top-p on, a support
+   the sample puts past WINDOW_MIN ids, capture without ``into=``): hi is the
+   key whose sampled share reaches top_p - P_MARGIN, so its candidates are
+   only the ids near the cutoff.
+2. candidate mark (program per 8192-column chunk): one read of ``probs``:
+   the candidates as a bitmask and their count, the bad values, and only the
+   exact sums a row's settings need (mass for top-p, max for min-p/greedy,
+   mass and count above hi for a window row).
+3. expand (as in compaction): ascending candidate ids and values, row-local.
+4. resolve (program per row): exact cutoffs by bisection over the float bits
+   of the candidates (held in registers when they fit), then a check that
+   the sampled range held them (a cutoff at or above lo; a window row's
+   below hi with the mass above hi short of the target). A row that fails
+   the check is resolved from its whole row (31 passes over it, one program:
+   slow, exact) and its candidates rewritten as its support. Then ``Z``, the
+   selected logprob or, in :mod:`.sample`, the Gumbel-max draw; status,
+   length, form.
 5. write (program per row): the support's logprobs at offsets[b] and its
    ids or bitmask words at id_offsets[b], both computed from the lengths and
    forms of the rows before (a bitmask row is zeroed, then each run of
    support ids in one word is OR-ed by a segmented scan and stored once).
+   A window row gets only its offsets here:
+6. window rows (launched only when some row may be top-p only): the
+   compaction mark pass with key >= cutoff writes the support's bitmask
+   straight from the read, and expand_kernel stores the words (bitmask form)
+   or peels the ids, and gathers ``log(w) - log(Z)`` at the row's offsets.
 """
 
 from __future__ import annotations
@@ -59,17 +74,22 @@ from typing import Any
 import torch
 
 from ._common import (
+    CHUNK,
+    EXPAND_WORDS,
     KEEP_AT_LEAST,
+    WORD_BITS,
     Rows,
     Status,
     bitmask_words,
     check_matrix,
     check_max_tokens,
+    expand_kernel,
     is_bitmask,
     launch_expand_local,
     launch_mark,
     pack_rows,
     per_row,
+    popcount,
     row_mask,
     tl,
     triton,
@@ -82,94 +102,165 @@ from .ring import ring_arrive, ring_claim, ring_commit
 __all__ = ["ORDERS", "capture", "reference_capture"]
 
 ORDERS = ("joint", "sequential")
-# Stats histogram: bucket j >= 1 holds w in [2**(j-31), 2**(j-30)) (bucket 31
-# also everything >= 1), bucket 0 everything below 2**-30 and zeros. For
-# weights far from probability scale the bound degrades to "every w > 0"
-# (slower, still exact).
-BUCKETS = 32
-EXPONENT_BASE = 96
-STATS_CHUNK = 8192
-STATS_WARPS = 8
+# The bound kernel samples SAMPLE_BLOCKS blocks of SAMPLE_COLS contiguous
+# columns spread evenly over each row (the whole row when V is at most
+# their total) and sets, per row, the key range of the candidates the mark
+# pass collects. Its estimates have margins; resolve verifies them exactly
+# and a row whose estimate was wrong is resolved from the whole row (slow,
+# exact).
+SAMPLE_BLOCKS = 8
+SAMPLE_COLS = 1024
+# top-k: sample ids above the floor >= K_SLACK * k / scale + 3 sqrt(k / scale) + 4
+K_SLACK = 1.25
+# top-p: the window holds the ids whose sampled mass share above them lies
+# within top_p +- P_MARGIN
+P_MARGIN = 0.05
+# a top-p row (top-k off) takes the window form when the sample says its
+# candidates would be more than this many ids
+WINDOW_MIN = 16384
+CAND_MARK_WARPS = 8
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
+WINDOW_BLOCK = 16384  # the same for window rows (16 warps)
 WRITE_BLOCK = 4096  # candidates per step of the write program
+ROW_BLOCK = 4096  # columns per step of a resolve program that reads its whole row
 INF_KEY = tl.constexpr(0x7F800000)  # float bits of +inf: a floor no candidate reaches
 
 
 @triton.jit
-def _stats_kernel(
-    probs_ptr, stride_row, vocab, n_chunks,
-    hist_ptr, sum_ptr, max_ptr, bad_ptr,
-    BUCKETS: tl.constexpr, BASE: tl.constexpr, CHUNK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    inside = cols < vocab
-    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
-    w = w.to(tl.float32)
-    good = (w >= 0.0) & (w < float("inf"))  # false for NaN
-    bad = tl.sum((inside & ~good).to(tl.int32), axis=0)
-    w = tl.where(good, w, 0.0)
-    # Zeros, padding and bad values land in bucket 0, which never bounds a cutoff.
-    exponent = w.to(tl.int32, bitcast=True) >> 23
-    bucket = tl.where(w > 0.0, tl.minimum(tl.maximum(exponent - BASE, 0), BUCKETS - 1), 0)
-    # tl.histogram's cost grows with the bin count: on the H200 (2026-11-29)
-    # this pass took about 2.9x a plain read with 32 bins, 6x with 512, and
-    # 9x with packed int64 counters instead of tl.histogram.
-    slot = row * n_chunks + chunk
-    tl.store(hist_ptr + slot * BUCKETS + tl.arange(0, BUCKETS), tl.histogram(bucket, BUCKETS))
-    tl.store(sum_ptr + slot, tl.sum(w, axis=0))
-    tl.store(max_ptr + slot, tl.max(w, axis=0))
-    tl.store(bad_ptr + slot, bad)
+def _sample_key_reaching(key, w, target, USE_MASS: tl.constexpr):
+    """Largest key t with (count or mass of the sample's keys >= t) >= target,
+    by bisection over bits 30..0 of a register tile; 0 when none reaches."""
+    found = tl.zeros([], dtype=tl.int32)
+    for step in range(31):
+        probe = found | (1 << (30 - step))
+        hit = key >= probe
+        if USE_MASS:
+            reach = tl.sum(tl.where(hit, w, 0.0), axis=0)
+        else:
+            reach = tl.sum(hit.to(tl.float32), axis=0)
+        found = tl.where(reach >= target, probe, found)
+    return found
 
 
 @triton.jit
 def _bound_kernel(
-    hist_ptr, sum_ptr, max_ptr, bad_ptr, n_chunks, vocab,
-    top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-    floor_ptr, total_ptr, rowmax_ptr, rowbad_ptr,
-    SEQUENTIAL: tl.constexpr, BUCKETS: tl.constexpr, BASE: tl.constexpr,
+    probs_ptr, stride_row, vocab, top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
+    lo_ptr, hi_ptr, window_ptr,
+    SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
+    K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
 ):
+    """Program per row: from a sample of the row (BLOCKS x COLS columns),
+    the candidates' key range [lo, hi) and whether the row is a window row.
+
+    Full rows (hi = +inf): lo is a floor under every cutoff (top-k: the
+    sample's key with K_SLACK x its share of k above it; top-p: the key whose
+    sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sample's
+    max), so the candidates are the support plus a little. Window rows (top-k
+    off, top-p on, a support the sample puts past WINDOW_MIN ids): lo as
+    above and hi the key whose sampled mass share reaches top_p - P_MARGIN,
+    so the candidates are only the ids near the top-p cutoff; the mass above
+    hi is summed exactly by the mark pass and the support written from a
+    second mark pass (bitmask straight from the mark, like compaction)."""
     row = tl.program_id(0)
-    j = tl.arange(0, BUCKETS)
-    edge_key = (j + BASE) << 23  # float bits of bucket j's lower edge
-    hist = tl.zeros([BUCKETS], dtype=tl.int32)
-    total = tl.zeros([], dtype=tl.float32)
-    rowmax = tl.zeros([], dtype=tl.float32)
-    bad = tl.zeros([], dtype=tl.int32)
-    for c in range(n_chunks):
-        slot = row * n_chunks + c
-        hist += tl.load(hist_ptr + slot * BUCKETS + j)
-        total += tl.load(sum_ptr + slot)
-        rowmax = tl.maximum(rowmax, tl.load(max_ptr + slot))
-        bad += tl.load(bad_ptr + slot)
-    # Entries in bucket >= j, and a lower bound of their mass (count * lower edge).
-    count_at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    edge = edge_key.to(tl.float32, bitcast=True)
-    mass_low = tl.where(j >= 1, hist.to(tl.float32) * edge, 0.0)
-    mass_at_least = tl.sum(mass_low, axis=0) - tl.cumsum(mass_low, axis=0) + mass_low
+    idx = tl.arange(0, BLOCKS * COLS)
+    block = idx // COLS
+    spread = vocab > BLOCKS * COLS
+    start = tl.where(spread, (block * (vocab - COLS)) // (BLOCKS - 1), block * COLS)
+    cols = start + idx % COLS
+    inside = cols < vocab
+    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
+    w = w.to(tl.float32)
+    good = inside & (w > 0.0) & (w < float("inf"))  # false for NaN
+    w = tl.where(good, w, 0.0)
+    key = tl.where(good, w.to(tl.int32, bitcast=True), 0)
+    n = tl.sum(inside.to(tl.float32), axis=0)
+    share = n / vocab  # the sample's share of the row
+    total = tl.sum(w, axis=0)
+    top = tl.max(key, axis=0)
 
     top_k = tl.load(top_k_ptr + row)
     k_on = (top_k >= 1) & (top_k < vocab)
-    jk = tl.max(tl.where((j >= 1) & (count_at_least >= top_k), j, 0), axis=0)
-    floor_k = tl.where(k_on & (jk >= 1), tl.max(tl.where(j == jk, edge_key, 0), axis=0), 1)
+    expect = top_k.to(tl.float32) * share
+    need = K_SLACK * expect + 3.0 * tl.sqrt(expect) + 4.0
+    floor_k = tl.zeros([], dtype=tl.int32)
+    if k_on:
+        floor_k = _sample_key_reaching(key, w, need, False)
     top_p = tl.load(top_p_ptr + row)
-    # The 1e-4 margin keeps the bound valid against float32 rounding of the sums.
-    jp = tl.max(tl.where((j >= 1) & (mass_at_least * 0.9999 >= top_p * total), j, 0), axis=0)
-    floor_p = tl.where((top_p < 1.0) & (jp >= 1), tl.max(tl.where(j == jp, edge_key, 0), axis=0), 1)
+    p_on = top_p < 1.0
+    floor_p = tl.zeros([], dtype=tl.int32)
+    hi = tl.full([], INF_KEY, tl.int32)
+    if p_on:
+        floor_p = _sample_key_reaching(key, w, (top_p + P_MARGIN) * total, True)
+        if top_p > P_MARGIN:
+            hi = _sample_key_reaching(key, w, (top_p - P_MARGIN) * total, True) + 1
     min_p = tl.load(min_p_ptr + row)
-    floor_m = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 1)
-    floor = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
+    floor_m = tl.where(min_p > 0.0, (min_p * top.to(tl.float32, bitcast=True))
+                       .to(tl.int32, bitcast=True), 0)
+    lo = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
     if SEQUENTIAL:
-        # Top-p's target is a share of the top-k mass, so every w >= t_k is needed.
-        floor = tl.where(k_on, floor_k, floor)
+        # top-p's target is a share of the top-k mass: every w >= t_k is needed
+        lo = tl.where(k_on, tl.maximum(floor_k, 1), lo)
     greedy = tl.load(greedy_ptr + row) != 0
-    floor = tl.where(greedy, tl.maximum(rowmax.to(tl.int32, bitcast=True), 1), floor)
-    floor = tl.where(bad > 0, INF_KEY, floor)
-    tl.store(floor_ptr + row, floor)
-    tl.store(total_ptr + row, total)
-    tl.store(rowmax_ptr + row, rowmax)
-    tl.store(rowbad_ptr + row, bad)
+    lo = tl.where(greedy, tl.maximum(top, 1), lo)
+    window = tl.zeros([], dtype=tl.int32)
+    if WINDOW:
+        many = tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
+        window = (p_on & ~k_on & ~greedy & many & (hi > lo)).to(tl.int32)
+    tl.store(lo_ptr + row, lo)
+    tl.store(hi_ptr + row, tl.where(window != 0, hi, INF_KEY))
+    tl.store(window_ptr + row, window)
+
+
+@triton.jit
+def _cand_mark_kernel(
+    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
+    bits_ptr, counts_ptr, sum_ptr, max_ptr, bad_ptr, above_mass_ptr, above_count_ptr, n_chunks,
+    CHUNK: tl.constexpr,
+):
+    """Program (b, c): one read of columns [c*CHUNK, (c+1)*CHUNK) of row b:
+    the candidates lo <= key < hi as a bitmask (CHUNK/32 words) and their
+    count, the chunk's bad values (NaN, inf, negative), and the exact sums
+    the row's cutoffs need: its mass (top-p), its max (min-p, greedy) and,
+    for a window row, the mass and count of the ids at or above hi (its
+    support above the candidates). Each reduction over the chunk costs about
+    as much as the read (H200, 2026-12-02), so a row gets only the ones its
+    settings need."""
+    WORDS: tl.constexpr = CHUNK // 32
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    word_idx = tl.arange(0, WORDS)
+    bit_idx = tl.arange(0, 32)
+    cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
+    inside = cols < vocab
+    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
+    w = w.to(tl.float32)
+    lo = tl.load(lo_ptr + row)
+    hi = tl.load(hi_ptr + row)
+    good = (w >= 0.0) & (w < float("inf"))  # false for NaN
+    key = w.to(tl.int32, bitcast=True)
+    keep = good & (w > 0.0) & (key >= lo) & (key < hi)
+    words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+    slot = row * n_chunks + chunk
+    tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
+    tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
+    tl.store(bad_ptr + slot, tl.sum(tl.sum((inside & ~good).to(tl.int32), axis=1), axis=0))
+    w = tl.where(good, w, 0.0)
+    total = tl.zeros([], dtype=tl.float32)
+    if tl.load(top_p_ptr + row) < 1.0:
+        total = tl.sum(tl.sum(w, axis=1), axis=0)
+    tl.store(sum_ptr + slot, total)
+    top = tl.zeros([], dtype=tl.float32)
+    if (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0):
+        top = tl.max(tl.max(w, axis=1), axis=0)
+    tl.store(max_ptr + slot, top)
+    above_mass = tl.zeros([], dtype=tl.float32)
+    above_count = tl.zeros([], dtype=tl.int32)
+    if hi < INF_KEY:
+        above = (w > 0.0) & (key >= hi)
+        above_mass = tl.sum(tl.sum(tl.where(above, w, 0.0), axis=1), axis=0)
+        above_count = tl.sum(tl.sum(above.to(tl.int32), axis=1), axis=0)
+    tl.store(above_mass_ptr + slot, above_mass)
+    tl.store(above_count_ptr + slot, above_count)
 
 
 @triton.jit
@@ -208,57 +299,138 @@ def _largest_key_reaching(
 
 
 @triton.jit
+def _row_reach(row_ptr, vocab, probe, USE_MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Count (or mass) of the row's finite w > 0 whose key is >= probe, read
+    from the whole row (the fallback of a row whose sampled bound was wrong)."""
+    acc = tl.zeros([], dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        w = tl.load(row_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        hit = (w > 0.0) & (w < float("inf")) & (w.to(tl.int32, bitcast=True) >= probe)
+        if USE_MASS:
+            acc += tl.sum(tl.where(hit, w, 0.0), axis=0)
+        else:
+            acc += tl.sum(hit.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
+def _row_key_reaching(row_ptr, vocab, target, USE_MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """_largest_key_reaching over the whole row."""
+    found = tl.zeros([], dtype=tl.int32)
+    for step in range(31):
+        probe = found | (1 << (30 - step))
+        reach = _row_reach(row_ptr, vocab, probe, USE_MASS, BLOCK)
+        found = tl.where(reach >= target, probe, found)
+    return found
+
+
+@triton.jit
 def _resolve_kernel(
     probs_ptr, stride_row, vocab,
     cand_ids_ptr, cand_vals_ptr, counts_ptr, n_chunks,
-    floor_ptr, total_ptr, rowmax_ptr, bad_ptr,
+    sum_ptr, max_ptr, bad_ptr, above_mass_ptr, above_count_ptr, lo_ptr, hi_ptr, window_ptr,
     top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr, opt_in_ptr, token_ptr, seed_ptr,
     max_tokens,
     cutoff_ptr, logz_ptr, sizes_ptr, lengths_ptr, status_ptr, forms_ptr, selected_ptr,
+    n_cand_ptr, window_ok_ptr, window_status_ptr,
     SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk_idx = tl.arange(0, CHUNKS_PAD)
-    n = tl.sum(tl.load(counts_ptr + row * n_chunks + chunk_idx, mask=chunk_idx < n_chunks,
-                       other=0), axis=0)
+    in_row = chunk_idx < n_chunks
+    slots = row * n_chunks + chunk_idx
+    n = tl.sum(tl.load(counts_ptr + slots, mask=in_row, other=0), axis=0)
+    total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
+    rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
+    bad = tl.sum(tl.load(bad_ptr + slots, mask=in_row, other=0), axis=0) > 0
+    above_mass = tl.sum(tl.load(above_mass_ptr + slots, mask=in_row, other=0.0), axis=0)
+    above_count = tl.sum(tl.load(above_count_ptr + slots, mask=in_row, other=0), axis=0)
+    lo = tl.load(lo_ptr + row)
+    hi = tl.load(hi_ptr + row)
+    window = tl.load(window_ptr + row) != 0
     base = row.to(tl.int64) * vocab
     idx0 = tl.arange(0, BLOCK)
     live0 = idx0 < n
     v0 = tl.load(cand_vals_ptr + base + idx0, mask=live0, other=0.0)
     key0 = v0.to(tl.int32, bitcast=True)
 
-    # Exact cutoffs. Each search below is only trusted at or above the floor
-    # key; below it the search finds 0, which never wins the max.
+    # Exact cutoffs over the candidates. Each is exact when the candidates
+    # hold it (the search finds 0 otherwise); the checks below say whether
+    # the sampled bound let them.
     top_k = tl.load(top_k_ptr + row)
     k_on = (top_k >= 1) & (top_k < vocab)
-    cutoff = tl.zeros([], dtype=tl.int32)
+    cut_k = tl.zeros([], dtype=tl.int32)
     if k_on:
-        cutoff = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
-                                       top_k.to(tl.float32), False, BLOCK)
+        cut_k = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
+                                      top_k.to(tl.float32), False, BLOCK)
     top_p = tl.load(top_p_ptr + row)
-    if top_p < 1.0:
-        mass = tl.load(total_ptr + row)
+    p_on = top_p < 1.0
+    cut_p = tl.zeros([], dtype=tl.int32)
+    target = tl.zeros([], dtype=tl.float32)
+    if p_on:
+        mass = total
         if SEQUENTIAL & k_on:
-            # the top-k mass: all of it lies among the candidates (floor <= t_k)
-            mass = _reach(cand_vals_ptr, base, n, v0, key0, live0, tl.maximum(cutoff, 1), True,
+            # the top-k mass: all of it lies among the candidates when cut_k was found
+            mass = _reach(cand_vals_ptr, base, n, v0, key0, live0, tl.maximum(cut_k, 1), True,
                           BLOCK)
-        target = tl.maximum(top_p * mass, 1e-38)
-        key_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, True,
-                                      BLOCK)
-        cutoff = tl.maximum(cutoff, key_p)
+        target = tl.maximum(top_p * mass, 1e-38).to(tl.float32)
+        # window rows: the candidates' mass is counted on top of the mass above hi
+        cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
+                                      target - above_mass, True, BLOCK)
     min_p = tl.load(min_p_ptr + row)
-    if min_p > 0.0:
-        cutoff = tl.maximum(cutoff, (min_p * tl.load(rowmax_ptr + row)).to(tl.int32, bitcast=True))
-    # The floor is at or below the exact cutoff, so it never changes a right max;
-    # it keeps zeros out when no cutoff is on.
-    cutoff = tl.maximum(cutoff, tl.maximum(tl.load(floor_ptr + row), 1))
+    cut_m = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 0)
+    cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
     greedy = tl.load(greedy_ptr + row) != 0
+    # A full row's candidates are every id at or above lo: a cutoff found at or
+    # above lo is exact (lo <= 1: every positive id is a candidate). A window
+    # row's cutoff must also lie below hi (t_p's mass reached inside the window).
+    ok = (cutoff >= lo) | (lo <= 1)
+    ok = tl.where(window, (cutoff >= lo) & (cutoff < hi) & (above_mass < target), ok)
+    if SEQUENTIAL:
+        # top-p's target is a share of the top-k mass: only right once t_k was found
+        ok = ok & (~k_on | (cut_k >= lo) | (lo <= 1))
+    if (~ok) & (~bad) & (~greedy):
+        # The sampled bound was wrong for this row: its exact cutoffs from the
+        # whole row, then its candidates rewritten as every w >= cutoff.
+        row_ptr = probs_ptr + row.to(tl.int64) * stride_row
+        cut_k = tl.zeros([], dtype=tl.int32)
+        if k_on:
+            cut_k = _row_key_reaching(row_ptr, vocab, top_k.to(tl.float32), False, ROW_BLOCK)
+        cut_p = tl.zeros([], dtype=tl.int32)
+        if p_on:
+            mass = total
+            if SEQUENTIAL & k_on:
+                mass = _row_reach(row_ptr, vocab, tl.maximum(cut_k, 1), True, ROW_BLOCK)
+            cut_p = _row_key_reaching(row_ptr, vocab, tl.maximum(top_p * mass, 1e-38), True,
+                                      ROW_BLOCK)
+        cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
+        n = tl.zeros([], dtype=tl.int32)
+        for start in range(0, vocab, ROW_BLOCK):
+            cols = start + tl.arange(0, ROW_BLOCK)
+            w = tl.load(row_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+            keep = ((w > 0.0) & (w < float("inf"))
+                    & (w.to(tl.int32, bitcast=True) >= tl.maximum(cutoff, 1)))
+            keep_i = keep.to(tl.int32)
+            rank = n + tl.cumsum(keep_i, axis=0) - 1
+            tl.store(cand_ids_ptr + base + rank, cols, mask=keep)
+            tl.store(cand_vals_ptr + base + rank, w, mask=keep)
+            n += tl.sum(keep_i, axis=0)
+        tl.debug_barrier()  # the rewritten candidates, before they are read back
+        live0 = idx0 < n
+        v0 = tl.load(cand_vals_ptr + base + idx0, mask=live0, other=0.0)
+        key0 = v0.to(tl.int32, bitcast=True)
+        window = tl.zeros_like(window)
+        above_mass = tl.zeros_like(above_mass)
+        above_count = tl.zeros_like(above_count)
+    cutoff = tl.maximum(cutoff, 1)  # zeros are never in the support
 
-    # Support size, mass and (sampling) the Gumbel-max draw in one sweep.
+    # Support size, mass and (sampling) the Gumbel-max draw in one sweep;
+    # a window row adds the ids above hi, which all lie in its support.
     hit0 = live0 & (key0 >= cutoff)
-    size = tl.sum(hit0.to(tl.int32), axis=0)
-    z = tl.sum(tl.where(hit0, v0, 0.0), axis=0)
+    size = above_count + tl.sum(hit0.to(tl.int32), axis=0)
+    z = above_mass + tl.sum(tl.where(hit0, v0, 0.0), axis=0)
     if SAMPLE:
         seed = tl.load(seed_ptr + row)
         ids0 = tl.load(cand_ids_ptr + base + idx0, mask=live0, other=0)
@@ -267,6 +439,8 @@ def _resolve_kernel(
         score0 = tl.where(hit0, score0, float("-inf"))
         best_score = tl.max(score0, axis=0)
         best_id = tl.min(tl.where(score0 == best_score, ids0, vocab), axis=0)
+        # greedy: the smallest id among the maxima (all of them are candidates)
+        first_id = tl.min(tl.where(live0 & (v0 == rowmax), ids0, vocab), axis=0)
     for start in range(BLOCK, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         live = idx < n
@@ -283,11 +457,10 @@ def _resolve_kernel(
             take = block_best > best_score
             best_id = tl.where(take, block_id, best_id)
             best_score = tl.maximum(best_score, block_best)
+            first_id = tl.minimum(first_id, tl.min(tl.where(live & (v == rowmax), ids, vocab),
+                                                   axis=0))
 
     if SAMPLE:
-        # Greedy: the smallest id among the ties at the maximum (the floor of a
-        # greedy row is the maximum, so they are exactly the candidates).
-        first_id = tl.load(cand_ids_ptr + base, mask=n > 0, other=vocab)
         token = tl.where(greedy, first_id, best_id)
     else:
         token = tl.load(token_ptr + row).to(tl.int32)
@@ -296,17 +469,20 @@ def _resolve_kernel(
                   mask=token_ok, other=0.0).to(tl.float32)
     in_support = token_ok & (w_y > 0.0) & (w_y.to(tl.int32, bitcast=True) >= cutoff)
     selected = tl.log(w_y) - tl.log(z)
-    bad = tl.load(bad_ptr + row) > 0
     invalid = bad | ~in_support | ~(z > 0.0) | ~(tl.abs(selected) < float("inf"))
     # Greedy: the support is the token itself, logprob 0.
     invalid = tl.where(greedy, bad | ~token_ok, invalid)
     selected = tl.where(greedy, 0.0, selected)
+    size = tl.where(bad, 0, size)  # a bad row's w count as zeros: no support
     size = tl.where(greedy, 1, size)
     z = tl.where(greedy, w_y, z)
     opted = tl.load(opt_in_ptr + row) != 0
     over = (size > max_tokens) & STATUS_ON_OVERFLOW
     status = tl.where(invalid, 2, tl.where(~opted, 3, tl.where(over, 1, 0)))
     length = tl.where(status == 0, size, 0)
+    # A window row's support is written by the second mark pass (mark_kernel
+    # with key >= cutoff, then expand_kernel), not from its candidates.
+    window_ok = window & (status == 0)
     tl.store(cutoff_ptr + row, cutoff)
     tl.store(logz_ptr + row, tl.log(z))
     tl.store(sizes_ptr + row, size)
@@ -314,6 +490,9 @@ def _resolve_kernel(
     tl.store(status_ptr + row, status)
     tl.store(forms_ptr + row, is_bitmask(length, status, max_tokens, vocab).to(tl.int32))
     tl.store(selected_ptr + row, tl.where(invalid, float("nan"), selected))
+    tl.store(n_cand_ptr + row, n)
+    tl.store(window_ok_ptr + row, window_ok.to(tl.int32))
+    tl.store(window_status_ptr + row, tl.where(window_ok, 0, 3))
     if SAMPLE:
         tl.store(token_ptr + row, tl.where(invalid, -1, token))
 
@@ -327,15 +506,17 @@ def _or_in_word(word_a, bits_a, word_b, bits_b):
 
 @triton.jit
 def _write_kernel(
-    cand_ids_ptr, cand_vals_ptr, counts_ptr, n_chunks, vocab, batch,
+    cand_ids_ptr, cand_vals_ptr, n_cand_ptr, window_ok_ptr, vocab, batch,
     cutoff_ptr, logz_ptr, lengths_ptr, status_ptr, forms_ptr, greedy_ptr, token_ptr,
     offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, selected_ptr, table, arrivals,
-    BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROWS_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS_BLOCK: tl.constexpr,
     DIRECT: tl.constexpr, SUPPORT: tl.constexpr,
 ):
     """Program b places row b's support: values at offsets[b], and at
     id_offsets[b] its ids (ids form) or its bitmask words (bitmask form).
     Both offsets are sums over the rows before b of what resolve decided.
+    A window row (window_ok) gets its offsets only: the second mark pass and
+    expand_kernel write its data.
 
     DIRECT (``into=`` on the GPU-direct path, kernels/direct.py): every store
     of the row's data is made a second time into its queue's buffer in the
@@ -370,7 +551,7 @@ def _write_kernel(
             SUPPORT)
         if not SUPPORT:
             tl.store(ring_vals, tl.load(selected_ptr + row), mask=fits)
-    if status == 0:
+    if (status == 0) & (tl.load(window_ok_ptr + row) == 0):
         words_ptr = out_ids_ptr + id_offset
         if bitmask:
             # Words with no support id are written only here; the barrier
@@ -397,9 +578,7 @@ def _write_kernel(
                 if SUPPORT:
                     tl.store(ring_vals, 0.0, mask=fits)
         else:
-            chunk_idx = tl.arange(0, CHUNKS_PAD)
-            n = tl.sum(tl.load(counts_ptr + row * n_chunks + chunk_idx,
-                               mask=chunk_idx < n_chunks, other=0), axis=0)
+            n = tl.load(n_cand_ptr + row)
             cutoff = tl.load(cutoff_ptr + row)
             logz = tl.load(logz_ptr + row)
             base = row.to(tl.int64) * vocab
@@ -446,6 +625,14 @@ def _write_kernel(
         ring_arrive(table, arrivals)
 
 
+def may_be_window(top_k: Any, top_p: Any, vocab: int) -> bool:
+    """Whether some row may be top-p only (top-k off, top-p on): known from
+    scalars, assumed for [B] tensors (no host sync)."""
+    k_off = top_k is None or isinstance(top_k, torch.Tensor) or not 1 <= top_k < vocab
+    p_on = isinstance(top_p, torch.Tensor) or (top_p is not None and top_p < 1.0)
+    return bool(k_off and p_on)
+
+
 def run_capture(
     probs: torch.Tensor,
     *,
@@ -469,6 +656,7 @@ def run_capture(
     device = probs.device
     check_max_tokens(max_tokens, batch, vocab, overflow)
     target = check_into(into, True, max_tokens, vocab)  # refused before any kernel runs
+    top_k_arg, top_p_arg = top_k, top_p
     top_k = per_row(top_k, batch, torch.int32, device, "top_k", 0)
     top_p = per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0)
     min_p = per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0)
@@ -487,43 +675,47 @@ def run_capture(
         seeds = tokens  # unused by the kernel in capture mode
     sequential = order == "sequential"
 
-    n_stats = triton.cdiv(vocab, STATS_CHUNK)
-    hist = torch.empty(batch * n_stats * BUCKETS, dtype=torch.int32, device=device)
-    sums = torch.empty(batch * n_stats, dtype=torch.float32, device=device)
-    maxes = torch.empty_like(sums)
-    bads = torch.empty(batch * n_stats, dtype=torch.int32, device=device)
-    _stats_kernel[(batch, n_stats)](
-        probs, probs.stride(0), vocab, n_stats, hist, sums, maxes, bads,
-        BUCKETS=BUCKETS, BASE=EXPONENT_BASE, CHUNK=STATS_CHUNK, num_warps=STATS_WARPS,
-    )
-    floor = torch.empty(batch, dtype=torch.int32, device=device)
-    total = torch.empty(batch, dtype=torch.float32, device=device)
-    rowmax = torch.empty_like(total)
-    rowbad = torch.empty_like(floor)
+    # Window rows (a top-p support of tens of thousands of ids, written by a
+    # second mark pass) only in capture without into=: the sampler's draw
+    # and the ring stores need every support id among the candidates.
+    window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
+    i32 = torch.empty(3 * batch, dtype=torch.int32, device=device)
+    lo, hi, window = i32[:batch], i32[batch:2 * batch], i32[2 * batch:]
     _bound_kernel[(batch,)](
-        hist, sums, maxes, bads, n_stats, vocab, top_k, top_p, min_p, greedy_i8,
-        floor, total, rowmax, rowbad,
-        SEQUENTIAL=sequential, BUCKETS=BUCKETS, BASE=EXPONENT_BASE, num_warps=4,
+        probs, probs.stride(0), vocab, top_k, top_p, min_p, greedy_i8, lo, hi, window,
+        SEQUENTIAL=sequential, WINDOW=window_on, BLOCKS=SAMPLE_BLOCKS, COLS=SAMPLE_COLS,
+        K_SLACK=K_SLACK, P_MARGIN=P_MARGIN, WINDOW_MIN=WINDOW_MIN, num_warps=8,
     )
-    bits, counts, n_chunks = launch_mark(probs, None, floor, KEEP_AT_LEAST)
+    n_chunks = triton.cdiv(vocab, CHUNK)
     chunks_pad = triton.next_power_of_2(n_chunks)
+    bits = torch.empty(batch * n_chunks * (CHUNK // WORD_BITS), dtype=torch.int32,
+                       device=device)
+    per_chunk = torch.empty(6 * batch * n_chunks, dtype=torch.int32, device=device)
+    counts, bads, above_count = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
+                                 for i in range(3))
+    sums, maxes, above_mass = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
+                               .view(torch.float32) for i in range(3, 6))
+    _cand_mark_kernel[(batch, n_chunks)](
+        probs, probs.stride(0), vocab, lo, hi, top_p, min_p, greedy_i8, bits, counts, sums,
+        maxes, bads, above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=CAND_MARK_WARPS,
+    )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
     cand_vals = torch.empty(batch * vocab, dtype=torch.float32, device=device)
     launch_expand_local(probs, bits, counts, n_chunks, cand_ids, cand_vals)
-    cutoff = torch.empty(batch, dtype=torch.int32, device=device)
-    logz = torch.empty(batch, dtype=torch.float32, device=device)
-    sizes = torch.empty(batch, dtype=torch.int32, device=device)
-    lengths = torch.empty_like(sizes)
-    status = torch.empty_like(sizes)
-    forms = torch.empty_like(sizes)
-    selected = torch.empty(batch, dtype=torch.float32, device=device)
+    per_row_out = torch.empty(11 * batch, dtype=torch.int32, device=device)
+    (cutoff, sizes, lengths, status, forms, n_cand, window_ok, window_status) = (
+        per_row_out[i * batch:(i + 1) * batch] for i in range(8))
+    logz, selected = (per_row_out[i * batch:(i + 1) * batch].view(torch.float32)
+                      for i in range(8, 10))
     _resolve_kernel[(batch,)](
         probs, probs.stride(0), vocab, cand_ids, cand_vals, counts, n_chunks,
-        floor, total, rowmax, rowbad, top_k, top_p, min_p, greedy_i8, opt_in,
-        tokens, seeds, max_tokens, cutoff, logz, sizes, lengths, status, forms, selected,
+        sums, maxes, bads, above_mass, above_count, lo, hi, window,
+        top_k, top_p, min_p, greedy_i8, opt_in, tokens, seeds, max_tokens,
+        cutoff, logz, sizes, lengths, status, forms, selected, n_cand, window_ok, window_status,
         SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
-        BLOCK=RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad, num_warps=8,
+        BLOCK=WINDOW_BLOCK if window_on else RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad,
+        ROW_BLOCK=ROW_BLOCK, num_warps=16 if window_on else 8,
     )
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
     id_offsets = torch.empty_like(offsets)
@@ -535,7 +727,7 @@ def run_capture(
     direct = claim_step(target, batch, vocab)
     with launching(direct, "capture's write kernel"):
         _write_kernel[(batch,)](
-            cand_ids, cand_vals, counts, n_chunks, vocab, batch,
+            cand_ids, cand_vals, n_cand, window_ok, vocab, batch,
             cutoff, logz, lengths, status, forms, greedy_i8, tokens, offsets, id_offsets, ids,
             # A program walks its row's candidates one block at a time, so a
             # row past max_tokens (tens of thousands of candidates) sets the
@@ -544,9 +736,21 @@ def run_capture(
             # 10% such rows 450 us slower than with overflow="status").
             values, selected, 0 if direct is None else direct.publisher.table,
             counts if direct is None else direct.publisher.arrivals,
-            BLOCK=WRITE_BLOCK, CHUNKS_PAD=chunks_pad,
-            ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)), num_warps=16,
-            DIRECT=direct is not None, SUPPORT=target is None or target[2] == "support",
+            BLOCK=WRITE_BLOCK, ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)),
+            num_warps=16, DIRECT=direct is not None,
+            SUPPORT=target is None or target[2] == "support",
+        )
+    if window_on:
+        # Window rows: the support (every w >= cutoff) as compaction marks it,
+        # its bitmask words stored as they come from the mark pass and its
+        # logprobs gathered by expand, at the offsets the write kernel set.
+        bits2, counts2, _ = launch_mark(probs, window_ok, cutoff, KEEP_AT_LEAST)
+        group = max(1, EXPAND_WORDS // (CHUNK // WORD_BITS))
+        expand_kernel[(batch, triton.cdiv(n_chunks, group))](
+            probs, probs.stride(0), vocab, bits2, counts2, n_chunks, window_status, forms,
+            offsets, id_offsets, ids, values, 0, counts2, counts2, logz, ROW_LOCAL=False,
+            PDL=False, CHUNK=CHUNK, GROUP=group, CHUNKS_PAD=chunks_pad, DIRECT=False,
+            LOG_VALUES=True, num_warps=8,
         )
     rows_out = Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
                     selected, tokens if sample_mode else None, max_tokens)

@@ -159,8 +159,9 @@ def _compact_rows(
         )
         expand_kernel[(batch, triton.cdiv(n_chunks, group))](
             x, x.stride(0), vocab, bits, counts, n_chunks, status, forms, offsets, id_offsets,
-            out_ids, out_vals, table, arrivals, claims, ROW_LOCAL=False, PDL=pdl, CHUNK=chunk,
-            GROUP=group, CHUNKS_PAD=chunks_pad, DIRECT=direct is not None,
+            out_ids, out_vals, table, arrivals, claims, counts, ROW_LOCAL=False, PDL=pdl,
+            CHUNK=chunk, GROUP=group, CHUNKS_PAD=chunks_pad, DIRECT=direct is not None,
+            LOG_VALUES=False,
             num_warps=expand_warps, **launch_options(pdl),
         )
     rows = Rows(offsets, lengths, status, sizes, forms, id_offsets, out_ids, out_vals, vocab,

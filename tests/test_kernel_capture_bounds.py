@@ -1,0 +1,226 @@
+"""Capture's sampled bounds (issue 20) against the sort-based reference.
+
+The bound kernel sets each row's candidate range from a sample of the row;
+resolve checks it exactly and reads the whole row when it was wrong, and a
+top-p row with a large support (a window row) takes its support from a second
+mark pass. These tests hold the rows exact through all three: tied cutoffs
+from bf16 logits (the k-th value tied with many others), window rows, and
+rows whose sampled bound is wrong on purpose. Small vocabularies in Triton's
+interpreter; the full vocabulary (V = 151936) on CUDA only
+(SHMASK_TEST_GPU=1 on the H200, as `make test-gpu` runs it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shmask.kernels import Status, capture, reference_capture, sample  # noqa: E402
+from test_kernel_capture import assert_same, dyadic_probs  # noqa: E402
+
+capture_module = importlib.import_module("shmask.kernels.capture")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FULL_VOCAB = 151936
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(),
+                              reason="full vocabulary: CUDA only (SHMASK_TEST_GPU=1)")
+
+
+def bf16_probs(batch: int, vocab: int, hidden: int, sigma: float, seed: int) -> torch.Tensor:
+    """softmax of (hidden @ head).float() with bf16 hidden and head, the way
+    engines produce logits: the logits have bf16 precision, so many
+    probabilities are exactly equal."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, hidden, generator=gen).to(torch.bfloat16)
+    head = (torch.randn(hidden, vocab, generator=gen) * (sigma / hidden ** 0.5)).to(torch.bfloat16)
+    if DEVICE == "cuda":
+        h, head = h.cuda(), head.cuda()
+    return torch.softmax((h @ head).float(), -1)
+
+
+class WindowRows:
+    """Which rows the second mark pass wrote (window rows), read from the
+    opt-in mask capture hands to its launch_mark."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[list[int]] = []
+        real = capture_module.launch_mark
+
+        def spy(x, opt_in, *args, **kwargs):
+            self.calls.append(opt_in.cpu().tolist())
+            return real(x, opt_in, *args, **kwargs)
+
+        monkeypatch.setattr(capture_module, "launch_mark", spy)
+
+
+def on_device(kwargs: dict) -> dict:
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def run_both(probs, sampled, **kwargs):
+    got = capture(probs.to(DEVICE), sampled.to(DEVICE), **on_device(kwargs))
+    want = reference_capture(probs, sampled, **kwargs)
+    assert_same(got, want)
+    return got
+
+
+def first_tie_inside(ordered: torch.Tensor, start: int) -> int:
+    """The first k >= start whose k-th largest value is tied with the next."""
+    k = start
+    while ordered[k - 1] != ordered[k]:
+        k += 1
+    return k
+
+
+def ties_at_kth(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """How many entries of each row equal its k-th largest value."""
+    kth = probs.topk(k, dim=1).values[:, -1:]
+    return (probs == kth).sum(1)
+
+
+@pytest.mark.parametrize("order", ["joint", "sequential"])
+def test_bf16_logits_tied_kth_value(order: str) -> None:
+    """top-k on bf16-derived probabilities: every id tied with the k-th
+    value is kept, exactly as the reference keeps it."""
+    probs = bf16_probs(4, 3000, 64, 1.0, seed=1).cpu()
+    ordered = probs.sort(1, descending=True).values
+    # each k lies inside a tie group that continues past it
+    top_k = torch.tensor([first_tie_inside(ordered[b], start) for b, start in
+                          enumerate((50, 200, 777, 1))], dtype=torch.int32)
+    sampled = probs.argmax(1)
+    got = run_both(probs, sampled, top_k=top_k, top_p=torch.tensor([1.0, 0.9, 1.0, 1.0]),
+                   min_p=torch.tensor([0.0, 0.0, 0.0, 0.3]), max_tokens=300, order=order)
+    sizes = got.sizes.cpu()
+    assert sizes[0] > top_k[0] and sizes[2] > top_k[2]  # the ties past k are kept
+
+
+def test_bf16_logits_sample_draws_inside_tied_support() -> None:
+    probs = bf16_probs(4, 3000, 64, 1.0, seed=2).cpu()
+    got = sample(probs.to(DEVICE), torch.arange(4, device=DEVICE) + 11, top_k=500,
+                 max_tokens=3000)
+    assert (got.status.cpu() == Status.OK).all()
+    want = reference_capture(probs, got.tokens.cpu().long(), top_k=500, max_tokens=3000)
+    assert_same(got, want)
+
+
+def test_window_rows_top_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-p-only rows past the window threshold: the support comes from the
+    second mark pass, its bitmask straight from the mark; rows with top-k,
+    greedy or min-p rows in the same batch keep the candidate path."""
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    window = WindowRows(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    vocab = 4000
+    probs = dyadic_probs(6, vocab, gen, scale=1.0)
+    top_k = torch.tensor([0, 0, 0, 40, 0, 0], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 0.5, 0.97, 0.9, 0.9, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.2, 0.0])
+    greedy = torch.tensor([False] * 5 + [True])
+    rows = torch.tensor([True, True, False, True, True, True])
+    sampled = probs.argmax(1)
+    got = run_both(probs, sampled, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy,
+                   rows=rows, max_tokens=100)
+    # rows 0 and 1 are window rows; 2 is not opted in, 3 has top-k, 4's min-p
+    # floor leaves few candidates, 5 is greedy
+    assert window.calls == [[1, 1, 0, 0, 0, 0]]
+    sizes = got.sizes.cpu().tolist()
+    assert sizes[0] > 100 and got.forms[0].item() == 1  # a large support: the bitmask form
+    assert got.status[2].item() == Status.SKIPPED and got.lengths[2].item() == 0
+
+
+def test_window_rows_overflow_status_and_invalid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    gen = torch.Generator().manual_seed(4)
+    vocab = 3000
+    probs = dyadic_probs(4, vocab, gen, scale=1.0)
+    sampled = probs.argmax(1)
+    sampled[1] = int(probs[1].argmin())  # outside its support: INVALID
+    got = run_both(probs, sampled, top_p=0.9, max_tokens=50, overflow="status")
+    assert got.status.cpu().tolist() == [Status.OVERFLOW, Status.INVALID, Status.OVERFLOW,
+                                         Status.OVERFLOW]
+    got = run_both(probs, sampled, top_p=0.9, max_tokens=vocab)  # exact: 32 L >= V, bitmasks
+    assert got.forms.cpu().tolist() == [1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("window_min", [64, 1 << 30])
+def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.MonkeyPatch,
+                                                        window_min: int) -> None:
+    """Bounds that are wrong on purpose (too few ids asked above the top-k
+    floor, top-p margins of the wrong sign): resolve notices and reads the
+    whole row; every row still equals the reference."""
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", window_min)
+    monkeypatch.setattr(capture_module, "K_SLACK", 0.2)
+    monkeypatch.setattr(capture_module, "P_MARGIN", -0.04)
+    gen = torch.Generator().manual_seed(5)
+    vocab = 2500
+    probs = dyadic_probs(6, vocab, gen, scale=1.5)
+    top_k = torch.tensor([700, 0, 0, 300, 1, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 0.6, 0.95, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05])
+    for order in ("joint", "sequential"):
+        run_both(probs, probs.argmax(1), top_k=top_k, top_p=top_p, min_p=min_p,
+                 max_tokens=200, order=order)
+    got = sample(probs.to(DEVICE), torch.arange(6, device=DEVICE), top_k=top_k.to(DEVICE),
+                 top_p=top_p.to(DEVICE), min_p=min_p.to(DEVICE), max_tokens=200)
+    assert_same(got, reference_capture(probs, got.tokens.cpu().long(), top_k=top_k,
+                                       top_p=top_p, min_p=min_p, max_tokens=200))
+
+
+def test_sampled_rows_spread_over_a_long_row() -> None:
+    """V past the sample's 8192 columns: the bound sees part of the row; a
+    row whose large values all sit outside the sampled blocks still comes out
+    exact (through the whole-row fallback)."""
+    gen = torch.Generator().manual_seed(6)
+    vocab = 20000
+    probs = dyadic_probs(3, vocab, gen, scale=1.0)
+    probs[2] = 0.0
+    probs[2, 7100:7164] = 1 / 64  # between the 1st and 2nd sampled blocks
+    sampled = probs.argmax(1)
+    run_both(probs, sampled, top_k=torch.tensor([100, 1000, 10], dtype=torch.int32),
+             top_p=torch.tensor([1.0, 0.9, 1.0]), max_tokens=vocab)
+
+
+# ------------------------------------------------------- full vocabulary, CUDA
+
+
+@gpu_only
+def test_full_vocab_bf16_top_k_ties() -> None:
+    probs = bf16_probs(8, FULL_VOCAB, 4096, 1.9, seed=7)
+    ties = ties_at_kth(probs, 1000)
+    assert (ties > 1).any(), "bf16 logits must tie at the 1000th value"
+    sampled = probs.argmax(1)
+    got = capture(probs, sampled, top_k=1000, max_tokens=8192)
+    assert_same(got, reference_capture(probs, sampled, top_k=1000, max_tokens=8192))
+    assert (got.sizes > 1000).any()
+    drawn = sample(probs, torch.arange(8, device=DEVICE), top_k=1000, max_tokens=8192)
+    assert_same(drawn, reference_capture(probs, drawn.tokens.long(), top_k=1000,
+                                         max_tokens=8192))
+
+
+@gpu_only
+def test_full_vocab_top_p_only_window_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """top_p 0.9 at V = 151936 (supports of tens of thousands of ids, the
+    bitmask form through the window path). fp32 masses in the kernel, fp64
+    in the reference: a row may differ only where top_p's target is within
+    rounding of a cumulative mass (then it equals the reference at
+    top_p * (1 +- 1e-5))."""
+    window = WindowRows(monkeypatch)
+    probs = bf16_probs(8, FULL_VOCAB, 4096, 1.9, seed=8)
+    support = reference_capture(probs, probs.argmax(1), top_p=0.9, max_tokens=8192)
+    sampled = probs.argmax(1)
+    got = capture(probs, sampled, top_p=0.9, max_tokens=8192)
+    assert window.calls == [[1] * 8]
+    assert (support.sizes > 10000).all() and (got.forms == 1).all()
+    nearby = [reference_capture(probs, sampled, top_p=0.9 * f, max_tokens=8192)
+              for f in (1.0, 1 - 1e-5, 1 + 1e-5)]
+    for b in range(8):
+        ids, values = got.row(b)
+        options = [r.row(b) for r in nearby]
+        match = [o for o in options if torch.equal(ids, o[0])]
+        assert match, f"row {b}: {ids.numel()} ids, reference {options[0][0].numel()}"
+        torch.testing.assert_close(values, match[0][1], atol=2e-5, rtol=0)
