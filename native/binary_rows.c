@@ -157,7 +157,8 @@ static void encode_task(void *context, uint64_t task) {
         uint64_t to = group_cut(end - base, job->size[a]);
         if (to <= from) continue;
         char *dst = job->dst[a] + from / 3 * 4;
-        shm_pool_prefault(dst, dst + (to - from + 2) / 3 * 4);
+        if (job->tasks <= SHM_POOL_PREFAULT_MAX_TASKS)
+            shm_pool_prefault(dst, dst + (to - from + 2) / 3 * 4);
         encode_block(job->src[a] + from, to - from, dst);
     }
 }
@@ -545,7 +546,8 @@ static void decode_part(const decode_job *job, uint64_t k, uint64_t from, uint64
     uint64_t quartets = job->spans[4 * k + 1] / 4, size = job->spans[4 * k + 3];
     uint8_t *out = job->out + job->spans[4 * k + 2];
     uint64_t padding = (3 - size % 3) % 3, whole = to;
-    shm_pool_prefault((char *)out + 3 * from, (char *)out + (3 * to < size ? 3 * to : size));
+    if (job->tasks <= SHM_POOL_PREFAULT_MAX_TASKS)
+        shm_pool_prefault((char *)out + 3 * from, (char *)out + (3 * to < size ? 3 * to : size));
     if (to == quartets && padding) whole--; /* the padded quartet: below */
     int64_t bad = whole > from ? decode_quartets(text + 4 * from, whole - from, out + 3 * from)
                                : -1;

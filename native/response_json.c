@@ -726,7 +726,8 @@ static void gather_task(void *context, uint64_t index) {
     const gather_job *job = context;
     uint64_t begin = (uint64_t)((u128)job->total * index / job->parts);
     uint64_t end = (uint64_t)((u128)job->total * (index + 1) / job->parts);
-    shm_pool_prefault(job->out + begin, job->out + end);
+    if (job->parts <= SHM_POOL_PREFAULT_MAX_TASKS)
+        shm_pool_prefault(job->out + begin, job->out + end);
     gather_part(context, index);
 }
 

@@ -24,9 +24,16 @@ void shm_pool_run(shm_pool_task run, void *context, uint64_t count);
 
 /* Before a task writes [begin, end) of memory that may be fresh: maps the
  * whole pages inside it with one madvise(MADV_POPULATE_WRITE) instead of a
- * fault per 4 KiB page at first touch (a third less time on the VM; page
- * contents are not changed). A kernel without it (before Linux 5.14) is
- * asked once; then this does nothing. */
+ * fault per 4 KiB page at first touch (page contents are not changed). A
+ * kernel without it (before Linux 5.14) is asked once; then this does
+ * nothing. Worth it only when few tasks write at once (below): on the VM a
+ * gather on 1-2 threads took a third less time; on the H200 host the
+ * binary rows on 1 thread 97 -> 82 ms per emission, but on 12 threads the
+ * JSON documents 134 -> 215 ms and the binary rows 44.6 -> 52.0 ms (many
+ * threads' faults already run in parallel; the madvise calls contend). */
 void shm_pool_prefault(char *begin, char *end);
+
+/* Batches of at most this many tasks prefault their output. */
+#define SHM_POOL_PREFAULT_MAX_TASKS 2
 
 #endif
