@@ -79,6 +79,7 @@ def import_kernels():
 kernels = import_kernels()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from cuda_graphs import captured_graph  # noqa: E402
 from shmask.kernels.capture import reference_support  # noqa: E402
 
 VOCAB = 151936
@@ -269,19 +270,7 @@ def gpu_and_host_us(calls, reps: int, per_rep: int) -> tuple[float, float]:
 
 def graph_us(calls, replays: int) -> tuple[float, float]:
     """(GPU us per call, host us per call) of a CUDA graph running each call once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for call in calls:
-                call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured_graph(calls)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     gpu, host = [], []

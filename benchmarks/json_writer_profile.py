@@ -26,60 +26,50 @@ writer can reach in responses.py: baseline / floor is the largest speedup.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import orjson
-from _common import SEGMENT_PREFIX, make_pool, now, print_table, ring_mb_for
+from _common import now, print_table
+from responses import (
+    fragments_meta_info,
+    native_meta_info,
+    one_emission,
+    sent_ms,
+    sglang_lists,
+    sglang_meta_info,
+)
 
-import shmask
-from shmask.response_json import _gather, _scratch_buffer, _write_rows, dumps, json_threads
+from shmask.response_json import _gather, _scratch_buffer, _write_rows, json_threads
 
 REQUESTS, TOKENS, WIDTH, REPEATS = 256, 50, 1000, 3
 
 
-def document(chunk: Any, ids: bytes, logprobs: bytes) -> bytes:
-    return orjson.dumps({"output_token_sampling_mask": orjson.Fragment(ids),
-                         "output_token_sampling_logprobs": orjson.Fragment(logprobs),
-                         "output_token_sampling_mask_length": chunk.rows})
-
-
 def sglang_document(chunk: Any) -> bytes:
-    masks, values, start = [], [], 0
-    for length in chunk.lengths.tolist():
-        masks.append(chunk.ids[start:start + length].tolist())
-        values.append(chunk.logprobs[start:start + length].tolist())
-        start += length
-    return orjson.dumps({"output_token_sampling_mask": masks,
-                         "output_token_sampling_logprobs": values,
-                         "output_token_sampling_mask_length": chunk.rows})
+    """SGLang's way: a list per row (the per-row tolist loop), then orjson."""
+    return sglang_meta_info(*sglang_lists(None, chunk.lengths, chunk.ids, chunk.logprobs),
+                            chunk.rows)
 
 
 def median_ms(chunks: list[Any], build: Callable[[Any], Any], keep: bool) -> float:
+    """Median over REPEATS of building every chunk's result: all kept, or
+    each dropped once built (responses.sent_ms)."""
     times = []
     for _ in range(REPEATS):
-        kept = []
-        started = now()
-        for chunk in chunks:
-            result = build(chunk)
-            if keep:
-                kept.append(result)
-        times.append((now() - started) * 1000)
-        del kept
-    return statistics.median(times)
+        if keep:
+            started = now()
+            kept = [build(chunk) for chunk in chunks]
+            times.append(now() - started)
+            del kept
+        else:
+            times.append(sent_ms(chunks, build))
+    return statistics.median(times) * 1000
 
 
 def main(thread_counts: list[int]) -> None:
-    pool = make_pool(REQUESTS, WIDTH, "support", seed=WIDTH)
-    config = shmask.Config(ring_mb=ring_mb_for(REQUESTS, TOKENS, WIDTH, 2),
-                           name_prefix=SEGMENT_PREFIX)
-    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
-        queues = [writer.open_queue("support") for _ in range(REQUESTS)]
-        for step in range(TOKENS):
-            writer.append_step(queues, *pool.step(step))
-        chunks = [reader.open(ref) for ref in writer.take_batch(queues)]
+    with one_emission(REQUESTS, TOKENS, WIDTH) as chunks:
         baseline = median_ms(chunks, sglang_document, keep=True)
         rows: list[tuple[Any, ...]] = [("sglang lists + orjson", "", baseline, 1.0)]
         dropped = median_ms(chunks, sglang_document, keep=False)
@@ -89,16 +79,8 @@ def main(thread_counts: list[int]) -> None:
                 return _write_rows(True, chunk.lengths, chunk.flags, chunk.ids, chunk.logprobs,
                                    threads, _scratch_buffer)[1]
 
-            def native(chunk: Any, threads: int = threads) -> bytes:
-                holes = chunk.json_rows()
-                return dumps({"output_token_sampling_mask": holes.ids,
-                              "output_token_sampling_logprobs": holes.logprobs,
-                              "output_token_sampling_mask_length": chunk.rows}, threads=threads)
-
-            def full(chunk: Any, threads: int = threads) -> bytes:
-                ids, logprobs, _ = chunk.json_arrays(threads)
-                return document(chunk, ids, logprobs)
-
+            native = functools.partial(native_meta_info, threads=threads)
+            full = functools.partial(fragments_meta_info, threads=threads)
             ready: dict[int, bytes] = {id(chunk): native(chunk) for chunk in chunks}
 
             def gather(chunk: Any, threads: int = threads,
@@ -112,10 +94,6 @@ def main(thread_counts: list[int]) -> None:
                 took = median_ms(chunks, build, keep)
                 rows.append((name, threads, took, baseline / took))
             del ready
-        for chunk in chunks:
-            chunk.release()
-        for queue in queues:
-            queue.close()
     print_table(f"meta_info JSON of {REQUESTS} requests x {TOKENS} rows x {WIDTH} support "
                 f"(median of {REPEATS} ms)", ("part", "threads", "ms", "baseline / this"), rows)
 

@@ -38,6 +38,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cuda_graphs import captured_graph  # noqa: E402
 from kernel_baselines import compact_one_program_per_row  # noqa: E402
 from shmask.kernels import capture, compact, reference_capture, reference_compact  # noqa: E402
 from shmask.kernels.capture import reference_support  # noqa: E402
@@ -69,19 +70,7 @@ def d2h_bandwidth() -> float:
 
 def time_graph(calls, replays: int = 30) -> float:
     """Median microseconds per call of a CUDA graph that runs every call once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for call in calls:
-                call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured_graph(calls)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     samples = []

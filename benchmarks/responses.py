@@ -193,6 +193,21 @@ def one_emission(requests: int, tokens: int, width: int) -> Iterator[list[shmask
                 q.close()
 
 
+def fragments_meta_info(chunk: shmask.Chunk, threads: int) -> bytes:
+    """The meta_info fields with the native writer's arrays as orjson
+    Fragments (the path of an engine whose HTTP layer runs orjson)."""
+    masks, values, _ = chunk.json_arrays(threads)
+    return sglang_meta_info(orjson.Fragment(masks), orjson.Fragment(values), chunk.rows)
+
+
+def native_meta_info(chunk: shmask.Chunk, threads: int) -> bytes:
+    """The same bytes written by response_json.dumps (one copy of the rows' text)."""
+    rows = chunk.json_rows()
+    return response_json.dumps({"output_token_sampling_mask": rows.ids,
+                                "output_token_sampling_logprobs": rows.logprobs,
+                                "output_token_sampling_mask_length": chunk.rows}, threads=threads)
+
+
 SENT = ", sent"  # a path timed with each document dropped once built
 
 
@@ -225,23 +240,13 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
     def lists(c: Any) -> bytes:
         return sglang_meta_info(*sglang_lists(chunk_class, c.lengths, c.ids, c.logprobs), c.rows)
 
-    def fragments(c: Any, path_threads: int) -> bytes:
-        masks, values, _ = c.json_arrays(path_threads)
-        return sglang_meta_info(orjson.Fragment(masks), orjson.Fragment(values), c.rows)
-
-    def native(c: Any, path_threads: int) -> bytes:
-        rows = c.json_rows()
-        return response_json.dumps({"output_token_sampling_mask": rows.ids,
-                                    "output_token_sampling_logprobs": rows.logprobs,
-                                    "output_token_sampling_mask_length": c.rows},
-                                   threads=path_threads)
-
     paths: dict[str, Any] = {
         "sglang to_lists + orjson": lists,
-        "native arrays as orjson Fragments, 1 thread": lambda c: fragments(c, 1),
-        f"native arrays as orjson Fragments, {threads} threads": lambda c: fragments(c, threads),
-        "native dumps, 1 thread": lambda c: native(c, 1),
-        f"native dumps, {threads} threads": lambda c: native(c, threads)}
+        "native arrays as orjson Fragments, 1 thread": lambda c: fragments_meta_info(c, 1),
+        f"native arrays as orjson Fragments, {threads} threads":
+            lambda c: fragments_meta_info(c, threads),
+        "native dumps, 1 thread": lambda c: native_meta_info(c, 1),
+        f"native dumps, {threads} threads": lambda c: native_meta_info(c, threads)}
     times: dict[str, list[float]] = {name + mode: [] for name in paths for mode in ("", SENT)}
     mismatches = 0
     with one_emission(requests, tokens, width) as chunks:
@@ -322,11 +327,7 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
                                                              c.logprobs), c.rows) for c in chunks]
             times[server[0]].append(now() - started)
             started = now()
-            out[server[1]] = []
-            for c in chunks:
-                masks, values, _ = c.json_arrays(threads)
-                out[server[1]].append(sglang_meta_info(orjson.Fragment(masks),
-                                                       orjson.Fragment(values), c.rows))
+            out[server[1]] = [fragments_meta_info(c, threads) for c in chunks]
             times[server[1]].append(now() - started)
             started = now()
             out[server[2]] = [orjson.dumps({"output_token_sampling_mask":
