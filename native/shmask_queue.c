@@ -155,12 +155,16 @@ typedef struct {
     uint64_t rows, words, nnz;
 } capacities;
 
+/* Whether buffers of these capacities hold the queue's rows. */
+static int holds_rows(const shm_queue *q, capacities cap) {
+    return cap.rows >= q->rows && cap.words >= q->words &&
+           (q->mode != SHM_MODE_SUPPORT || cap.nnz >= q->nnz);
+}
+
 /* Moves the queue's rows into a new ring buffer of these capacities. */
 static int restage_in_ring(shm_ring *ring, uint64_t slot, capacities cap) {
     shm_queue *q = &ring->queues[slot];
-    if (cap.rows < q->rows || cap.words < q->words ||
-        (q->mode == SHM_MODE_SUPPORT && cap.nnz < q->nnz))
-        return SHM_E_OVERFLOW;
+    if (!holds_rows(q, cap)) return SHM_E_OVERFLOW;
     uint64_t position;
     int rc = reserve_record(ring, q->mode, cap.rows, cap.words, cap.nnz,
                             (uint64_t)make_handle(ring, slot) + 1, &position);
@@ -182,9 +186,7 @@ static int restage_in_ring(shm_ring *ring, uint64_t slot, capacities cap) {
 /* Moves the queue's rows into private memory of these capacities. */
 static int stage_private(shm_ring *ring, uint64_t slot, capacities cap) {
     shm_queue *q = &ring->queues[slot];
-    if (cap.rows < q->rows || cap.words < q->words ||
-        (q->mode == SHM_MODE_SUPPORT && cap.nnz < q->nnz))
-        return SHM_E_OVERFLOW;
+    if (!holds_rows(q, cap)) return SHM_E_OVERFLOW;
     shm_layout layout;
     int rc = shm_record_layout(q->mode, cap.rows, cap.words, cap.nnz, &layout);
     if (rc) return rc;
