@@ -706,11 +706,15 @@ typedef struct {
     uint64_t count, total, parts;
 } gather_job;
 
-/* Part `index` copies output bytes [total * index / parts, total * (index + 1) / parts). */
+/* Part `index`: output bytes [total * index / parts, total * (index + 1) /
+ * parts), their pages mapped in one call when few parts run (shmask_pool.h),
+ * then copied from whichever pieces they hold. */
 static void gather_part(void *context, uint64_t index) {
     const gather_job *job = context;
     uint64_t begin = (uint64_t)((u128)job->total * index / job->parts);
     uint64_t end = (uint64_t)((u128)job->total * (index + 1) / job->parts);
+    if (job->parts <= SHM_POOL_PREFAULT_MAX_TASKS)
+        shm_pool_prefault(job->out + begin, job->out + end);
     uint64_t at = 0;
     for (uint64_t i = 0; i < job->count && at < end; i++) {
         uint64_t from = at, to = at + job->lengths[i];
@@ -719,16 +723,6 @@ static void gather_part(void *context, uint64_t index) {
         uint64_t lo = from > begin ? from : begin, hi = to < end ? to : end;
         memcpy(job->out + lo, job->sources[i] + (lo - from), hi - lo);
     }
-}
-
-/* A gather part: its output range mapped in one call, then copied. */
-static void gather_task(void *context, uint64_t index) {
-    const gather_job *job = context;
-    uint64_t begin = (uint64_t)((u128)job->total * index / job->parts);
-    uint64_t end = (uint64_t)((u128)job->total * (index + 1) / job->parts);
-    if (job->parts <= SHM_POOL_PREFAULT_MAX_TASKS)
-        shm_pool_prefault(job->out + begin, job->out + end);
-    gather_part(context, index);
 }
 
 int shm_json_gather(char *out, uint64_t out_length, const char *const *sources,
@@ -743,6 +737,6 @@ int shm_json_gather(char *out, uint64_t out_length, const char *const *sources,
                                                                         : (uint64_t)threads;
     if (parts > total / GATHER_PER_THREAD) parts = total / GATHER_PER_THREAD ? total / GATHER_PER_THREAD : 1;
     gather_job job = {out, sources, lengths, count, total, parts};
-    shm_pool_run(gather_task, &job, parts);
+    shm_pool_run(gather_part, &job, parts);
     return 0;
 }

@@ -280,7 +280,9 @@ class Chunk:
         `threads` (default SHMASK_JSON_THREADS) threads share the rows. A
         row whose status is not OK is null in all three fields (ids,
         logprobs, length), as in to_lists; bitmask rows are decoded."""
-        ids_field, logprobs_field, lengths_field = (str(f) for f in fields)
+        ids_field, logprobs_field, lengths_field = names = [str(f) for f in fields]
+        if len(set(names)) != 3:
+            raise ValueError(f"to_json needs three distinct field names, got {names}")
         rows = self.json_rows()
         return dumps({ids_field: rows.ids, logprobs_field: rows.logprobs,
                       lengths_field: rows.lengths_field}, threads=threads)

@@ -167,7 +167,8 @@ def dumps(obj: Any, *, option: int | None = None, default: Callable[[Any], Any] 
         raise ShmaskError("response JSON: a NUL byte in the document outside shmask's "
                           "placeholders (an orjson.Fragment holding one?)")
     threads = json_threads() if threads is None else threads
-    written: dict[int, tuple[bytearray, list[Spans]]] = {}
+    written: dict[int, tuple[bytearray, list[Spans]]] = {}  # per RowsJSON, by id
+    sources: list[RowsJSON] = []  # each RowsJSON once, to check after the copy
     pieces: list[Any] = [around[0]]
     for hole, after in zip(holes, around[1:], strict=True):
         if isinstance(hole, RawJSON):
@@ -184,14 +185,15 @@ def dumps(obj: Any, *, option: int | None = None, default: Callable[[Any], Any] 
                     if rows.check is not None:
                         rows.check()  # a late read is StaleChunkError, whatever failed
                     raise
+                sources.append(rows)
             out, fields = written[id(rows)]
             view = memoryview(out)
             pieces.extend(view[start:start + length] for start, length in fields[hole.field])
         pieces.append(after)
     document = _gather(pieces, threads)
-    for hole in holes:
-        if isinstance(hole, _RowsField) and hole.rows.check is not None:
-            hole.rows.check()
+    for rows in sources:
+        if rows.check is not None:
+            rows.check()
     return document
 
 

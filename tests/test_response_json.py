@@ -391,4 +391,9 @@ def test_dumps_refuses_what_it_cannot_place(writer, reader):
         dumps({"a": orjson.Fragment(b'"\x00"')})
     with pytest.raises(TypeError, match="not JSON serializable"):
         dumps({"a": object()})
+    # A dict cannot hold two fields of one name: to_json refuses rather than drop one.
+    chunk = shmask.Chunk(shmask.refs.MODE_SUPPORT, np.zeros(0, np.int32), np.zeros(0, np.int32),
+                         np.zeros(0, np.float32), None)
+    with pytest.raises(ValueError, match="three distinct field names"):
+        chunk.to_json(("a", "a", "c"))
 

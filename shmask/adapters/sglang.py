@@ -1166,7 +1166,9 @@ def response_meta_info(source: SamplingMaskJSON | SamplingMaskChunk | Chunk
     ``source`` is a request's ``SamplingMaskJSON`` (streaming: extend it per
     emission, call this per response; ``start`` is SGLang's incremental
     offset), or its chunk(s) (whole response; they are released), which then
-    needs ``support_logprobs``."""
+    needs ``support_logprobs``. ``raw=True``: the arrays as
+    ``shmask.response_json.RawJSON`` for ``response_json.dumps`` instead
+    (the same bytes, one copy fewer)."""
     if not isinstance(source, SamplingMaskJSON):
         if support_logprobs is None:
             raise TypeError("response_meta_info(chunks) needs support_logprobs=")
