@@ -165,9 +165,7 @@ static void encode_task(void *context, uint64_t task) {
 
 static void run_encode(encode_job *job, int threads) {
     uint64_t chars = job->total / 3 * 4;
-    uint64_t tasks = threads < 1 ? 1 : threads > SHM_B64_MAX_THREADS ? SHM_B64_MAX_THREADS
-                                                                       : (uint64_t)threads;
-    if (tasks > chars / CHARS_PER_TASK) tasks = chars / CHARS_PER_TASK ? chars / CHARS_PER_TASK : 1;
+    uint64_t tasks = shm_pool_tasks(threads, chars, CHARS_PER_TASK);
     job->tasks = tasks;
     shm_pool_run(encode_task, job, tasks);
 }
@@ -617,10 +615,7 @@ int shm_b64_decode(const char *text, uint64_t text_size, const uint64_t *spans, 
         results[2 * k + 1] = 0;
         total += length / 4;
     }
-    uint64_t tasks = threads < 1 ? 1 : threads > SHM_B64_MAX_THREADS ? SHM_B64_MAX_THREADS
-                                                                       : (uint64_t)threads;
-    uint64_t chars = 4 * total;
-    if (tasks > chars / CHARS_PER_TASK) tasks = chars / CHARS_PER_TASK ? chars / CHARS_PER_TASK : 1;
+    uint64_t tasks = shm_pool_tasks(threads, 4 * total, CHARS_PER_TASK);
     decode_job job = {(const unsigned char *)text, spans, count, total, tasks, out, results};
     if (total) shm_pool_run(decode_task, &job, tasks);
     return 0;

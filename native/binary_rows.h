@@ -14,7 +14,6 @@
 
 #include <stdint.h>
 
-#define SHM_B64_MAX_THREADS 64
 /* Return codes. */
 #define SHM_B64_E_ARGS -1     /* counts that cannot be written (past 2^56) */
 #define SHM_B64_E_CAPACITY -2 /* the destination is not the size asked for */

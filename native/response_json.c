@@ -643,9 +643,8 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
 
     rows_job job = {support, lengths, flags, ids, logprobs};
     uint64_t work = entries + rows;
-    uint64_t parts = threads < 1 ? 1 : threads > SHM_JSON_MAX_THREADS ? SHM_JSON_MAX_THREADS
-                                                                         : (uint64_t)threads;
-    if (parts > work / WORK_PER_THREAD) parts = work / WORK_PER_THREAD ? work / WORK_PER_THREAD : 1;
+    uint64_t parts = shm_pool_tasks(threads, work, WORK_PER_THREAD);
+    if (parts > SHM_JSON_MAX_THREADS) parts = SHM_JSON_MAX_THREADS; /* the spans' room */
     if (parts > rows) parts = rows ? rows : 1; /* a part takes whole rows: no empty parts */
 
     /* Each field's region starts with its "[" and holds every part's span
@@ -733,10 +732,8 @@ int shm_json_gather(char *out, uint64_t out_length, const char *const *sources,
         total += lengths[i];
     }
     if (total != out_length) return SHM_JSON_E_CAPACITY;
-    uint64_t parts = threads < 1 ? 1 : threads > SHM_JSON_MAX_THREADS ? SHM_JSON_MAX_THREADS
-                                                                        : (uint64_t)threads;
-    if (parts > total / GATHER_PER_THREAD) parts = total / GATHER_PER_THREAD ? total / GATHER_PER_THREAD : 1;
-    gather_job job = {out, sources, lengths, count, total, parts};
-    shm_pool_run(gather_part, &job, parts);
+    gather_job job = {out, sources, lengths, count, total,
+                      shm_pool_tasks(threads, total, GATHER_PER_THREAD)};
+    shm_pool_run(gather_part, &job, job.parts);
     return 0;
 }

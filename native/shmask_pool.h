@@ -21,6 +21,19 @@ typedef void (*shm_pool_task)(void *context, uint64_t index);
 void shm_pool_run(shm_pool_task run, void *context, uint64_t count);
 
 #define SHM_POOL_MAX_WORKERS 63
+/* The most tasks a writer splits one call into: this thread + every worker. */
+#define SHM_POOL_MAX_TASKS (SHM_POOL_MAX_WORKERS + 1)
+
+/* How many tasks `work` units are worth: `threads` (the caller's setting,
+ * clamped to 1..SHM_POOL_MAX_TASKS), but no more than one per `per_task`
+ * units (a task's start costs more than a smaller share saves), and 1 at
+ * least. */
+static inline uint64_t shm_pool_tasks(int threads, uint64_t work, uint64_t per_task) {
+    uint64_t tasks = threads < 1 ? 1 : threads > SHM_POOL_MAX_TASKS ? SHM_POOL_MAX_TASKS
+                                                                     : (uint64_t)threads;
+    uint64_t worth = work / per_task;
+    return tasks > worth ? (worth ? worth : 1) : tasks;
+}
 
 /* Before a task writes [begin, end) of memory that may be fresh: maps the
  * whole pages inside it with one madvise(MADV_POPULATE_WRITE) instead of a

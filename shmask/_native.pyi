@@ -174,7 +174,6 @@ class _Lib:
     SHM_JSON_E_ROWS: int
     SHM_JSON_E_CAPACITY: int
     # binary_rows.h
-    SHM_B64_MAX_THREADS: int
     SHM_B64_E_ARGS: int
     SHM_B64_E_CAPACITY: int
     SHM_B64_E_SYNTAX: int
