@@ -20,10 +20,11 @@ segment prefix are set here).
   tokenizer    per emission: opens every chunk it was sent, builds each
                request's response (an SGLang meta_info dict whose three
                sampling-mask fields are shmask.adapters.sglang.meta_info_rows
-               of the chunk, written by shmask.response_json.dumps: the
-               native response writer on SHMASK_JSON_THREADS threads, straight
-               from the ring into the response's bytes), and releases the
-               chunks. Incremental streaming: each response carries the
+               of the chunk, all of the emission's written by
+               shmask.response_json.dumps_many: each response whole on one of
+               SHMASK_JSON_THREADS threads, by the native response writer,
+               straight from the ring into the response's bytes), and
+               releases the chunks. Incremental streaming: each response carries the
                emission's rows.
 
 Per emission (warmup left out: by default as many emissions as lap the ring
@@ -46,7 +47,8 @@ once, so every process has its ring pages mapped, as in a long-running server):
                  SGLang's SamplingMaskChunk where installed, else the same
                  per-row tolist loop, then orjson.dumps of the same meta_info
                  dict) must be identical, and the rows must equal the
-                 scheduler's; plus any emission a tokenizer never got
+                 scheduler's; plus any emission a tokenizer never got and any
+                 response that failed to build
 
     python benchmarks/response_leg.py --emissions 20 --out results.json   # full sweep
     python benchmarks/response_leg.py --requests 32 64 --support 200 --emissions 3
@@ -246,7 +248,7 @@ def run_tokenizer(spec: dict[str, Any], index: int) -> None:
     log: dict[str, list[Any]] = {key: [] for key in (
         "index", "emitted_at", "received_at", "built_at", "done_at", "busy_s", "cpu_s",
         "requests", "response_bytes")}
-    checked = json_mismatches = row_mismatches = stale = 0
+    checked = json_mismatches = row_mismatches = stale = failed = 0
     try:
         inp = socket(context, zmq.PULL, endpoint(spec, f"tokenizer{index}"), bind=True)
         acks = socket(context, zmq.PUSH, endpoint(spec, "acks"), bind=False)
@@ -273,12 +275,20 @@ def run_tokenizer(spec: dict[str, Any], index: int) -> None:
             completion_tokens = (emission_index + 1) * emission
             sampled = {0, len(chunks) - 1}  # kept for the check; the others are dropped as sent
             kept, response_bytes = {}, 0
-            for k, (request, chunk) in enumerate(zip(requests, chunks, strict=True)):
-                response = response_json.dumps(meta_info(request, completion_tokens,
-                                                         meta_info_rows(chunk)))
+            # The emission's responses at once, each whole on one JSON thread;
+            # a request whose response fails costs only that request.
+            responses = response_json.dumps_many(
+                [meta_info(request, completion_tokens, meta_info_rows(chunk))
+                 for request, chunk in zip(requests, chunks, strict=True)],
+                return_exceptions=True)
+            for k, response in enumerate(responses):
+                if isinstance(response, Exception):
+                    failed += 1
+                    continue
                 response_bytes += len(response)
                 if k in sampled:
                     kept[k] = response
+            del responses  # sent: dropped once built, as a server does
             built, cpu1 = now(), cpu_seconds()
 
             # Not timed: the first and last request against SGLang's way and the scheduler's rows.
@@ -314,7 +324,8 @@ def run_tokenizer(spec: dict[str, Any], index: int) -> None:
 
     write_result(spec["dir"], f"tokenizer{index}", {
         **log, "checked": checked, "json_mismatches": json_mismatches,
-        "row_mismatches": row_mismatches, "stale": stale, "json_threads": json_threads(),
+        "row_mismatches": row_mismatches, "stale": stale, "failed": failed,
+        "json_threads": json_threads(),
         "sglang": "SGLang's SamplingMaskChunk" if chunk_class else "the same per-row loop"})
 
 
@@ -396,7 +407,7 @@ def summarize(spec: dict[str, Any], results: dict[str, Any], wall_s: float) -> d
                                                          for i in measured])) / 1e6,
             "checked": tok["checked"], "json_mismatches": tok["json_mismatches"],
             "row_mismatches": tok["row_mismatches"], "missing_emissions": missing,
-            "stale_chunks": tok["stale"],
+            "failed_responses": tok["failed"], "stale_chunks": tok["stale"],
             "json_threads": tok["json_threads"], "sglang": tok["sglang"],
             "busy_ms": [1000 * v for v in busy], "lag_ms": [1000 * v for v in lag]})
     stats = scheduler["stats"]
@@ -416,7 +427,7 @@ def summarize(spec: dict[str, Any], results: dict[str, Any], wall_s: float) -> d
         "stale_chunks": sum(t["stale_chunks"] for t in per_tokenizer),
         "checked": sum(t["checked"] for t in per_tokenizer),
         "mismatches": sum(t["json_mismatches"] + t["row_mismatches"] + t["missing_emissions"]
-                          for t in per_tokenizer),
+                          + t["failed_responses"] for t in per_tokenizer),
         "append_ms_p50": percentile_ms(scheduler["append_s"], 50),
         "take_ms_p50": percentile_ms(scheduler["take_s"], 50),
         "late_steps": scheduler["late_steps"],

@@ -60,6 +60,7 @@ from shmask.binary_rows import (
     decode_rows,
     encode_chunk,
     encode_meta_info,
+    encode_meta_info_many,
     loads,
 )
 from shmask.response_json import json_threads
@@ -200,12 +201,23 @@ def fragments_meta_info(chunk: shmask.Chunk, threads: int) -> bytes:
     return sglang_meta_info(orjson.Fragment(masks), orjson.Fragment(values), chunk.rows)
 
 
+def native_document(chunk: shmask.Chunk) -> dict[str, Any]:
+    """The meta_info fields with the chunk's rows as holes for response_json.dumps."""
+    rows = chunk.json_rows()
+    return {"output_token_sampling_mask": rows.ids,
+            "output_token_sampling_logprobs": rows.logprobs,
+            "output_token_sampling_mask_length": chunk.rows}
+
+
 def native_meta_info(chunk: shmask.Chunk, threads: int) -> bytes:
     """The same bytes written by response_json.dumps (one copy of the rows' text)."""
-    rows = chunk.json_rows()
-    return response_json.dumps({"output_token_sampling_mask": rows.ids,
-                                "output_token_sampling_logprobs": rows.logprobs,
-                                "output_token_sampling_mask_length": chunk.rows}, threads=threads)
+    return response_json.dumps(native_document(chunk), threads=threads)
+
+
+def native_meta_info_many(chunks: list[shmask.Chunk], threads: int) -> list[bytes]:
+    """Every chunk's bytes by response_json.dumps_many: the emission's
+    documents at once, each written whole by one of `threads` threads."""
+    return response_json.dumps_many([native_document(c) for c in chunks], threads=threads)
 
 
 SENT = ", sent"  # a path timed with each document dropped once built
@@ -231,8 +243,10 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
     pass over them), on 1 and on SHMASK_JSON_THREADS threads. Each path
     twice: every document of the emission kept (fresh memory throughout),
     and each dropped once built (", sent": memory reused, as a server
-    sending each response). Totals over all requests, medians over
-    `repeats`, the paths interleaved within each repeat."""
+    sending each response); and response_json.dumps_many, the emission's
+    documents in one call, each written whole by one thread (kept). Totals
+    over all requests, medians over `repeats`, the paths interleaved within
+    each repeat."""
     chunk_class = sglang_chunk_class()
     threads = json_threads()
 
@@ -247,6 +261,8 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
         "native dumps, 1 thread": lambda c: native_meta_info(c, 1),
         f"native dumps, {threads} threads": lambda c: native_meta_info(c, threads)}
     times: dict[str, list[float]] = {name + mode: [] for name in paths for mode in ("", SENT)}
+    many = f"native dumps_many, {threads} threads"
+    times[many] = []
     mismatches = 0
     with one_emission(requests, tokens, width) as chunks:
         for _ in range(repeats):
@@ -257,6 +273,10 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
                 times[name].append(now() - started)
             for name, build in paths.items():
                 times[name + SENT].append(sent_ms(chunks, build))
+            # The whole emission in one call (kept: the call returns them all).
+            started = now()
+            out[many] = native_meta_info_many(chunks, threads)
+            times[many].append(now() - started)
             baseline = out["sglang to_lists + orjson"]
             mismatches += sum(a != b for got in out.values() for a, b in zip(got, baseline,
                                                                              strict=True))
@@ -269,7 +289,8 @@ def measure_sglang(requests: int, tokens: int, width: int, repeats: int) -> dict
 def print_sglang(result: dict[str, Any]) -> None:
     times = result["times"]
     goals = {"native dumps, 1 thread": TARGET_ONE_THREAD,
-             f"native dumps, {result['threads']} threads": TARGET_THREADS}
+             f"native dumps, {result['threads']} threads": TARGET_THREADS,
+             f"native dumps_many, {result['threads']} threads": TARGET_THREADS}
     rows = []
     for mode, label in (("", "kept"), (SENT, "sent")):
         baseline = times["sglang to_lists + orjson" + mode]
@@ -312,7 +333,8 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
               "binary, accumulator extend + fields", "floor: one copy of the raw rows",
               f"binary, encode_meta_info (native, {threads} threads)",
               "binary, encode_meta_info (native, 1 thread)",
-              BINARY_BASELINE + SENT, f"binary, encode_meta_info (native, {threads} threads)" + SENT)
+              BINARY_BASELINE + SENT, f"binary, encode_meta_info (native, {threads} threads)" + SENT,
+              f"binary, encode_meta_info_many (native, {threads} threads)")
     client = ("orjson.loads + np.fromiter (JSON lists)", "orjson.loads + decode_rows (binary)",
               "floor: orjson.loads of the binary meta_info", "binary_rows.loads")
     times: dict[str, list[float]] = {name: [] for name in server + client}
@@ -353,8 +375,11 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
             times[server[7]].append(sent_ms(chunks, lambda c: sglang_meta_info(
                 *sglang_lists(chunk_class, c.lengths, c.ids, c.logprobs), c.rows)))
             times[server[8]].append(sent_ms(chunks, lambda c: encode_meta_info(c, threads=threads)))
+            started = now()
+            out[server[9]] = encode_meta_info_many(chunks, threads=threads)
+            times[server[9]].append(now() - started)
             mismatches += sum(a != b for a, b in zip(out[server[1]], out[server[0]], strict=True))
-            for name in (server[3], server[5], server[6]):  # the same bytes as encode_chunk's
+            for name in (server[3], server[5], server[6], server[9]):  # encode_chunk's bytes
                 mismatches += sum(a != b for a, b in zip(out[name], out[server[2]], strict=True))
 
             started = now()

@@ -706,14 +706,13 @@ typedef struct {
 } gather_job;
 
 /* Part `index`: output bytes [total * index / parts, total * (index + 1) /
- * parts), their pages mapped in one call when few parts run (shmask_pool.h),
+ * parts), their pages mapped in one call when few tasks run (shmask_pool.h),
  * then copied from whichever pieces they hold. */
 static void gather_part(void *context, uint64_t index) {
     const gather_job *job = context;
     uint64_t begin = (uint64_t)((u128)job->total * index / job->parts);
     uint64_t end = (uint64_t)((u128)job->total * (index + 1) / job->parts);
-    if (job->parts <= SHM_POOL_PREFAULT_MAX_TASKS)
-        shm_pool_prefault(job->out + begin, job->out + end);
+    shm_pool_prefault(job->out + begin, job->out + end); /* only while few threads write */
     uint64_t at = 0;
     for (uint64_t i = 0; i < job->count && at < end; i++) {
         uint64_t from = at, to = at + job->lengths[i];

@@ -43,6 +43,11 @@ static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
  * wake (more from a deep idle state), which left the caller doing most
  * parts itself. */
 static atomic_ulong pool_posted;
+/* Tasks of every call in flight in this process, started or not: whether
+ * prefaulting is worth it (shm_pool_prefault) depends on how many threads
+ * write at once, whether they are one call's tasks or several calls' (a
+ * batch of documents written one per thread). */
+static atomic_ulong pool_running;
 #define SPIN_NS 200000 /* 0.2 ms of watching after the last task */
 
 static uint64_t now_ns(void) {
@@ -117,8 +122,10 @@ static void pool_register_fork(void) {
 
 void shm_pool_run(shm_pool_task run, void *context, uint64_t count) {
     if (count == 0) return;
+    atomic_fetch_add_explicit(&pool_running, count, memory_order_relaxed);
     if (count == 1) {
         run(context, 0);
+        atomic_fetch_sub_explicit(&pool_running, 1, memory_order_relaxed);
         return;
     }
     pthread_once(&pool_fork_once, pool_register_fork);
@@ -151,12 +158,15 @@ void shm_pool_run(shm_pool_task run, void *context, uint64_t count) {
     }
     pthread_mutex_unlock(&pool_lock);
     pthread_cond_destroy(&b.done);
+    atomic_fetch_sub_explicit(&pool_running, count, memory_order_relaxed);
 }
 
 static atomic_int prefault_unsupported;
 
 void shm_pool_prefault(char *begin, char *end) {
     if (atomic_load_explicit(&prefault_unsupported, memory_order_relaxed)) return;
+    if (atomic_load_explicit(&pool_running, memory_order_relaxed) > SHM_POOL_PREFAULT_MAX_TASKS)
+        return; /* many threads writing at once: their faults overlap anyway */
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t first = ((uintptr_t)begin + page - 1) & ~(page - 1), last = (uintptr_t)end & ~(page - 1);
     if (last <= first) return;

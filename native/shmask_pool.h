@@ -39,14 +39,16 @@ static inline uint64_t shm_pool_tasks(int threads, uint64_t work, uint64_t per_t
  * whole pages inside it with one madvise(MADV_POPULATE_WRITE) instead of a
  * fault per 4 KiB page at first touch (page contents are not changed). A
  * kernel without it (before Linux 5.14) is asked once; then this does
- * nothing. Worth it only when few tasks write at once (below): on the VM a
+ * nothing. Done only while at most SHM_POOL_PREFAULT_MAX_TASKS tasks of
+ * all calls in flight in the process are running or queued (one call's
+ * tasks, or several threads' calls each writing its own document): on the VM a
  * gather on 1-2 threads took a third less time; on the H200 host the
  * binary rows on 1 thread 97 -> 82 ms per emission, but on 12 threads the
  * JSON documents 134 -> 215 ms and the binary rows 44.6 -> 52.0 ms (many
  * threads' faults already run in parallel; the madvise calls contend). */
 void shm_pool_prefault(char *begin, char *end);
 
-/* Batches of at most this many tasks prefault their output. */
+/* Prefaulting is done while at most this many tasks are in flight. */
 #define SHM_POOL_PREFAULT_MAX_TASKS 2
 
 #endif

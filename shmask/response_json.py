@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ import orjson
 
 from ._native import ffi, lib
 from .config import Config
+from .documents import map_documents
 from .errors import ShmaskError
 
 _threads: int | None = None
@@ -195,6 +196,26 @@ def dumps(obj: Any, *, option: int | None = None, default: Callable[[Any], Any] 
         if rows.check is not None:
             rows.check()
     return document
+
+
+def dumps_many(objs: Sequence[Any], *, option: int | None = None,
+               default: Callable[[Any], Any] | None = None, threads: int | None = None,
+               return_exceptions: bool = False) -> list[Any]:
+    """[dumps(obj) for obj in objs], the documents written in parallel on up
+    to `threads` (SHMASK_JSON_THREADS) threads: an emission's responses at
+    once, as a tokenizer gets them. With at least as many documents as
+    threads each document is written whole by one thread (no split and
+    join per document, no thread idle while the next one's small Python
+    part runs: every document's native part releases the GIL); fewer
+    documents share the threads. Results in the order of `objs`.
+
+    A document that fails costs only its own result: with
+    `return_exceptions` its exception takes its place in the list (what a
+    server needs: one request's error, the others' responses); without,
+    the first failure is raised once every document is done."""
+    return map_documents(
+        lambda obj, each: dumps(obj, option=option, default=default, threads=each), objs,
+        json_threads() if threads is None else threads, return_exceptions)
 
 
 def new_bytes(size: int) -> bytes:

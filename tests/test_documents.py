@@ -1,0 +1,126 @@
+"""Several responses at once (shmask.documents.map_documents through
+response_json.dumps_many and binary_rows.encode_meta_info_many): the same
+bytes as one call per document, in order, on any number of threads; a
+document that fails costs only its own result; a forked child builds too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from test_response_json import expected_arrays, publish_rows, random_rows
+
+import shmask
+from shmask.binary_rows import encode_meta_info, encode_meta_info_many
+from shmask.documents import map_documents
+from shmask.response_json import dumps, dumps_many
+
+
+@pytest.fixture
+def chunks(writer, reader):
+    """Seven chunks of different sizes and modes, opened from a real ring."""
+    rng = np.random.default_rng(2201)
+    opened = []
+    for index in range(7):
+        mode = "support" if index % 3 else "selected"
+        rows = random_rows(rng, 5 + 9 * index, 3000, 40 * index + 3, dropped=0.1, bitmasks=0.1)
+        opened.append(reader.open(publish_rows(writer, mode, rows, 3000)))
+    yield opened
+    for chunk in opened:
+        chunk.release()
+
+
+def document(chunk: shmask.Chunk, index: int) -> dict:
+    rows = chunk.json_rows()
+    return {"rid": f"r{index}", "meta_info": {"mask": rows.ids, "logprobs": rows.logprobs,
+                                              "lengths": rows.lengths_field, "n": chunk.rows}}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
+def test_dumps_many_is_dumps_of_each_in_order(chunks, threads):
+    expected = []
+    for index, chunk in enumerate(chunks):
+        ids, logprobs, lengths = expected_arrays(chunk)
+        expected.append(b'{"rid":"r%d","meta_info":{"mask":%s,"logprobs":%s,"lengths":%s,"n":%d}}'
+                        % (index, ids, logprobs, lengths, chunk.rows))
+    docs = [document(chunk, index) for index, chunk in enumerate(chunks)]
+    assert dumps_many(docs, threads=threads) == expected
+    assert [dumps(doc) for doc in docs] == expected
+    assert dumps_many(docs[:1], threads=threads) == expected[:1]  # fewer documents than threads
+    assert dumps_many([], threads=threads) == []
+
+
+def test_a_failing_document_costs_only_itself(chunks):
+    docs = [document(chunk, index) for index, chunk in enumerate(chunks)]
+    good = dumps_many(docs, threads=3)
+    docs[2] = {"rid": "bad", "value": object()}  # orjson cannot write it
+    got = dumps_many(docs, threads=3, return_exceptions=True)
+    assert isinstance(got[2], TypeError)
+    assert got[:2] + got[3:] == good[:2] + good[3:]
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        dumps_many(docs, threads=3)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_encode_meta_info_many_is_encode_meta_info_of_each(chunks, threads):
+    starts = [3 * index for index in range(len(chunks))]
+    lengths = [None if index % 2 else 1000 + index for index in range(len(chunks))]
+    expected = [encode_meta_info(chunk, start, length=length)
+                for chunk, start, length in zip(chunks, starts, lengths, strict=True)]
+    assert encode_meta_info_many(chunks, starts, threads, lengths=lengths) == expected
+    assert encode_meta_info_many(chunks, threads=threads) == [encode_meta_info(c)
+                                                              for c in chunks]
+    with pytest.raises(shmask.ShmaskError, match="7 chunks but 2 starts"):
+        encode_meta_info_many(chunks, [0, 1])
+
+
+def test_a_failing_chunk_costs_only_itself(chunks):
+    expected = [encode_meta_info(chunk) for chunk in chunks]
+    given = list(chunks)
+    given[4] = "not a chunk"
+    got = encode_meta_info_many(given, threads=3, return_exceptions=True)
+    assert isinstance(got[4], AttributeError)
+    assert got[:4] + got[5:] == expected[:4] + expected[5:]
+
+
+def test_threads_are_checked():
+    with pytest.raises(ValueError, match="positive int"):
+        map_documents(lambda item, each: item, [1], 0)
+
+
+def test_a_forked_child_builds_documents():
+    """The parent's document threads do not exist in a forked child: its
+    calls must still run (a pool carried over would queue work forever)."""
+    for _ in range(3):  # the pool's threads have run items and wait idle at the fork
+        assert map_documents(lambda item, each: item * 2, list(range(8)), 4) == list(
+            range(0, 16, 2))
+    time.sleep(0.1)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own process group, one call, the answer back
+        try:
+            os.setpgid(0, 0)
+            got = map_documents(lambda item, each: item * 3, list(range(8)), 4)
+            os.write(write_end, b"same" if got == list(range(0, 24, 3)) else b"diff")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass  # the child did it already (or exited)
+    deadline = time.monotonic() + 30
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the forked child's documents never finished"
+            time.sleep(0.01)
+        pid = 0
+        assert os.read(read_end, 4) == b"same"
+    finally:
+        os.close(read_end)
+        if pid:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
