@@ -36,14 +36,12 @@ import binascii
 import importlib
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
-from .documents import map_documents
 from .errors import ShmaskError
 
 if TYPE_CHECKING:
@@ -164,28 +162,6 @@ def encode_meta_info(chunk: Chunk, start: int = 0, threads: int | None = None, *
         return _encode_native(chunk, start, threads, True, total)
     return orjson.dumps({MASK_FIELD: orjson.Fragment(encode_chunk(chunk, start)),
                          LENGTH_FIELD: total})
-
-
-def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None = None,
-                          threads: int | None = None, *,
-                          lengths: Sequence[int | None] | None = None,
-                          return_exceptions: bool = False) -> list[Any]:
-    """[encode_meta_info(chunk, start, length=length) for each chunk]: an
-    emission's responses at once, each chunk written whole by one of up to
-    `threads` (SHMASK_JSON_THREADS) threads when there are at least as many
-    chunks as threads (response_json.map_documents). With
-    `return_exceptions`, a chunk that fails (StaleChunkError...) has its
-    exception in its place and costs no other chunk its result; without,
-    the first failure is raised once every chunk is done."""
-    count = len(chunks)
-    starts = [0] * count if starts is None else list(starts)
-    lengths = [None] * count if lengths is None else list(lengths)
-    if len(starts) != count or len(lengths) != count:
-        raise BinaryRowsError(f"binary rows: {count} chunks but {len(starts)} starts and "
-                              f"{len(lengths)} lengths")
-    return map_documents(lambda job, each: encode_meta_info(job[0], job[1], each, length=job[2]),
-                         list(zip(chunks, starts, lengths, strict=True)),
-                         _threads(threads) if _native() is not None else 1, return_exceptions)
 
 
 def encode_chunk(chunk: Chunk, start: int = 0, threads: int | None = None) -> bytes:

@@ -1,7 +1,7 @@
-"""Several responses at once (shmask.documents.map_documents through
-response_json.dumps_many and binary_rows.encode_meta_info_many): the same
-bytes as one call per document, in order, on any number of threads; a
-document that fails costs only its own result; a forked child builds too."""
+"""Several responses at once (response_json.dumps_many, through
+shmask.documents.map_documents): the same bytes as one call per document,
+in order, on any number of threads; a document that fails costs only its
+own result; a forked child builds too."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 from test_response_json import expected_arrays, publish_rows, random_rows
 
 import shmask
-from shmask.binary_rows import encode_meta_info, encode_meta_info_many
 from shmask.documents import map_documents
 from shmask.response_json import dumps, dumps_many
 
@@ -62,28 +61,6 @@ def test_a_failing_document_costs_only_itself(chunks):
     assert got[:2] + got[3:] == good[:2] + good[3:]
     with pytest.raises(TypeError, match="not JSON serializable"):
         dumps_many(docs, threads=3)
-
-
-@pytest.mark.parametrize("threads", [1, 2, 5])
-def test_encode_meta_info_many_is_encode_meta_info_of_each(chunks, threads):
-    starts = [3 * index for index in range(len(chunks))]
-    lengths = [None if index % 2 else 1000 + index for index in range(len(chunks))]
-    expected = [encode_meta_info(chunk, start, length=length)
-                for chunk, start, length in zip(chunks, starts, lengths, strict=True)]
-    assert encode_meta_info_many(chunks, starts, threads, lengths=lengths) == expected
-    assert encode_meta_info_many(chunks, threads=threads) == [encode_meta_info(c)
-                                                              for c in chunks]
-    with pytest.raises(shmask.ShmaskError, match="7 chunks but 2 starts"):
-        encode_meta_info_many(chunks, [0, 1])
-
-
-def test_a_failing_chunk_costs_only_itself(chunks):
-    expected = [encode_meta_info(chunk) for chunk in chunks]
-    given = list(chunks)
-    given[4] = "not a chunk"
-    got = encode_meta_info_many(given, threads=3, return_exceptions=True)
-    assert isinstance(got[4], AttributeError)
-    assert got[:4] + got[5:] == expected[:4] + expected[5:]
 
 
 def test_threads_are_checked():
