@@ -22,6 +22,8 @@
  */
 #include "binary_rows.h"
 
+#include <stdatomic.h>
+
 #include "shmask_pool.h"
 #include <pthread.h>
 #include <stdlib.h>
@@ -263,6 +265,37 @@ int64_t shm_b64_rows(int meta_info, int support, uint64_t start, uint64_t rows, 
            status != NULL, ids, logprobs);
     run_encode(&job, threads);
     return (int64_t)size;
+}
+
+typedef struct {
+    shm_b64_rows_job *jobs;
+    uint64_t count;
+    int each;            /* threads per document */
+    atomic_ulong next;   /* the next job to take */
+} many_job;
+
+/* A task of the batch: documents in turn until none is left (they differ
+ * in size, so fixed shares would leave threads idle). */
+static void many_task(void *context, uint64_t index) {
+    (void)index;
+    many_job *m = context;
+    for (;;) {
+        uint64_t i = atomic_fetch_add_explicit(&m->next, 1, memory_order_relaxed);
+        if (i >= m->count) return;
+        shm_b64_rows_job *j = &m->jobs[i];
+        j->written = shm_b64_rows(j->meta_info, j->support, j->start, j->rows, j->nnz, j->length,
+                                  j->lengths, j->status, j->ids, j->logprobs, j->out,
+                                  j->capacity, m->each);
+    }
+}
+
+void shm_b64_rows_many(shm_b64_rows_job *jobs, uint64_t count, int threads) {
+    if (count == 0) return;
+    uint64_t tasks = shm_pool_tasks(threads, count, 1);
+    many_job m = {jobs, count, 1, 0};
+    if (tasks < (uint64_t)threads) /* fewer documents than threads: each split */
+        m.each = (int)((uint64_t)threads / count);
+    shm_pool_run(many_task, &m, tasks);
 }
 
 /* ------------------------------------------------------------ the scan */

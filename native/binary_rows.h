@@ -51,6 +51,22 @@ int64_t shm_b64_rows(int meta_info, int support, uint64_t start, uint64_t rows, 
                      const uint8_t *ids, const uint8_t *logprobs, char *out, uint64_t capacity,
                      int threads);
 
+/* shm_b64_rows' arguments for one document of a batch, and its result. */
+typedef struct {
+    int meta_info, support;
+    uint64_t start, rows, nnz, length;
+    const uint8_t *lengths, *status, *ids, *logprobs;
+    char *out;
+    uint64_t capacity;
+    int64_t written; /* set by shm_b64_rows_many: what shm_b64_rows returned */
+} shm_b64_rows_job;
+
+/* shm_b64_rows for every job, on up to `threads` threads: an emission's
+ * responses in one call, each thread taking whole documents in turn (no
+ * split and join per document; with fewer documents than threads each is
+ * split across threads / count). A job's failure is its `written` only. */
+void shm_b64_rows_many(shm_b64_rows_job *jobs, uint64_t count, int threads);
+
 /* Finds the binary-rows objects of a JSON text: every object whose last
  * "format" member is the string "base64" and last "version" member the
  * number 1, written without escapes. For each (in the order their closing

@@ -36,6 +36,7 @@ import binascii
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -185,42 +186,110 @@ def encode_chunk(chunk: Chunk, start: int = 0, threads: int | None = None) -> by
     return out
 
 
+def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None = None,
+                          threads: int | None = None, *,
+                          lengths: Sequence[int | None] | None = None,
+                          return_exceptions: bool = False) -> list[Any]:
+    """[encode_meta_info(chunk, start, length=length) for each chunk]: an
+    emission's responses in one native call, the GIL released once, each of
+    up to `threads` (SHMASK_JSON_THREADS) threads taking whole documents in
+    turn (no split and join per document). With `return_exceptions` a chunk
+    that fails (StaleChunkError, a bad start...) has its exception in its
+    place and costs no other chunk its result; without, the first failure is
+    raised once every chunk is done."""
+    count = len(chunks)
+    starts = [0] * count if starts is None else list(starts)
+    lengths = [None] * count if lengths is None else list(lengths)
+    if len(starts) != count or len(lengths) != count:
+        raise BinaryRowsError(f"binary rows: {count} chunks but {len(starts)} starts and "
+                              f"{len(lengths)} lengths")
+    results: list[Any] = [None] * count
+    if _native() is None:
+        for i, (chunk, start, length) in enumerate(zip(chunks, starts, lengths, strict=True)):
+            try:
+                results[i] = encode_meta_info(chunk, start, length=length)
+            except Exception as exc:  # kept in its place
+                results[i] = exc
+    else:
+        ffi, lib = _native()
+        prepared: list[tuple[int, _Prepared]] = []
+        for i, (chunk, start, length) in enumerate(zip(chunks, starts, lengths, strict=True)):
+            try:
+                total = start + chunk.rows if length is None else length
+                prepared.append((i, _Prepared(chunk, start, True, total)))
+            except Exception as exc:  # kept in its place
+                results[i] = exc
+        jobs = ffi.new("shm_b64_rows_job[]", len(prepared))
+        for job, (_, p) in zip(jobs, prepared, strict=True):
+            (job.meta_info, job.support, job.start, job.rows, job.nnz, job.length, job.lengths,
+             job.status, job.ids, job.logprobs, job.out, job.capacity) = p.arguments
+        lib.shm_b64_rows_many(jobs, len(prepared), _threads(threads))
+        for job, (i, p) in zip(jobs, prepared, strict=True):
+            try:
+                results[i] = p.finish(job.written)
+            except Exception as exc:  # kept in its place
+                results[i] = exc
+    failed = next((r for r in results if isinstance(r, Exception)), None)
+    if failed is not None and not return_exceptions:
+        raise failed
+    return results
+
+
+class _Prepared:
+    """One chunk's arguments for the native writer (shm_b64_rows without
+    its thread count), its result bytes, and the arrays they point into."""
+
+    __slots__ = ("chunk", "arguments", "out", "keep")
+
+    def __init__(self, chunk: Chunk, start: int, meta_info: bool, length: int) -> None:
+        from .response_json import new_bytes  # needs the core, as this path does
+
+        ffi, lib = _native()
+        if start < 0 or length < 0:
+            raise BinaryRowsError(f"binary rows: start ({start}) and length ({length}) must be "
+                                  f"non-negative")
+        ids, _ = chunk._csr_arrays()  # checked in finish, once the views were read
+        status = chunk.status if chunk.flags is not None else None
+        logprobs = (chunk.logprobs if chunk.support_mode
+                    else _selected_values(chunk.logprobs, status))
+        rows, nnz, support = chunk.rows, int(ids.size), chunk.support_mode
+        lengths = np.ascontiguousarray(chunk.lengths, "<i4")
+        ids = np.ascontiguousarray(ids, "<i4")
+        logprobs = np.ascontiguousarray(logprobs, "<f4")
+        if (lengths.size != rows or logprobs.size != (nnz if support else rows)
+                or status is not None and status.size != rows):
+            raise BinaryRowsError(f"binary rows: a chunk of {rows} rows with {nnz} ids has "
+                                  f"{lengths.size} lengths and {logprobs.size} logprobs")
+        size = lib.shm_b64_rows_size(meta_info, support, start, rows, nnz, status is not None,
+                                     length)
+        if size == 0:
+            raise BinaryRowsError(f"binary rows: {rows} rows of {nnz} ids are too many to write")
+        # The result is written in place, every byte of it: a bytes object
+        # that no one else holds yet, not zero-filled first
+        # (response_json.new_bytes); its pages are first touched by the
+        # threads that write them, so their faults run in parallel.
+        self.chunk, self.out = chunk, new_bytes(size)
+        status = None if status is None else np.ascontiguousarray(status, "u1")
+        self.keep = (lengths, status, ids, logprobs)
+        self.arguments = (meta_info, support, start, rows, nnz, length, ffi.from_buffer(lengths),
+                          ffi.NULL if status is None else ffi.from_buffer(status),
+                          ffi.from_buffer(ids), ffi.from_buffer(logprobs),
+                          ffi.from_buffer(self.out), size)
+
+    def finish(self, written: int) -> bytes:
+        """The bytes, once the writer returned `written`: checked, and only
+        good if the chunk's record is still ours (StaleChunkError)."""
+        if written != self.arguments[-1]:
+            raise BinaryRowsError(f"binary rows: the writer failed with code {written}")
+        self.chunk.check()  # the views were read: only good if the record is still ours
+        return self.out
+
+
 def _encode_native(chunk: Chunk, start: int, threads: int | None, meta_info: bool,
                    length: int) -> bytes:
-    ffi, lib = _native()
-    if start < 0 or length < 0:
-        raise BinaryRowsError(f"binary rows: start ({start}) and length ({length}) must be "
-                              f"non-negative")
-    ids, _ = chunk._csr_arrays()  # checked below, once the views were read
-    status = chunk.status if chunk.flags is not None else None
-    logprobs = chunk.logprobs if chunk.support_mode else _selected_values(chunk.logprobs, status)
-    rows, nnz, support = chunk.rows, int(ids.size), chunk.support_mode
-    lengths = np.ascontiguousarray(chunk.lengths, "<i4")
-    ids = np.ascontiguousarray(ids, "<i4")
-    logprobs = np.ascontiguousarray(logprobs, "<f4")
-    if (lengths.size != rows or logprobs.size != (nnz if support else rows)
-            or status is not None and status.size != rows):
-        raise BinaryRowsError(f"binary rows: a chunk of {rows} rows with {nnz} ids has "
-                              f"{lengths.size} lengths and {logprobs.size} logprobs")
-    size = lib.shm_b64_rows_size(meta_info, support, start, rows, nnz, status is not None, length)
-    if size == 0:
-        raise BinaryRowsError(f"binary rows: {rows} rows of {nnz} ids are too many to write")
-    # The result is written in place, every byte of it: a bytes object that
-    # no one else holds yet, not zero-filled first (response_json.new_bytes);
-    # its pages are first touched by the threads that write them, so their
-    # faults run in parallel.
-    from .response_json import new_bytes  # needs the core, as this path does
-
-    out = new_bytes(size)
-    status_ptr = ffi.NULL if status is None else ffi.from_buffer(np.ascontiguousarray(status, "u1"))
-    written = lib.shm_b64_rows(meta_info, support, start, rows, nnz, length,
-                               ffi.from_buffer(lengths), status_ptr, ffi.from_buffer(ids),
-                               ffi.from_buffer(logprobs), ffi.from_buffer(out), size,
-                               _threads(threads))
-    if written != size:
-        raise BinaryRowsError(f"binary rows: the writer failed with code {written}")
-    chunk.check()  # the views were read: only good if the record is still ours
-    return out
+    prepared = _Prepared(chunk, start, meta_info, length)
+    _, lib = _native()
+    return prepared.finish(lib.shm_b64_rows(*prepared.arguments, _threads(threads)))
 
 
 class _Column:

@@ -8,11 +8,11 @@ small Python part runs; giving each thread whole documents pays neither,
 and the page faults of the fresh response memory are taken on every
 thread at once. The builder (response_json.dumps) releases the GIL for its
 native part, so plain Python threads run documents in parallel. That pays
-only where a document's native part is long against its Python part and
-the hand-offs of the GIL: a JSON document of 50 x 1000 entries (~2 ms of
-writing) yes; binary rows of the same (~0.2 ms of base64) no: on the H200
-host, one per thread was no faster than each split across the threads
-(29.0 against 26.8 ms per emission), on the 2-core VM 1.7x slower.
+where a document's native part is long against its Python part and the
+GIL's hand-offs: a JSON document of 50 x 1000 entries (~2 ms of writing)
+yes; binary rows of the same (~0.2 ms of base64) no (on the H200 host no
+faster than each document split across the threads, on the 2-core VM 1.7x
+slower): binary_rows.encode_meta_info_many makes one native call instead.
 """
 
 from __future__ import annotations

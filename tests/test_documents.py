@@ -14,6 +14,7 @@ import pytest
 from test_response_json import expected_arrays, publish_rows, random_rows
 
 import shmask
+from shmask.binary_rows import encode_meta_info, encode_meta_info_many
 from shmask.documents import map_documents
 from shmask.response_json import dumps, dumps_many
 
@@ -101,3 +102,35 @@ def test_a_forked_child_builds_documents():
         if pid:
             os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+# ------------------------------------------------- binary rows, one native call
+
+@pytest.mark.parametrize("threads", [1, 2, 5, 16])
+def test_encode_meta_info_many_is_encode_meta_info_of_each(chunks, threads):
+    starts = [3 * index for index in range(len(chunks))]
+    lengths = [None if index % 2 else 1000 + index for index in range(len(chunks))]
+    expected = [encode_meta_info(chunk, start, length=length)
+                for chunk, start, length in zip(chunks, starts, lengths, strict=True)]
+    assert encode_meta_info_many(chunks, starts, threads, lengths=lengths) == expected
+    assert encode_meta_info_many(chunks, threads=threads) == [encode_meta_info(c)
+                                                              for c in chunks]
+    assert encode_meta_info_many(chunks[:2], threads=threads) == [encode_meta_info(c)
+                                                                  for c in chunks[:2]]
+    assert encode_meta_info_many([], threads=threads) == []
+    with pytest.raises(shmask.ShmaskError, match="7 chunks but 2 starts"):
+        encode_meta_info_many(chunks, [0, 1])
+
+
+def test_a_failing_chunk_costs_only_itself(chunks):
+    expected = [encode_meta_info(chunk) for chunk in chunks]
+    given = list(chunks)
+    given[1] = "not a chunk"
+    starts = [0] * len(chunks)
+    starts[3] = -1  # refused before anything is written
+    got = encode_meta_info_many(given, starts, 4, return_exceptions=True)
+    assert isinstance(got[1], AttributeError)
+    assert isinstance(got[3], shmask.ShmaskError) and "non-negative" in str(got[3])
+    assert [got[i] for i in (0, 2, 4, 5, 6)] == [expected[i] for i in (0, 2, 4, 5, 6)]
+    with pytest.raises(AttributeError):
+        encode_meta_info_many(given, threads=4)

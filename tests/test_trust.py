@@ -16,7 +16,8 @@ import pytest
 
 import shmask
 from shmask.refs import ENTRY_DTYPE, KIND_LOST, KIND_SHM, RefBatch
-from shmask.response_json import dumps
+from shmask.binary_rows import encode_meta_info, encode_meta_info_many
+from shmask.response_json import dumps, dumps_many
 
 VOCAB = 1 << 30
 
@@ -247,6 +248,10 @@ def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, re
         "to_json": lambda c: c.to_json(),
         "json_arrays": lambda c: c.json_arrays(),
         "dumps(json_rows)": lambda c: dumps({"ids": c.json_rows().ids}),
+        "dumps_many(json_rows)": lambda c: dumps_many([{"ids": c.json_rows().ids}] * 3,
+                                                      threads=2),
+        "encode_meta_info": lambda c: encode_meta_info(c),
+        "encode_meta_info_many": lambda c: encode_meta_info_many([c], threads=2),
         "csr": lambda c: c.csr(),
         "row": lambda c: c.row(1),
         "slice": lambda c: c.slice(1).to_lists(),
