@@ -77,7 +77,7 @@ def main() -> None:
     def decode(body: bytes) -> None:
         found_spans = spans[id(body)]
         plan, at = [], 0
-        for f, name in enumerate(("lengths", "status", "ids", "logprobs")):
+        for f in range(4):  # lengths, status, ids, logprobs
             begin, end = int(found_spans[2 * f]), int(found_spans[2 * f + 1])
             if begin < 0:
                 continue

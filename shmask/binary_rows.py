@@ -473,7 +473,7 @@ def _decode_object(obj: dict[str, Any], torch: bool) -> BinaryRows:
 
 
 # ------------------------------------------------------- client: loads
-_DTYPES = tuple((name, dtype, np.dtype(dtype).itemsize) for name, dtype in _FIELDS)
+_DTYPES = tuple((name, dtype, np.dtype(dtype)) for name, dtype in _FIELDS)
 
 
 def _is_rows(value: Any) -> bool:
@@ -560,30 +560,32 @@ def _loads_native(data: bytes | bytearray | memoryview, torch: bool, ffi: Any, l
     pieces.append(view[done:])
     tree = orjson.loads(b"".join(pieces))
     objects = _find_rows(tree)
-    # Every found string's field, decoded natively into one buffer: object,
-    # name, dtype, count, offset in `out`; `plan` the decoder's spans.
+    # Every found string's field, decoded natively into one buffer: the
+    # object's arrays and negatives, name, dtype, count, offset in `out`;
+    # `plan` the decoder's spans.
     plans = []
-    native: list[tuple[int, str, str, int, int]] = []
+    native: list[tuple[dict[str, Any], dict[str, bool], str, np.dtype, int, int]] = []
     plan: list[int] = []
     out_size = 0
-    for number, (_, _, obj) in enumerate(objects):
+    for _, _, obj in objects:
         mode, start, rows, nnz = _header(obj)
         counts = (rows, rows, nnz, nnz if mode == "support" else rows)
         arrays: dict[str, Any] = {}
-        for (name, dtype, itemsize), count in zip(_DTYPES, counts, strict=True):
+        negatives: dict[str, bool] = {}  # 'lengths', 'ids': negative values, as decoded natively
+        for (name, dtype, numpy_dtype), count in zip(_DTYPES, counts, strict=True):
             value = obj.get(name)
-            k = marks.get(value) if type(value) is str else None
-            if k is None:  # a value the scan did not take (not a string, say)
+            k = marks.get(value, -1) if type(value) is str else -1
+            if k < 0:  # a value the scan did not take (not a string, say)
                 arrays[name] = _field(obj, name, count, dtype, torch, required=name != "status")
                 continue
             begin, end = spans[2 * k], spans[2 * k + 1]
-            size = count * itemsize
+            size = count * numpy_dtype.itemsize
             if end - begin != 4 * -(-size // 3):
                 raise _Fallback  # escapes, or the wrong length: the reference path says
-            native.append((number, name, dtype, count, out_size))
+            native.append((arrays, negatives, name, numpy_dtype, count, out_size))
             plan += [begin, end - begin, out_size, size]
             out_size += -(-size // _ALIGN) * _ALIGN
-        plans.append((mode, start, nnz, arrays))
+        plans.append((mode, start, nnz, arrays, negatives))
     if len(native) != len(present):  # a found string the parser puts elsewhere
         raise _Fallback
     out = np.empty(max(out_size, 1), np.uint8)
@@ -592,20 +594,16 @@ def _loads_native(data: bytes | bytearray | memoryview, torch: bool, ffi: Any, l
                               ffi.from_buffer("uint8_t[]", out), out.size, results, _threads(None))
     if code != 0:
         raise BinaryRowsError(f"binary rows: the decoder failed with code {code}")
-    checked = ffi.unpack(results, 2 * len(native))
+    checked = ffi.unpack(results, 2 * len(native))  # per field: first bad character, negative
     if any(bad >= 0 for bad in checked[::2]):  # not plain base64: no span can be trusted
         raise _Fallback
-    for field, (number, name, dtype, count, offset) in enumerate(native):
-        plans[number][3][name] = np.frombuffer(out, dtype, count, offset)
-    # Whether 'lengths' and 'ids' hold a negative value, as the decoder saw
-    # them (None for a field numpy decoded: numpy looks).
-    negative: dict[tuple[int, str], bool] = {
-        (number, name): checked[2 * field + 1] != 0
-        for field, (number, name, _, _, _) in enumerate(native)}
+    for (arrays, negatives, name, numpy_dtype, count, offset), negative in zip(
+            native, checked[1::2], strict=True):
+        arrays[name] = np.frombuffer(out, numpy_dtype, count, offset)
+        negatives[name] = negative != 0
     return _placed(tree, objects, [
-        _rows(mode, start, nnz, arrays, torch,
-              (negative.get((number, "lengths")), negative.get((number, "ids"))))
-        for number, (mode, start, nnz, arrays) in enumerate(plans)])
+        _rows(mode, start, nnz, arrays, torch, (negatives.get("lengths"), negatives.get("ids")))
+        for mode, start, nnz, arrays, negatives in plans])
 
 
 def loads(body: bytes | bytearray | memoryview | str, *, torch: bool = False) -> Any:
