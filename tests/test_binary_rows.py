@@ -638,6 +638,19 @@ def test_the_scan_jumps_over_what_it_can_size():
     assert ids_span(body) == (1, good()["ids"].encode())
 
 
+def test_loads_takes_every_kind_of_body():
+    """bytes, str, bytearray and memoryviews (a strided one too) give the
+    same document."""
+    body = fuzz_document()
+    expected = canonical(loads(body))
+    strided = memoryview(np.repeat(np.frombuffer(body, np.uint8), 2).tobytes())[::2]
+    assert not strided.contiguous
+    for kind in (body.decode(), bytearray(body), memoryview(body), strided):
+        assert canonical(loads(kind)) == expected, type(kind)
+    with pytest.raises(ValueError):
+        loads(memoryview(body[:-1]))
+
+
 def test_a_well_formed_body_takes_the_native_path(monkeypatch):
     """The reference path (orjson.loads + decode_rows) decides only for
     bodies the native path cannot vouch for: never for what an encoder
