@@ -565,6 +565,20 @@ __attribute__((target("avx2"))) static uint64_t decode_avx2(const unsigned char 
 }
 #endif
 
+#ifdef B64_X86
+/* Whether a byte at offset 3 modulo 4 of p[0 : 32 * blocks] has its top
+ * bit set (the sign of a little-endian int32 starting at p): the OR of the
+ * blocks, then the top bits of bytes 3, 7, ..., 31. Half the decoder's
+ * time when it was a loop over words. */
+__attribute__((target("avx2"))) static int any_high_top_byte_avx2(const uint8_t *p,
+                                                                   uint64_t blocks) {
+    __m256i any = _mm256_setzero_si256();
+    for (uint64_t i = 0; i < blocks; i++)
+        any = _mm256_or_si256(any, _mm256_loadu_si256((const __m256i *)(p + 32 * i)));
+    return (_mm256_movemask_epi8(any) & (int)0x88888888u) != 0;
+}
+#endif
+
 /* Decodes quartets [0, count) of `text` into out (3 bytes each); returns
  * the offset of the first character outside the alphabet, or -1. */
 static int64_t decode_quartets(const unsigned char *text, uint64_t count, uint8_t *out) {
@@ -653,8 +667,22 @@ static void decode_part(const decode_job *job, uint64_t k, uint64_t from, uint64
         high = (uint32_t)out[b] << 24;
         b += 4;
     }
-    /* Whole words (a loop the compiler vectorizes), then the last byte. */
-    for (b -= 3; b + 4 <= last; b += 4) {
+    b -= 3; /* a word's first byte: whole words from here, then the last top byte */
+#ifdef B64_X86
+    if (b < last && last - b >= 64 && use_avx2()) {
+        uint64_t blocks = (last - b) / 32;
+        if (any_high_top_byte_avx2(out + b, blocks)) high |= 0x80000000u;
+        b += 32 * blocks;
+    }
+#endif
+    uint64_t pairs = 0; /* two words at a time: compilers do not vectorize the loop at -O2 */
+    for (; b + 8 <= last; b += 8) {
+        uint64_t two;
+        memcpy(&two, out + b, 8);
+        pairs |= two;
+    }
+    high |= (uint32_t)pairs | (uint32_t)(pairs >> 32);
+    for (; b + 4 <= last; b += 4) {
         uint32_t word;
         memcpy(&word, out + b, 4);
         high |= word;

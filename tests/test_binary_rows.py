@@ -369,6 +369,40 @@ def test_base64_of_every_size_and_split():
             assert bool(results[1]) == bool((words < 0).any())
 
 
+@needs_core
+@pytest.mark.parametrize("threads", [1, 5])
+def test_the_decoder_finds_each_negative_word(threads):
+    """The sign report looks at exactly the top byte of every int32 word:
+    one negative word anywhere (the first, the last, on either side of a
+    vector block's or a task's edge) is found; top bits in the other bytes
+    are not a negative word."""
+    ffi, lib = binary_rows._native()
+    size = 4 * 3000 + 2  # a partial word at the end: never a whole int32
+    positive = np.full(size, 0xFF, np.uint8)
+    positive[3::4] = 0x7F  # every word's top byte without its sign bit
+    text = base64.b64encode(positive.tobytes())
+    spans = np.array([0, len(text), 0, size], np.uint64)
+    out = bytearray(size)
+    results = np.empty(2, np.int64)
+
+    def negative(data):
+        encoded = base64.b64encode(data.tobytes())
+        assert lib.shm_b64_decode(ffi.from_buffer(encoded), len(encoded),
+                                  ffi.from_buffer("uint64_t[]", spans), 1, ffi.from_buffer(out),
+                                  size, ffi.from_buffer("int64_t[]", results), threads) == 0
+        assert results[0] == -1 and bytes(out) == data.tobytes()
+        return bool(results[1])
+
+    assert not negative(positive)
+    for word in (0, 1, 7, 8, 15, 16, 17, 31, 32, 63, 64, 375, 599, 600, 1499, 2999):
+        data = positive.copy()
+        data[4 * word + 3] = 0x80
+        assert negative(data), word
+    data = positive.copy()
+    data[-1] = data[-2] = 0xFF  # the partial word: not an int32
+    assert not negative(data)
+
+
 # ------------------------------------------------------------ loads
 def rows_key(rows: binary_rows.BinaryRows) -> tuple:
     """Everything a BinaryRows holds, comparable (floats by their bits)."""
