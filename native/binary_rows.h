@@ -78,7 +78,17 @@ void shm_b64_rows_many(shm_b64_rows_job *jobs, uint64_t count, int threads);
  * SHM_B64_E_SYNTAX / SHM_B64_E_DEPTH with the offending byte's offset in
  * *error_at. Reads nothing outside text[0:n]. The scan follows strings,
  * escapes and nesting exactly; it does not check what a JSON parser of the
- * rest checks anyway (UTF-8, control characters, escape letters). */
+ * rest checks anyway (UTF-8, control characters, escape letters).
+ * One exception, for speed: a field string of an object whose "format",
+ * "version", "mode" and counts ("rows", "nnz") came before it, as an
+ * encoder writes them, is not read: it is taken to end where its length
+ * for those counts puts it, when a quote stands there. Such a span is
+ * right exactly when it holds only base64 characters (no quote, no
+ * backslash): the caller must check that every stored span does
+ * (shm_b64_decode does) and trust none of them if one does not. A jumped
+ * string that is not stored (a later member of the same name, an object
+ * that is not binary rows after all), or a text that the jumps made look
+ * malformed, is scanned again reading every string. */
 int64_t shm_b64_scan(const char *text, uint64_t n, int64_t *found, uint64_t capacity,
                      uint64_t *error_at);
 

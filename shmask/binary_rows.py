@@ -87,8 +87,14 @@ def _native() -> Any:
 def _threads(threads: int | None) -> int:
     if threads is not None:
         return threads
-    from .response_json import json_threads  # the core is there: this imports it
-    return json_threads()
+    global _json_threads
+    if _json_threads is None:
+        from .response_json import json_threads  # the core is there: this imports it
+        _json_threads = json_threads
+    return _json_threads()
+
+
+_json_threads: Any = None  # response_json.json_threads, imported on first use
 
 
 class BinaryRowsError(ShmaskError, ValueError):
@@ -470,26 +476,22 @@ def _field(obj: dict[str, Any], name: str, count: int, dtype: str, writable: boo
     return array
 
 
-def _has_negative(array: np.ndarray, negative: dict[str, bool | None] | None, name: str) -> bool:
-    known = negative.get(name) if negative else None
-    return int(array.min()) < 0 if known is None else known
-
-
 def _rows(mode: str, start: int, nnz: int, arrays: dict[str, Any], torch: bool,
-          negative: dict[str, bool | None] | None = None) -> BinaryRows:
+          negative: tuple[bool | None, bool | None] = (None, None)) -> BinaryRows:
     """The decoded fields checked against each other, as BinaryRows.
-    `negative` (from the native decoder) says which int32 fields hold a
-    negative value; without it numpy looks."""
-    lengths, status, ids, logprobs = (arrays.get(name) for name, _ in _FIELDS)
-    assert lengths is not None and ids is not None and logprobs is not None
+    `negative` (from the native decoder) says whether 'lengths' and 'ids'
+    hold a negative value; None: numpy looks."""
+    lengths, status, ids, logprobs = (arrays["lengths"], arrays.get("status"), arrays["ids"],
+                                      arrays["logprobs"])
     rows = lengths.shape[0]
-    if rows and _has_negative(lengths, negative, "lengths"):
+    if rows and (int(lengths.min()) < 0 if negative[0] is None else negative[0]):
         raise BinaryRowsError(f"binary rows: 'lengths' has a negative length at row "
                               f"{int(np.argmin(lengths))}")
-    offsets = np.zeros(rows + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] != nnz:
-        raise BinaryRowsError(f"binary rows: 'lengths' sum to {int(offsets[-1])}, "
+    offsets = np.empty(rows + 1, np.int64)
+    offsets[0] = 0
+    np.add.accumulate(lengths, out=offsets[1:], dtype=np.int64)  # np.cumsum, less overhead
+    if offsets.item(-1) != nnz:
+        raise BinaryRowsError(f"binary rows: 'lengths' sum to {offsets.item(-1)}, "
                               f"'nnz' is {nnz}")
     if status is None:
         status = np.zeros(rows, np.uint8)
@@ -501,13 +503,13 @@ def _rows(mode: str, start: int, nnz: int, arrays: dict[str, Any], torch: bool,
         if bad.size:
             raise BinaryRowsError(f"binary rows: row {int(bad[0])} is dropped ('status') "
                                   f"but has length {int(lengths[bad[0]])}")
-    if nnz and _has_negative(ids, negative, "ids"):
+    if nnz and (int(ids.min()) < 0 if negative[1] is None else negative[1]):
         raise BinaryRowsError(f"binary rows: 'ids' has a negative id at {int(np.argmin(ids))}")
-    result: tuple[Any, ...] = (lengths, offsets, ids, logprobs, status)
     if torch:
         import torch as _torch
-        result = tuple(_torch.from_numpy(a) for a in result)
-    return BinaryRows(mode, start, *result)
+        return BinaryRows(mode, start, *(_torch.from_numpy(a)
+                                         for a in (lengths, offsets, ids, logprobs, status)))
+    return BinaryRows(mode, start, lengths, offsets, ids, logprobs, status)
 
 
 def decode_rows(obj: dict[str, Any] | str | bytes, *, torch: bool = False) -> BinaryRows:
@@ -528,6 +530,10 @@ def decode_rows(obj: dict[str, Any] | str | bytes, *, torch: bool = False) -> Bi
         obj = obj[MASK_FIELD]
     if not isinstance(obj, dict):
         raise BinaryRowsError(f"binary rows: expected a JSON object, got {type(obj).__name__}")
+    return _decode_object(obj, torch)
+
+
+def _decode_object(obj: dict[str, Any], torch: bool) -> BinaryRows:
     mode, start, rows, nnz = _header(obj)
     counts = _counts(mode, rows, nnz)
     arrays = {name: _field(obj, name, counts[name], dtype, torch, required=name != "status")
@@ -536,156 +542,137 @@ def decode_rows(obj: dict[str, Any] | str | bytes, *, torch: bool = False) -> Bi
 
 
 # ------------------------------------------------------- client: loads
+_DTYPES = tuple((name, dtype, np.dtype(dtype)) for name, dtype in _FIELDS)
+
+
 def _is_rows(value: Any) -> bool:
     """A binary-rows object: "format": "base64" and "version": 1 (an int)."""
     return (type(value) is dict and value.get("format") == FORMAT
             and type(value.get("version")) is int and value["version"] == VERSION)
 
 
-class _Scanned:
-    """What the native scan found in a body: each binary-rows field's
-    base64 as a span of the body. In the text orjson parses, each such
-    string is replaced by `nonce` + its index (a random nonce: no string of
-    the body can be mistaken for one)."""
-
-    def __init__(self, body: bytes | bytearray | memoryview, spans: np.ndarray) -> None:
-        self.body = body
-        self.spans = spans  # int64 [fields, 2]: begin, end (-1: not a native field)
-        self.nonce = f"shmask-binary-rows:{os.urandom(8).hex()}:"
-
-    def remainder(self) -> bytes:
-        """The body with every found field's base64 replaced by its
-        placeholder: what is left for orjson, a few hundred bytes per object."""
-        view = memoryview(self.body)
-        present = np.flatnonzero(self.spans[:, 0] >= 0)
-        order = present[np.argsort(self.spans[present, 0], kind="stable")].tolist()
-        pieces: list[Any] = []
-        done = 0
-        for index in order:
-            begin, end = self.spans[index].tolist()
-            pieces += [view[done:begin], f"{self.nonce}{index}".encode()]
-            done = end
-        pieces.append(view[done:])
-        return b"".join(pieces)
-
-    def index(self, value: Any) -> int | None:
-        """The field index a placeholder stands for, or None."""
-        if type(value) is str and value.startswith(self.nonce):
-            return int(value[len(self.nonce):])
-        return None
-
-    def escaped(self, index: int) -> bool:
-        """Whether field `index`'s string holds a JSON escape (a backslash)."""
-        begin, end = self.spans[index].tolist()
-        return bool((np.frombuffer(self.body, np.uint8)[begin:end] == ord("\\")).any())
-
-    def text(self, index: int) -> str:
-        """Field `index`'s string, its escapes resolved (as orjson reads it)."""
-        begin, end = self.spans[index].tolist()
-        return orjson.loads(b'"' + bytes(self.body[begin:end]) + b'"')
-
-    def restore(self, obj: dict[str, Any]) -> None:
-        """Puts back the strings of an object the scan took for binary rows
-        and the parser does not (a duplicate or escaped "format" key)."""
-        for name, _ in _FIELDS:
-            index = self.index(obj.get(name))
-            if index is not None:
-                obj[name] = self.text(index)
-
-
-def _decode_all(objects: list[dict[str, Any]], torch: bool,
-                scanned: _Scanned | None) -> list[BinaryRows]:
-    """Every object's rows: headers and sizes checked first, then every
-    native field of every object decoded in one parallel call into one
-    buffer, then each object's fields checked against each other."""
-    plans = []
-    # Native fields: object, field index in scanned.spans, name, dtype, count,
-    # offset in `out`.
-    native: list[tuple[int, int, str, str, int, int]] = []
-    spans: list[int] = []
-    out_size = 0
-    for number, obj in enumerate(objects):
-        mode, start, rows, nnz = _header(obj)
-        counts = _counts(mode, rows, nnz)
-        arrays: dict[str, Any] = {}
-        for name, dtype in _FIELDS:
-            index = scanned.index(obj.get(name)) if scanned else None
-            if index is None:
-                arrays[name] = _field(obj, name, counts[name], dtype, torch,
-                                      required=name != "status")
-                continue
-            assert scanned is not None
-            begin, end = scanned.spans[index].tolist()
-            itemsize = np.dtype(dtype).itemsize
-            if end - begin != 4 * -(-counts[name] * itemsize // 3) and scanned.escaped(index):
-                # JSON escapes in the base64 (no encoder writes them, but
-                # they are JSON): read as orjson reads them.
-                arrays[name] = _field({name: scanned.text(index)}, name, counts[name], dtype,
-                                      torch)
-                continue
-            size = _check_chars(name, end - begin, counts[name], itemsize)
-            native.append((number, index, name, dtype, counts[name], out_size))
-            spans += [begin, end - begin, out_size, size]
-            out_size += -(-size // _ALIGN) * _ALIGN
-        plans.append((mode, start, nnz, arrays))
-    # Whether an int32 field holds a negative value, as the native decoder
-    # saw it (None: numpy looks).
-    negative: list[dict[str, bool | None]] = [{"lengths": None, "ids": None} for _ in objects]
-    if native:
-        assert scanned is not None
-        ffi, lib = _native()
-        out = np.empty(max(out_size, 1), np.uint8)
-        span_array = np.array(spans, np.uint64)
-        results = np.empty(2 * len(native), np.int64)
-        code = lib.shm_b64_decode(ffi.from_buffer(scanned.body), len(scanned.body),
-                                  ffi.from_buffer("uint64_t[]", span_array), len(native),
-                                  ffi.from_buffer("uint8_t[]", out), out.size,
-                                  ffi.from_buffer("int64_t[]", results), _threads(None))
-        if code != 0:
-            raise BinaryRowsError(f"binary rows: the decoder failed with code {code}")
-        for field, (number, index, name, dtype, count, offset) in enumerate(native):
-            bad = int(results[2 * field])
-            if bad >= 0 and scanned.escaped(index):  # escapes: read as above (and refused)
-                plans[number][3][name] = _field({name: scanned.text(index)}, name, count, dtype,
-                                                torch)
-                continue
-            if bad >= 0:
-                raise BinaryRowsError(f"binary rows: {name!r} is not valid base64: character "
-                                      f"{bad} is not in the alphabet or its padding")
-            size = count * np.dtype(dtype).itemsize
-            plans[number][3][name] = out[offset:offset + size].view(dtype)
-            if name in negative[number]:
-                negative[number][name] = bool(results[2 * field + 1])
-    return [_rows(mode, start, nnz, arrays, torch, negative[number])
-            for number, (mode, start, nnz, arrays) in enumerate(plans)]
-
-
-def _convert(tree: Any, torch: bool, scanned: _Scanned | None) -> Any:
-    """`tree` with every binary-rows object in it (itself included) decoded
-    in place."""
+def _find_rows(tree: Any) -> list[tuple[Any, Any, dict[str, Any]]]:
+    """Every binary-rows object of a parsed document: (container, key,
+    object), container None for the document itself."""
     if _is_rows(tree):
-        return _decode_all([tree], torch, scanned)[0]
-    found: list[tuple[Any, Any, dict[str, Any]]] = []  # container, key, object
+        return [(None, None, tree)]
+    found = []
     stack = [tree] if type(tree) in (dict, list) else []
-    if scanned is not None and type(tree) is dict:
-        scanned.restore(tree)
     while stack:
         node = stack.pop()
         for key, value in (node.items() if type(node) is dict else enumerate(node)):
             if type(value) is dict:
                 if _is_rows(value):
                     found.append((node, key, value))
-                    continue
-                if scanned is not None:
-                    scanned.restore(value)
-                stack.append(value)
+                else:
+                    stack.append(value)
             elif type(value) is list:
                 stack.append(value)
-    if found:
-        for (node, key, _), rows in zip(found, _decode_all([obj for _, _, obj in found], torch,
-                                                           scanned), strict=True):
-            node[key] = rows
+    return found
+
+
+def _placed(tree: Any, found: list[tuple[Any, Any, dict[str, Any]]], rows: list[BinaryRows]) -> Any:
+    """`tree` with each found object replaced by its rows."""
+    for (container, key, _), decoded in zip(found, rows, strict=True):
+        if container is None:
+            return decoded
+        container[key] = decoded
     return tree
+
+
+def _convert(tree: Any, torch: bool) -> Any:
+    """`tree` with every binary-rows object in it (itself included) decoded
+    as decode_rows does: loads' reference path."""
+    found = _find_rows(tree)
+    return _placed(tree, found, [_decode_object(obj, torch) for _, _, obj in found])
+
+
+class _Fallback(Exception):
+    """The native path cannot vouch for what it read: the reference path
+    (orjson.loads + decode_rows) decides."""
+
+
+def _loads_native(data: bytes | bytearray | memoryview, torch: bool, ffi: Any, lib: Any) -> Any:
+    """loads with the compiled core, or _Fallback (or any ValueError) where
+    the reference path must decide: a body that is not JSON, a binary-rows
+    string that is not plain base64 (escapes, a character outside the
+    alphabet, a length its counts do not give), an object the scan and the
+    parser see differently, a malformed object. Well-formed bodies never
+    fall back."""
+    text = ffi.from_buffer(data)
+    error_at = ffi.new("uint64_t *")
+    capacity = 4
+    while True:
+        found = ffi.new("int64_t[]", 8 * capacity)
+        count = lib.shm_b64_scan(text, len(data), found, capacity, error_at)
+        if count <= capacity:
+            break
+        capacity = count  # more objects than room: once more, with room for all
+    if count <= 0:  # none, or not JSON
+        raise _Fallback
+    spans = ffi.unpack(found, 8 * count)  # field k: spans[2k], spans[2k + 1]
+    present = sorted((spans[2 * k], spans[2 * k + 1], k) for k in range(4 * count)
+                     if spans[2 * k] >= 0)
+    # Each found string replaced by a placeholder (a random nonce: no string
+    # of the body can be taken for one): what is left for orjson is a few
+    # hundred bytes per object.
+    prefix = f"shmask-binary-rows:{os.urandom(8).hex()}:"
+    marks: dict[str, int] = {}
+    pieces: list[Any] = []
+    view = memoryview(data)
+    done = 0
+    for begin, end, k in present:
+        mark = f"{prefix}{k}"
+        marks[mark] = k
+        pieces += [view[done:begin], mark.encode()]
+        done = end
+    pieces.append(view[done:])
+    tree = orjson.loads(b"".join(pieces))
+    objects = _find_rows(tree)
+    # Every found string's field, decoded natively into one buffer: the
+    # object's arrays and negatives, name, dtype, count, offset in `out`;
+    # `plan` the decoder's spans.
+    plans = []
+    native: list[tuple[dict[str, Any], dict[str, bool], str, np.dtype, int, int]] = []
+    plan: list[int] = []
+    out_size = 0
+    for _, _, obj in objects:
+        mode, start, rows, nnz = _header(obj)
+        counts = (rows, rows, nnz, nnz if mode == "support" else rows)
+        arrays: dict[str, Any] = {}
+        negatives: dict[str, bool] = {}  # 'lengths', 'ids': negative values, as decoded natively
+        for (name, dtype, numpy_dtype), count in zip(_DTYPES, counts, strict=True):
+            value = obj.get(name)
+            k = marks.get(value, -1) if type(value) is str else -1
+            if k < 0:  # a value the scan did not take (not a string, say)
+                arrays[name] = _field(obj, name, count, dtype, torch, required=name != "status")
+                continue
+            begin, end = spans[2 * k], spans[2 * k + 1]
+            size = count * numpy_dtype.itemsize
+            if end - begin != 4 * -(-size // 3):
+                raise _Fallback  # escapes, or the wrong length: the reference path says
+            native.append((arrays, negatives, name, numpy_dtype, count, out_size))
+            plan += [begin, end - begin, out_size, size]
+            out_size += -(-size // _ALIGN) * _ALIGN
+        plans.append((mode, start, nnz, arrays, negatives))
+    if len(native) != len(present):  # a found string the parser puts elsewhere
+        raise _Fallback
+    out = np.empty(max(out_size, 1), np.uint8)
+    results = ffi.new("int64_t[]", 2 * len(native))
+    code = lib.shm_b64_decode(text, len(data), ffi.new("uint64_t[]", plan), len(native),
+                              ffi.from_buffer("uint8_t[]", out), out.size, results, _threads(None))
+    if code != 0:
+        raise BinaryRowsError(f"binary rows: the decoder failed with code {code}")
+    checked = ffi.unpack(results, 2 * len(native))  # per field: first bad character, negative
+    if any(bad >= 0 for bad in checked[::2]):  # not plain base64: no span can be trusted
+        raise _Fallback
+    for (arrays, negatives, name, numpy_dtype, count, offset), negative in zip(
+            native, checked[1::2], strict=True):
+        arrays[name] = np.frombuffer(out, numpy_dtype, count, offset)
+        negatives[name] = negative != 0
+    return _placed(tree, objects, [
+        _rows(mode, start, nnz, arrays, torch, (negatives.get("lengths"), negatives.get("ids")))
+        for mode, start, nnz, arrays, negatives in plans])
 
 
 def loads(body: bytes | bytearray | memoryview | str, *, torch: bool = False) -> Any:
@@ -696,29 +683,21 @@ def loads(body: bytes | bytearray | memoryview | str, *, torch: bool = False) ->
     raises orjson.JSONDecodeError, as orjson.loads does.
 
     With the compiled core, the base64 never becomes Python strings: a
-    native scan of the body (a JSON tokenizer: strings, escapes, nesting)
-    finds the objects, their big strings are decoded in parallel
-    (SHMASK_JSON_THREADS threads) straight into numpy arrays (one buffer
-    per body), and orjson parses only the rest. Without it: orjson.loads
-    and decode_rows."""
+    native scan of the body (a JSON tokenizer: strings, escapes, nesting;
+    the big strings jumped over where the object's counts give their
+    length) finds the objects, their big strings are decoded and checked in
+    parallel (SHMASK_JSON_THREADS threads) straight into numpy arrays (one
+    buffer per body), and orjson parses only the rest. Anything the native
+    path cannot vouch for (bad input of any kind, JSON escapes inside the
+    base64) is left to orjson.loads and decode_rows, which is also the
+    path without the core: both give the same rows and the same errors."""
     native = _native()
-    if native is None:
-        return _convert(orjson.loads(body), torch, None)
-    ffi, lib = native
-    data = body.encode() if isinstance(body, str) else body
-    if isinstance(data, memoryview):
-        data = data.cast("B") if data.contiguous else data.tobytes()
-    text = ffi.from_buffer(data)
-    error_at = ffi.new("uint64_t *")
-    capacity = 4
-    while True:
-        found = np.empty((capacity, 8), np.int64)
-        count = lib.shm_b64_scan(text, len(data), ffi.from_buffer("int64_t[]", found), capacity,
-                                 error_at)
-        if count <= capacity:
-            break
-        capacity = count  # more objects than room: once more, with room for all
-    if count <= 0:  # none, or not JSON: orjson says what is wrong
-        return _convert(orjson.loads(data), torch, None)
-    scanned = _Scanned(data, found[:count].reshape(-1, 2))
-    return _convert(orjson.loads(scanned.remainder()), torch, scanned)
+    if native is not None:
+        data = body.encode() if isinstance(body, str) else body
+        if isinstance(data, memoryview):
+            data = data.cast("B") if data.contiguous else data.tobytes()
+        try:
+            return _loads_native(data, torch, *native)
+        except (_Fallback, ValueError):
+            body = data
+    return _convert(orjson.loads(body), torch)

@@ -369,6 +369,40 @@ def test_base64_of_every_size_and_split():
             assert bool(results[1]) == bool((words < 0).any())
 
 
+@needs_core
+@pytest.mark.parametrize("threads", [1, 5])
+def test_the_decoder_finds_each_negative_word(threads):
+    """The sign report looks at exactly the top byte of every int32 word:
+    one negative word anywhere (the first, the last, on either side of a
+    vector block's or a task's edge) is found; top bits in the other bytes
+    are not a negative word."""
+    ffi, lib = binary_rows._native()
+    size = 4 * 3000 + 2  # a partial word at the end: never a whole int32
+    positive = np.full(size, 0xFF, np.uint8)
+    positive[3::4] = 0x7F  # every word's top byte without its sign bit
+    text = base64.b64encode(positive.tobytes())
+    spans = np.array([0, len(text), 0, size], np.uint64)
+    out = bytearray(size)
+    results = np.empty(2, np.int64)
+
+    def negative(data):
+        encoded = base64.b64encode(data.tobytes())
+        assert lib.shm_b64_decode(ffi.from_buffer(encoded), len(encoded),
+                                  ffi.from_buffer("uint64_t[]", spans), 1, ffi.from_buffer(out),
+                                  size, ffi.from_buffer("int64_t[]", results), threads) == 0
+        assert results[0] == -1 and bytes(out) == data.tobytes()
+        return bool(results[1])
+
+    assert not negative(positive)
+    for word in (0, 1, 7, 8, 15, 16, 17, 31, 32, 63, 64, 375, 599, 600, 1499, 2999):
+        data = positive.copy()
+        data[4 * word + 3] = 0x80
+        assert negative(data), word
+    data = positive.copy()
+    data[-1] = data[-2] = 0xFF  # the partial word: not an int32
+    assert not negative(data)
+
+
 # ------------------------------------------------------------ loads
 def rows_key(rows: binary_rows.BinaryRows) -> tuple:
     """Everything a BinaryRows holds, comparable (floats by their bits)."""
@@ -548,7 +582,8 @@ def test_loads_without_the_core_is_orjson_and_decode_rows(numpy_path):
 @pytest.mark.parametrize(("field", "value", "message"), BAD)
 def test_loads_names_each_malformed_field(field, value, message):
     """The malformed objects above, inside a body: loads refuses each,
-    naming the field (the native decoder's checks, not decode_rows')."""
+    naming the field (decode_rows' checks: the native path leaves every
+    malformed body to them)."""
     obj = good()
     obj[field] = value
     body = orjson.dumps({"meta_info": {"a": [obj]}})
@@ -567,6 +602,105 @@ def test_an_object_the_parser_does_not_take_keeps_its_strings():
     text = (b'{"x":{"format":"base64","version":1,"ids":"AAAA","lengths":"A\\u0041==",'
             b'"form\\u0061t":"other"}}')
     assert loads(text) == orjson.loads(text)
+
+
+def trap(after_ids: str, tail: str = "") -> bytes:
+    """good() with its "ids" (16 base64 characters for 3 ids) replaced by
+    "AAAA" and `after_ids`, arranged so that the 16th character after the
+    opening quote is a quote: where the scan's jump over "ids" lands."""
+    obj = good()
+    head = orjson.dumps({k: obj[k] for k in ("format", "version", "mode", "start", "rows", "nnz",
+                                             "lengths", "status")})[:-1].decode()
+    body = f'{head},"ids":"AAAA{after_ids},"logprobs":"{obj["logprobs"]}"{tail}}}'
+    at = body.index('"ids":"') + len('"ids":"')
+    assert body[at + 16] == '"', body[at:at + 17]
+    return body.encode()
+
+
+TRAPS = {
+    # The jump lands on the quote that closes a later string: "x" is hidden
+    # from the scan, and "ids" (4 characters for 3 ids) is malformed.
+    "closing quote": trap('","x":"BBBBB"'),
+    # ... the same, with a later "ids" that is right: the first one, jumped
+    # over, is not the one stored (nothing would check it): scanned again.
+    "overridden": trap('","x":"BBBBB","ids":"' + good()["ids"] + '"'),
+    # ... on a quote that opens a string: what follows reads as bad JSON.
+    "opening quote": trap('","xyz":"B"'),
+    # ... in an object that is not binary rows after all.
+    "not binary rows": trap('","x":"BBBBB"', ',"format":"other"'),
+}
+
+
+@pytest.mark.parametrize("name", TRAPS)
+def test_a_wrong_jump_is_never_trusted(numpy_path, name):
+    """The scan jumps over a field string whose length the object's counts
+    give; where that length leads into other JSON, loads still gives what
+    orjson.loads + decode_rows give (here the rows, the error naming 'ids',
+    or the object as parsed)."""
+    body = TRAPS[name]
+    expected = outcome(lambda b: numpy_path(loads, b), body)
+    assert outcome(loads, body) == expected
+    if expected == "error":
+        with pytest.raises(BinaryRowsError, match="'ids'"):
+            loads(body)
+    elif name == "not binary rows":
+        assert loads(body) == orjson.loads(body)
+    else:
+        assert rows_key(loads(body)) == rows_key(decode_rows(good()))
+
+
+@needs_core
+def test_the_scan_jumps_over_what_it_can_size():
+    """Where the jump leads into other JSON, the span stored covers it (the
+    decoder then finds the quotes); where nothing would check a jumped
+    string, or the jump made the text look malformed, the scan reads every
+    string again and stores the true spans."""
+    ffi, lib = binary_rows._native()
+    found = np.empty((1, 8), np.int64)
+    error_at = ffi.new("uint64_t *")
+
+    def ids_span(body):
+        count = lib.shm_b64_scan(ffi.from_buffer(body), len(body),
+                                 ffi.from_buffer("int64_t[]", found), 1, error_at)
+        return count, body[found[0, 4]:found[0, 5]] if count == 1 else None
+
+    assert ids_span(TRAPS["closing quote"]) == (1, b'AAAA","x":"BBBBB')  # jumped
+    assert ids_span(TRAPS["overridden"]) == (1, good()["ids"].encode())  # read again
+    assert ids_span(TRAPS["opening quote"]) == (1, b"AAAA")  # read again
+    assert ids_span(TRAPS["not binary rows"]) == (0, None)
+    body = orjson.dumps(good())
+    assert ids_span(body) == (1, good()["ids"].encode())
+
+
+def test_loads_takes_every_kind_of_body():
+    """bytes, str, bytearray and memoryviews (a strided one too) give the
+    same document."""
+    body = fuzz_document()
+    expected = canonical(loads(body))
+    strided = memoryview(np.repeat(np.frombuffer(body, np.uint8), 2).tobytes())[::2]
+    assert not strided.contiguous
+    for kind in (body.decode(), bytearray(body), memoryview(body), strided):
+        assert canonical(loads(kind)) == expected, type(kind)
+    with pytest.raises(ValueError):
+        loads(memoryview(body[:-1]))
+
+
+def test_a_well_formed_body_takes_the_native_path(monkeypatch):
+    """The reference path (orjson.loads + decode_rows) decides only for
+    bodies the native path cannot vouch for: never for what an encoder
+    writes."""
+    if binary_rows._native() is None:
+        pytest.skip("compiled core not built")
+    calls = []
+    reference = binary_rows._convert
+    monkeypatch.setattr(binary_rows, "_convert",
+                        lambda *args: calls.append(args) or reference(*args))
+    body = fuzz_document()
+    assert canonical(loads(body)) == canonical(reference(orjson.loads(body), False))
+    assert not calls
+    escaped = body.replace(b'"lengths":"A', b'"lengths":"\\u0041', 1)
+    assert canonical(loads(escaped)) == canonical(loads(body))  # escapes: the reference path
+    assert len(calls) == 1
 
 
 @needs_core
