@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import shmask
-from shmask.refs import ENTRY_DTYPE, KIND_LOST, KIND_SHM, RefBatch
 from shmask.binary_rows import encode_meta_info, encode_meta_info_many
+from shmask.refs import ENTRY_DTYPE, KIND_LOST, KIND_SHM, RefBatch
 from shmask.response_json import dumps, dumps_many
 
 VOCAB = 1 << 30
