@@ -95,9 +95,11 @@ class Config:
     """Level of the `shmask` logger, applied by the CLI and the examples
     (Config.apply_log_level); the library never sets it on its own."""
     json_threads: int = _usable_cpus(4)
-    """Threads that share the rows of one chunk's response JSON
-    (Chunk.to_json / json_arrays; 1: the calling thread only). Default
-    min(4, usable CPUs); small chunks use fewer."""
+    """Threads that write responses: those sharing the rows of one chunk's
+    response (Chunk.to_json / json_arrays, response_json.dumps, the binary
+    rows' codec), and those taking whole documents of an emission
+    (response_json.dumps_many, binary_rows.encode_meta_info_many); 1: the
+    calling thread only. Default min(4, usable CPUs); small chunks use fewer."""
     offload_threads: int = _usable_cpus(8)
     """Worker threads of a shmask.Offload pool built without `threads=`:
     they open chunks and write responses off a server's event loop (each
