@@ -291,11 +291,12 @@ static void many_task(void *context, uint64_t index) {
 
 void shm_b64_rows_many(shm_b64_rows_job *jobs, uint64_t count, int threads) {
     if (count == 0) return;
-    uint64_t tasks = shm_pool_tasks(threads, count, 1);
+    uint64_t wanted = shm_pool_tasks(threads, UINT64_MAX, 1); /* threads, clamped */
+    uint64_t tasks = count < wanted ? count : wanted;
     many_job m = {jobs, count, 1, 0};
-    if (tasks < (uint64_t)threads) /* fewer documents than threads: each split */
-        m.each = (int)((uint64_t)threads / count);
-    shm_pool_run(many_task, &m, tasks);
+    if (count < wanted) /* fewer documents than threads: each split */
+        m.each = (int)(wanted / count);
+    shm_pool_dispatch(many_task, &m, tasks);
 }
 
 /* ------------------------------------------------------------ the scan */

@@ -115,20 +115,24 @@ static void pool_child_after_fork(void) {
     pthread_cond_init(&pool_wake, NULL);
     pool_queue = NULL;
     pool_workers = 0;
+    atomic_store(&pool_running, 0); /* calls in flight at the fork are the parent's */
 }
 static void pool_register_fork(void) {
     pthread_atfork(pool_prepare_fork, pool_parent_after_fork, pool_child_after_fork);
 }
 
-void shm_pool_run(shm_pool_task run, void *context, uint64_t count) {
+/* `counted`: the tasks count toward pool_running (they write output);
+ * a dispatcher's tasks (shm_pool_dispatch) do not: the calls they make do. */
+static void pool_run(shm_pool_task run, void *context, uint64_t count, int counted) {
     if (count == 0) return;
-    atomic_fetch_add_explicit(&pool_running, count, memory_order_relaxed);
+    pthread_once(&pool_fork_once, pool_register_fork);
+    uint64_t weight = counted ? count : 0;
+    atomic_fetch_add_explicit(&pool_running, weight, memory_order_relaxed);
     if (count == 1) {
         run(context, 0);
-        atomic_fetch_sub_explicit(&pool_running, 1, memory_order_relaxed);
+        atomic_fetch_sub_explicit(&pool_running, weight, memory_order_relaxed);
         return;
     }
-    pthread_once(&pool_fork_once, pool_register_fork);
     batch b = {run, context, count, 0, 0, PTHREAD_COND_INITIALIZER, NULL};
     pthread_mutex_lock(&pool_lock);
     uint64_t wanted = count - 1 > SHM_POOL_MAX_WORKERS ? SHM_POOL_MAX_WORKERS : count - 1;
@@ -158,7 +162,15 @@ void shm_pool_run(shm_pool_task run, void *context, uint64_t count) {
     }
     pthread_mutex_unlock(&pool_lock);
     pthread_cond_destroy(&b.done);
-    atomic_fetch_sub_explicit(&pool_running, count, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&pool_running, weight, memory_order_relaxed);
+}
+
+void shm_pool_run(shm_pool_task run, void *context, uint64_t count) {
+    pool_run(run, context, count, 1);
+}
+
+void shm_pool_dispatch(shm_pool_task run, void *context, uint64_t count) {
+    pool_run(run, context, count, 0);
 }
 
 static atomic_int prefault_unsupported;

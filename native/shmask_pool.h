@@ -20,6 +20,12 @@ typedef void (*shm_pool_task)(void *context, uint64_t index);
  * task has returned. count 1 runs on this thread only, with no locking. */
 void shm_pool_run(shm_pool_task run, void *context, uint64_t count);
 
+/* shm_pool_run for tasks that only hand out work to calls of their own
+ * (a batch of documents, each written by its own shm_pool_run): the same,
+ * but its tasks are not counted as writers by shm_pool_prefault's rule
+ * (their calls' tasks are). */
+void shm_pool_dispatch(shm_pool_task run, void *context, uint64_t count);
+
 #define SHM_POOL_MAX_WORKERS 63
 /* The most tasks a writer splits one call into: this thread + every worker. */
 #define SHM_POOL_MAX_TASKS (SHM_POOL_MAX_WORKERS + 1)

@@ -167,6 +167,7 @@ def encode_meta_info(chunk: Chunk, start: int = 0, threads: int | None = None, *
     total = start + chunk.rows if length is None else length
     if _native() is not None:
         return _encode_native(chunk, start, threads, True, total)
+    _check_start(start, total)
     return orjson.dumps({MASK_FIELD: orjson.Fragment(encode_chunk(chunk, start)),
                          LENGTH_FIELD: total})
 
@@ -181,6 +182,7 @@ def encode_chunk(chunk: Chunk, start: int = 0, threads: int | None = None) -> by
     read."""
     if _native() is not None:
         return _encode_native(chunk, start, threads, False, 0)
+    _check_start(start, 0)
     ids, _ = chunk._csr_arrays()  # checked below, once the views were read
     status = chunk.status if chunk.flags is not None else None
     logprobs = chunk.logprobs if chunk.support_mode else _selected_values(chunk.logprobs, status)
@@ -209,6 +211,8 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
     if len(starts) != count or len(lengths) != count:
         raise BinaryRowsError(f"binary rows: {count} chunks but {len(starts)} starts and "
                               f"{len(lengths)} lengths")
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
     results: list[Any] = [None] * count
     if _native() is None:
         for i, (chunk, start, length) in enumerate(zip(chunks, starts, lengths, strict=True)):
@@ -241,6 +245,12 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
     return results
 
 
+def _check_start(start: int, length: int) -> None:
+    if start < 0 or length < 0:
+        raise BinaryRowsError(f"binary rows: start ({start}) and length ({length}) must be "
+                              f"non-negative")
+
+
 class _Prepared:
     """One chunk's arguments for the native writer (shm_b64_rows without
     its thread count), its result bytes, and the arrays they point into."""
@@ -251,9 +261,7 @@ class _Prepared:
         from .response_json import new_bytes  # needs the core, as this path does
 
         ffi, lib = _native()
-        if start < 0 or length < 0:
-            raise BinaryRowsError(f"binary rows: start ({start}) and length ({length}) must be "
-                                  f"non-negative")
+        _check_start(start, length)
         ids, _ = chunk._csr_arrays()  # checked in finish, once the views were read
         status = chunk.status if chunk.flags is not None else None
         logprobs = (chunk.logprobs if chunk.support_mode

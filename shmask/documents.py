@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -48,8 +48,23 @@ def map_documents(build: Callable[[Any, int], T], items: Sequence[Any], threads:
         except Exception as exc:  # kept in its place; raised below unless asked for
             return _Failed(exc)
 
-    results = (list(map(one, items)) if min(threads, len(items)) == 1
-               else list(_document_pool(threads).map(one, items)))
+    # On one of the pool's own threads (a builder that builds documents
+    # itself) the items run here: waiting on the pool from inside it could
+    # leave every thread waiting on work queued behind it.
+    if min(threads, len(items)) == 1 or getattr(_worker, "in_pool", False):
+        results = list(map(one, items))
+    else:
+        futures = [_document_pool(threads).submit(one, item) for item in items]
+        try:
+            results = [future.result() for future in futures]
+        except BaseException:
+            # KeyboardInterrupt, SystemExit...: no builder may still be
+            # reading its chunk's rows once the caller unwinds (and releases
+            # them): the ones not started are cancelled, the running awaited.
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise
     failed = next((r for r in results if isinstance(r, _Failed)), None)
     if failed is not None and not return_exceptions:
         raise failed.exc
@@ -68,6 +83,11 @@ class _Failed:
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
+_worker = threading.local()  # in_pool: set on the pools' threads
+
+
+def _mark_worker() -> None:
+    _worker.in_pool = True
 
 
 def _forget_pools() -> None:
@@ -87,6 +107,6 @@ def _document_pool(threads: int) -> ThreadPoolExecutor:
     with _pools_lock:
         pool = _pools.get(threads)
         if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(threads,
-                                                        thread_name_prefix="shmask-json")
+            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="shmask-json",
+                                                        initializer=_mark_worker)
         return pool

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
 
 # Kernels run under Triton's interpreter on machines without a GPU; set it
 # before anything imports triton. SHMASK_TEST_GPU=1 runs them on CUDA.
@@ -232,3 +233,42 @@ def run_child(args: list[str], env: dict[str, str], timeout: float = 60) -> subp
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def forked_answer(child: Callable[[], bytes], timeout: float = 60) -> bytes:
+    """Fork; the child runs `child()` in its own process group and sends
+    back what it returns (at most 64 bytes; the repr of what it raised if
+    it raised). On a timeout the test fails
+    and the whole group is killed: a call that hangs in a forked child (a
+    thread pool carried over from the parent) cannot outlive the test."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own process group, one answer back
+        try:
+            os.setpgid(0, 0)
+            answer = child()
+        except BaseException as exc:  # noqa: BLE001 - sent back: the parent's assert shows it
+            answer = repr(exc)[:64].encode()
+        finally:
+            try:
+                os.write(write_end, answer)
+            finally:
+                os._exit(0)
+    os.close(write_end)
+    try:
+        os.setpgid(pid, pid)  # as the child does: whichever runs first
+    except OSError:
+        pass  # the child did it already (or exited)
+    deadline = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the forked child's call never finished"
+            time.sleep(0.01)
+        pid = 0
+        return os.read(read_end, 64)
+    finally:
+        os.close(read_end)
+        if pid:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+

@@ -5,12 +5,11 @@ own result; a forked child builds too."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import numpy as np
 import pytest
+from conftest import forked_answer
 from test_response_json import expected_arrays, publish_rows, random_rows
 
 import shmask
@@ -64,6 +63,18 @@ def test_a_failing_document_costs_only_itself(chunks):
         dumps_many(docs, threads=3)
 
 
+def test_a_builder_may_build_documents_itself():
+    """map_documents called from one of its own threads runs there: with
+    every thread waiting on work queued behind it, the pool would hang."""
+    def build(item, each):
+        return sum(map_documents(lambda x, e: x + item, list(range(4)), 2))
+
+    # In a forked child, whose process group a hang costs (killed at the timeout).
+    answer = forked_answer(lambda: b"same" if map_documents(build, list(range(6)), 2) == [
+        6 + 4 * i for i in range(6)] else b"diff", timeout=30)
+    assert answer == b"same"
+
+
 def test_threads_are_checked():
     with pytest.raises(ValueError, match="positive int"):
         map_documents(lambda item, each: item, [1], 0)
@@ -76,32 +87,10 @@ def test_a_forked_child_builds_documents():
         assert map_documents(lambda item, each: item * 2, list(range(8)), 4) == list(
             range(0, 16, 2))
     time.sleep(0.1)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its own process group, one call, the answer back
-        try:
-            os.setpgid(0, 0)
-            got = map_documents(lambda item, each: item * 3, list(range(8)), 4)
-            os.write(write_end, b"same" if got == list(range(0, 24, 3)) else b"diff")
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    try:
-        os.setpgid(pid, pid)
-    except OSError:
-        pass  # the child did it already (or exited)
-    deadline = time.monotonic() + 30
-    try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            assert time.monotonic() < deadline, "the forked child's documents never finished"
-            time.sleep(0.01)
-        pid = 0
-        assert os.read(read_end, 4) == b"same"
-    finally:
-        os.close(read_end)
-        if pid:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    answer = forked_answer(lambda: b"same" if map_documents(
+        lambda item, each: item * 3, list(range(8)), 4) == list(range(0, 24, 3)) else b"diff",
+        timeout=30)
+    assert answer == b"same"
 
 
 # ------------------------------------------------- binary rows, one native call
@@ -134,3 +123,21 @@ def test_a_failing_chunk_costs_only_itself(chunks):
     assert [got[i] for i in (0, 2, 4, 5, 6)] == [expected[i] for i in (0, 2, 4, 5, 6)]
     with pytest.raises(AttributeError):
         encode_meta_info_many(given, threads=4)
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["native", "numpy"])
+def test_both_paths_refuse_a_negative_start_alike(chunks, monkeypatch, core):
+    """With or without the compiled core a bad start is refused, in its
+    place, and the other chunks are written the same."""
+    from shmask import binary_rows
+
+    expected = [encode_meta_info(chunk) for chunk in chunks]
+    if not core:
+        monkeypatch.setattr(binary_rows, "_native_core", False)
+    got = encode_meta_info_many(chunks, [0, -1] + [0] * (len(chunks) - 2), 3,
+                                return_exceptions=True)
+    assert isinstance(got[1], shmask.ShmaskError) and "non-negative" in str(got[1])
+    assert got[:1] + got[2:] == expected[:1] + expected[2:]
+    with pytest.raises(ValueError, match="positive int"):
+        encode_meta_info_many(chunks, threads=0)
+

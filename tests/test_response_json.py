@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+from conftest import forked_answer
 
 import shmask
 from shmask._native import lib
@@ -300,41 +301,14 @@ def test_concurrent_callers_share_the_thread_pool():
 def test_thread_pool_works_in_a_forked_child():
     """A child forked after the workers started has none of them: its calls
     must still finish (the caller writes the parts no worker takes)."""
-    import os
-    import signal
-    import time
-
     rng = np.random.default_rng(10)
     lengths = np.full(40, 1000, np.int32)
     ids = rng.integers(0, 151_936, int(lengths.sum())).astype(np.int32)
     logprobs = rng.standard_normal(ids.size).astype(np.float32)
     expected = response_arrays(True, lengths, None, ids, logprobs, threads=8)  # workers started
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its own process group, one call, the bytes' digest back
-        try:
-            os.setpgid(0, 0)
-            got = response_arrays(True, lengths, None, ids, logprobs, threads=8)
-            os.write(write_end, b"same" if got == expected else b"diff")
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    try:
-        os.setpgid(pid, pid)  # as the child does: whichever runs first
-    except OSError:
-        pass  # the child did it already (or exited)
-    deadline = time.monotonic() + 60
-    try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            assert time.monotonic() < deadline, "the forked child's call never finished"
-            time.sleep(0.01)
-        pid = 0
-        assert os.read(read_end, 4) == b"same"
-    finally:
-        os.close(read_end)
-        if pid:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    answer = forked_answer(lambda: b"same" if response_arrays(
+        True, lengths, None, ids, logprobs, threads=8) == expected else b"diff")
+    assert answer == b"same"
 
 
 # ------------------------------------------------------- whole documents

@@ -265,6 +265,34 @@ def test_late_read_of_a_bitmask_chunk_is_stale_through_every_accessor(writer, re
         writer.reclaim()
 
 
+@pytest.mark.parametrize("batch", ["encode_meta_info_many", "dumps_many"])
+def test_a_late_read_in_a_batch_costs_only_its_document(writer, reader, batch):
+    """One chunk of an emission read past its lease, among good ones: its
+    document is StaleChunkError in its place, the others are written."""
+    good = []
+    for n in range(3):
+        queue = writer.open_queue("support")
+        for _ in range(2):
+            writer.append_step(np.array([queue.handle]), np.array([2], np.int32),
+                               np.array([n, n + 1], np.int32),
+                               np.array([-1.0, -2.0], np.float32))
+        good.append(reader.open(queue.take()))
+        queue.close()
+    late = _ids_chunk_read_late(writer, reader)
+    chunks = [good[0], late, good[1], good[2]]
+    if batch == "encode_meta_info_many":
+        got = encode_meta_info_many(chunks, threads=2, return_exceptions=True)
+        expected = [encode_meta_info(c) for c in good]
+    else:
+        got = dumps_many([{"ids": c.json_rows().ids} for c in chunks], threads=2,
+                         return_exceptions=True)
+        expected = [dumps({"ids": c.json_rows().ids}) for c in good]
+    assert isinstance(got[1], shmask.StaleChunkError)
+    assert [got[0], got[2], got[3]] == expected
+    for chunk in good:
+        chunk.release()
+
+
 def test_one_unreadable_chunk_costs_only_its_entry_in_for_host(writer, reader):
     """Item 10: for_host/to_inline mark the chunk they cannot read and
     forward the others, each released exactly once."""
