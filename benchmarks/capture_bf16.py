@@ -78,8 +78,8 @@ def import_kernels():
 
 kernels = import_kernels()
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from cuda_graphs import captured_graph  # noqa: E402
+from kernel_baselines import read_once  # noqa: E402
 from shmask.kernels.capture import reference_support  # noqa: E402
 
 VOCAB = 151936
@@ -317,24 +317,6 @@ def breakdown(name: str, call, runs: int = 8) -> str:
             parts.append((total / runs, event.key[:40]))
     parts.sort(reverse=True)
     return f"{name}: " + ", ".join(f"{key}={us:.1f}" for us, key in parts)
-
-
-# ------------------------------------------------------------------ read floor
-
-
-@triton.jit
-def _read_kernel(x_ptr, stride_row, vocab, out_ptr, n_chunks, CHUNK: tl.constexpr):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=0.0)
-    tl.store(out_ptr + row * n_chunks + chunk, tl.sum(x, axis=0))
-
-
-def read_once(x: torch.Tensor, out: torch.Tensor, chunk: int = 8192) -> None:
-    n_chunks = triton.cdiv(x.shape[1], chunk)
-    _read_kernel[(x.shape[0], n_chunks)](x, x.stride(0), x.shape[1], out, n_chunks,
-                                         CHUNK=chunk, num_warps=4)
 
 
 # ------------------------------------------------------------------ anchors

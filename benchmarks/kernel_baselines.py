@@ -1,4 +1,7 @@
-"""Baselines for benchmarks/kernels.py.
+"""Baselines for benchmarks/kernels.py and benchmarks/capture_bf16.py.
+
+``read_once``: the floor of any pass over the logits, one read of them
+(each program sums one chunk of a row), what mark's read alone costs.
 
 ``compact_one_program_per_row``: the one-program-per-row compaction design
 that serving engines publish (one Triton program walks a whole row block by
@@ -57,3 +60,26 @@ def compact_one_program_per_row(
         num_warps=num_warps,
     )
     return ids, words, lengths
+
+
+@triton.jit
+def _read_kernel(x_ptr, stride_row, vocab, out_ptr, n_chunks, CHUNK: tl.constexpr):
+    """Program (b, c) sums one chunk of row b: the read and nothing else."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=0.0)
+    tl.store(out_ptr + row * n_chunks + chunk, tl.sum(x, axis=0))
+
+
+def read_once(x: torch.Tensor, out: torch.Tensor | None = None,
+              chunk: int = 8192) -> torch.Tensor:
+    """One read of x ([B, V]); `out` (B * ceil(V / chunk) floats) given, no
+    allocation per call (as a CUDA graph of it needs)."""
+    n_chunks = triton.cdiv(x.shape[1], chunk)
+    if out is None:
+        out = torch.empty(x.shape[0] * n_chunks, device=x.device)
+    _read_kernel[(x.shape[0], n_chunks)](x, x.stride(0), x.shape[1], out, n_chunks,
+                                         CHUNK=chunk, num_warps=4)
+    return out
+

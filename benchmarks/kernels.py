@@ -34,12 +34,11 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_graphs import captured_graph  # noqa: E402
-from kernel_baselines import compact_one_program_per_row  # noqa: E402
+from kernel_baselines import compact_one_program_per_row, read_once  # noqa: E402
 from shmask.kernels import capture, compact, reference_capture, reference_compact  # noqa: E402
 from shmask.kernels.capture import reference_support  # noqa: E402
 
@@ -82,24 +81,6 @@ def time_graph(calls, replays: int = 30) -> float:
         samples.append(start.elapsed_time(end) * 1e3 / len(calls))
     del graph
     return statistics.median(samples)
-
-
-@triton.jit
-def _read_kernel(x_ptr, stride_row, vocab, out_ptr, n_chunks, CHUNK: tl.constexpr):
-    """What mark's read alone costs: program (b, c) sums one chunk of row b."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=0.0)
-    tl.store(out_ptr + row * n_chunks + chunk, tl.sum(x, axis=0))
-
-
-def read_once(x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    n_chunks = triton.cdiv(x.shape[1], chunk)
-    out = torch.empty(x.shape[0] * n_chunks, device=x.device)
-    _read_kernel[(x.shape[0], n_chunks)](x, x.stride(0), x.shape[1], out, n_chunks,
-                                         CHUNK=chunk, num_warps=4)
-    return out
 
 
 def settings(batch: int, past: float) -> dict:
