@@ -347,23 +347,26 @@ static inline digits16 split_digits16(uint64_t d17, uint64_t lead) {
  * them, shifted in registers: nothing is stored in one width and read back
  * in another (such a load waits for the stores to drain, which once cost a
  * fifth of the time). */
-static inline __attribute__((always_inline)) char *write_decimal(char *o, decimal17 d) {
-    if (__builtin_expect(d.kind != FINITE, 0)) {
-        if (d.kind == NONE) {
+/* A float's text from its parts: kind and sign; for FINITE, the first
+ * digit (1..9), the other 16 as digit values (digits16) and the exponent E
+ * of the first. Both conversions (decimal_of one value, convert8_avx512
+ * eight) end here, so they share every layout. */
+static inline __attribute__((always_inline)) char *write_parts(char *o, int kind, int negative,
+                                                               uint64_t lead, digits16 rest,
+                                                               int scientific) {
+    if (__builtin_expect(kind != FINITE, 0)) {
+        if (kind == NONE) {
             memcpy(o, "null", 4);
             return o + 4;
         }
-        if (d.negative) *o++ = '-';
+        if (negative) *o++ = '-';
         memcpy(o, "0.0", 3);
         return o + 3;
     }
-    if (d.negative) *o++ = '-';
-    uint64_t lead = d.digits / UINT64_C(10000000000000000); /* 1..9 */
-    digits16 rest = split_digits16(d.digits, lead);
+    if (negative) *o++ = '-';
     uint64_t front = rest.front | ASCII_ZEROS, back = rest.back | ASCII_ZEROS;
     int significant = rest.significant;
     lead |= '0';
-    int scientific = d.exponent;
     if (__builtin_expect(scientific == 0, 1)) { /* 1 <= |v| < 10: most logprobs */
         o[0] = (char)lead;
         o[1] = '.';
@@ -429,18 +432,333 @@ static inline __attribute__((always_inline)) char *write_decimal(char *o, decima
     return o + 3;
 }
 
+static inline __attribute__((always_inline)) char *write_decimal(char *o, decimal17 d) {
+    if (__builtin_expect(d.kind != FINITE, 0)) {
+        digits16 none = {0, 0, 0};
+        return write_parts(o, d.kind, d.negative, 0, none, 0);
+    }
+    uint64_t lead = d.digits / UINT64_C(10000000000000000); /* 1..9 */
+    return write_parts(o, FINITE, d.negative, lead, split_digits16(d.digits, lead), d.exponent);
+}
+
 static char *write_float(char *o, float value) {
     return write_decimal(o, decimal_of(value));
 }
 
+/* ------------------------------------------- eight floats at once (AVX-512)
+ *
+ * One thread's response time is mostly decimal_of: each value is a chain of
+ * about sixty dependent operations (a 128-bit multiply, a remainder by 10,
+ * selects, two divisions for the digits), and the core overlaps only a few
+ * chains. convert8_avx512 runs the same arithmetic on eight values in the
+ * lanes of 512-bit vectors, so eight chains cost about what one did; the
+ * layout (write_parts) stays per value. It takes decimal_of's fast path
+ * only: lanes whose value needs another (NaN, infinities, zeros,
+ * subnormals, the extremes) are converted by decimal_of afterwards. Both
+ * paths are checked against each other over all 2^32 float32 patterns
+ * (tests/exhaustive_float_json.py --against scalar), and the scalar one
+ * against orjson.
+ *
+ * With v = m * 2^e, G from rj_scales split as G = G1 * 2^31 + G0 (31 bits
+ * each, so every product is 32 x 32 bits, _mm512_mul_epu32), m * G =
+ * A * 2^31 + B with A = m * G1 and B = m * G0, both below 2^55; decimal_of's
+ * T = m * G * 2^31, so its integer part s = T >> 59 = 8A + (B >> 28) and
+ * its fraction f = (B mod 2^28) << 31, exactly. */
+
+typedef struct {
+    /* Lanes in `laid_out`: the value's whole text from its leading comma
+     * (",-4.123", at most 24 bytes) as three little-endian words, and its
+     * length. The other lanes are laid out from the fields below by
+     * write_parts. */
+    uint64_t text[3][8];
+    uint64_t length[8];
+    uint8_t laid_out;
+    uint64_t lead[8];   /* first digit, 1..9 */
+    uint64_t front[8];  /* digits 1-8, as digits16 */
+    uint64_t back[8];   /* digits 9-16 */
+    int64_t significant[8];
+    int64_t exponent[8];
+    uint8_t kind[8];
+    uint8_t negative[8];
+} decimal8;
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(SHM_JSON_SCALAR)
+#define RJ_AVX512 1
+#include <immintrin.h>
+
+#define RJ_AVX512_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512cd,avx512vl")))
+
+/* digit_values8 in each 64-bit lane (x < 10^8): the byte values of its
+ * eight digits, the first in the lowest byte; the SSE2 digit_values8x2's
+ * steps on eight lanes. */
+RJ_AVX512_TARGET static inline __m512i digit_values8_avx512(__m512i x) {
+    __m512i high = _mm512_srli_epi64(_mm512_mul_epu32(x, _mm512_set1_epi64(3518437209)), 45);
+    __m512i low = _mm512_sub_epi64(x, _mm512_mul_epu32(high, _mm512_set1_epi64(10000)));
+    x = _mm512_or_si512(high, _mm512_slli_epi64(low, 32)); /* 32-bit lanes below 10^4 */
+    high = _mm512_srli_epi16(_mm512_mulhi_epu16(x, _mm512_set1_epi32(10486)), 4);
+    low = _mm512_sub_epi16(x, _mm512_mullo_epi16(high, _mm512_set1_epi32(100)));
+    x = _mm512_or_si512(high, _mm512_slli_epi32(low, 16)); /* 16-bit lanes below 100 */
+    high = _mm512_mulhi_epu16(x, _mm512_set1_epi16(6554));
+    low = _mm512_sub_epi16(x, _mm512_mullo_epi16(high, _mm512_set1_epi16(10)));
+    return _mm512_or_si512(high, _mm512_slli_epi16(low, 8));
+}
+
+/* x mod 10 per lane, x below 2^58: x = h * 2^32 + l, and 2^32 = 6 (mod 10),
+ * so x = 6h + (l mod 10) (mod 10), each step a 32 x 32-bit multiply by
+ * ceil(2^35 / 10), exact below 2^32. */
+RJ_AVX512_TARGET static inline __m512i mod10_avx512(__m512i x) {
+    const __m512i magic = _mm512_set1_epi64(0xCCCCCCCD), ten = _mm512_set1_epi64(10);
+    __m512i l = _mm512_and_si512(x, _mm512_set1_epi64(0xffffffff));
+    __m512i lq = _mm512_srli_epi64(_mm512_mul_epu32(l, magic), 35);
+    __m512i y = _mm512_add_epi64(_mm512_sub_epi64(l, _mm512_mul_epu32(lq, ten)),
+                                 _mm512_mul_epu32(_mm512_srli_epi64(x, 32), _mm512_set1_epi64(6)));
+    __m512i yq = _mm512_srli_epi64(_mm512_mul_epu32(y, magic), 35); /* y below 2^29 */
+    return _mm512_sub_epi64(y, _mm512_mul_epu32(yq, ten));
+}
+
+/* values[0..7] into *out: decimal_of, then write_decimal's split, per lane. */
+RJ_AVX512_TARGET static void convert8_avx512(const float *values, decimal8 *out) {
+    const __m512i one = _mm512_set1_epi64((long long)ONE);
+    __m512i bits = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)values));
+    __m512i fraction = _mm512_and_si512(bits, _mm512_set1_epi64(0x7fffff));
+    __m512i biased = _mm512_and_si512(_mm512_srli_epi64(bits, 23), _mm512_set1_epi64(0xff));
+    __mmask8 regular = _mm512_test_epi64_mask(fraction, fraction);
+    /* rj_scales[biased][fraction == 0]: 16-byte entries, g then {k, fast}. */
+    __m512i index = _mm512_mask_add_epi64(_mm512_add_epi64(biased, biased), (__mmask8)~regular,
+                                          _mm512_add_epi64(biased, biased), _mm512_set1_epi64(1));
+    index = _mm512_add_epi64(index, index); /* in 8-byte words */
+    const long long *table = (const long long *)(const void *)rj_scales;
+    __m512i g = _mm512_i64gather_epi64(index, table, 8);
+    __m512i kf = _mm512_i64gather_epi64(_mm512_add_epi64(index, _mm512_set1_epi64(1)), table, 8);
+    __mmask8 fast = _mm512_test_epi64_mask(kf, _mm512_set1_epi64(0xff0000));
+    __m512i k = _mm512_srai_epi64(_mm512_slli_epi64(kf, 48), 48);
+
+    __m512i m = _mm512_or_si512(fraction, _mm512_set1_epi64(0x800000));
+    __m512i a = _mm512_mul_epu32(m, _mm512_srli_epi64(g, 31));
+    __m512i b = _mm512_mul_epu32(m, _mm512_and_si512(g, _mm512_set1_epi64(0x7fffffff)));
+    __m512i s = _mm512_add_epi64(_mm512_slli_epi64(a, 3), _mm512_srli_epi64(b, 28));
+    __m512i f = _mm512_slli_epi64(_mm512_and_si512(b, _mm512_set1_epi64(0xfffffff)), 31);
+    __m512i above = _mm512_add_epi64(g, g);
+    __m512i below = _mm512_mask_mov_epi64(g, regular, above);
+    __m512i r = mod10_avx512(s);
+    __m512i f_above = _mm512_add_epi64(f, above); /* below 2^59 + 2^63: no wrap */
+    __mmask8 down10_in = _mm512_cmple_epu64_mask(_mm512_add_epi64(_mm512_slli_epi64(r, 59), f), below);
+    __mmask8 up10_in = _mm512_cmple_epu64_mask(
+        _mm512_slli_epi64(_mm512_sub_epi64(_mm512_set1_epi64(10), r), 59), f_above);
+    __mmask8 s_in = _mm512_cmple_epu64_mask(f, below);
+    __mmask8 t_in = _mm512_cmple_epu64_mask(one, f_above);
+    __m512i half = _mm512_set1_epi64((long long)(ONE / 2));
+    __mmask8 s_even = _mm512_testn_epi64_mask(s, _mm512_set1_epi64(1));
+    __mmask8 s_closer = _mm512_cmplt_epu64_mask(f, half) | (_mm512_cmpeq_epi64_mask(f, half) & s_even);
+    __mmask8 keep_s = s_in & ((__mmask8)~t_in | s_closer);
+    __m512i s_down10 = _mm512_sub_epi64(s, r);
+    __m512i digits = _mm512_mask_add_epi64(s, (__mmask8)~keep_s, s, _mm512_set1_epi64(1));
+    digits = _mm512_mask_add_epi64(digits, up10_in, s_down10, _mm512_set1_epi64(10));
+    digits = _mm512_mask_mov_epi64(digits, down10_in, s_down10);
+    /* 16 digits made 17 (decimal_of's short16). */
+    __mmask8 short16 = _mm512_cmplt_epu64_mask(digits, _mm512_set1_epi64((long long)rj_pow10[16]));
+    digits = _mm512_mask_add_epi64(digits, short16, _mm512_slli_epi64(digits, 3),
+                                   _mm512_slli_epi64(digits, 1));
+    k = _mm512_mask_sub_epi64(k, short16, k, _mm512_set1_epi64(1));
+
+    /* digits / 10^8 through a double (below 2^57: off by at most one, then
+     * corrected by the remainder), then the first digit of that quotient
+     * (below 10^9) by a multiply by ceil(2^57 / 10^8), exact below 2^30. */
+    const __m512i e8 = _mm512_set1_epi64(100000000);
+    __m512i q = _mm512_cvttpd_epu64(_mm512_mul_pd(_mm512_cvtepu64_pd(digits), _mm512_set1_pd(1e-8)));
+    __m512i rest = _mm512_sub_epi64(digits, _mm512_mul_epu32(q, e8));
+    __mmask8 under = _mm512_cmplt_epi64_mask(rest, _mm512_setzero_si512());
+    q = _mm512_mask_sub_epi64(q, under, q, _mm512_set1_epi64(1));
+    rest = _mm512_mask_add_epi64(rest, under, rest, e8);
+    __mmask8 over = _mm512_cmpge_epi64_mask(rest, e8);
+    q = _mm512_mask_add_epi64(q, over, q, _mm512_set1_epi64(1));
+    rest = _mm512_mask_sub_epi64(rest, over, rest, e8);
+    __m512i lead = _mm512_srli_epi64(_mm512_mul_epu32(q, _mm512_set1_epi64(1441151881)), 57);
+    __m512i front = digit_values8_avx512(_mm512_sub_epi64(q, _mm512_mul_epu32(lead, e8)));
+    __m512i back = digit_values8_avx512(rest);
+    /* Significant digits: 17 less the trailing zero digits, which are the
+     * words' high zero bytes. */
+    __m512i in_back = _mm512_sub_epi64(_mm512_set1_epi64(17),
+                                       _mm512_srli_epi64(_mm512_lzcnt_epi64(back), 3));
+    __m512i in_front = _mm512_sub_epi64(_mm512_set1_epi64(9),
+                                        _mm512_srli_epi64(_mm512_lzcnt_epi64(front), 3));
+    __m512i significant = _mm512_mask_mov_epi64(_mm512_set1_epi64(1),
+                                                _mm512_test_epi64_mask(front, front), in_front);
+    significant = _mm512_mask_mov_epi64(significant, _mm512_test_epi64_mask(back, back), in_back);
+
+    /* The plain layouts of -4 <= E <= 6 (0.00012 to 9999999.9, every
+     * logprob in practice) as text words, per lane: the 17 digits as a
+     * 136-bit string (X, first digit in the lowest byte), then for E >= 0
+     * a '.' inserted after digit E ("4.123", "12.5", "1500.0": a digit
+     * string whose tail is zeros keeps one of them after the point), for
+     * E < 0 the digits moved up behind "0.000" (1 - E bytes); then the
+     * whole moved up behind ',' or ",-". Bytes past the length are
+     * overwritten by what follows (SHM_JSON_ROOM). */
+    const __m512i zeros = _mm512_set1_epi64((long long)ASCII_ZEROS);
+    __m512i x0 = _mm512_or_si512(_mm512_or_si512(lead, _mm512_set1_epi64('0')),
+                                 _mm512_slli_epi64(_mm512_or_si512(front, zeros), 8));
+    __m512i x1 = _mm512_or_si512(_mm512_srli_epi64(_mm512_or_si512(front, zeros), 56),
+                                 _mm512_slli_epi64(_mm512_or_si512(back, zeros), 8));
+    __m512i x2 = _mm512_srli_epi64(_mm512_or_si512(back, zeros), 56);
+    __m512i e = _mm512_add_epi64(k, _mm512_set1_epi64(16));
+    __mmask8 whole = _mm512_cmpge_epi64_mask(e, _mm512_setzero_si512()); /* E >= 0 */
+    /* E >= 0: '.' after byte E (a shift of 8 (E + 1) bits, at most 56). */
+    __m512i point = _mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1)), 3);
+    __m512i below_point = _mm512_sub_epi64(_mm512_sllv_epi64(_mm512_set1_epi64(1), point),
+                                           _mm512_set1_epi64(1));
+    __m512i y0 = _mm512_or_si512(
+        _mm512_or_si512(_mm512_and_si512(x0, below_point),
+                        _mm512_sllv_epi64(_mm512_set1_epi64('.'), point)),
+        _mm512_slli_epi64(_mm512_andnot_si512(below_point, x0), 8));
+    __m512i y1 = _mm512_or_si512(_mm512_slli_epi64(x1, 8), _mm512_srli_epi64(x0, 56));
+    __m512i y2 = _mm512_or_si512(_mm512_slli_epi64(x2, 8), _mm512_srli_epi64(x1, 56));
+    __m512i digits_after = _mm512_max_epi64(significant, _mm512_add_epi64(e, _mm512_set1_epi64(2)));
+    __m512i body = _mm512_add_epi64(digits_after, _mm512_set1_epi64(1));
+    /* E < 0: the digits 1 - E bytes up, behind "0." and -E - 1 zeros. */
+    __m512i up = _mm512_slli_epi64(_mm512_sub_epi64(_mm512_set1_epi64(1), e), 3); /* 16..40 */
+    __m512i down = _mm512_sub_epi64(_mm512_set1_epi64(64), up);
+    y0 = _mm512_mask_mov_epi64(
+        _mm512_or_si512(_mm512_sllv_epi64(x0, up), _mm512_set1_epi64(0x3030303030302e30)),
+        whole, y0);
+    y1 = _mm512_mask_mov_epi64(
+        _mm512_or_si512(_mm512_sllv_epi64(x1, up), _mm512_srlv_epi64(x0, down)), whole, y1);
+    y2 = _mm512_mask_mov_epi64(
+        _mm512_or_si512(_mm512_sllv_epi64(x2, up), _mm512_srlv_epi64(x1, down)), whole, y2);
+    body = _mm512_mask_mov_epi64(_mm512_add_epi64(_mm512_srli_epi64(up, 3), significant), whole,
+                                 body);
+    /* Behind ',' (8 bits) or ",-" (16). */
+    __m512i sign = _mm512_and_si512(_mm512_srli_epi64(bits, 31), _mm512_set1_epi64(1));
+    __m512i lift = _mm512_slli_epi64(_mm512_add_epi64(sign, _mm512_set1_epi64(1)), 3);
+    __m512i fall = _mm512_sub_epi64(_mm512_set1_epi64(64), lift);
+    __m512i prefix = _mm512_or_si512(_mm512_set1_epi64(','),
+                                     _mm512_slli_epi64(_mm512_mullo_epi64(sign, _mm512_set1_epi64('-')), 8));
+    _mm512_storeu_si512(out->text[0], _mm512_or_si512(_mm512_sllv_epi64(y0, lift), prefix));
+    _mm512_storeu_si512(out->text[1],
+                        _mm512_or_si512(_mm512_sllv_epi64(y1, lift), _mm512_srlv_epi64(y0, fall)));
+    _mm512_storeu_si512(out->text[2],
+                        _mm512_or_si512(_mm512_sllv_epi64(y2, lift), _mm512_srlv_epi64(y1, fall)));
+    _mm512_storeu_si512(out->length, _mm512_add_epi64(body, _mm512_add_epi64(sign, _mm512_set1_epi64(1))));
+    out->laid_out = fast & _mm512_cmpge_epi64_mask(e, _mm512_set1_epi64(-4)) &
+                    _mm512_cmple_epi64_mask(e, _mm512_set1_epi64(6));
+
+    _mm512_storeu_si512(out->lead, lead);
+    _mm512_storeu_si512(out->front, front);
+    _mm512_storeu_si512(out->back, back);
+    _mm512_storeu_si512(out->significant, significant);
+    _mm512_storeu_si512(out->exponent, _mm512_add_epi64(k, _mm512_set1_epi64(16)));
+    _mm_storel_epi64((__m128i *)out->negative,
+                     _mm512_cvtepi64_epi8(_mm512_srli_epi64(bits, 31)));
+    memset(out->kind, FINITE, 8);
+    for (unsigned other = (unsigned)(__mmask8)~fast; other; other &= other - 1) {
+        int lane = __builtin_ctz(other);
+        decimal17 d = decimal_of(values[lane]);
+        out->kind[lane] = d.kind;
+        if (d.kind != FINITE) continue;
+        uint64_t first = d.digits / UINT64_C(10000000000000000);
+        digits16 split = split_digits16(d.digits, first);
+        out->lead[lane] = first;
+        out->front[lane] = split.front;
+        out->back[lane] = split.back;
+        out->significant[lane] = split.significant;
+        out->exponent[lane] = d.exponent;
+    }
+}
+
+/* Ids the same way: eight at a time, each below 10^7 (every vocabulary in
+ * use) as one word "1234567," with its length; larger or negative ones
+ * through write_int. */
+typedef struct {
+    uint64_t text[8];
+    uint64_t length[8];
+    uint8_t laid_out;
+} ints8;
+
+RJ_AVX512_TARGET static void convert_ints8_avx512(const int32_t *values, ints8 *out) {
+    __m512i x = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)values));
+    out->laid_out = _mm512_cmplt_epu64_mask(x, _mm512_set1_epi64(10000000));
+    __m512i digits = digit_values8_avx512(x);
+    /* The leading zero digits are the word's low zero bytes (write_word_comma);
+     * 0 keeps its one digit. */
+    __m512i marked = _mm512_or_si512(digits, _mm512_set1_epi64((long long)(UINT64_C(1) << 56)));
+    __m512i lowest = _mm512_and_si512(marked, _mm512_sub_epi64(_mm512_setzero_si512(), marked));
+    __m512i zeros = _mm512_and_si512(
+        _mm512_sub_epi64(_mm512_set1_epi64(63), _mm512_lzcnt_epi64(lowest)), _mm512_set1_epi64(56));
+    __m512i text = _mm512_srlv_epi64(_mm512_or_si512(digits, _mm512_set1_epi64((long long)ASCII_ZEROS)),
+                                     zeros);
+    text = _mm512_or_si512(text, _mm512_sllv_epi64(_mm512_set1_epi64(','),
+                                                   _mm512_sub_epi64(_mm512_set1_epi64(64), zeros)));
+    _mm512_storeu_si512(out->text, text);
+    _mm512_storeu_si512(out->length, _mm512_sub_epi64(_mm512_set1_epi64(9), _mm512_srli_epi64(zeros, 3)));
+}
+
+/* -1 until the first call asks the CPU; shm_json_set_simd overrides. */
+static int simd_choice = -1;
+
+static int use_avx512(void) {
+    int value = __atomic_load_n(&simd_choice, __ATOMIC_RELAXED);
+    if (value < 0) {
+        __builtin_cpu_init();
+        value = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
+                __builtin_cpu_supports("avx512vl");
+        __atomic_store_n(&simd_choice, value, __ATOMIC_RELAXED);
+    }
+    return value;
+}
+
+int shm_json_set_simd(int enable) {
+    int before = use_avx512();
+    if (enable >= 0) {
+        __builtin_cpu_init();
+        int able = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
+                   __builtin_cpu_supports("avx512vl");
+        __atomic_store_n(&simd_choice, enable && able, __ATOMIC_RELAXED);
+    }
+    return before;
+}
+
+/* Blocks of eight values through convert8_avx512, then laid out one by
+ * one; returns the values done (a multiple of 8), each preceded by a
+ * comma. */
+RJ_AVX512_TARGET static char *write_floats8(char *o, const float *values, uint64_t blocks) {
+    decimal8 d;
+    for (uint64_t b = 0; b < blocks; b++) {
+        convert8_avx512(values + 8 * b, &d);
+        for (int i = 0; i < 8; i++) {
+            if (__builtin_expect((d.laid_out >> i) & 1, 1)) {
+                store64(o, d.text[0][i]);
+                store64(o + 8, d.text[1][i]);
+                store64(o + 16, d.text[2][i]);
+                o += d.length[i];
+                continue;
+            }
+            *o++ = ',';
+            digits16 rest = {d.front[i], d.back[i], (int)d.significant[i]};
+            o = write_parts(o, d.kind[i], d.negative[i], d.lead[i], rest, (int)d.exponent[i]);
+        }
+    }
+    return o;
+}
+#else
+int shm_json_set_simd(int enable) { return 0; }
+#endif
+
 /* `count` floats, each preceded by a comma except the very first when
- * `comma_first` is 0. (Converting a run of values in one loop and laying
- * them out in another was no faster: nothing here waits on memory.) */
+ * `comma_first` is 0: eight at a time where the CPU has AVX-512. */
 static char *write_floats(char *o, const float *values, uint64_t count, int comma_first) {
     if (!count) return o;
     if (comma_first) *o++ = ',';
     o = write_decimal(o, decimal_of(values[0]));
-    for (uint64_t i = 1; i < count; i++) {
+    uint64_t i = 1;
+#ifdef RJ_AVX512
+    if (count - 1 >= 8 && use_avx512()) {
+        uint64_t blocks = (count - 1) / 8;
+        o = write_floats8(o, values + 1, blocks);
+        i += 8 * blocks;
+    }
+#endif
+    for (; i < count; i++) {
         *o++ = ',';
         o = write_decimal(o, decimal_of(values[i]));
     }
@@ -485,10 +803,36 @@ static inline char *write_word_comma(char *o, uint64_t digits) {
     return o + 9 - zeros / 8;
 }
 
+#ifdef RJ_AVX512
+/* Blocks of eight ids through convert_ints8_avx512, each followed by a comma. */
+RJ_AVX512_TARGET static char *write_ints8(char *o, const int32_t *values, uint64_t blocks) {
+    ints8 d;
+    for (uint64_t b = 0; b < blocks; b++) {
+        convert_ints8_avx512(values + 8 * b, &d);
+        for (int i = 0; i < 8; i++) {
+            if (__builtin_expect((d.laid_out >> i) & 1, 1)) {
+                store64(o, d.text[i]);
+                o += d.length[i];
+                continue;
+            }
+            o = write_int(o, values[8 * b + i]);
+            *o++ = ',';
+        }
+    }
+    return o;
+}
+#endif
+
 /* `count` ints, each followed by a comma. Ids are below 10^8: their
  * digits are made two at a time (one vector for both on x86-64). */
 static char *write_ints_comma(char *o, const int32_t *values, uint64_t count) {
     uint64_t i = 0;
+#ifdef RJ_AVX512
+    if (count >= 8 && use_avx512()) {
+        o = write_ints8(o, values, count / 8);
+        i = count / 8 * 8;
+    }
+#endif
     for (; i + 1 < count; i += 2) {
         uint32_t x = (uint32_t)values[i], y = (uint32_t)values[i + 1];
         if (__builtin_expect((x | y) < (1u << 26) || (x < 100000000 && y < 100000000), 1)) {

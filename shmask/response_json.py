@@ -270,6 +270,24 @@ def _scratch_buffer(size: int) -> bytearray:
     return buffer
 
 
+def _apply_simd_setting() -> None:
+    """SHMASK_JSON_SIMD=off turns the AVX-512 conversion off for the process."""
+    name = "SHMASK_JSON_SIMD"
+    if name in os.environ and not Config.from_env({name: os.environ[name]}).json_simd:
+        lib.shm_json_set_simd(0)
+
+
+def float_simd(enable: bool | None = None) -> bool:
+    """Whether floats are converted eight at a time with AVX-512 (the CPU
+    decides at first use): `enable` True or False sets it for the process
+    (True only where the CPU has AVX-512), None leaves it. Returns the
+    setting now. Both ways write the same bytes; this is for the tests that
+    check both and for measuring."""
+    if enable is not None:
+        lib.shm_json_set_simd(int(enable))
+    return bool(lib.shm_json_set_simd(-1))
+
+
 def float_json(values: np.ndarray) -> bytes:
     """A JSON array of float32 values widened to double, as orjson writes
     the Python floats (used to check the formatting value by value)."""
@@ -290,3 +308,6 @@ def _contiguous(array: np.ndarray, dtype: type) -> np.ndarray:
         raise ShmaskError(f"response JSON: expected {np.dtype(dtype).name} values, "
                           f"got {array.dtype}")
     return np.ascontiguousarray(array)
+
+
+_apply_simd_setting()

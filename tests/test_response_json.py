@@ -10,6 +10,7 @@ every one of them.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,45 @@ import shmask
 from shmask._native import lib
 from shmask.chunk import ROW_INVALID, ROW_OK, ROW_OVERFLOW
 from shmask.config import JSON_THREADS_MAX
-from shmask.response_json import float_json, response_arrays
+from shmask.response_json import float_json, float_simd, response_arrays
 
 ROOT = Path(__file__).resolve().parent.parent
 BITMASK_FORM = 1
+
+
+def avx512_listed() -> bool:
+    """Whether /proc/cpuinfo lists what the eight-at-a-time conversion needs."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512dq", "avx512bw", "avx512cd", "avx512vl"))
+
+
+@pytest.fixture(params=["one_by_one", "avx512"])
+def simd_path(request):
+    """Each float and id test runs on both conversions: one value at a
+    time, and eight at a time in AVX-512 lanes (where the CPU has it)."""
+    before = float_simd()
+    wanted = request.param == "avx512"
+    if float_simd(wanted) != wanted:
+        pytest.skip("this CPU has no AVX-512: only the one-by-one conversion runs here")
+    yield request.param
+    float_simd(before)
+
+
+def test_avx512_conversion_is_chosen_where_the_cpu_has_it():
+    """Where the CPU lists AVX-512, the writer uses it by default (a
+    dispatch that silently stayed scalar would pass every other test);
+    SHMASK_JSON_SIMD=off turns it off."""
+    code = "from shmask.response_json import float_simd; print(float_simd())"
+    for setting, expected in ((None, avx512_listed()), ("off", False), ("on", avx512_listed())):
+        env = {k: v for k, v in os.environ.items() if k != "SHMASK_JSON_SIMD"}
+        if setting is not None:
+            env["SHMASK_JSON_SIMD"] = setting
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, timeout=120, env=env)
+        assert out.stdout.strip() == str(expected), setting
 
 
 def orjson_floats(values: np.ndarray) -> bytes:
@@ -69,7 +105,7 @@ def special_values() -> np.ndarray:
     return np.concatenate([positive, positive | np.uint32(0x80000000)]).view(np.float32)
 
 
-def test_special_values_match_orjson():
+def test_special_values_match_orjson(simd_path):
     values = special_values()
     assert_same_floats(values)
     text = float_json(values)
@@ -84,14 +120,14 @@ def test_special_values_match_orjson():
     (float("nan"), b"null"), (float("inf"), b"null"), (float("-inf"), b"null"),
     (np.float32(0.1), b"0.10000000149011612"), (2.0**-149, b"1.401298464324817e-45"),
 ])
-def test_orjson_layouts(value, expected):
+def test_orjson_layouts(value, expected, simd_path):
     """The layouts orjson uses, written out (plain between 1e-5 and 1e16,
     "e+"/"e-" exponents outside; null for NaN and infinities)."""
     values = np.array([value], np.float32)
     assert float_json(values) == b"[" + expected + b"]" == orjson_floats(values)
 
 
-def test_sampled_float32_bit_patterns_match_orjson():
+def test_sampled_float32_bit_patterns_match_orjson(simd_path):
     """Bit patterns at a fixed odd stride over all 2^32 (every exponent and
     sign, mantissas all over), plus random ones: about 3 million values."""
     stride = 2039
@@ -104,6 +140,23 @@ def test_sampled_float32_bit_patterns_match_orjson():
         assert_same_floats(values)
         longest = max(len(v) for v in float_json(values)[1:-1].split(b","))
         assert longest <= lib.SHM_JSON_FLOAT_BYTES
+
+
+def test_every_length_and_lane_mix_matches_orjson(simd_path):
+    """Runs of every length from 0 to 41 (blocks of eight, then the tail),
+    starting at every offset, with values that leave the fast lanes (zeros,
+    NaN, subnormals, extremes) in random lanes among logprobs."""
+    rng = np.random.default_rng()
+    specials = special_values()
+    logprobs = (rng.standard_normal(4096) * 4 - 5).astype(np.float32)
+    mixed = logprobs.copy()
+    lanes = rng.choice(mixed.size, 600, replace=False)
+    mixed[lanes] = rng.choice(specials, lanes.size)
+    for values in (logprobs, mixed):
+        for length in range(42):
+            for offset in (0, 1, 5, 8):
+                assert_same_floats(values[offset:offset + length])
+        assert_same_floats(values)
 
 
 def test_response_json_tables_are_generated_and_current():
@@ -257,24 +310,32 @@ def test_json_threads_setting():
     assert shmask.Config.from_env({"SHMASK_JSON_THREADS": "16"}).json_threads == 16
 
 
-def test_ids_of_every_length_and_digit_group_match_orjson():
-    """Ids are written two at a time from digit words (one vector for both
-    on x86-64): 0..99_999 covers every 4-digit group in the low half and
-    every length to 5, then every length to 10, the 10^8 edge where the
-    word no longer holds them, and negatives, each in odd and even places."""
+def test_ids_of_every_length_and_digit_group_match_orjson(simd_path):
+    """Ids are written from digit words, two at a time (one SSE2 vector for
+    both) or eight at a time (AVX-512, one word per id below 10^7):
+    0..99_999 covers every 4-digit group in the low half and every length
+    to 5, then every length to 10, the 10^7 and 10^8 edges where a word no
+    longer holds them, and negatives, each in every place of a block of
+    eight; then rows of every length to 20 (the tail after the blocks)."""
     rng = np.random.default_rng(8)
     edges = [10**e + d for e in range(11) for d in (-1, 0, 1) if 10**e + d < 2**31]
     values = np.concatenate([
         np.arange(100_000), np.arange(0, 10**8, 9_973), np.array(edges),
         rng.integers(-2**31, 2**31, 50_000), [-(2**31), 2**31 - 1, -1, 99_999_999, 100_000_000],
     ]).astype(np.int32)
-    for offset in (0, 1):  # each value first and second of a pair
+    for offset in range(8):  # each value in every place of a pair and of a block
         row = values[offset:]
         lengths = np.array([row.size], np.int32)
         ids_json, _, lengths_json = response_arrays(True, lengths, None, row,
                                                     np.zeros(row.size, np.float32), threads=1)
         assert ids_json == orjson.dumps([row.tolist()])
         assert lengths_json == orjson.dumps([row.size])
+    lengths = np.arange(21, dtype=np.int32)
+    rows = rng.choice(values, int(lengths.sum()))
+    ids_json, _, _ = response_arrays(True, lengths, None, rows, np.zeros(rows.size, np.float32),
+                                     threads=1)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    assert ids_json == orjson.dumps([rows[a:b].tolist() for a, b in zip(starts, starts[1:])])
 
 
 def test_concurrent_callers_share_the_thread_pool():
