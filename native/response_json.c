@@ -41,6 +41,7 @@
  */
 #include "response_json.h"
 
+#include "shmask_cpu_internal.h"
 #include "shmask_pool.h"
 #include <string.h>
 
@@ -691,33 +692,6 @@ RJ_AVX512_TARGET static void convert_ints8_avx512(const int32_t *values, ints8 *
     _mm512_storeu_si512(out->length, _mm512_sub_epi64(_mm512_set1_epi64(9), _mm512_srli_epi64(zeros, 3)));
 }
 
-/* -1 until the first call asks the CPU; shm_json_set_simd overrides. */
-static int simd_choice = -1;
-
-static int use_avx512(void) {
-    int value = __atomic_load_n(&simd_choice, __ATOMIC_RELAXED);
-    if (value < 0) {
-        __builtin_cpu_init();
-        value = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
-                __builtin_cpu_supports("avx512vl");
-        __atomic_store_n(&simd_choice, value, __ATOMIC_RELAXED);
-    }
-    return value;
-}
-
-int shm_json_set_simd(int enable) {
-    int before = use_avx512();
-    if (enable >= 0) {
-        __builtin_cpu_init();
-        int able = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
-                   __builtin_cpu_supports("avx512vl");
-        __atomic_store_n(&simd_choice, enable && able, __ATOMIC_RELAXED);
-    }
-    return before;
-}
-
 /* Blocks of eight values through convert8_avx512, then laid out one by
  * one; returns the values done (a multiple of 8), each preceded by a
  * comma. */
@@ -740,8 +714,6 @@ RJ_AVX512_TARGET static char *write_floats8(char *o, const float *values, uint64
     }
     return o;
 }
-#else
-int shm_json_set_simd(int enable) { return 0; }
 #endif
 
 /* `count` floats, each preceded by a comma except the very first when
@@ -752,7 +724,7 @@ static char *write_floats(char *o, const float *values, uint64_t count, int comm
     o = write_decimal(o, decimal_of(values[0]));
     uint64_t i = 1;
 #ifdef RJ_AVX512
-    if (count - 1 >= 8 && use_avx512()) {
+    if (count - 1 >= 8 && shm_avx512()) {
         uint64_t blocks = (count - 1) / 8;
         o = write_floats8(o, values + 1, blocks);
         i += 8 * blocks;
@@ -828,7 +800,7 @@ RJ_AVX512_TARGET static char *write_ints8(char *o, const int32_t *values, uint64
 static char *write_ints_comma(char *o, const int32_t *values, uint64_t count) {
     uint64_t i = 0;
 #ifdef RJ_AVX512
-    if (count >= 8 && use_avx512()) {
+    if (count >= 8 && shm_avx512()) {
         o = write_ints8(o, values, count / 8);
         i = count / 8 * 8;
     }

@@ -31,13 +31,6 @@
  * returns how many; `out` must hold SHM_JSON_ROOM bytes. */
 int shm_json_float(float value, char *out);
 
-/* Whether floats are converted eight at a time with AVX-512 (1) or one by
- * one (0): the CPU decides at the first call. enable 0 or 1 sets it (1 only
- * where the CPU has AVX-512 F/DQ/BW/CD/VL), -1 leaves it; returns the
- * choice before the call. Both write the same bytes (tests compare them over
- * every float32); this is for those tests and for measuring. */
-int shm_json_set_simd(int enable);
-
 /* "[v0,v1,...]" for `count` float32 values (shm_json_float each). `out`
  * must hold 2 + count * (SHM_JSON_FLOAT_BYTES + 1) + SHM_JSON_ROOM bytes.
  * Returns the bytes written, or SHM_JSON_E_CAPACITY. */

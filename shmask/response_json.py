@@ -271,21 +271,22 @@ def _scratch_buffer(size: int) -> bytearray:
 
 
 def _apply_simd_setting() -> None:
-    """SHMASK_JSON_SIMD=off turns the AVX-512 conversion off for the process."""
+    """SHMASK_JSON_SIMD=off turns the AVX-512 paths off for the process."""
     name = "SHMASK_JSON_SIMD"
     if name in os.environ and not Config.from_env({name: os.environ[name]}).json_simd:
-        lib.shm_json_set_simd(0)
+        lib.shm_set_avx512(0)
 
 
-def float_simd(enable: bool | None = None) -> bool:
-    """Whether floats are converted eight at a time with AVX-512 (the CPU
-    decides at first use): `enable` True or False sets it for the process
-    (True only where the CPU has AVX-512), None leaves it. Returns the
-    setting now. Both ways write the same bytes; this is for the tests that
-    check both and for measuring."""
+def avx512(enable: bool | None = None) -> bool:
+    """Whether the response writers use AVX-512 (the CPU decides at first
+    use; SHMASK_JSON_SIMD=off turns it off): floats and ids converted eight
+    at a time, base64 encoded 48 bytes at a time. `enable` True or False sets
+    it for the process (True only where the CPU has AVX-512), None leaves it.
+    Returns the setting now. Every path writes the same bytes either way;
+    this is for the tests that check both and for measuring."""
     if enable is not None:
-        lib.shm_json_set_simd(int(enable))
-    return bool(lib.shm_json_set_simd(-1))
+        lib.shm_set_avx512(int(enable))
+    return bool(lib.shm_set_avx512(-1))
 
 
 def float_json(values: np.ndarray) -> bytes:

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import orjson
 
-from shmask.response_json import float_json, float_simd
+from shmask.response_json import float_json, avx512
 
 TOTAL = 2**32
 
@@ -44,9 +44,9 @@ def check_block(args: tuple[int, int, str]) -> tuple[int, str | None]:
         with np.errstate(invalid="ignore"):
             theirs = orjson.dumps(values.astype(np.float64).tolist())
     else:
-        float_simd(True)
+        avx512(True)
         ours = float_json(values)
-        float_simd(False)
+        avx512(False)
         theirs = float_json(values)
     if ours == theirs:
         return count, None
@@ -65,7 +65,7 @@ def main() -> int:
     parser.add_argument("--against", choices=("orjson", "one-by-one"), default="orjson",
                         help="the reference: orjson, or the writer's one-value-at-a-time path")
     args = parser.parse_args()
-    if args.against == "one-by-one" and not float_simd(True):
+    if args.against == "one-by-one" and not avx512(True):
         parser.error("--against one-by-one: this CPU has no AVX-512, so there is one path only")
     shard, shards = (int(part) for part in args.shard.split("/"))
     if not 0 <= shard < shards:
@@ -75,7 +75,7 @@ def main() -> int:
     total = len(blocks) * block
     what = f"all {TOTAL:,}" if shards == 1 else f"shard {shard}/{shards}: {total:,} of the {TOTAL:,}"
     reference = f"orjson {orjson.__version__}" if args.against == "orjson" else "the one-by-one path"
-    simd = "eight at a time (AVX-512)" if float_simd() else "one by one"
+    simd = "eight at a time (AVX-512)" if avx512() else "one by one"
     print(f"checking {what} float32 bit patterns, written {simd}, against {reference} "
           f"in {len(blocks)} blocks, {args.processes} processes", flush=True)
     started = time.monotonic()

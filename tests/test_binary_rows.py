@@ -345,13 +345,27 @@ def test_a_large_chunk_is_split_and_still_identical(writer, reader, numpy_path, 
 
 
 @needs_core
-def test_base64_of_every_size_and_split():
+@pytest.mark.parametrize("use_avx512", [False, True])
+def test_base64_of_every_size_and_split(use_avx512):
     """The encoder entry point for assemblers, and the decoder, against
-    the stdlib codec: every length 0..100 (every tail, the vector path's
-    edges) and splits into up to 5 parts, and the decoder's sign report."""
+    the stdlib codec: every length 0..200 (every tail, the vector paths'
+    edges: 48-byte AVX-512 blocks, then 24-byte AVX2 ones, then scalar)
+    and splits into up to 5 parts, and the decoder's sign report; with
+    AVX-512 allowed and not."""
+    from shmask.response_json import avx512
+    before = avx512()
+    if avx512(use_avx512) != use_avx512:
+        pytest.skip("this CPU has no AVX-512: only the AVX2 and scalar encoders run here")
+    try:
+        check_base64_sizes()
+    finally:
+        avx512(before)
+
+
+def check_base64_sizes():
     ffi, lib = binary_rows._native()
     rng = np.random.default_rng(9)
-    for size in [*range(101), 3 * 40000 + 1, 3 * 40000 + 2]:
+    for size in [*range(201), 3 * 40000 + 1, 3 * 40000 + 2]:
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         for threads in (1, 5):
             dst = bytearray(lib.shm_b64_encoded_size(size))

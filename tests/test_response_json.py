@@ -24,7 +24,7 @@ import shmask
 from shmask._native import lib
 from shmask.chunk import ROW_INVALID, ROW_OK, ROW_OVERFLOW
 from shmask.config import JSON_THREADS_MAX
-from shmask.response_json import float_json, float_simd, response_arrays
+from shmask.response_json import avx512, float_json, response_arrays
 
 ROOT = Path(__file__).resolve().parent.parent
 BITMASK_FORM = 1
@@ -43,19 +43,19 @@ def avx512_listed() -> bool:
 def simd_path(request):
     """Each float and id test runs on both conversions: one value at a
     time, and eight at a time in AVX-512 lanes (where the CPU has it)."""
-    before = float_simd()
+    before = avx512()
     wanted = request.param == "avx512"
-    if float_simd(wanted) != wanted:
+    if avx512(wanted) != wanted:
         pytest.skip("this CPU has no AVX-512: only the one-by-one conversion runs here")
     yield request.param
-    float_simd(before)
+    avx512(before)
 
 
 def test_avx512_conversion_is_chosen_where_the_cpu_has_it():
     """Where the CPU lists AVX-512, the writer uses it by default (a
     dispatch that silently stayed scalar would pass every other test);
     SHMASK_JSON_SIMD=off turns it off."""
-    code = "from shmask.response_json import float_simd; print(float_simd())"
+    code = "from shmask.response_json import avx512; print(avx512())"
     for setting, expected in ((None, avx512_listed()), ("off", False), ("on", avx512_listed())):
         env = {k: v for k, v in os.environ.items() if k != "SHMASK_JSON_SIMD"}
         if setting is not None:
