@@ -29,7 +29,7 @@ import time
 import numpy as np
 import orjson
 
-from shmask.response_json import float_json, avx512
+from shmask.response_json import avx512, float_json
 
 TOTAL = 2**32
 

@@ -334,8 +334,8 @@ def test_ids_of_every_length_and_digit_group_match_orjson(simd_path):
     rows = rng.choice(values, int(lengths.sum()))
     ids_json, _, _ = response_arrays(True, lengths, None, rows, np.zeros(rows.size, np.float32),
                                      threads=1)
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    assert ids_json == orjson.dumps([rows[a:b].tolist() for a, b in zip(starts, starts[1:])])
+    ends = np.cumsum(lengths)
+    assert ids_json == orjson.dumps([rows[e - n:e].tolist() for n, e in zip(lengths, ends, strict=True)])
 
 
 def test_concurrent_callers_share_the_thread_pool():
