@@ -44,7 +44,8 @@ Kernels:
    key whose sampled share reaches top_p - P_MARGIN, so its candidates are
    only the ids near the cutoff.
 2. candidate mark (program per 8192-column chunk): one read of ``probs``:
-   the candidates as a bitmask and their count, the bad values, and only the
+   the candidates as a bitmask and their count (every bad value, NaN, inf
+   or negative, is a candidate: resolve finds them there), and only the
    exact sums a row's settings need (mass for top-p, max for min-p/greedy,
    mass and count above hi for a window row).
 3. expand (as in compaction): ascending candidate ids and values, row-local.
@@ -120,6 +121,8 @@ P_MARGIN = 0.05
 WINDOW_MIN = 16384
 CAND_MARK_WARPS = 16  # H200, bf16 top_k 1000: 105.9 us at 4 warps, 81.7 at 8, 75.0 at 16
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
+SMALL_RESOLVE_BLOCK = 2048  # the same when a scalar top_k is at most SMALL_K_MAX
+SMALL_K_MAX = 1536
 WINDOW_BLOCK = 16384  # the same for window rows (16 warps)
 WRITE_BLOCK = 4096  # candidates per step of the write program
 ROW_BLOCK = 4096  # columns per step of a resolve program that reads its whole row
@@ -223,12 +226,12 @@ def _bound_kernel(
 @triton.jit
 def _cand_mark_kernel(
     probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-    bits_ptr, counts_ptr, sum_ptr, max_ptr, bad_ptr, above_mass_ptr, above_count_ptr, n_chunks,
+    bits_ptr, counts_ptr, sum_ptr, max_ptr, above_mass_ptr, above_count_ptr, n_chunks,
     CHUNK: tl.constexpr,
 ):
     """Program (b, c): one read of columns [c*CHUNK, (c+1)*CHUNK) of row b:
     the candidates lo <= key < hi as a bitmask (CHUNK/32 words) and their
-    count, the chunk's bad values (NaN, inf, negative), and the exact sums
+    count (every bad value, NaN, inf or negative, among them), and the exact sums
     the row's cutoffs need: its mass (top-p), its max (min-p, greedy) and,
     for a window row, the mass and count of the ids at or above hi (its
     support above the candidates). Each reduction over the chunk costs about
@@ -247,7 +250,11 @@ def _cand_mark_kernel(
     hi = tl.load(hi_ptr + row)
     good = (w >= 0.0) & (w < float("inf"))  # false for NaN
     key = w.to(tl.int32, bitcast=True)
-    keep = good & (w > 0.0) & (key >= lo) & (key < hi)
+    # A bad value (NaN, inf, negative) is a candidate whatever its key: the
+    # resolve program finds it among the candidates and the row is INVALID.
+    # Counting them here instead, a reduction over the whole chunk, cost 8.5
+    # of the kernel's 74.5 us (H200, bf16, top_k 1000, 2026-12-02).
+    keep = (good & (w > 0.0) & (key >= lo) & (key < hi)) | (inside & ~good)
     words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
     slot = row * n_chunks + chunk
     tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
@@ -258,8 +265,6 @@ def _cand_mark_kernel(
     # the H200 (bf16, top_k 1000: 81.7 -> 74.2 us; top_p 0.9: 106.6 -> 91.8
     # us). A float sum's rounding depends on its order, which was Triton's
     # to choose before as well.
-    bad = tl.reshape((inside & ~good).to(tl.int32), [CHUNK], can_reorder=True)
-    tl.store(bad_ptr + slot, tl.sum(bad, axis=0))
     w = tl.where(good, w, 0.0)
     flat = tl.reshape(w, [CHUNK], can_reorder=True)
     total = tl.zeros([], dtype=tl.float32)
@@ -349,7 +354,7 @@ def _row_key_reaching(row_ptr, vocab, target, USE_MASS: tl.constexpr, BLOCK: tl.
 def _resolve_kernel(
     probs_ptr, stride_row, vocab,
     cand_ids_ptr, cand_vals_ptr, counts_ptr, n_chunks,
-    sum_ptr, max_ptr, bad_ptr, above_mass_ptr, above_count_ptr, lo_ptr, hi_ptr, window_ptr,
+    sum_ptr, max_ptr, above_mass_ptr, above_count_ptr, lo_ptr, hi_ptr, window_ptr,
     top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr, opt_in_ptr, token_ptr, seed_ptr,
     max_tokens,
     cutoff_ptr, logz_ptr, sizes_ptr, lengths_ptr, status_ptr, forms_ptr, selected_ptr,
@@ -364,7 +369,6 @@ def _resolve_kernel(
     n = tl.sum(tl.load(counts_ptr + slots, mask=in_row, other=0), axis=0)
     total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
     rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
-    bad = tl.sum(tl.load(bad_ptr + slots, mask=in_row, other=0), axis=0) > 0
     above_mass = tl.sum(tl.load(above_mass_ptr + slots, mask=in_row, other=0.0), axis=0)
     above_count = tl.sum(tl.load(above_count_ptr + slots, mask=in_row, other=0), axis=0)
     lo = tl.load(lo_ptr + row)
@@ -375,6 +379,18 @@ def _resolve_kernel(
     live0 = idx0 < n
     v0 = tl.load(cand_vals_ptr + base + idx0, mask=live0, other=0.0)
     key0 = v0.to(tl.int32, bitcast=True)
+    # The row's bad values (NaN, inf, negative) are all among its candidates
+    # (the mark pass keeps them whatever their key): any makes it INVALID.
+    bad = tl.max((live0 & ~((v0 >= 0.0) & (v0 < float("inf")))).to(tl.int32), axis=0) > 0
+    for start in range(BLOCK, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        v = tl.load(cand_vals_ptr + base + idx, mask=idx < n, other=0.0)
+        bad = bad | (tl.max((~((v >= 0.0) & (v < float("inf")))).to(tl.int32), axis=0) > 0)
+    # A bad row's result is INVALID whatever its cutoffs: the searches and the
+    # sweep below take only its first block (a NaN row's candidates are all
+    # of its ids: read from memory at every bisection step, they would cost
+    # the whole batch milliseconds).
+    n = tl.where(bad, tl.minimum(n, BLOCK), n)
 
     # Exact cutoffs over the candidates. Each is exact when the candidates
     # hold it (the search finds 0 otherwise); the checks below say whether
@@ -454,8 +470,9 @@ def _resolve_kernel(
     if SAMPLE:
         seed = tl.load(seed_ptr + row)
         ids0 = tl.load(cand_ids_ptr + base + idx0, mask=live0, other=0)
-        # exponential race: argmax w / E with E = -log(u), u ~ U[0, 1)
-        score0 = tl.log(v0) - tl.log(-tl.log(tl.rand(seed, ids0)))
+        # exponential race: argmax w / E with E = -log(u), u ~ U[0, 1) (one
+        # log a candidate: as logs, log w - log E took three, 29 us of 46)
+        score0 = v0 / -tl.log(tl.rand(seed, ids0))
         score0 = tl.where(hit0, score0, float("-inf"))
         best_score = tl.max(score0, axis=0)
         best_id = tl.min(tl.where(score0 == best_score, ids0, vocab), axis=0)
@@ -470,7 +487,7 @@ def _resolve_kernel(
         z += tl.sum(tl.where(hit, v, 0.0), axis=0)
         if SAMPLE:
             ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
-            score = tl.log(v) - tl.log(-tl.log(tl.rand(seed, ids)))
+            score = v / -tl.log(tl.rand(seed, ids))
             score = tl.where(hit, score, float("-inf"))
             block_best = tl.max(score, axis=0)
             block_id = tl.min(tl.where(score == block_best, ids, vocab), axis=0)
@@ -645,6 +662,18 @@ def _write_kernel(
         ring_arrive(table, arrivals)
 
 
+def resolve_block(top_k: Any, window_on: bool) -> int:
+    """Candidates the resolve program holds in registers: every step of its
+    bisections and of the draw runs over all of them, used or not, so a
+    scalar top_k up to SMALL_K_MAX (candidates ~1.3 k at top_k 1000) gets
+    the small block; more candidates than the block are read from memory
+    (correct, slower)."""
+    if window_on:
+        return WINDOW_BLOCK
+    small = isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= SMALL_K_MAX
+    return SMALL_RESOLVE_BLOCK if small else RESOLVE_BLOCK
+
+
 def may_be_window(top_k: Any, top_p: Any, vocab: int) -> bool:
     """Whether some row may be top-p only (top-k off, top-p on): known from
     scalars, assumed for [B] tensors (no host sync)."""
@@ -710,14 +739,14 @@ def run_capture(
     chunks_pad = triton.next_power_of_2(n_chunks)
     bits = torch.empty(batch * n_chunks * (CHUNK // WORD_BITS), dtype=torch.int32,
                        device=device)
-    per_chunk = torch.empty(6 * batch * n_chunks, dtype=torch.int32, device=device)
-    counts, bads, above_count = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
-                                 for i in range(3))
+    per_chunk = torch.empty(5 * batch * n_chunks, dtype=torch.int32, device=device)
+    counts, above_count = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
+                           for i in range(2))
     sums, maxes, above_mass = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
-                               .view(torch.float32) for i in range(3, 6))
+                               .view(torch.float32) for i in range(2, 5))
     _cand_mark_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, lo, hi, top_p, min_p, greedy_i8, bits, counts, sums,
-        maxes, bads, above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=CAND_MARK_WARPS,
+        maxes, above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=CAND_MARK_WARPS,
     )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
@@ -730,11 +759,11 @@ def run_capture(
                       for i in range(8, 10))
     _resolve_kernel[(batch,)](
         probs, probs.stride(0), vocab, cand_ids, cand_vals, counts, n_chunks,
-        sums, maxes, bads, above_mass, above_count, lo, hi, window,
+        sums, maxes, above_mass, above_count, lo, hi, window,
         top_k, top_p, min_p, greedy_i8, opt_in, tokens, seeds, max_tokens,
         cutoff, logz, sizes, lengths, status, forms, selected, n_cand, window_ok, window_status,
         SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
-        BLOCK=WINDOW_BLOCK if window_on else RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad,
+        BLOCK=resolve_block(top_k_arg, window_on), CHUNKS_PAD=chunks_pad,
         ROW_BLOCK=ROW_BLOCK, num_warps=16 if window_on else 8,
     )
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
