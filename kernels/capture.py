@@ -121,8 +121,6 @@ P_MARGIN = 0.05
 WINDOW_MIN = 16384
 CAND_MARK_WARPS = 16  # H200, bf16 top_k 1000: 105.9 us at 4 warps, 81.7 at 8, 75.0 at 16
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
-SMALL_RESOLVE_BLOCK = 2048  # the same when a scalar top_k is at most SMALL_K_MAX
-SMALL_K_MAX = 1536
 WINDOW_BLOCK = 16384  # the same for window rows (16 warps)
 WRITE_BLOCK = 4096  # candidates per step of the write program
 ROW_BLOCK = 4096  # columns per step of a resolve program that reads its whole row
@@ -662,18 +660,6 @@ def _write_kernel(
         ring_arrive(table, arrivals)
 
 
-def resolve_block(top_k: Any, window_on: bool) -> int:
-    """Candidates the resolve program holds in registers: every step of its
-    bisections and of the draw runs over all of them, used or not, so a
-    scalar top_k up to SMALL_K_MAX (candidates ~1.3 k at top_k 1000) gets
-    the small block; more candidates than the block are read from memory
-    (correct, slower)."""
-    if window_on:
-        return WINDOW_BLOCK
-    small = isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= SMALL_K_MAX
-    return SMALL_RESOLVE_BLOCK if small else RESOLVE_BLOCK
-
-
 def may_be_window(top_k: Any, top_p: Any, vocab: int) -> bool:
     """Whether some row may be top-p only (top-k off, top-p on): known from
     scalars, assumed for [B] tensors (no host sync)."""
@@ -763,7 +749,7 @@ def run_capture(
         top_k, top_p, min_p, greedy_i8, opt_in, tokens, seeds, max_tokens,
         cutoff, logz, sizes, lengths, status, forms, selected, n_cand, window_ok, window_status,
         SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
-        BLOCK=resolve_block(top_k_arg, window_on), CHUNKS_PAD=chunks_pad,
+        BLOCK=WINDOW_BLOCK if window_on else RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad,
         ROW_BLOCK=ROW_BLOCK, num_warps=16 if window_on else 8,
     )
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
