@@ -692,9 +692,8 @@ RJ_AVX512_TARGET static void convert_ints8_avx512(const int32_t *values, ints8 *
     _mm512_storeu_si512(out->length, _mm512_sub_epi64(_mm512_set1_epi64(9), _mm512_srli_epi64(zeros, 3)));
 }
 
-/* Blocks of eight values through convert8_avx512, then laid out one by
- * one; returns the values done (a multiple of 8), each preceded by a
- * comma. */
+/* `blocks` blocks of eight values through convert8_avx512, then laid out
+ * one by one, each preceded by a comma; returns the end of the text. */
 RJ_AVX512_TARGET static char *write_floats8(char *o, const float *values, uint64_t blocks) {
     decimal8 d;
     for (uint64_t b = 0; b < blocks; b++) {
