@@ -166,21 +166,27 @@ def test_ties_at_every_cutoff() -> None:
 @pytest.mark.parametrize("top_k", [1000, None])
 def test_rows_with_more_bad_values_than_the_resolve_block(top_k) -> None:
     """Every bad value (NaN, inf, negative) is a candidate, so a row full of
-    them has more candidates than the resolve program holds (2048 for a
-    scalar top_k up to 1536, 4096 else): still INVALID, in one program's
-    first block, and its neighbours' rows as the reference has them. Bad
-    values placed last (past the first block) count too."""
+    them has more candidates than the resolve program holds (4096; 16384
+    when window rows may occur, as with top_k None): still INVALID, in one
+    program's first block, and its neighbours' rows as the reference has
+    them. Bad values placed last (past the first block of 4096: top_k 1000)
+    count too."""
     vocab = 6000
     gen = torch.Generator().manual_seed(5)
     probs = dyadic_probs(5, vocab, gen)
     probs[0] = float("nan")
     probs[1, :] = -probs[1, :]  # all negative
-    probs[3] = 1.0 / vocab  # all tied: every id a candidate, more than either block holds
+    probs[3] = 1.0 / vocab  # all tied: every id a candidate, more than a block of 4096
     probs[3, vocab - 1] = float("inf")  # one bad value, the row's last id: past the first block
+    # A negative value there too: unlike inf or NaN (which make Z non-finite
+    # and the row INVALID anyway) only the scan for bad values catches it.
+    tied = torch.full((1, vocab), 1.0 / vocab, dtype=probs.dtype)
+    tied[0, vocab - 1] = -1.0 / vocab
+    probs = torch.cat([probs, tied])
     sampled = probs.clamp(min=0).nan_to_num(0.0).argmax(1)
     got = run_both(probs, sampled, top_k=top_k, top_p=0.9, max_tokens=vocab)
     assert got.status.cpu().tolist() == [Status.INVALID, Status.INVALID, Status.OK,
-                                         Status.INVALID, Status.OK]
+                                         Status.INVALID, Status.OK, Status.INVALID]
     assert got.lengths.cpu().tolist()[:2] == [0, 0] and got.lengths[3].item() == 0
 
 
