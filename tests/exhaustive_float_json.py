@@ -39,6 +39,10 @@ def check_block(args: tuple[int, int, str]) -> tuple[int, str | None]:
     (count, a message naming the first that does not)."""
     start, count, against = args
     values = np.arange(start, start + count, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    # The writer takes an array's first value one by one and the values
+    # after it in blocks of eight (AVX-512): one value in front (and a block
+    # a multiple of 8) puts every pattern of the block in a lane.
+    values = np.concatenate([np.ones(1, np.float32), values])
     if against == "orjson":
         ours = float_json(values)
         with np.errstate(invalid="ignore"):
@@ -51,9 +55,10 @@ def check_block(args: tuple[int, int, str]) -> tuple[int, str | None]:
     if ours == theirs:
         return count, None
     mine, want = ours[1:-1].split(b","), theirs[1:-1].split(b",")
+    first = start - (len(values) - count)  # the pattern of the first value written
     for index, (a, b) in enumerate(zip(mine, want, strict=False)):
         if a != b:
-            return count, f"float32 0x{start + index:08x}: wrote {a!r}, {against} {b!r}"
+            return count, f"float32 0x{first + index:08x}: wrote {a!r}, {against} {b!r}"
     return count, f"block 0x{start:08x}: {len(mine)} values written, {against} {len(want)}"
 
 
@@ -65,6 +70,8 @@ def main() -> int:
     parser.add_argument("--against", choices=("orjson", "one-by-one"), default="orjson",
                         help="the reference: orjson, or the writer's one-value-at-a-time path")
     args = parser.parse_args()
+    if args.block_bits < 3:
+        parser.error("--block-bits must be at least 3 (the writer's blocks of eight)")
     if args.against == "one-by-one" and not avx512(True):
         parser.error("--against one-by-one: this CPU has no AVX-512, so there is one path only")
     shard, shards = (int(part) for part in args.shard.split("/"))
