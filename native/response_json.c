@@ -457,7 +457,7 @@ static char *write_float(char *o, float value) {
  * only: lanes whose value needs another (NaN, infinities, zeros,
  * subnormals, the extremes) are converted by decimal_of afterwards. Both
  * paths are checked against each other over all 2^32 float32 patterns
- * (tests/exhaustive_float_json.py --against scalar), and the scalar one
+ * (tests/exhaustive_float_json.py --against one-by-one), and the scalar one
  * against orjson.
  *
  * With v = m * 2^e, G from rj_scales split as G = G1 * 2^31 + G0 (31 bits
