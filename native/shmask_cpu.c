@@ -1,8 +1,9 @@
 /* CPU dispatch for the response writers: see shmask_cpu.h. */
 #include "shmask_cpu_internal.h"
 
-/* -1: not asked yet; else 0, 1 (AVX-512) or 3 (AVX-512 and VBMI). A benign
- * race: every thread computes the same value. */
+/* -1: not asked yet; else 0, 1 (AVX-512) or 3 (AVX-512 and VBMI). Threads
+ * that ask first all compute the same value; only one stores it, and only
+ * over -1, so a shm_set_avx512 made meanwhile is not undone. */
 static int choice = -1;
 
 static int detect(void) {
@@ -20,8 +21,11 @@ static int detect(void) {
 static int current(void) {
     int value = __atomic_load_n(&choice, __ATOMIC_RELAXED);
     if (value < 0) {
+        int unset = -1;
         value = detect();
-        __atomic_store_n(&choice, value, __ATOMIC_RELAXED);
+        if (!__atomic_compare_exchange_n(&choice, &unset, value, 0, __ATOMIC_RELAXED,
+                                         __ATOMIC_RELAXED))
+            value = unset; /* set meanwhile (shm_set_avx512): that choice stands */
     }
     return value;
 }
