@@ -81,6 +81,10 @@ def _native() -> Any:
             _native_core = False
         else:
             _native_core = (module.ffi, module.lib) if _LITTLE else False
+            if _native_core:
+                # the response writer's module applies SHMASK_JSON_SIMD (the
+                # base64 encoder's AVX-512 switch too) when first imported
+                importlib.import_module("shmask.response_json")
     return _native_core or None
 
 
