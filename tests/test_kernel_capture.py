@@ -190,6 +190,21 @@ def test_rows_with_more_bad_values_than_the_resolve_block(top_k) -> None:
     assert got.lengths.cpu().tolist()[:2] == [0, 0] and got.lengths[3].item() == 0
 
 
+def test_scalar_settings_are_broadcast_once_per_setting() -> None:
+    """A scalar setting becomes its [B] tensor once per (value, batch, dtype,
+    device, stream) and is reused (no fill launch per call); 1, 1.0 and True
+    stay apart, and past the cache's size every answer is still right."""
+    from shmask.kernels._common import constant_rows
+    first = constant_rows(1000, 4, torch.int32, torch.device(DEVICE))
+    assert constant_rows(1000, 4, torch.int32, torch.device(DEVICE)) is first
+    assert first.cpu().tolist() == [1000] * 4
+    assert constant_rows(1000, 5, torch.int32, torch.device(DEVICE)) is not first
+    assert constant_rows(1, 3, torch.float32, torch.device(DEVICE)) is not constant_rows(
+        True, 3, torch.float32, torch.device(DEVICE))
+    for value in range(100):
+        assert constant_rows(value, 2, torch.int32, torch.device(DEVICE)).cpu().tolist() == [value] * 2
+
+
 def test_edge_rows() -> None:
     vocab = 300
     gen = torch.Generator().manual_seed(11)
