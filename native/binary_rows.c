@@ -109,17 +109,6 @@ __attribute__((target("avx2"))) static uint64_t encode_avx2(const uint8_t *src, 
     }
     return i;
 }
-
-static int use_avx2(void) {
-    static int cached = -1; /* benign race: every thread computes the same value */
-    int value = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (value < 0) {
-        __builtin_cpu_init();
-        value = __builtin_cpu_supports("avx2") ? 1 : 0;
-        __atomic_store_n(&cached, value, __ATOMIC_RELAXED);
-    }
-    return value;
-}
 #endif
 
 #ifdef B64_X86
@@ -133,13 +122,12 @@ static int use_avx2(void) {
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static uint64_t encode_avx512(
     const uint8_t *src, uint64_t n, char *dst) {
     static const char alphabet64[64] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    uint8_t spread_bytes[64];
-    for (int lane = 0; lane < 16; lane++) {
-        spread_bytes[4 * lane] = (uint8_t)(3 * lane + 1);
-        spread_bytes[4 * lane + 1] = (uint8_t)(3 * lane);
-        spread_bytes[4 * lane + 2] = (uint8_t)(3 * lane + 2);
-        spread_bytes[4 * lane + 3] = (uint8_t)(3 * lane + 1);
-    }
+    /* Lane l (of 16) takes bytes 3l+1, 3l, 3l+2, 3l+1. */
+    static const uint8_t spread_bytes[64] = {
+        1,  0,  2,  1,  4,  3,  5,  4,  7,  6,  8,  7,  10, 9,  11, 10,
+        13, 12, 14, 13, 16, 15, 17, 16, 19, 18, 20, 19, 22, 21, 23, 22,
+        25, 24, 26, 25, 28, 27, 29, 28, 31, 30, 32, 31, 34, 33, 35, 34,
+        37, 36, 38, 37, 40, 39, 41, 40, 43, 42, 44, 43, 46, 45, 47, 46};
     const __m512i spread = _mm512_loadu_si512(spread_bytes);
     const __m512i sextets_at = _mm512_set1_epi64(0x3036242a1016040aLL); /* 10 4 22 16, +32 each */
     const __m512i lookup = _mm512_loadu_si512(alphabet64);
@@ -163,7 +151,7 @@ static void encode_block(const uint8_t *src, uint64_t n, char *dst) {
         dst += done / 3 * 4;
         n -= done;
     }
-    if (n >= 28 && use_avx2()) {
+    if (n >= 28 && shm_avx2()) {
         uint64_t done = encode_avx2(src, n, dst);
         src += done;
         dst += done / 3 * 4;
@@ -199,8 +187,7 @@ static void encode_task(void *context, uint64_t task) {
         uint64_t to = group_cut(end - base, job->size[a]);
         if (to <= from) continue;
         char *dst = job->dst[a] + from / 3 * 4;
-        if (job->tasks <= SHM_POOL_PREFAULT_MAX_TASKS)
-            shm_pool_prefault(dst, dst + (to - from + 2) / 3 * 4);
+        shm_pool_prefault(dst, dst + (to - from + 2) / 3 * 4); /* only while few tasks run */
         encode_block(job->src[a] + from, to - from, dst);
     }
 }
@@ -659,7 +646,7 @@ static int64_t decode_quartets(const unsigned char *text, uint64_t count, uint8_
     const uint64_t block = 64;
     uint64_t start = 0;
 #ifdef B64_X86
-    if (count >= 11 && use_avx2()) start = decode_avx2(text, count, out);
+    if (count >= 11 && shm_avx2()) start = decode_avx2(text, count, out);
 #endif
     for (uint64_t q = start; q < count; q += block) {
         uint64_t stop = q + block < count ? q + block : count;
@@ -709,8 +696,7 @@ static void decode_part(const decode_job *job, uint64_t k, uint64_t from, uint64
     uint64_t quartets = job->spans[4 * k + 1] / 4, size = job->spans[4 * k + 3];
     uint8_t *out = job->out + job->spans[4 * k + 2];
     uint64_t padding = (3 - size % 3) % 3, whole = to;
-    if (job->tasks <= SHM_POOL_PREFAULT_MAX_TASKS)
-        shm_pool_prefault((char *)out + 3 * from, (char *)out + (3 * to < size ? 3 * to : size));
+    shm_pool_prefault((char *)out + 3 * from, (char *)out + (3 * to < size ? 3 * to : size));
     if (to == quartets && padding) whole--; /* the padded quartet: below */
     int64_t bad = whole > from ? decode_quartets(text + 4 * from, whole - from, out + 3 * from)
                                : -1;
@@ -743,7 +729,7 @@ static void decode_part(const decode_job *job, uint64_t k, uint64_t from, uint64
     }
     b -= 3; /* a word's first byte: whole words from here, then the last top byte */
 #ifdef B64_X86
-    if (b < last && last - b >= 64 && use_avx2()) {
+    if (b < last && last - b >= 64 && shm_avx2()) {
         uint64_t blocks = (last - b) / 32;
         if (any_high_top_byte_avx2(out + b, blocks)) high |= 0x80000000u;
         b += 32 * blocks;

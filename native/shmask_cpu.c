@@ -39,3 +39,18 @@ int shm_set_avx512(int enable) {
     if (enable >= 0) __atomic_store_n(&choice, enable ? detect() : 0, __ATOMIC_RELAXED);
     return before;
 }
+
+int shm_avx2(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    static int cached = -1; /* benign: every thread computes the same value, nothing sets it */
+    int value = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (value < 0) {
+        __builtin_cpu_init();
+        value = __builtin_cpu_supports("avx2") ? 1 : 0;
+        __atomic_store_n(&cached, value, __ATOMIC_RELAXED);
+    }
+    return value;
+#else
+    return 0;
+#endif
+}

@@ -8,5 +8,8 @@
 int shm_avx512(void);
 /* ... and VBMI too (byte permutes: the base64 encoder). */
 int shm_avx512_vbmi(void);
+/* The CPU has AVX2 (the base64 codec's vector paths; not turned off by
+ * shm_set_avx512). */
+int shm_avx2(void);
 
 #endif
