@@ -101,9 +101,9 @@ class Config:
     (response_json.dumps_many, binary_rows.encode_meta_info_many); 1: the
     calling thread only. Default min(4, usable CPUs); small chunks use fewer."""
     json_simd: bool = True
-    """Write floats and ids eight at a time with AVX-512 where the CPU has it
-    (the same bytes, about twice as fast on one thread); off: one at a
-    time, everywhere."""
+    """The response writers use AVX-512 where the CPU has it: floats and ids
+    eight at a time, base64 48 bytes at a time (the same bytes, about twice
+    as fast on one thread); off: one at a time, and AVX2 base64."""
     offload_threads: int = _usable_cpus(8)
     """Worker threads of a shmask.Offload pool built without `threads=`:
     they open chunks and write responses off a server's event loop (each

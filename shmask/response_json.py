@@ -31,13 +31,17 @@ _KEEP_BYTES = 32 << 20  # scratch kept per thread between calls (larger ones are
 _scratch = threading.local()
 
 
+def _setting(name: str) -> Config:
+    """A Config of the defaults and this one SHMASK_* variable, validated
+    (a process-wide setting of the writer, not one of a Reader's Config)."""
+    return Config.from_env({name: os.environ[name]} if name in os.environ else {})
+
+
 def json_threads() -> int:
     """SHMASK_JSON_THREADS, read (and validated) once per process."""
     global _threads
     if _threads is None:
-        name = "SHMASK_JSON_THREADS"
-        environ = {name: os.environ[name]} if name in os.environ else {}
-        _threads = Config.from_env(environ).json_threads
+        _threads = _setting("SHMASK_JSON_THREADS").json_threads
     return _threads
 
 
@@ -272,8 +276,7 @@ def _scratch_buffer(size: int) -> bytearray:
 
 def _apply_simd_setting() -> None:
     """SHMASK_JSON_SIMD=off turns the AVX-512 paths off for the process."""
-    name = "SHMASK_JSON_SIMD"
-    if name in os.environ and not Config.from_env({name: os.environ[name]}).json_simd:
+    if not _setting("SHMASK_JSON_SIMD").json_simd:
         lib.shm_set_avx512(0)
 
 
