@@ -121,10 +121,13 @@ P_MARGIN = 0.05
 WINDOW_MIN = 16384
 CAND_MARK_WARPS = 16  # H200, bf16 top_k 1000: 105.9 us at 4 warps, 81.7 at 8, 75.0 at 16
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
+RESOLVE_WARPS = 8  # H200, capture top_k 1000: 18.3 us at 4 warps, 16.4 at 8, 31.3 at 16
+DRAW_BLOCK = 1024  # candidates per step of the sampler's draw in the resolve program
 WINDOW_BLOCK = 16384  # the same for window rows (16 warps)
 WRITE_BLOCK = 4096  # candidates per step of the write program
 ROW_BLOCK = 4096  # columns per step of a resolve program that reads its whole row
 INF_KEY = tl.constexpr(0x7F800000)  # float bits of +inf: a floor no candidate reaches
+NEG_ZERO_KEY = tl.constexpr(-0x80000000)  # float bits of -0.0 as an int32
 # The bound kernel's bisection settles the first BOUND_BITS of bits 30..0 of
 # a key (exponent and 8 mantissa bits); BOUND_STEP is one unit of the last.
 BOUND_BITS = tl.constexpr(16)
@@ -225,7 +228,7 @@ def _bound_kernel(
 def _cand_mark_kernel(
     probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
     bits_ptr, counts_ptr, sum_ptr, max_ptr, above_mass_ptr, above_count_ptr, n_chunks,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, MASS: tl.constexpr, TOP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """Program (b, c): one read of columns [c*CHUNK, (c+1)*CHUNK) of row b:
     the candidates lo <= key < hi as a bitmask (CHUNK/32 words) and their
@@ -234,7 +237,12 @@ def _cand_mark_kernel(
     for a window row, the mass and count of the ids at or above hi (its
     support above the candidates). Each reduction over the chunk costs about
     as much as the read (H200, 2026-12-02), so a row gets only the ones its
-    settings need."""
+    settings need.
+
+    MASS, TOP and WINDOW say whether any row of the call may need the mass,
+    the max or a window (known from the call's arguments, no host sync):
+    a reduction a call cannot need is not compiled in at all (H200, bf16,
+    2026-12-02: 39.8 us for top_k 1000 alone, 48.5 with top_p's mass on)."""
     WORDS: tl.constexpr = CHUNK // 32
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -246,13 +254,21 @@ def _cand_mark_kernel(
     w = w.to(tl.float32)
     lo = tl.load(lo_ptr + row)
     hi = tl.load(hi_ptr + row)
-    good = (w >= 0.0) & (w < float("inf"))  # false for NaN
     key = w.to(tl.int32, bitcast=True)
     # A bad value (NaN, inf, negative) is a candidate whatever its key: the
     # resolve program finds it among the candidates and the row is INVALID.
-    # Counting them here instead, a reduction over the whole chunk, cost 8.5
-    # of the kernel's 74.5 us (H200, bf16, top_k 1000, 2026-12-02).
-    keep = (good & (w > 0.0) & (key >= lo) & (key < hi)) | (inside & ~good)
+    # All of it is one unsigned comparison of the float bits: lo >= 1 lies
+    # below +inf's bits, which lie below every NaN's and every negative
+    # value's (sign bit set), and 0.0 (padding too) lies below lo; only -0.0
+    # (the sign bit alone) is not bad and is left out. Written as float
+    # tests (w >= 0, w < inf, or-ed with the range) the kernel took 97 us
+    # instead of 44 (H200, bf16, top_k 1000, 2026-12-02).
+    keep = (key.to(tl.uint32, bitcast=True) >= lo.to(tl.uint32)) & (key != NEG_ZERO_KEY)
+    if WINDOW:
+        # A full row's hi is +inf's key; in a window row a good value needs
+        # key < hi, while a negative value's key (< 0) passes and NaN and
+        # inf pass by key >= INF_KEY.
+        keep = keep & ((key < hi) | (key >= INF_KEY))
     words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
     slot = row * n_chunks + chunk
     tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
@@ -263,25 +279,29 @@ def _cand_mark_kernel(
     # the H200 (bf16, top_k 1000: 81.7 -> 74.2 us; top_p 0.9: 106.6 -> 91.8
     # us). A float sum's rounding depends on its order, which was Triton's
     # to choose before as well.
-    w = tl.where(good, w, 0.0)
+    w = tl.where((w >= 0.0) & (w < float("inf")), w, 0.0)  # NaN fails both: 0
     flat = tl.reshape(w, [CHUNK], can_reorder=True)
     total = tl.zeros([], dtype=tl.float32)
-    if tl.load(top_p_ptr + row) < 1.0:
-        total = tl.sum(flat, axis=0)
+    if MASS:
+        if tl.load(top_p_ptr + row) < 1.0:
+            total = tl.sum(flat, axis=0)
     tl.store(sum_ptr + slot, total)
     top = tl.zeros([], dtype=tl.float32)
-    if (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0):
-        top = tl.max(flat, axis=0)
+    if TOP:
+        if (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0):
+            top = tl.max(flat, axis=0)
     tl.store(max_ptr + slot, top)
     above_mass = tl.zeros([], dtype=tl.float32)
     above_count = tl.zeros([], dtype=tl.int32)
-    if hi < INF_KEY:
-        above = (w > 0.0) & (key >= hi)
-        # Each sum reshapes its own operand: two reshapes are not promised
-        # the same order, so they are never combined element by element.
-        above_mass = tl.sum(tl.reshape(tl.where(above, w, 0.0), [CHUNK], can_reorder=True),
-                            axis=0)
-        above_count = tl.sum(tl.reshape(above.to(tl.int32), [CHUNK], can_reorder=True), axis=0)
+    if WINDOW:
+        if hi < INF_KEY:
+            above = (w > 0.0) & (key >= hi)
+            # Each sum reshapes its own operand: two reshapes are not promised
+            # the same order, so they are never combined element by element.
+            above_mass = tl.sum(tl.reshape(tl.where(above, w, 0.0), [CHUNK], can_reorder=True),
+                                axis=0)
+            above_count = tl.sum(tl.reshape(above.to(tl.int32), [CHUNK], can_reorder=True),
+                                 axis=0)
     tl.store(above_mass_ptr + slot, above_mass)
     tl.store(above_count_ptr + slot, above_count)
 
@@ -359,6 +379,7 @@ def _resolve_kernel(
     n_cand_ptr, window_ok_ptr, window_status_ptr,
     SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    DRAW_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk_idx = tl.arange(0, CHUNKS_PAD)
@@ -465,17 +486,6 @@ def _resolve_kernel(
     hit0 = live0 & (key0 >= cutoff)
     size = above_count + tl.sum(hit0.to(tl.int32), axis=0)
     z = above_mass + tl.sum(tl.where(hit0, v0, 0.0), axis=0)
-    if SAMPLE:
-        seed = tl.load(seed_ptr + row)
-        ids0 = tl.load(cand_ids_ptr + base + idx0, mask=live0, other=0)
-        # exponential race: argmax w / E with E = -log(u), u ~ U[0, 1) (one
-        # log a candidate: as logs, log w - log E took three, 29 us of 46)
-        score0 = v0 / -tl.log(tl.rand(seed, ids0))
-        score0 = tl.where(hit0, score0, float("-inf"))
-        best_score = tl.max(score0, axis=0)
-        best_id = tl.min(tl.where(score0 == best_score, ids0, vocab), axis=0)
-        # greedy: the smallest id among the maxima (all of them are candidates)
-        first_id = tl.min(tl.where(live0 & (v0 == rowmax), ids0, vocab), axis=0)
     for start in range(BLOCK, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         live = idx < n
@@ -483,19 +493,38 @@ def _resolve_kernel(
         hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
         size += tl.sum(hit.to(tl.int32), axis=0)
         z += tl.sum(tl.where(hit, v, 0.0), axis=0)
-        if SAMPLE:
-            ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
-            score = v / -tl.log(tl.rand(seed, ids))
-            score = tl.where(hit, score, float("-inf"))
-            block_best = tl.max(score, axis=0)
-            block_id = tl.min(tl.where(score == block_best, ids, vocab), axis=0)
-            take = block_best > best_score
-            best_id = tl.where(take, block_id, best_id)
-            best_score = tl.maximum(best_score, block_best)
-            first_id = tl.minimum(first_id, tl.min(tl.where(live & (v == rowmax), ids, vocab),
-                                                   axis=0))
 
     if SAMPLE:
+        # Exponential race: argmax w / E with E = -log(u), u ~ U[0, 1) (one
+        # log a candidate: as logs, log w - log E took three, 29 us of 46).
+        # The draw reads the candidates again (L2-hot) DRAW_BLOCK at a time:
+        # a Philox state for each of BLOCK lanes held at once took the
+        # program to 196 registers, one program per SM instead of two, and
+        # the batch two waves (resolve 43 us against capture's 16.5; H200,
+        # 2026-12-02). The price: a row of tens of thousands of candidates
+        # (top-p only: no window rows in sample) is read twice, here and in
+        # the sweep above (per-row tensor settings with such rows, bf16: 953
+        # us a call against 885 before). Measured and not kept: each lane
+        # keeping its own best, reduced once at the end (996 us).
+        seed = tl.load(seed_ptr + row)
+        best_score = tl.full([], float("-inf"), tl.float32)
+        best_id = tl.zeros([], dtype=tl.int32) + vocab
+        first_id = tl.zeros([], dtype=tl.int32) + vocab
+        for start in range(0, n, DRAW_BLOCK):
+            idx = start + tl.arange(0, DRAW_BLOCK)
+            live = idx < n
+            v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
+            ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
+            hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
+            score = tl.where(hit, v / -tl.log(tl.rand(seed, ids)), float("-inf"))
+            block_best = tl.max(score, axis=0)
+            block_id = tl.min(tl.where(score == block_best, ids, vocab), axis=0)
+            # ids ascend: a later block's tie never beats an earlier id
+            best_id = tl.where(block_best > best_score, block_id, best_id)
+            best_score = tl.maximum(best_score, block_best)
+            # greedy: the smallest id among the maxima (all of them are candidates)
+            first_id = tl.minimum(first_id, tl.min(tl.where(live & (v == rowmax), ids, vocab),
+                                                   axis=0))
         token = tl.where(greedy, first_id, best_id)
     else:
         token = tl.load(token_ptr + row).to(tl.int32)
@@ -660,6 +689,14 @@ def _write_kernel(
         ring_arrive(table, arrivals)
 
 
+def may_be_on(setting: Any, on: Any) -> bool:
+    """Whether a setting may turn its cutoff on in some row: ``on(value)``
+    for a scalar, always for a [B] tensor (no host sync), never for None."""
+    if setting is None:
+        return False
+    return isinstance(setting, torch.Tensor) or bool(on(setting))
+
+
 def may_be_window(top_k: Any, top_p: Any, vocab: int) -> bool:
     """Whether some row may be top-p only (top-k off, top-p on): known from
     scalars, assumed for [B] tensors (no host sync)."""
@@ -691,7 +728,7 @@ def run_capture(
     device = probs.device
     check_max_tokens(max_tokens, batch, vocab, overflow)
     target = check_into(into, True, max_tokens, vocab)  # refused before any kernel runs
-    top_k_arg, top_p_arg = top_k, top_p
+    top_k_arg, top_p_arg, min_p_arg = top_k, top_p, min_p
     top_k = per_row(top_k, batch, torch.int32, device, "top_k", 0)
     top_p = per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0)
     min_p = per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0)
@@ -732,7 +769,10 @@ def run_capture(
                                .view(torch.float32) for i in range(2, 5))
     _cand_mark_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, lo, hi, top_p, min_p, greedy_i8, bits, counts, sums,
-        maxes, above_mass, above_count, n_chunks, CHUNK=CHUNK, num_warps=CAND_MARK_WARPS,
+        maxes, above_mass, above_count, n_chunks, CHUNK=CHUNK,
+        MASS=may_be_on(top_p_arg, lambda p: p < 1.0),
+        TOP=may_be_on(min_p_arg, lambda m: m > 0.0) or may_be_on(greedy, bool),
+        WINDOW=window_on, num_warps=CAND_MARK_WARPS,
     )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
@@ -750,7 +790,7 @@ def run_capture(
         cutoff, logz, sizes, lengths, status, forms, selected, n_cand, window_ok, window_status,
         SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
         BLOCK=WINDOW_BLOCK if window_on else RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad,
-        ROW_BLOCK=ROW_BLOCK, num_warps=16 if window_on else 8,
+        ROW_BLOCK=ROW_BLOCK, DRAW_BLOCK=DRAW_BLOCK, num_warps=16 if window_on else RESOLVE_WARPS,
     )
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
     id_offsets = torch.empty_like(offsets)

@@ -147,6 +147,24 @@ def test_window_rows_overflow_status_and_invalid(monkeypatch: pytest.MonkeyPatch
     assert got.forms.cpu().tolist() == [1, 0, 1, 1]
 
 
+def test_window_rows_with_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN or inf in a window row has float bits above the row's hi (the
+    top of its candidates' key range), a negative value below its lo: each is
+    a candidate all the same, and the row comes out INVALID; -0.0 is a zero."""
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    window = WindowRows(monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    vocab = 3000
+    probs = dyadic_probs(4, vocab, gen, scale=1.0)
+    probs[1, 1234] = float("nan")
+    probs[2, vocab - 1] = float("inf")
+    probs[3, 7] = -0.25
+    probs[0, 11] = -0.0  # not bad: a zero
+    got = run_both(probs, probs.argmax(1), top_p=0.9, max_tokens=vocab)
+    assert got.status.cpu().tolist() == [Status.OK] + [Status.INVALID] * 3
+    assert window.calls == [[1, 0, 0, 0]]  # row 0 took the window path
+
+
 @pytest.mark.parametrize("window_min", [64, 1 << 30])
 def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.MonkeyPatch,
                                                         window_min: int) -> None:

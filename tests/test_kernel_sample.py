@@ -3,6 +3,7 @@ it, draws are deterministic per seed, and frequencies follow w / Z."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -14,6 +15,7 @@ if not torch.cuda.is_available():
 from shmask.kernels import Status, reference_capture, reference_sample, sample  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+capture_module = importlib.import_module("shmask.kernels.capture")
 
 
 def settings(batch: int, vocab: int, gen: torch.Generator) -> dict:
@@ -49,6 +51,34 @@ def test_token_in_support_and_support_matches_capture(seed, dtype, order) -> Non
     want = reference_capture(probs, tokens.long(), **kwargs)
     for b in range(batch):
         assert got.row(b)[0].cpu().tolist() == want.row(b)[0].tolist()
+
+
+def test_rows_past_the_resolve_and_draw_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Supports that fill several resolve blocks (held in registers: the
+    first only) and draw blocks: the size, the mass and the draw cover every
+    candidate, and the drawn token depends on the seed and ids only, not on
+    how the candidates were blocked."""
+    gen = torch.Generator().manual_seed(8)
+    batch, vocab = 4, 1500
+    probs = torch.softmax(torch.randn(batch, vocab, generator=gen), -1)
+    kwargs = dict(top_k=torch.tensor([300, 0, 900, 5], dtype=torch.int32),
+                  top_p=torch.tensor([1.0, 0.9, 1.0, 1.0]), max_tokens=vocab)
+    seeds = torch.arange(batch) + 5
+    tokens = []
+    for block, draw in ((4096, 1024), (64, 16), (128, 128)):
+        monkeypatch.setattr(capture_module, "RESOLVE_BLOCK", block)
+        monkeypatch.setattr(capture_module, "DRAW_BLOCK", draw)
+        got = sample(probs.to(DEVICE), seeds.to(DEVICE), **on_device(kwargs))
+        want = reference_capture(probs, got.tokens.cpu().long(), **kwargs)
+        assert (got.status.cpu() == Status.OK).all()
+        assert torch.equal(got.sizes.cpu(), want.sizes)
+        assert torch.allclose(got.selected_logprob.cpu(), want.selected_logprob, atol=1e-5)
+        for b in range(batch):
+            ids, logprobs = got.row(b)
+            assert ids.cpu().tolist() == want.row(b)[0].tolist()
+            assert torch.allclose(logprobs.cpu(), want.row(b)[1], atol=1e-5)
+        tokens.append(got.tokens.cpu())
+    assert all(torch.equal(t, tokens[0]) for t in tokens)
 
 
 def test_same_seed_same_draws_and_batch_independence() -> None:
