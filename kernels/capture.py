@@ -252,7 +252,9 @@ def _cand_mark_kernel(
     inside = cols < vocab
     w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
     w = w.to(tl.float32)
-    lo = tl.load(lo_ptr + row)
+    # lo can lie above +inf's bits (a top-p floor from a sample of zero
+    # mass: the largest key reaching 0); no finite key reaches either.
+    lo = tl.minimum(tl.load(lo_ptr + row), INF_KEY)
     hi = tl.load(hi_ptr + row)
     key = w.to(tl.int32, bitcast=True)
     # A bad value (NaN, inf, negative) is a candidate whatever its key: the

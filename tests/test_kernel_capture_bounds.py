@@ -203,6 +203,25 @@ def test_sampled_rows_spread_over_a_long_row() -> None:
              top_p=torch.tensor([1.0, 0.9, 1.0]), max_tokens=vocab)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bad_values_outside_a_sample_of_zeros(dtype: torch.dtype) -> None:
+    """A top-p row whose sampled blocks hold only zeros: the sample's mass is
+    0, so its top-p floor (the largest key reaching 0) lies above +inf's and
+    the NaNs' float bits. A NaN or inf outside the sampled blocks is a
+    candidate all the same, and the row is INVALID (not resolved from its
+    finite values by the whole-row fallback)."""
+    vocab = 20000
+    probs = torch.zeros(3, vocab)
+    probs[:, 7100:7164] = 1 / 64  # between the 3rd and 4th sampled blocks
+    probs[0, 7200] = float("nan")
+    probs[1, 7200] = float("inf")
+    probs = probs.to(dtype)
+    got = run_both(probs, probs.float().nan_to_num(0.0, 0.0).argmax(1), top_p=0.9,
+                   max_tokens=vocab)
+    assert got.status.cpu().tolist() == [Status.INVALID, Status.INVALID, Status.OK]
+
+
 # ------------------------------------------------------- full vocabulary, CUDA
 
 
