@@ -11,6 +11,7 @@ hold, never a padded buffer.
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from enum import IntEnum
@@ -209,6 +210,9 @@ def per_row(
         if value.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
         return value.to(device=device, dtype=dtype).contiguous()
+    if not isinstance(value, numbers.Real):  # a 0-d array, a string, a list...
+        raise TypeError(f"{name} must be a number or a tensor of shape ({batch},), "
+                        f"got {type(value).__name__}")
     if low is not None and not (low <= value):
         raise ValueError(f"{name}={value!r} is out of range; accepted: >= {low}")
     if high is not None and not (value <= high):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -269,3 +270,10 @@ def test_bad_arguments_are_named() -> None:
         capture(probs, sampled.float(), max_tokens=4)
     with pytest.raises(ValueError, match="overflow"):
         capture(probs, sampled, max_tokens=4, overflow="truncate")
+    # settings are numbers (numpy's too) or [B] tensors; anything else is named
+    with pytest.raises(TypeError, match="min_p must be a number or a tensor of shape"):
+        capture(probs, sampled, max_tokens=4, min_p=np.array(0.5))
+    with pytest.raises(TypeError, match="top_k must be a number.*got str"):
+        capture(probs, sampled, max_tokens=4, top_k="5")
+    got = capture(probs, sampled, max_tokens=4, top_k=np.int64(5), top_p=np.float32(1.0))
+    assert got.status.shape == (2,)
