@@ -13,6 +13,7 @@ interpreter; the full vocabulary (V = 151936) on CUDA only
 from __future__ import annotations
 
 import importlib
+import math
 import os
 
 import pytest
@@ -261,3 +262,52 @@ def test_full_vocab_top_p_only_window_rows(monkeypatch: pytest.MonkeyPatch) -> N
         match = [o for o in options if torch.equal(ids, o[0])]
         assert match, f"row {b}: {ids.numel()} ids, reference {options[0][0].numel()}"
         torch.testing.assert_close(values, match[0][1], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
+    """The candidate mark's one integer test of the float bits keeps exactly
+    what the float tests define: finite w > 0 with lo <= bits (< hi in a
+    window row), and every bad value (NaN, inf, negative; -0.0 is a zero),
+    for lo and hi at their edges, lo above +inf's bits among them. Every
+    float32 value an fp16 can hold (all 65,536 patterns) plus float32-only
+    NaN payloads and extremes, run through the kernel itself."""
+    extra = torch.tensor([0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800000 - 2**32,
+                          0x80000000 - 2**32, 0x80000001 - 2**32, 1, 0x7F7FFFFF],
+                         dtype=torch.int64).to(torch.int32).view(torch.float32)
+    half = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = torch.cat([half.float(), extra])
+    vocab = values.numel()  # not a multiple of CHUNK: padding lanes too
+    inf_key = 0x7F800000
+    if window:
+        bounds = [(1, 0x3C000000), (0x3A800000, 0x3F800000), (1, inf_key), (0x7F7FFFFF, inf_key)]
+    else:
+        bounds = [(1, inf_key), (0x3A800000, inf_key), (inf_key, inf_key), (0x7FFF8000, inf_key)]
+    batch = len(bounds)
+    probs = values.repeat(batch, 1).to(DEVICE)
+    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32, device=DEVICE)
+    chunk = capture_module.CHUNK
+    n_chunks = -(-vocab // chunk)
+    bits = torch.zeros(batch * n_chunks * (chunk // 32), dtype=torch.int32, device=DEVICE)
+    per_chunk = [torch.zeros(batch * n_chunks, dtype=dtype, device=DEVICE)
+                 for dtype in (torch.int32, torch.float32, torch.float32, torch.float32,
+                               torch.int32)]
+    counts, sums, maxes, above_mass, above_count = per_chunk
+    settings = torch.zeros(batch, dtype=torch.float32, device=DEVICE)
+    capture_module._cand_mark_kernel[(batch, n_chunks)](
+        probs, probs.stride(0), vocab, lo, hi, settings + 1.0, settings,
+        settings.to(torch.int8), bits, counts, sums, maxes, above_mass, above_count, n_chunks,
+        CHUNK=chunk, MASS=False, TOP=False, WINDOW=window, num_warps=4)
+    words = bits.cpu().view(batch, -1).to(torch.int64) & 0xFFFFFFFF
+    kept = ((words[:, :, None] >> torch.arange(32)) & 1).bool().view(batch, -1)[:, :vocab]
+    w = values
+    key = w.view(torch.int32)[None, :]
+    good = (w >= 0) & (w < math.inf)
+    want = ((good & (w > 0))[None, :] & (key >= lo.cpu()[:, None]) & (key < hi.cpu()[:, None])
+            | ~good[None, :])
+    for b in range(batch):
+        wrong = (kept[b] != want[b]).nonzero()[:, 0]
+        assert wrong.numel() == 0, (bounds[b], [hex(int(key[0, i]) & 0xFFFFFFFF)
+                                                for i in wrong[:8]])
+    assert torch.equal(counts.cpu().view(batch, n_chunks).sum(1), want.sum(1).to(torch.int32))
