@@ -702,9 +702,8 @@ def may_be_on(setting: Any, on: Any) -> bool:
 def may_be_window(top_k: Any, top_p: Any, vocab: int) -> bool:
     """Whether some row may be top-p only (top-k off, top-p on): known from
     scalars, assumed for [B] tensors (no host sync)."""
-    k_off = top_k is None or isinstance(top_k, torch.Tensor) or not 1 <= top_k < vocab
-    p_on = isinstance(top_p, torch.Tensor) or (top_p is not None and top_p < 1.0)
-    return bool(k_off and p_on)
+    k_may_be_off = top_k is None or isinstance(top_k, torch.Tensor) or not 1 <= top_k < vocab
+    return bool(k_may_be_off and may_be_on(top_p, lambda p: p < 1.0))
 
 
 def run_capture(

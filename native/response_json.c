@@ -455,7 +455,7 @@ static char *write_float(char *o, float value) {
  * lanes of 512-bit vectors, so eight chains cost about what one did; the
  * layout (write_parts) stays per value. It takes decimal_of's fast path
  * only: lanes whose value needs another (NaN, infinities, zeros,
- * subnormals, the extremes) are converted by decimal_of afterwards. Both
+ * subnormals, the extremes) are written from decimal_of by write_floats8. Both
  * paths are checked against each other over all 2^32 float32 patterns
  * (tests/exhaustive_float_json.py --against one-by-one), and the scalar one
  * against orjson.
@@ -469,17 +469,19 @@ static char *write_float(char *o, float value) {
 typedef struct {
     /* Lanes in `laid_out`: the value's whole text from its leading comma
      * (",-4.123", at most 24 bytes) as three little-endian words, and its
-     * length. The other lanes are laid out from the fields below by
-     * write_parts. */
+     * length. */
     uint64_t text[3][8];
     uint64_t length[8];
     uint8_t laid_out;
+    /* Lanes in `fast` (decimal_of's fast path) and not laid out: their
+     * parts, for write_parts. The lanes outside `fast` (NaN, infinities,
+     * zeros, subnormals, the extremes) are written from decimal_of. */
+    uint8_t fast;
     uint64_t lead[8];   /* first digit, 1..9 */
     uint64_t front[8];  /* digits 1-8, as digits16 */
     uint64_t back[8];   /* digits 9-16 */
     int64_t significant[8];
     int64_t exponent[8];
-    uint8_t kind[8];
     uint8_t negative[8];
 } decimal8;
 
@@ -649,20 +651,7 @@ RJ_AVX512_TARGET static void convert8_avx512(const float *values, decimal8 *out)
     _mm512_storeu_si512(out->exponent, _mm512_add_epi64(k, _mm512_set1_epi64(16)));
     _mm_storel_epi64((__m128i *)out->negative,
                      _mm512_cvtepi64_epi8(_mm512_srli_epi64(bits, 31)));
-    memset(out->kind, FINITE, 8);
-    for (unsigned other = (unsigned)(__mmask8)~fast; other; other &= other - 1) {
-        int lane = __builtin_ctz(other);
-        decimal17 d = decimal_of(values[lane]);
-        out->kind[lane] = d.kind;
-        if (d.kind != FINITE) continue;
-        uint64_t first = d.digits / UINT64_C(10000000000000000);
-        digits16 split = split_digits16(d.digits, first);
-        out->lead[lane] = first;
-        out->front[lane] = split.front;
-        out->back[lane] = split.back;
-        out->significant[lane] = split.significant;
-        out->exponent[lane] = d.exponent;
-    }
+    out->fast = fast;
 }
 
 /* Ids the same way: eight at a time, each below 10^7 (every vocabulary in
@@ -707,8 +696,12 @@ RJ_AVX512_TARGET static char *write_floats8(char *o, const float *values, uint64
                 continue;
             }
             *o++ = ',';
+            if (!((d.fast >> i) & 1)) {
+                o = write_decimal(o, decimal_of(values[8 * b + i]));
+                continue;
+            }
             digits16 rest = {d.front[i], d.back[i], (int)d.significant[i]};
-            o = write_parts(o, d.kind[i], d.negative[i], d.lead[i], rest, (int)d.exponent[i]);
+            o = write_parts(o, FINITE, d.negative[i], d.lead[i], rest, (int)d.exponent[i]);
         }
     }
     return o;
