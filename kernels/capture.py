@@ -41,20 +41,26 @@ Kernels:
    sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sampled
    max), hi = +inf, except for a window row (top-k off, top-p on, a support
    the sample puts past WINDOW_MIN ids, capture without ``into=``): hi is the
-   key whose sampled share reaches top_p - P_MARGIN, so its candidates are
-   only the ids near the cutoff.
+   key whose sampled share reaches top_p - P_MARGIN, and [lo, hi) is where
+   the candidate mark places its pivots.
 2. candidate mark (program per 8192-column chunk): one read of ``probs``:
    the candidates as a bitmask and their count (every bad value, NaN, inf
-   or negative, is a candidate: resolve finds them there), and only the
-   exact sums a row's settings need (mass for top-p, max for min-p/greedy,
-   mass and count above hi for a window row).
+   or negative, is a candidate: resolve finds them there; a window row's
+   candidates are its bad values alone), and only the exact sums a row's
+   settings need (mass for top-p, max for min-p/greedy).
+2b. window mark (launched only when some row may be top-p only; program
+   per chunk, window rows only): the candidate mark's exact masses above 8
+   pivots spread over the row's sampled range place its top-p cutoff between
+   two of them (the bracket); one read rewrites its candidates as the ids in
+   the bracket and sums the count and mass of those above it.
 3. expand (as in compaction): ascending candidate ids and values, row-local.
 4. resolve (program per row): exact cutoffs by bisection over the float bits
    of the candidates (held in registers when they fit), then a check that
-   the sampled range held them (a cutoff at or above lo; a window row's
-   below hi with the mass above hi short of the target). A row that fails
+   the sampled range held them (a cutoff at or above lo). A row that fails
    the check is resolved from its whole row (31 passes over it, one program:
-   slow, exact) and its candidates rewritten as its support. Then ``Z``, the
+   slow, exact) and its candidates rewritten as its support. A window row's
+   candidates are the ids of its bracket (2b), so its cutoff is exact, never
+   a fallback; resolve also counts its support in each chunk. Then ``Z``, the
    selected logprob or, in :mod:`.sample`, the Gumbel-max draw; status,
    length, form.
 5. write (program per row): the support's logprobs at offsets[b] and its
@@ -62,10 +68,10 @@ Kernels:
    forms of the rows before (a bitmask row is zeroed, then each run of
    support ids in one word is OR-ed by a segmented scan and stored once).
    A window row gets only its offsets here:
-6. window rows (launched only when some row may be top-p only): the
-   compaction mark pass with key >= cutoff writes the support's bitmask
-   straight from the read, and expand_kernel stores the words (bitmask form)
-   or peels the ids, and gathers ``log(w) - log(Z)`` at the row's offsets.
+6. window write (launched only when some row may be top-p only; program per
+   chunk): one contiguous read of a window row's chunk writes its support's
+   bitmask words (or ids) and ``log(w) - log(Z)`` at the row's offsets plus
+   the counts of the chunks before, which resolve found.
 """
 
 from __future__ import annotations
@@ -76,18 +82,15 @@ import torch
 
 from ._common import (
     CHUNK,
-    EXPAND_WORDS,
-    KEEP_AT_LEAST,
     WORD_BITS,
     Rows,
     Status,
+    _interpreted,
     bitmask_words,
     check_matrix,
     check_max_tokens,
-    expand_kernel,
     is_bitmask,
     launch_expand_local,
-    launch_mark,
     pack_rows,
     per_row,
     popcount,
@@ -117,13 +120,27 @@ K_SLACK = 1.25
 # within top_p +- P_MARGIN
 P_MARGIN = 0.05
 # a top-p row (top-k off) takes the window form when the sample says its
-# candidates would be more than this many ids
-WINDOW_MIN = 16384
+# candidates would be more than this many ids: more than resolve holds in
+# registers (RESOLVE_BLOCK), where a full row's candidates get slow and a
+# sample that missed its cutoff costs the whole-row fallback (31 passes);
+# a window row's cutoff never falls back (H200, fp32 inputs, top_p 0.9:
+# 1,957 us a call with 16384 here, 1,815 with every top-p row a window row)
+WINDOW_MIN = 4096
 CAND_MARK_WARPS = 16  # H200, bf16 top_k 1000: 105.9 us at 4 warps, 81.7 at 8, 75.0 at 16
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
 RESOLVE_WARPS = 8  # H200, capture top_k 1000: 18.3 us at 4 warps, 16.4 at 8, 31.3 at 16
 DRAW_BLOCK = 1024  # candidates per step of the sampler's draw in the resolve program
-WINDOW_BLOCK = 16384  # the same for window rows (16 warps)
+# Window rows: the candidate mark sums the mass above WINDOW_PIVOTS keys
+# evenly spread over the sampled range widened by WINDOW_REACH/4 of its width
+# past each end (the top-p cutoff's bracket lies between two of them; a
+# sample that missed the cutoff by less than the range's width still gets a
+# bounded bracket). H200, B = 256, top_p 0.9, us a call, bf16 / fp32 inputs:
+# reach 0: 486 / 460 and 1,815 (rows missed by the sample: brackets of
+# nearly the whole row); reach 4: 583 / 493 and 505; reach 8: 705 / 563.
+WINDOW_PIVOTS = 8
+WINDOW_REACH = 4
+WINDOW_MARK_WARPS = 8  # H200, bf16 top_p 0.9: 61.4 us at 8 warps, 75.1 at 16
+WINDOW_WRITE_WARPS = 8  # 216.9 us at 8 warps, 225.8 at 16 (with tl.log)
 WRITE_BLOCK = 4096  # candidates per step of the write program
 ROW_BLOCK = 4096  # columns per step of a resolve program that reads its whole row
 INF_KEY = tl.constexpr(0x7F800000)  # float bits of +inf: a floor no candidate reaches
@@ -226,18 +243,20 @@ def _bound_kernel(
 
 @triton.jit
 def _cand_mark_kernel(
-    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-    bits_ptr, counts_ptr, sum_ptr, max_ptr, above_mass_ptr, above_count_ptr, n_chunks,
+    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, window_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
+    bits_ptr, counts_ptr, sum_ptr, max_ptr, pivot_mass_ptr, n_chunks,
     CHUNK: tl.constexpr, MASS: tl.constexpr, TOP: tl.constexpr, WINDOW: tl.constexpr,
+    PIVOTS: tl.constexpr, REACH: tl.constexpr,
 ):
     """Program (b, c): one read of columns [c*CHUNK, (c+1)*CHUNK) of row b:
-    the candidates lo <= key < hi as a bitmask (CHUNK/32 words) and their
-    count (every bad value, NaN, inf or negative, among them), and the exact sums
-    the row's cutoffs need: its mass (top-p), its max (min-p, greedy) and,
-    for a window row, the mass and count of the ids at or above hi (its
-    support above the candidates). Each reduction over the chunk costs about
-    as much as the read (H200, 2026-12-02), so a row gets only the ones its
-    settings need.
+    the candidates key >= lo as a bitmask (CHUNK/32 words) and their count
+    (every bad value, NaN, inf or negative, among them), and the exact sums
+    the row's cutoffs need: its mass (top-p), its max (min-p, greedy). Each
+    reduction over the chunk costs about as much as the read (H200,
+    2026-12-02), so a row gets only the ones its settings need. A window row
+    (WINDOW) keeps its bad values only and sums, besides its mass, the mass
+    at or above each of PIVOTS keys spread over its sampled range [lo, hi)
+    (_window_pivots): _window_mark_kernel narrows its candidates with them.
 
     MASS, TOP and WINDOW say whether any row of the call may need the mass,
     the max or a window (known from the call's arguments, no host sync):
@@ -254,8 +273,12 @@ def _cand_mark_kernel(
     w = w.to(tl.float32)
     # lo can lie above +inf's bits (a top-p floor from a sample of zero
     # mass: the largest key reaching 0); no finite key reaches either.
-    lo = tl.minimum(tl.load(lo_ptr + row), INF_KEY)
-    hi = tl.load(hi_ptr + row)
+    sampled_lo = tl.load(lo_ptr + row)
+    lo = tl.minimum(sampled_lo, INF_KEY)
+    window = False
+    if WINDOW:
+        window = tl.load(window_ptr + row) != 0
+        lo = tl.where(window, INF_KEY, lo)  # the bad values alone
     key = w.to(tl.int32, bitcast=True)
     # A bad value (NaN, inf, negative) is a candidate whatever its key: the
     # resolve program finds it among the candidates and the row is INVALID.
@@ -266,11 +289,6 @@ def _cand_mark_kernel(
     # tests (w >= 0, w < inf, or-ed with the range) the kernel took 97 us
     # instead of 44 (H200, bf16, top_k 1000, 2026-12-02).
     keep = (key.to(tl.uint32, bitcast=True) >= lo.to(tl.uint32)) & (key != NEG_ZERO_KEY)
-    if WINDOW:
-        # A full row's hi is +inf's key; in a window row a good value needs
-        # key < hi, while a negative value's key (< 0) passes and NaN and
-        # inf pass by key >= INF_KEY.
-        keep = keep & ((key < hi) | (key >= INF_KEY))
     words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
     slot = row * n_chunks + chunk
     tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
@@ -293,19 +311,29 @@ def _cand_mark_kernel(
         if (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0):
             top = tl.max(flat, axis=0)
     tl.store(max_ptr + slot, top)
-    above_mass = tl.zeros([], dtype=tl.float32)
-    above_count = tl.zeros([], dtype=tl.int32)
     if WINDOW:
-        if hi < INF_KEY:
-            above = (w > 0.0) & (key >= hi)
-            # Each sum reshapes its own operand: two reshapes are not promised
-            # the same order, so they are never combined element by element.
-            above_mass = tl.sum(tl.reshape(tl.where(above, w, 0.0), [CHUNK], can_reorder=True),
-                                axis=0)
-            above_count = tl.sum(tl.reshape(above.to(tl.int32), [CHUNK], can_reorder=True),
-                                 axis=0)
-    tl.store(above_mass_ptr + slot, above_mass)
-    tl.store(above_count_ptr + slot, above_count)
+        if window:
+            # one flat reduction a pivot (H200, bf16, top_p 0.9: 117 us for
+            # the kernel, against 134 as one [CHUNK, PIVOTS] tile summed over
+            # its rows); the keys come from the flat vector itself
+            piv = _window_pivots(sampled_lo, tl.load(hi_ptr + row), PIVOTS, REACH)
+            fkey = flat.to(tl.int32, bitcast=True)
+            pivot_idx = tl.arange(0, PIVOTS)
+            for j in tl.static_range(PIVOTS):
+                p_j = tl.sum(tl.where(pivot_idx == j, piv, 0), axis=0)
+                m_j = tl.sum(tl.where(fkey >= p_j, flat, 0.0), axis=0)
+                tl.store(pivot_mass_ptr + slot.to(tl.int64) * PIVOTS + j, m_j)
+
+
+@triton.jit
+def _window_pivots(lo, hi, PIVOTS: tl.constexpr, REACH: tl.constexpr):
+    """PIVOTS keys evenly spread over [lo - REACH s, hi + REACH s] (s = hi -
+    lo), ascending, within [1, +inf's bits]."""
+    span = hi.to(tl.int64) - lo
+    first = lo - (span * REACH) // 4
+    step = span * (4 + 2 * REACH)
+    keys = first + step * tl.arange(0, PIVOTS) // (4 * (PIVOTS - 1))
+    return tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32)
 
 
 @triton.jit
@@ -371,17 +399,89 @@ def _row_key_reaching(row_ptr, vocab, target, USE_MASS: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
+def _narrow(piv, masses, target, b_lo, b_hi):
+    """The bracket [b_lo, b_hi) holding the largest key whose mass reaches
+    target, narrowed by pivots whose masses are known: b_lo rises to the
+    highest pivot that reaches, b_hi falls to the lowest pivot above it (a
+    pivot above b_lo does not reach, whatever the rounding of the sums)."""
+    b_lo = tl.maximum(b_lo, tl.max(tl.where(masses >= target, piv, 0), axis=0))
+    b_hi = tl.minimum(b_hi, tl.min(tl.where(piv > b_lo, piv, INF_KEY), axis=0))
+    return b_lo, b_hi
+
+
+@triton.jit
+def _window_mark_kernel(
+    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, window_ptr, top_p_ptr, min_p_ptr,
+    sum_ptr, max_ptr, pivot_mass_ptr, bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr,
+    bracket_ptr, n_chunks,
+    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr, REACH: tl.constexpr,
+):
+    """Program (b, c), window rows only (top-p without top-k, a support of
+    tens of thousands of ids): the row's exact masses above its pivots (the
+    candidate mark's chunk sums) place its top-p cutoff in the bracket
+    [b_lo, b_hi) between two pivots, min-p's key a floor under it; one read
+    of the chunk then rewrites its candidates as the ids in the bracket plus
+    its bad values, and sums the count and mass of the ids at or above b_hi
+    (all in the support). Every program of a row computes the same bracket
+    from the same sums; the row's first stores it, and the top-p target,
+    for resolve."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(window_ptr + row) != 0:
+        WORDS: tl.constexpr = CHUNK // 32
+        chunk_idx = tl.arange(0, CHUNKS_PAD)
+        in_row = chunk_idx < n_chunks
+        slots = row * n_chunks + chunk_idx
+        pivot_idx = tl.arange(0, PIVOTS)
+        masses = tl.sum(tl.load(pivot_mass_ptr + slots.to(tl.int64)[:, None] * PIVOTS
+                                + pivot_idx[None, :], mask=in_row[:, None], other=0.0), axis=0)
+        total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
+        rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
+        target = tl.maximum(tl.load(top_p_ptr + row) * total, 1e-38).to(tl.float32)
+        piv = _window_pivots(tl.load(lo_ptr + row), tl.load(hi_ptr + row), PIVOTS, REACH)
+        b_lo, b_hi = _narrow(piv, masses, target, tl.full([], 1, tl.int32),
+                             tl.full([], INF_KEY, tl.int32))
+        min_p = tl.load(min_p_ptr + row)
+        floor = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 1)
+        b_lo = tl.maximum(b_lo, floor)  # nothing below min-p's key is in the support
+        b_hi = tl.maximum(b_hi, b_lo)
+        if chunk == 0:
+            tl.store(bracket_ptr + 3 * row, b_lo)
+            tl.store(bracket_ptr + 3 * row + 1, b_hi)
+            tl.store(bracket_ptr + 3 * row + 2, target.to(tl.int32, bitcast=True))
+        word_idx = tl.arange(0, WORDS)
+        bit_idx = tl.arange(0, 32)
+        cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
+        w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                    other=0.0).to(tl.float32)
+        key = w.to(tl.int32, bitcast=True)
+        # integer tests of the bits, as in the candidate mark: bad values
+        # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
+        # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits: no
+        # NaN, no inf) and the ids above it (finite, positive)
+        bad = (key.to(tl.uint32, bitcast=True) >= INF_KEY) & (key != NEG_ZERO_KEY)
+        keep = bad | ((key >= b_lo) & (key < b_hi))
+        words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+        slot = row * n_chunks + chunk
+        tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
+        tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
+        up = (key >= b_hi) & (key < INF_KEY)
+        tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
+        tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))
+
+
+@triton.jit
 def _resolve_kernel(
     probs_ptr, stride_row, vocab,
     cand_ids_ptr, cand_vals_ptr, counts_ptr, n_chunks,
-    sum_ptr, max_ptr, above_mass_ptr, above_count_ptr, lo_ptr, hi_ptr, window_ptr,
+    sum_ptr, max_ptr, lo_ptr, window_ptr,
     top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr, opt_in_ptr, token_ptr, seed_ptr,
     max_tokens,
     cutoff_ptr, logz_ptr, sizes_ptr, lengths_ptr, status_ptr, forms_ptr, selected_ptr,
-    n_cand_ptr, window_ok_ptr, window_status_ptr,
+    n_cand_ptr, window_ok_ptr, above_mass_ptr, above_count_ptr, bracket_ptr, before_ptr,
     SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    DRAW_BLOCK: tl.constexpr,
+    DRAW_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk_idx = tl.arange(0, CHUNKS_PAD)
@@ -390,11 +490,10 @@ def _resolve_kernel(
     n = tl.sum(tl.load(counts_ptr + slots, mask=in_row, other=0), axis=0)
     total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
     rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
-    above_mass = tl.sum(tl.load(above_mass_ptr + slots, mask=in_row, other=0.0), axis=0)
-    above_count = tl.sum(tl.load(above_count_ptr + slots, mask=in_row, other=0), axis=0)
     lo = tl.load(lo_ptr + row)
-    hi = tl.load(hi_ptr + row)
-    window = tl.load(window_ptr + row) != 0
+    window = tl.zeros([], dtype=tl.int1)
+    if WINDOW:
+        window = tl.load(window_ptr + row) != 0
     base = row.to(tl.int64) * vocab
     idx0 = tl.arange(0, BLOCK)
     live0 = idx0 < n
@@ -425,7 +524,19 @@ def _resolve_kernel(
     top_p = tl.load(top_p_ptr + row)
     p_on = top_p < 1.0
     cut_p = tl.zeros([], dtype=tl.int32)
-    target = tl.zeros([], dtype=tl.float32)
+    # A window row's candidates are the ids in its bracket [b_lo, b_hi) (and
+    # its bad values); the ids at or above b_hi, all in its support, are
+    # counted apart (_window_mark_kernel).
+    above_count = tl.zeros([], dtype=tl.int32)
+    above_mass = tl.zeros([], dtype=tl.float32)
+    b_lo = tl.zeros([], dtype=tl.int32)
+    b_hi = tl.full([], INF_KEY, tl.int32)
+    if WINDOW:
+        if window:
+            above_count = tl.sum(tl.load(above_count_ptr + slots, mask=in_row, other=0), axis=0)
+            above_mass = tl.sum(tl.load(above_mass_ptr + slots, mask=in_row, other=0.0), axis=0)
+            b_lo = tl.load(bracket_ptr + 3 * row)
+            b_hi = tl.load(bracket_ptr + 3 * row + 1)
     if p_on:
         mass = total
         if SEQUENTIAL & k_on:
@@ -433,18 +544,25 @@ def _resolve_kernel(
             mass = _reach(cand_vals_ptr, base, n, v0, key0, live0, tl.maximum(cut_k, 1), True,
                           BLOCK)
         target = tl.maximum(top_p * mass, 1e-38).to(tl.float32)
-        # window rows: the candidates' mass is counted on top of the mass above hi
+        if WINDOW:
+            # the window mark's target, bit for bit (its bracket came from it)
+            target = tl.where(window, tl.load(bracket_ptr + 3 * row + 2).to(tl.float32,
+                                                                             bitcast=True), target)
         cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
                                       target - above_mass, True, BLOCK)
     min_p = tl.load(min_p_ptr + row)
     cut_m = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 0)
     cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
+    # A window row's cutoff lies in its bracket (whose floor holds min-p's
+    # key); it is 0 when the bracket's mass falls short of the target and
+    # above every key when the mass above b_hi reaches it, both only by the
+    # rounding of the sums: clamped to the bracket's ends.
+    cutoff = tl.where(window, tl.minimum(tl.maximum(cut_p, b_lo), b_hi), cutoff)
     greedy = tl.load(greedy_ptr + row) != 0
     # A full row's candidates are every id at or above lo: a cutoff found at or
     # above lo is exact (lo <= 1: every positive id is a candidate). A window
-    # row's cutoff must also lie below hi (t_p's mass reached inside the window).
-    ok = (cutoff >= lo) | (lo <= 1)
-    ok = tl.where(window, (cutoff >= lo) & (cutoff < hi) & (above_mass < target), ok)
+    # row's is exact by construction.
+    ok = (cutoff >= lo) | (lo <= 1) | window
     if SEQUENTIAL:
         # top-p's target is a share of the top-k mass: only right once t_k was found
         ok = ok & (~k_on | (cut_k >= lo) | (lo <= 1))
@@ -478,13 +596,10 @@ def _resolve_kernel(
         live0 = idx0 < n
         v0 = tl.load(cand_vals_ptr + base + idx0, mask=live0, other=0.0)
         key0 = v0.to(tl.int32, bitcast=True)
-        window = tl.zeros_like(window)
-        above_mass = tl.zeros_like(above_mass)
-        above_count = tl.zeros_like(above_count)
     cutoff = tl.maximum(cutoff, 1)  # zeros are never in the support
 
-    # Support size, mass and (sampling) the Gumbel-max draw in one sweep;
-    # a window row adds the ids above hi, which all lie in its support.
+    # Support size, mass and (sampling) the Gumbel-max draw in one sweep; a
+    # window row adds the ids above its bracket.
     hit0 = live0 & (key0 >= cutoff)
     size = above_count + tl.sum(hit0.to(tl.int32), axis=0)
     z = above_mass + tl.sum(tl.where(hit0, v0, 0.0), axis=0)
@@ -495,6 +610,24 @@ def _resolve_kernel(
         hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
         size += tl.sum(hit.to(tl.int32), axis=0)
         z += tl.sum(tl.where(hit, v, 0.0), axis=0)
+    if WINDOW:
+        if window & ~bad:
+            # the support's ids in each chunk (above the bracket, then the
+            # candidates at or above the cutoff) and, for the window write,
+            # the exclusive scan of those counts
+            bins = tl.arange(0, BINS)
+            per_chunk = tl.load(above_count_ptr + row * n_chunks + bins, mask=bins < n_chunks,
+                                other=0)
+            for start in range(0, n, BLOCK):
+                idx = start + tl.arange(0, BLOCK)
+                live = idx < n
+                v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
+                ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
+                hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
+                per_chunk += tl.histogram(tl.where(hit, ids // CHUNK, BINS - 1), BINS)
+            per_chunk = tl.where(bins < n_chunks, per_chunk, 0)
+            tl.store(before_ptr + row * n_chunks + bins, tl.cumsum(per_chunk, axis=0) - per_chunk,
+                     mask=bins < n_chunks)
 
     if SAMPLE:
         # Exponential race: argmax w / E with E = -log(u), u ~ U[0, 1) (one
@@ -546,8 +679,8 @@ def _resolve_kernel(
     over = (size > max_tokens) & STATUS_ON_OVERFLOW
     status = tl.where(invalid, 2, tl.where(~opted, 3, tl.where(over, 1, 0)))
     length = tl.where(status == 0, size, 0)
-    # A window row's support is written by the second mark pass (mark_kernel
-    # with key >= cutoff, then expand_kernel), not from its candidates.
+    # A window row's support is written by _window_write_kernel from the row,
+    # not from its candidates.
     window_ok = window & (status == 0)
     tl.store(cutoff_ptr + row, cutoff)
     tl.store(logz_ptr + row, tl.log(z))
@@ -558,7 +691,6 @@ def _resolve_kernel(
     tl.store(selected_ptr + row, tl.where(invalid, float("nan"), selected))
     tl.store(n_cand_ptr + row, n)
     tl.store(window_ok_ptr + row, window_ok.to(tl.int32))
-    tl.store(window_status_ptr + row, tl.where(window_ok, 0, 3))
     if SAMPLE:
         tl.store(token_ptr + row, tl.where(invalid, -1, token))
 
@@ -581,8 +713,8 @@ def _write_kernel(
     """Program b places row b's support: values at offsets[b], and at
     id_offsets[b] its ids (ids form) or its bitmask words (bitmask form).
     Both offsets are sums over the rows before b of what resolve decided.
-    A window row (window_ok) gets its offsets only: the second mark pass and
-    expand_kernel write its data.
+    A window row (window_ok) gets its offsets only: _window_write_kernel
+    writes its data.
 
     DIRECT (``into=`` on the GPU-direct path, kernels/direct.py): every store
     of the row's data is made a second time into its queue's buffer in the
@@ -691,6 +823,88 @@ def _write_kernel(
         ring_arrive(table, arrivals)
 
 
+@triton.jit
+def _window_write_kernel(
+    probs_ptr, stride_row, vocab, window_ok_ptr, cutoff_ptr, logz_ptr, forms_ptr, before_ptr,
+    n_chunks, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, CHUNK: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """Program (b, c), window rows only: the support in columns
+    [c*CHUNK, (c+1)*CHUNK) of row b, every finite w at or above the row's
+    cutoff, from one read laid out as the mark's (CHUNK/32 words of 32
+    bits): its bitmask words (bitmask form) or ids (ids form) at
+    id_offsets[b], and ``log(w) - log(Z)`` at offsets[b] + before[b, c] +
+    the rank in the chunk (the set bits of the words before and below it).
+    before, the support's ids in the chunks before c, comes from resolve,
+    so no pass counts them first."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(window_ok_ptr + row) != 0:
+        WORDS: tl.constexpr = CHUNK // 32
+        word_idx = tl.arange(0, WORDS)
+        bit_idx = tl.arange(0, 32)
+        cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
+        w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                    other=0.0).to(tl.float32)
+        key = w.to(tl.int32, bitcast=True)
+        # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+        keep = (key >= tl.load(cutoff_ptr + row)) & (key < INF_KEY)
+        words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+        below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
+        if FAST:
+            per_word = _popc(words)
+            in_word = _popc(below)
+        else:
+            per_word = popcount(words.to(tl.uint32, bitcast=True))
+            in_word = popcount(below.to(tl.uint32, bitcast=True))
+        rank = (tl.load(before_ptr + row * n_chunks + chunk)
+                + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word)
+        dst = tl.load(offsets_ptr + row).to(tl.int64)
+        if FAST:
+            logw = _log_approx(w)
+        else:
+            logw = tl.log(w)
+        tl.store(out_vals_ptr + dst + rank, logw - tl.load(logz_ptr + row), mask=keep)
+        id_dst = tl.load(id_offsets_ptr + row).to(tl.int64)
+        if tl.load(forms_ptr + row) != 0:
+            word = chunk * WORDS + word_idx
+            tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
+        else:
+            tl.store(out_ids_ptr + id_dst + rank, cols, mask=keep)
+
+
+@triton.jit
+def _popc(x):
+    """Set bits of each int32, the GPU's own instruction (compiled kernels only)."""
+    return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _log_approx(x):
+    """ln x as lg2.approx x ln 2 (compiled kernels only): within 2^-21 of
+    log2 for normal x, one special-function instruction where tl.log's
+    accurate libdevice form takes about twenty."""
+    lg2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                    is_pure=True, pack=1)
+    return lg2 * 0.6931471805599453
+
+
+def launch_window_write(
+    probs: torch.Tensor, window_ok: torch.Tensor, cutoff: torch.Tensor, logz: torch.Tensor,
+    forms: torch.Tensor, before: torch.Tensor, n_chunks: int, offsets: torch.Tensor,
+    id_offsets: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
+) -> None:
+    """_window_write_kernel over every (row, chunk); rows with window_ok 0
+    return at once."""
+    batch, vocab = probs.shape
+    _window_write_kernel[(batch, n_chunks)](
+        probs, probs.stride(0), vocab, window_ok, cutoff, logz, forms, before, n_chunks,
+        offsets, id_offsets, ids, values, CHUNK=CHUNK, FAST=not _interpreted(),
+        num_warps=WINDOW_WRITE_WARPS,
+    )
+
+
 def may_be_on(setting: Any, on: Any) -> bool:
     """Whether a setting may turn its cutoff on in some row: ``on(value)``
     for a scalar, always for a [B] tensor (no host sync), never for None."""
@@ -752,8 +966,10 @@ def run_capture(
     # second mark pass) only in capture without into=: the sampler's draw
     # and the ring stores need every support id among the candidates.
     window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
-    i32 = torch.empty(3 * batch, dtype=torch.int32, device=device)
-    lo, hi, window = i32[:batch], i32[batch:2 * batch], i32[2 * batch:]
+    # lo, hi, window and (window rows) each row's bracket and target
+    i32 = torch.empty((6 if window_on else 3) * batch, dtype=torch.int32, device=device)
+    lo, hi, window = i32[:batch], i32[batch:2 * batch], i32[2 * batch:3 * batch]
+    bracket = i32[3 * batch:]
     _bound_kernel[(batch,)](
         probs, probs.stride(0), vocab, top_k, top_p, min_p, greedy_i8, lo, hi, window,
         SEQUENTIAL=sequential, WINDOW=window_on, BLOCKS=SAMPLE_BLOCKS, COLS=SAMPLE_COLS,
@@ -763,35 +979,52 @@ def run_capture(
     chunks_pad = triton.next_power_of_2(n_chunks)
     bits = torch.empty(batch * n_chunks * (CHUNK // WORD_BITS), dtype=torch.int32,
                        device=device)
-    per_chunk = torch.empty(5 * batch * n_chunks, dtype=torch.int32, device=device)
-    counts, above_count = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
-                           for i in range(2))
+    # per chunk: counts, sums, maxes; for window rows also the support's
+    # count before the chunk, the count and mass above the bracket, and the
+    # mass above each pivot
+    slices = (6 + WINDOW_PIVOTS) if window_on else 3
+    per_chunk = torch.empty(slices * batch * n_chunks, dtype=torch.int32, device=device)
+    counts, before, above_count = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
+                                   for i in (0, 3, 4))
     sums, maxes, above_mass = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
-                               .view(torch.float32) for i in range(2, 5))
+                               .view(torch.float32) for i in (1, 2, 5))
+    pivot_mass = per_chunk[6 * batch * n_chunks:].view(torch.float32)
+    if not window_on:  # not read: any int32 / float32 pointer of the call
+        before = above_count = counts
+        above_mass = pivot_mass = sums
     _cand_mark_kernel[(batch, n_chunks)](
-        probs, probs.stride(0), vocab, lo, hi, top_p, min_p, greedy_i8, bits, counts, sums,
-        maxes, above_mass, above_count, n_chunks, CHUNK=CHUNK,
+        probs, probs.stride(0), vocab, lo, hi, window, top_p, min_p, greedy_i8, bits, counts,
+        sums, maxes, pivot_mass, n_chunks, CHUNK=CHUNK,
         MASS=may_be_on(top_p_arg, lambda p: p < 1.0),
         TOP=may_be_on(min_p_arg, lambda m: m > 0.0) or may_be_on(greedy, bool),
-        WINDOW=window_on, num_warps=CAND_MARK_WARPS,
+        WINDOW=window_on, PIVOTS=WINDOW_PIVOTS, REACH=WINDOW_REACH, num_warps=CAND_MARK_WARPS,
     )
+    if window_on:
+        _window_mark_kernel[(batch, n_chunks)](
+            probs, probs.stride(0), vocab, lo, hi, window, top_p, min_p, sums, maxes, pivot_mass,
+            bits, counts, above_mass, above_count, bracket, n_chunks,
+            CHUNK=CHUNK, CHUNKS_PAD=chunks_pad, PIVOTS=WINDOW_PIVOTS, REACH=WINDOW_REACH,
+            num_warps=WINDOW_MARK_WARPS,
+        )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
     cand_vals = torch.empty(batch * vocab, dtype=torch.float32, device=device)
     launch_expand_local(probs, bits, counts, n_chunks, cand_ids, cand_vals)
-    per_row_out = torch.empty(11 * batch, dtype=torch.int32, device=device)
-    (cutoff, sizes, lengths, status, forms, n_cand, window_ok, window_status) = (
-        per_row_out[i * batch:(i + 1) * batch] for i in range(8))
+    per_row_out = torch.empty(9 * batch, dtype=torch.int32, device=device)
+    (cutoff, sizes, lengths, status, forms, n_cand, window_ok) = (
+        per_row_out[i * batch:(i + 1) * batch] for i in range(7))
     logz, selected = (per_row_out[i * batch:(i + 1) * batch].view(torch.float32)
-                      for i in range(8, 10))
+                      for i in range(7, 9))
     _resolve_kernel[(batch,)](
         probs, probs.stride(0), vocab, cand_ids, cand_vals, counts, n_chunks,
-        sums, maxes, above_mass, above_count, lo, hi, window,
+        sums, maxes, lo, window,
         top_k, top_p, min_p, greedy_i8, opt_in, tokens, seeds, max_tokens,
-        cutoff, logz, sizes, lengths, status, forms, selected, n_cand, window_ok, window_status,
+        cutoff, logz, sizes, lengths, status, forms, selected, n_cand, window_ok,
+        above_mass, above_count, bracket, before,
         SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
-        BLOCK=WINDOW_BLOCK if window_on else RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad,
-        ROW_BLOCK=ROW_BLOCK, DRAW_BLOCK=DRAW_BLOCK, num_warps=16 if window_on else RESOLVE_WARPS,
+        BLOCK=RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad, ROW_BLOCK=ROW_BLOCK, DRAW_BLOCK=DRAW_BLOCK,
+        WINDOW=window_on, CHUNK=CHUNK, BINS=triton.next_power_of_2(n_chunks + 1),
+        num_warps=RESOLVE_WARPS,
     )
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
     id_offsets = torch.empty_like(offsets)
@@ -817,17 +1050,10 @@ def run_capture(
             SUPPORT=target is None or target[2] == "support",
         )
     if window_on:
-        # Window rows: the support (every w >= cutoff) as compaction marks it,
-        # its bitmask words stored as they come from the mark pass and its
-        # logprobs gathered by expand, at the offsets the write kernel set.
-        bits2, counts2, _ = launch_mark(probs, window_ok, cutoff, KEEP_AT_LEAST)
-        group = max(1, EXPAND_WORDS // (CHUNK // WORD_BITS))
-        expand_kernel[(batch, triton.cdiv(n_chunks, group))](
-            probs, probs.stride(0), vocab, bits2, counts2, n_chunks, window_status, forms,
-            offsets, id_offsets, ids, values, 0, counts2, counts2, logz, ROW_LOCAL=False,
-            PDL=False, CHUNK=CHUNK, GROUP=group, CHUNKS_PAD=chunks_pad, DIRECT=False,
-            LOG_VALUES=True, num_warps=8,
-        )
+        # Window rows: the support written from one read of each chunk, at
+        # the offsets the write kernel set and the chunk counts resolve found.
+        launch_window_write(probs, window_ok, cutoff, logz, forms, before, n_chunks, offsets,
+                            id_offsets, ids, values)
     rows_out = Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
                     selected, tokens if sample_mode else None, max_tokens)
     if direct is not None:

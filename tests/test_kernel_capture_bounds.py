@@ -45,18 +45,18 @@ def bf16_probs(batch: int, vocab: int, hidden: int, sigma: float, seed: int) -> 
 
 
 class WindowRows:
-    """Which rows the second mark pass wrote (window rows), read from the
-    opt-in mask capture hands to its launch_mark."""
+    """Which rows the window write wrote (window rows), read from the
+    window_ok mask capture hands to launch_window_write."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[list[int]] = []
-        real = capture_module.launch_mark
+        real = capture_module.launch_window_write
 
-        def spy(x, opt_in, *args, **kwargs):
-            self.calls.append(opt_in.cpu().tolist())
-            return real(x, opt_in, *args, **kwargs)
+        def spy(probs, window_ok, *args, **kwargs):
+            self.calls.append(window_ok.cpu().tolist())
+            return real(probs, window_ok, *args, **kwargs)
 
-        monkeypatch.setattr(capture_module, "launch_mark", spy)
+        monkeypatch.setattr(capture_module, "launch_window_write", spy)
 
 
 def on_device(kwargs: dict) -> dict:
@@ -166,6 +166,52 @@ def test_window_rows_with_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     assert window.calls == [[1, 0, 0, 0]]  # row 0 took the window path
 
 
+def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Window rows whose bracket (the ids between the two pivots around the
+    top-p cutoff) holds more ids than the resolve program keeps in registers
+    (shrunk here to 128, with 4 pivots), over rows spanning three chunks
+    (the support's count per chunk places the window write): a row of one
+    value throughout (ties at every pivot), a row whose sampled blocks hold
+    only its small values (its cutoff lies above the sampled range, in the
+    bracket above the top pivot), and a row whose min-p floor lies above its
+    top-p cutoff."""
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    monkeypatch.setattr(capture_module, "RESOLVE_BLOCK", 128)
+    monkeypatch.setattr(capture_module, "WINDOW_PIVOTS", 4)
+    window = WindowRows(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    vocab = 2 * capture_module.CHUNK + 1500
+    probs = dyadic_probs(5, vocab, gen, scale=0.7)
+    probs[2] = 1 / 2**14  # one value throughout (a power of two: sums exact)
+    probs[2, vocab - 1024:] = 0.0
+    # the bound's sampled blocks (as _bound_kernel spreads them) see 2^-16,
+    # the rest of the row is 2^-13
+    cols = capture_module.SAMPLE_COLS
+    blocks = capture_module.SAMPLE_BLOCKS
+    probs[3] = 1 / 2**13
+    for b in range(blocks):
+        start = b * (vocab - cols) // (blocks - 1)
+        probs[3, start:start + cols] = 1 / 2**16
+    # top-p 0.75 needs the first two values; min-p's floor (0.751 x the
+    # first) lies just above the second, in the sampled range's top bucket
+    probs[4] = 0.0
+    probs[4, :6000] = 1 / 2**14
+    probs[4, 6000:12000] = 0.75 / 2**14
+    probs[4, 12000:18000] = 0.5 / 2**14
+    top_p = torch.tensor([0.9, 0.5, 0.6, 0.5, 0.75])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.751])
+    sampled = probs.argmax(1)
+    got = run_both(probs, sampled, top_p=top_p, min_p=min_p, max_tokens=vocab)
+    assert window.calls == [[1] * 5]
+    sizes = got.sizes.cpu()
+    assert (sizes > 128 * 4).all() and (got.forms.cpu() == 1).all()
+    assert sizes[2] == vocab - 1024  # ties: every id of the value is kept
+    assert sizes[3] == vocab - blocks * cols  # the ids outside the sample
+    assert sizes[4] == 6000  # row 4's min-p floor binds
+    ids_form = run_both(probs[:2], sampled[:2], top_p=0.9, max_tokens=vocab // 2)
+    assert (ids_form.forms.cpu() == 1).all()
+
+
 @pytest.mark.parametrize("window_min", [64, 1 << 30])
 def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.MonkeyPatch,
                                                         window_min: int) -> None:
@@ -267,11 +313,11 @@ def test_full_vocab_top_p_only_window_rows(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("window", [False, True])
 def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     """The candidate mark's one integer test of the float bits keeps exactly
-    what the float tests define: finite w > 0 with lo <= bits (< hi in a
-    window row), and every bad value (NaN, inf, negative; -0.0 is a zero),
-    for lo and hi at their edges, lo above +inf's bits among them. Every
-    float32 value an fp16 can hold (all 65,536 patterns) plus float32-only
-    NaN payloads and extremes, run through the kernel itself."""
+    what the float tests define: finite w > 0 with lo <= bits, and every bad
+    value (NaN, inf, negative; -0.0 is a zero), for lo at its edges, lo
+    above +inf's bits among them; a window row keeps its bad values alone.
+    Every float32 value an fp16 can hold (all 65,536 patterns) plus
+    float32-only NaN payloads and extremes, run through the kernel itself."""
     extra = torch.tensor([0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800000 - 2**32,
                           0x80000000 - 2**32, 0x80000001 - 2**32, 1, 0x7F7FFFFF],
                          dtype=torch.int64).to(torch.int32).view(torch.float32)
@@ -279,35 +325,48 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     values = torch.cat([half.float(), extra])
     vocab = values.numel()  # not a multiple of CHUNK: padding lanes too
     inf_key = 0x7F800000
-    if window:
-        bounds = [(1, 0x3C000000), (0x3A800000, 0x3F800000), (1, inf_key), (0x7F7FFFFF, inf_key)]
-    else:
-        bounds = [(1, inf_key), (0x3A800000, inf_key), (inf_key, inf_key), (0x7FFF8000, inf_key)]
+    bounds = [1, 0x3A800000, 0x7F7FFFFF, inf_key, 0x7FFF8000]
     batch = len(bounds)
     probs = values.repeat(batch, 1).to(DEVICE)
-    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32, device=DEVICE)
-    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32, device=DEVICE)
+    lo = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([min(b + 2**24, inf_key) for b in bounds], dtype=torch.int32,
+                      device=DEVICE)
     chunk = capture_module.CHUNK
+    pivots = 8
     n_chunks = -(-vocab // chunk)
     bits = torch.zeros(batch * n_chunks * (chunk // 32), dtype=torch.int32, device=DEVICE)
-    per_chunk = [torch.zeros(batch * n_chunks, dtype=dtype, device=DEVICE)
-                 for dtype in (torch.int32, torch.float32, torch.float32, torch.float32,
-                               torch.int32)]
-    counts, sums, maxes, above_mass, above_count = per_chunk
+    counts = torch.zeros(batch * n_chunks, dtype=torch.int32, device=DEVICE)
+    sums, maxes = (torch.zeros(batch * n_chunks, device=DEVICE) for _ in range(2))
+    pivot_mass = torch.zeros(batch * n_chunks * pivots, device=DEVICE)
+    reach = capture_module.WINDOW_REACH
     settings = torch.zeros(batch, dtype=torch.float32, device=DEVICE)
+    is_window = torch.full((batch,), int(window), dtype=torch.int32, device=DEVICE)
     capture_module._cand_mark_kernel[(batch, n_chunks)](
-        probs, probs.stride(0), vocab, lo, hi, settings + 1.0, settings,
-        settings.to(torch.int8), bits, counts, sums, maxes, above_mass, above_count, n_chunks,
-        CHUNK=chunk, MASS=False, TOP=False, WINDOW=window, num_warps=4)
+        probs, probs.stride(0), vocab, lo, hi, is_window, settings + 1.0, settings,
+        settings.to(torch.int8), bits, counts, sums, maxes, pivot_mass, n_chunks,
+        CHUNK=chunk, MASS=False, TOP=False, WINDOW=window, PIVOTS=pivots, REACH=reach,
+        num_warps=4)
     words = bits.cpu().view(batch, -1).to(torch.int64) & 0xFFFFFFFF
     kept = ((words[:, :, None] >> torch.arange(32)) & 1).bool().view(batch, -1)[:, :vocab]
     w = values
     key = w.view(torch.int32)[None, :]
     good = (w >= 0) & (w < math.inf)
-    want = ((good & (w > 0))[None, :] & (key >= lo.cpu()[:, None]) & (key < hi.cpu()[:, None])
-            | ~good[None, :])
+    in_range = (good & (w > 0))[None, :] & (key >= lo.cpu()[:, None])
+    want = (in_range & (not window)) | ~good[None, :]
     for b in range(batch):
         wrong = (kept[b] != want[b]).nonzero()[:, 0]
         assert wrong.numel() == 0, (bounds[b], [hex(int(key[0, i]) & 0xFFFFFFFF)
                                                 for i in wrong[:8]])
     assert torch.equal(counts.cpu().view(batch, n_chunks).sum(1), want.sum(1).to(torch.int32))
+    if window:
+        # the mass at or above each pivot (spread evenly over [lo, hi] widened
+        # by reach/4 of its width past each end), bad values as zeros
+        span = (hi.cpu().long() - lo.cpu().long())[:, None]
+        first = lo.cpu().long()[:, None] - span * reach // 4
+        piv = first + span * (4 + 2 * reach) * torch.arange(pivots) // (4 * (pivots - 1))
+        piv = piv.clamp(1, inf_key)
+        w_good = torch.where(good, w, 0.0).double()
+        want_mass = ((key[0].long()[None, None, :] >= piv[:, :, None]) * w_good).sum(2)
+        got_mass = pivot_mass.cpu().view(batch, n_chunks, pivots).double().sum(1)
+        torch.testing.assert_close(got_mass, want_mass, rtol=1e-5, atol=1e-30)
+        assert (want_mass[:, 0] > want_mass[:, -1]).any()  # pivots that split the values
