@@ -76,7 +76,7 @@ with _interpreter_scope():
                           "pip install 'shmask[kernels]'") from exc
     from ._common import Form, Rows, Status
     from .admission import check_admission
-    from .capture import capture, reference_capture
+    from .capture import capture, reference_capture, top_p_within_rounding
     from .compact import compact, reference_compact
     from .direct import DirectPublisher, publish, publisher_for, reference_direct
     from .host import HostRows, HostStaging
@@ -99,5 +99,6 @@ __all__ = [
     "reference_direct",
     "reference_sample",
     "sample",
+    "top_p_within_rounding",
     "use_interpreter",
 ]

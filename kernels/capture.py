@@ -103,7 +103,7 @@ from .direct import claim_step, launching, publish_into
 from .host import check_into
 from .ring import ring_arrive, ring_claim, ring_commit
 
-__all__ = ["ORDERS", "capture", "reference_capture"]
+__all__ = ["ORDERS", "capture", "reference_capture", "top_p_within_rounding"]
 
 ORDERS = ("joint", "sequential")
 # The bound kernel samples SAMPLE_BLOCKS blocks of SAMPLE_COLS contiguous
@@ -1175,3 +1175,28 @@ def reference_capture(
     logprobs = torch.where(is_greedy[:, None], 0.0, logprobs)
     selected = torch.where(invalid, float("nan"), selected).float()
     return pack_rows(kept, logprobs, status, sizes, max_tokens, selected)
+
+
+def top_p_within_rounding(
+    probs: torch.Tensor, support: torch.Tensor, top_p, rel: float = 1e-6
+) -> torch.Tensor:
+    """bool[B]: whether each row's support (bool [B, V]) is the top-p support
+    (top-p only, joint) of its row for some target within ``rel`` x the
+    row's mass of ``top_p`` x its mass, in float64: every w at or above its
+    smallest kept value is kept (ties too), the mass with that value reaches
+    ``target - rel M`` and the mass above it falls short of ``target + rel M``.
+    The kernel sums masses in float32, so a target that close to a
+    cumulative mass may fall on either side of it (the module docstring)."""
+    batch = probs.shape[0]
+    p = per_row(top_p, batch, torch.float32, probs.device, "top_p", 1.0, low=0.0, high=1.0)
+    w = probs.double()
+    w = torch.where(torch.isfinite(w) & (w > 0), w, 0.0)
+    mass = w.sum(1)
+    target = p.double() * mass
+    smallest = torch.where(support, w, float("inf")).min(1).values[:, None]
+    prefix = ((w >= smallest) & (w > 0)) == support
+    with_it = (w * (w >= smallest)).sum(1)
+    above = (w * (w > smallest)).sum(1)
+    return (prefix.all(1) & support.any(1) & (with_it >= target - rel * mass)
+            & (above < target + rel * mass))
+

@@ -22,7 +22,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shmask.kernels import Status, capture, reference_capture, sample  # noqa: E402
+from shmask.kernels import (  # noqa: E402
+    Status,
+    capture,
+    reference_capture,
+    sample,
+    top_p_within_rounding,
+)
 from test_kernel_capture import assert_same, dyadic_probs  # noqa: E402
 
 capture_module = importlib.import_module("shmask.kernels.capture")
@@ -267,6 +273,64 @@ def test_bad_values_outside_a_sample_of_zeros(dtype: torch.dtype) -> None:
     got = run_both(probs, probs.float().nan_to_num(0.0, 0.0).argmax(1), top_p=0.9,
                    max_tokens=vocab)
     assert got.status.cpu().tolist() == [Status.INVALID, Status.INVALID, Status.OK]
+
+
+def assert_top_p_rows(got, probs: torch.Tensor, top_p: float) -> int:
+    """Each row (captured with probs.argmax(1) as the sampled tokens) equals
+    the reference, or (counted and returned) is the top-p
+    support of a target within fp32 rounding of a cumulative mass
+    (top_p_within_rounding), with its logprobs over its own support."""
+    want = reference_capture(probs, probs.argmax(1), top_p=top_p, max_tokens=probs.shape[1])
+    flipped = 0
+    for b in range(probs.shape[0]):
+        ids, values = (x.cpu() for x in got.row(b))
+        want_ids, want_values = want.row(b)
+        if torch.equal(ids, want_ids):
+            torch.testing.assert_close(values, want_values, atol=2e-5, rtol=0)
+            continue
+        support = torch.zeros(1, probs.shape[1], dtype=torch.bool)
+        support[0, ids] = True
+        assert top_p_within_rounding(probs[b:b + 1], support, top_p).item(), (
+            b, ids.numel(), want_ids.numel())
+        w = probs[b, ids].double()
+        torch.testing.assert_close(values.double(), w.log() - w.sum().log(), atol=2e-5, rtol=0)
+        flipped += 1
+    return flipped
+
+
+def test_full_vocab_top_p_only_rows_in_the_interpreter() -> None:
+    """top_p 0.9 at V = 151936 (supports of ~15-18k ids: window rows, the
+    bitmask form) on fp32 softmax(randn x 2.5) rows, whose mass a sample
+    of 8 blocks estimates poorly (the sampled range often misses the
+    cutoff), and on bf16-derived rows (ties at the cutoff). Rounding
+    flips are counted: at most one row in four."""
+    gen = torch.Generator().manual_seed(14)
+    probs = torch.softmax(torch.randn(4, FULL_VOCAB, generator=gen) * 2.5, -1)
+    probs = torch.cat([probs, bf16_probs(2, FULL_VOCAB, 64, 1.9, seed=15).cpu()])
+    got = capture(probs.to(DEVICE), probs.argmax(1).to(DEVICE), top_p=0.9,
+                  max_tokens=FULL_VOCAB)
+    assert (got.sizes.cpu() > 4096).all() and (got.forms.cpu() == 1).all()
+    assert assert_top_p_rows(got, probs, 0.9) <= 1
+
+
+def test_top_p_within_rounding_refuses_wrong_supports() -> None:
+    """The rounding check itself: the reference's support passes; one more
+    or one fewer id than a boundary far from the target fails, and so does
+    a support that skips a larger value."""
+    gen = torch.Generator().manual_seed(16)
+    probs = torch.softmax(torch.randn(1, 500, generator=gen), -1)
+    want = reference_capture(probs, probs.argmax(1), top_p=0.9, max_tokens=500)
+    ids = want.row(0)[0]
+    support = torch.zeros(1, 500, dtype=torch.bool)
+    support[0, ids] = True
+    assert top_p_within_rounding(probs, support, 0.9).item()
+    order = probs[0].argsort(descending=True)
+    more, fewer, skip = support.clone(), support.clone(), support.clone()
+    more[0, order[ids.numel()]] = True
+    fewer[0, order[ids.numel() - 1]] = False
+    skip[0, order[0]] = False
+    for wrong in (more, fewer, skip):
+        assert not top_p_within_rounding(probs, wrong, 0.9).item()
 
 
 # ------------------------------------------------------- full vocabulary, CUDA
