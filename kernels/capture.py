@@ -186,10 +186,9 @@ def _bound_kernel(
     sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sample's
     max), so the candidates are the support plus a little. Window rows (top-k
     off, top-p on, a support the sample puts past WINDOW_MIN ids): lo as
-    above and hi the key whose sampled mass share reaches top_p - P_MARGIN,
-    so the candidates are only the ids near the top-p cutoff; the mass above
-    hi is summed exactly by the mark pass and the support written from a
-    second mark pass (bitmask straight from the mark, like compaction)."""
+    above and hi the key whose sampled mass share reaches top_p - P_MARGIN;
+    [lo, hi) only places the pivots whose exact masses the candidate mark
+    sums (the window mark brackets the cutoff by them)."""
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCKS * COLS)
     block = idx // COLS
@@ -962,9 +961,10 @@ def run_capture(
         seeds = tokens  # unused by the kernel in capture mode
     sequential = order == "sequential"
 
-    # Window rows (a top-p support of tens of thousands of ids, written by a
-    # second mark pass) only in capture without into=: the sampler's draw
-    # and the ring stores need every support id among the candidates.
+    # Window rows (a top-p support of thousands of ids, bracketed by pivot
+    # masses and written by the window write) only in capture without
+    # into=: the sampler's draw and the ring stores need every support id
+    # among the candidates.
     window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
     # lo, hi, window and (window rows) each row's bracket and target
     i32 = torch.empty((6 if window_on else 3) * batch, dtype=torch.int32, device=device)

@@ -117,7 +117,7 @@ def test_bf16_logits_sample_draws_inside_tied_support() -> None:
 
 def test_window_rows_top_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Top-p-only rows past the window threshold: the support comes from the
-    second mark pass, its bitmask straight from the mark; rows with top-k,
+    window write, its bitmask straight from the read; rows with top-k,
     greedy or min-p rows in the same batch keep the candidate path."""
     monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
