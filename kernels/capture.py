@@ -416,7 +416,7 @@ def _window_mark_kernel(
     CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr, REACH: tl.constexpr,
 ):
     """Program (b, c), window rows only (top-p without top-k, a support of
-    tens of thousands of ids): the row's exact masses above its pivots (the
+    thousands of ids): the row's exact masses above its pivots (the
     candidate mark's chunk sums) place its top-p cutoff in the bracket
     [b_lo, b_hi) between two pivots, min-p's key a floor under it; one read
     of the chunk then rewrites its candidates as the ids in the bracket plus
@@ -899,7 +899,9 @@ def launch_window_write(
     batch, vocab = probs.shape
     _window_write_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, window_ok, cutoff, logz, forms, before, n_chunks,
-        offsets, id_offsets, ids, values, CHUNK=CHUNK, FAST=not _interpreted(),
+        offsets, id_offsets, ids, values, CHUNK=CHUNK,
+        # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
+        FAST=probs.is_cuda and torch.version.hip is None and not _interpreted(),
         num_warps=WINDOW_WRITE_WARPS,
     )
 

@@ -2,11 +2,13 @@
 
 The bound kernel sets each row's candidate range from a sample of the row;
 resolve checks it exactly and reads the whole row when it was wrong, and a
-top-p row with a large support (a window row) takes its support from a second
-mark pass. These tests hold the rows exact through all three: tied cutoffs
-from bf16 logits (the k-th value tied with many others), window rows, and
-rows whose sampled bound is wrong on purpose. Small vocabularies in Triton's
-interpreter; the full vocabulary (V = 151936) on CUDA only
+top-p row with a large support (a window row) has its cutoff bracketed by
+exact masses above pivots the sample places, and its support written from
+one read of each chunk (the window write). These tests hold the rows exact
+through all three: tied cutoffs from bf16 logits (the k-th value tied with
+many others), window rows, and rows whose sampled bound is wrong on purpose.
+Small vocabularies in Triton's interpreter, and top-p-only rows at the full
+vocabulary (V = 151936); the full vocabulary's other tests on CUDA only
 (SHMASK_TEST_GPU=1 on the H200, as `make test-gpu` runs it).
 """
 
@@ -155,9 +157,9 @@ def test_window_rows_overflow_status_and_invalid(monkeypatch: pytest.MonkeyPatch
 
 
 def test_window_rows_with_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A NaN or inf in a window row has float bits above the row's hi (the
-    top of its candidates' key range), a negative value below its lo: each is
-    a candidate all the same, and the row comes out INVALID; -0.0 is a zero."""
+    """A NaN, an inf or a negative value in a window row (whose candidates
+    are its bracket's ids: the bad values' bits lie outside it) is a
+    candidate all the same, and the row comes out INVALID; -0.0 is a zero."""
     monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
     gen = torch.Generator().manual_seed(9)
@@ -216,6 +218,21 @@ def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> Non
     assert sizes[4] == 6000  # row 4's min-p floor binds
     ids_form = run_both(probs[:2], sampled[:2], top_p=0.9, max_tokens=vocab // 2)
     assert (ids_form.forms.cpu() == 1).all()
+
+
+def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window row whose exact support turns out small (its large values
+    all outside the sampled blocks, so the sample expects thousands of ids):
+    the window write stores its ids (32 L < V), not bitmask words."""
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    window = WindowRows(monkeypatch)
+    vocab = 2 * capture_module.CHUNK + 900
+    probs = torch.full((2, vocab), 1 / 2**20)
+    probs[0, 5000:5040] = 1 / 2**6  # 40 ids between the sampled blocks
+    got = run_both(probs, probs.argmax(1), top_p=0.5, max_tokens=vocab)
+    assert window.calls == [[1, 1]]
+    assert got.sizes[0].item() == 40 and got.forms[0].item() == 0
+    assert got.forms[1].item() == 1  # the flat row: every id (ties), a bitmask
 
 
 @pytest.mark.parametrize("window_min", [64, 1 << 30])
