@@ -409,6 +409,19 @@ def _narrow(piv, masses, target, b_lo, b_hi):
 
 
 @triton.jit
+def _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK: tl.constexpr):
+    """Columns [chunk*CHUNK, (chunk+1)*CHUNK) of row as CHUNK/32 words of 32
+    bits (the mark's layout): word and bit indices, columns, float32 values
+    (0 past the row) and their float bits."""
+    word_idx = tl.arange(0, CHUNK // 32)
+    bit_idx = tl.arange(0, 32)
+    cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
+    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                other=0.0).to(tl.float32)
+    return word_idx, bit_idx, cols, w, w.to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _window_mark_kernel(
     probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, window_ptr, top_p_ptr, min_p_ptr,
     sum_ptr, max_ptr, pivot_mass_ptr, bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr,
@@ -448,12 +461,8 @@ def _window_mark_kernel(
             tl.store(bracket_ptr + 3 * row, b_lo)
             tl.store(bracket_ptr + 3 * row + 1, b_hi)
             tl.store(bracket_ptr + 3 * row + 2, target.to(tl.int32, bitcast=True))
-        word_idx = tl.arange(0, WORDS)
-        bit_idx = tl.arange(0, 32)
-        cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
-        w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
-                    other=0.0).to(tl.float32)
-        key = w.to(tl.int32, bitcast=True)
+        word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk,
+                                                      CHUNK)
         # integer tests of the bits, as in the candidate mark: bad values
         # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
         # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits: no
@@ -467,6 +476,17 @@ def _window_mark_kernel(
         up = (key >= b_hi) & (key < INF_KEY)
         tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
         tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))
+
+
+@triton.jit
+def _candidates(vals_ptr, ids_ptr, base, start, n, cutoff, BLOCK: tl.constexpr):
+    """Candidates [start, start + BLOCK) of a row (of n): values, ids,
+    which are real, and which lie at or above the cutoff."""
+    idx = start + tl.arange(0, BLOCK)
+    live = idx < n
+    v = tl.load(vals_ptr + base + idx, mask=live, other=0.0)
+    ids = tl.load(ids_ptr + base + idx, mask=live, other=0)
+    return v, ids, live, live & (v.to(tl.int32, bitcast=True) >= cutoff)
 
 
 @triton.jit
@@ -618,11 +638,8 @@ def _resolve_kernel(
             per_chunk = tl.load(above_count_ptr + row * n_chunks + bins, mask=bins < n_chunks,
                                 other=0)
             for start in range(0, n, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                live = idx < n
-                v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
-                ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
-                hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
+                v, ids, live, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n,
+                                                cutoff, BLOCK)
                 per_chunk += tl.histogram(tl.where(hit, ids // CHUNK, BINS - 1), BINS)
             per_chunk = tl.where(bins < n_chunks, per_chunk, 0)
             tl.store(before_ptr + row * n_chunks + bins, tl.cumsum(per_chunk, axis=0) - per_chunk,
@@ -645,11 +662,8 @@ def _resolve_kernel(
         best_id = tl.zeros([], dtype=tl.int32) + vocab
         first_id = tl.zeros([], dtype=tl.int32) + vocab
         for start in range(0, n, DRAW_BLOCK):
-            idx = start + tl.arange(0, DRAW_BLOCK)
-            live = idx < n
-            v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
-            ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
-            hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
+            v, ids, live, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n, cutoff,
+                                            DRAW_BLOCK)
             score = tl.where(hit, v / -tl.log(tl.rand(seed, ids)), float("-inf"))
             block_best = tl.max(score, axis=0)
             block_id = tl.min(tl.where(score == block_best, ids, vocab), axis=0)
@@ -840,12 +854,8 @@ def _window_write_kernel(
     chunk = tl.program_id(1)
     if tl.load(window_ok_ptr + row) != 0:
         WORDS: tl.constexpr = CHUNK // 32
-        word_idx = tl.arange(0, WORDS)
-        bit_idx = tl.arange(0, 32)
-        cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
-        w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
-                    other=0.0).to(tl.float32)
-        key = w.to(tl.int32, bitcast=True)
+        word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk,
+                                                      CHUNK)
         # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
         keep = (key >= tl.load(cutoff_ptr + row)) & (key < INF_KEY)
         words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
