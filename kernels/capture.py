@@ -255,7 +255,8 @@ def _cand_mark_kernel(
     2026-12-02), so a row gets only the ones its settings need. A window row
     (WINDOW) keeps its bad values only and sums, besides its mass, the mass
     at or above each of PIVOTS keys spread over its sampled range [lo, hi)
-    (_window_pivots): _window_mark_kernel narrows its candidates with them.
+    widened on each side (_window_pivots): _window_mark_kernel narrows its
+    candidates with them.
 
     MASS, TOP and WINDOW say whether any row of the call may need the mass,
     the max or a window (known from the call's arguments, no host sync):
@@ -315,23 +316,21 @@ def _cand_mark_kernel(
             # one flat reduction a pivot (H200, bf16, top_p 0.9: 117 us for
             # the kernel, against 134 as one [CHUNK, PIVOTS] tile summed over
             # its rows); the keys come from the flat vector itself
-            piv = _window_pivots(sampled_lo, tl.load(hi_ptr + row), PIVOTS, REACH)
+            hi = tl.load(hi_ptr + row)
             fkey = flat.to(tl.int32, bitcast=True)
-            pivot_idx = tl.arange(0, PIVOTS)
             for j in tl.static_range(PIVOTS):
-                p_j = tl.sum(tl.where(pivot_idx == j, piv, 0), axis=0)
+                p_j = _window_pivots(sampled_lo, hi, j, PIVOTS, REACH)
                 m_j = tl.sum(tl.where(fkey >= p_j, flat, 0.0), axis=0)
                 tl.store(pivot_mass_ptr + slot.to(tl.int64) * PIVOTS + j, m_j)
 
 
 @triton.jit
-def _window_pivots(lo, hi, PIVOTS: tl.constexpr, REACH: tl.constexpr):
-    """PIVOTS keys evenly spread over [lo - REACH s, hi + REACH s] (s = hi -
-    lo), ascending, within [1, +inf's bits]."""
+def _window_pivots(lo, hi, j, PIVOTS: tl.constexpr, REACH: tl.constexpr):
+    """Pivot j (an index or a block of them) of PIVOTS keys evenly spread
+    over [lo - REACH s / 4, hi + REACH s / 4] (s = hi - lo), ascending,
+    within [1, +inf's bits]."""
     span = hi.to(tl.int64) - lo
-    first = lo - (span * REACH) // 4
-    step = span * (4 + 2 * REACH)
-    keys = first + step * tl.arange(0, PIVOTS) // (4 * (PIVOTS - 1))
+    keys = lo - (span * REACH) // 4 + span * (4 + 2 * REACH) * j // (4 * (PIVOTS - 1))
     return tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32)
 
 
@@ -450,7 +449,8 @@ def _window_mark_kernel(
         total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
         rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
         target = tl.maximum(tl.load(top_p_ptr + row) * total, 1e-38).to(tl.float32)
-        piv = _window_pivots(tl.load(lo_ptr + row), tl.load(hi_ptr + row), PIVOTS, REACH)
+        piv = _window_pivots(tl.load(lo_ptr + row), tl.load(hi_ptr + row),
+                             tl.arange(0, PIVOTS), PIVOTS, REACH)
         b_lo, b_hi = _narrow(piv, masses, target, tl.full([], 1, tl.int32),
                              tl.full([], INF_KEY, tl.int32))
         min_p = tl.load(min_p_ptr + row)
