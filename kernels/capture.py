@@ -141,6 +141,12 @@ WINDOW_PIVOTS = 8
 WINDOW_REACH = 4
 WINDOW_MARK_WARPS = 8  # H200, bf16 top_p 0.9: 61.4 us at 8 warps, 75.1 at 16
 WINDOW_WRITE_WARPS = 8  # 216.9 us at 8 warps, 225.8 at 16 (with tl.log)
+# H200, bf16 top_p 0.9 (window write us): the whole chunk at once 136, SUB
+# 4096 113, 2048 150, 1024 132; 4096 at 4 warps 131, at 16 190
+WINDOW_WRITE_SUB = 4096  # columns per step of the window write
+# resolve's search over a window row's bracket: 4 ways 87.3 us (bf16) / 68.9
+# (fp32), 2 ways 92.8 / 78.4, the bisection over 31 bits 114 / 93
+WINDOW_SEARCH_WAYS = 4
 WRITE_BLOCK = 4096  # candidates per step of the write program
 ROW_BLOCK = 4096  # columns per step of a resolve program that reads its whole row
 INF_KEY = tl.constexpr(0x7F800000)  # float bits of +inf: a floor no candidate reaches
@@ -316,10 +322,15 @@ def _cand_mark_kernel(
             # one flat reduction a pivot (H200, bf16, top_p 0.9: 117 us for
             # the kernel, against 134 as one [CHUNK, PIVOTS] tile summed over
             # its rows); the keys come from the flat vector itself
-            hi = tl.load(hi_ptr + row)
+            pivot_idx = tl.arange(0, PIVOTS)
+            piv = _window_pivots(sampled_lo, tl.load(hi_ptr + row), pivot_idx, PIVOTS, REACH)
             fkey = flat.to(tl.int32, bitcast=True)
             for j in tl.static_range(PIVOTS):
-                p_j = _window_pivots(sampled_lo, hi, j, PIVOTS, REACH)
+                # the keys computed once, as one vector, and picked out of it:
+                # computed a pivot at a time (64-bit arithmetic each) the
+                # kernel had 8% more instructions and 61 registers a thread
+                # instead of 43 (H200, bf16 top_p 0.9: 139 us against 119)
+                p_j = tl.sum(tl.where(pivot_idx == j, piv, 0), axis=0)
                 m_j = tl.sum(tl.where(fkey >= p_j, flat, 0.0), axis=0)
                 tl.store(pivot_mass_ptr + slot.to(tl.int64) * PIVOTS + j, m_j)
 
@@ -367,6 +378,56 @@ def _largest_key_reaching(
         reach = _reach(vals_ptr, base, n, v0, key0, live0, probe, USE_MASS, BLOCK)
         found = tl.where(reach >= target, probe, found)
     return found
+
+
+@triton.jit
+def _largest_key_between(vals_ptr, base, n, v0, key0, live0, target, lo, hi, BLOCK: tl.constexpr,
+                         WAYS: tl.constexpr):
+    """Largest key t in [lo, hi] whose candidates' mass at or above it
+    reaches target, lo when none does: a search over the bracket's keys
+    alone, not all 31 bits (a window row's bracket spans about 2^22 keys).
+    WAYS 4: each pass over the candidates sums the mass above three probes
+    (a quarter of the interval apart) and keeps a quarter, half the passes
+    of a binary search (WAYS 2)."""
+    hi = hi + 1  # the search keeps lo (reaching, or the floor) below hi (not reaching)
+    for _step in range(32):  # a binary search takes 31 at most, 4 ways 16
+        if hi - lo > 1:
+            q = hi - lo
+            if WAYS == 4:
+                p1 = lo + q // 4
+                p2 = lo + q // 2
+                p3 = p2 + q // 4
+                r1, r2, r3 = _reach3(vals_ptr, base, n, v0, key0, live0, p1, p2, p3, BLOCK)
+                # reach falls as the probe rises: the last probe reaching
+                # is the new lo, the first one not reaching the new hi
+                new_lo = tl.where(r3 >= target, p3,
+                                  tl.where(r2 >= target, p2, tl.where(r1 >= target, p1, lo)))
+                hi = tl.where(r1 < target, p1,
+                              tl.where(r2 < target, p2, tl.where(r3 < target, p3, hi)))
+                lo = new_lo
+            else:
+                probe = lo + q // 2
+                reach = _reach(vals_ptr, base, n, v0, key0, live0, probe, True, BLOCK)
+                lo = tl.where(reach >= target, probe, lo)
+                hi = tl.where(reach >= target, hi, probe)
+    return lo
+
+
+@triton.jit
+def _reach3(vals_ptr, base, n, v0, key0, live0, p1, p2, p3, BLOCK: tl.constexpr):
+    """The candidates' mass at or above each of three keys, from one pass
+    (the first BLOCK candidates from registers, the rest from memory)."""
+    r1 = tl.sum(tl.where(live0 & (key0 >= p1), v0, 0.0), axis=0)
+    r2 = tl.sum(tl.where(live0 & (key0 >= p2), v0, 0.0), axis=0)
+    r3 = tl.sum(tl.where(live0 & (key0 >= p3), v0, 0.0), axis=0)
+    for start in range(BLOCK, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        v = tl.load(vals_ptr + base + idx, mask=idx < n, other=0.0)
+        key = v.to(tl.int32, bitcast=True)
+        r1 += tl.sum(tl.where(key >= p1, v, 0.0), axis=0)
+        r2 += tl.sum(tl.where(key >= p2, v, 0.0), axis=0)
+        r3 += tl.sum(tl.where(key >= p3, v, 0.0), axis=0)
+    return r1, r2, r3
 
 
 @triton.jit
@@ -501,6 +562,7 @@ def _resolve_kernel(
     SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
     DRAW_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
+    SEARCH_WAYS: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk_idx = tl.arange(0, CHUNKS_PAD)
@@ -567,8 +629,12 @@ def _resolve_kernel(
             # the window mark's target, bit for bit (its bracket came from it)
             target = tl.where(window, tl.load(bracket_ptr + 3 * row + 2).to(tl.float32,
                                                                              bitcast=True), target)
-        cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
-                                      target - above_mass, True, BLOCK)
+        if window:
+            cut_p = _largest_key_between(cand_vals_ptr, base, n, v0, key0, live0,
+                                         target - above_mass, b_lo, b_hi, BLOCK, SEARCH_WAYS)
+        else:
+            cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, True,
+                                          BLOCK)
     min_p = tl.load(min_p_ptr + row)
     cut_m = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 0)
     cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
@@ -840,46 +906,62 @@ def _write_kernel(
 def _window_write_kernel(
     probs_ptr, stride_row, vocab, window_ok_ptr, cutoff_ptr, logz_ptr, forms_ptr, before_ptr,
     n_chunks, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, CHUNK: tl.constexpr,
-    FAST: tl.constexpr,
+    SUB: tl.constexpr, FAST: tl.constexpr,
 ):
     """Program (b, c), window rows only: the support in columns
     [c*CHUNK, (c+1)*CHUNK) of row b, every finite w at or above the row's
-    cutoff, from one read laid out as the mark's (CHUNK/32 words of 32
-    bits): its bitmask words (bitmask form) or ids (ids form) at
-    id_offsets[b], and ``log(w) - log(Z)`` at offsets[b] + before[b, c] +
+    cutoff, from one read laid out as the mark's (words of 32 bits), SUB
+    columns at a time: its bitmask words (bitmask form) or ids (ids form)
+    at id_offsets[b], and ``log(w) - log(Z)`` at offsets[b] + before[b, c] +
     the rank in the chunk (the set bits of the words before and below it).
     before, the support's ids in the chunks before c, comes from resolve,
     so no pass counts them first."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if tl.load(window_ok_ptr + row) != 0:
-        WORDS: tl.constexpr = CHUNK // 32
-        word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk,
-                                                      CHUNK)
-        # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
-        keep = (key >= tl.load(cutoff_ptr + row)) & (key < INF_KEY)
-        words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-        below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
-        if FAST:
-            per_word = _popc(words)
-            in_word = _popc(below)
-        else:
-            per_word = popcount(words.to(tl.uint32, bitcast=True))
-            in_word = popcount(below.to(tl.uint32, bitcast=True))
-        rank = (tl.load(before_ptr + row * n_chunks + chunk)
-                + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word)
+        cutoff = tl.load(cutoff_ptr + row)
+        logz = tl.load(logz_ptr + row)
         dst = tl.load(offsets_ptr + row).to(tl.int64)
-        if FAST:
-            logw = _log_approx(w)
-        else:
-            logw = tl.log(w)
-        tl.store(out_vals_ptr + dst + rank, logw - tl.load(logz_ptr + row), mask=keep)
         id_dst = tl.load(id_offsets_ptr + row).to(tl.int64)
-        if tl.load(forms_ptr + row) != 0:
-            word = chunk * WORDS + word_idx
-            tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
-        else:
-            tl.store(out_ids_ptr + id_dst + rank, cols, mask=keep)
+        bitmask = tl.load(forms_ptr + row) != 0
+        base = tl.load(before_ptr + row * n_chunks + chunk)
+        # SUB columns a step, not the whole chunk at once: a thread holds 16
+        # values instead of 32 (128 registers instead of 211), so two
+        # programs share a multiprocessor instead of one.
+        for part in tl.range(0, CHUNK // SUB):
+            word_idx, bit_idx, cols, w, key = _chunk_tile(
+                probs_ptr, stride_row, vocab, row, chunk * (CHUNK // SUB) + part, SUB)
+            # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+            keep = (key >= cutoff) & (key < INF_KEY)
+            words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+            below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
+            if FAST:
+                per_word = _popc(words)
+                in_word = _popc(below)
+            else:
+                per_word = popcount(words.to(tl.uint32, bitcast=True))
+                in_word = popcount(below.to(tl.uint32, bitcast=True))
+            rank = base + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word
+            base += tl.sum(per_word, axis=0)
+            if FAST:
+                logw = _log_approx(w)
+            else:
+                logw = tl.log(w)
+            # The scattered stores as flat vectors, in the tile's own order:
+            # the compiler keeps the load's layout (lanes along a word's 32
+            # columns, whose kept values land side by side). Stored as the
+            # [words, 32] tile, they went through shared memory into lanes
+            # running down 32 words (Triton 3.6; ncu on the H200: 32 KiB of
+            # shared memory and 180 registers a program, 12.5% occupancy,
+            # 54% of the sectors excess; the kernel 193 us).
+            rank = tl.reshape(rank, [SUB])
+            keep = tl.reshape(keep, [SUB])
+            tl.store(out_vals_ptr + dst + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
+            if bitmask:
+                word = (chunk * CHUNK + part * SUB) // 32 + word_idx
+                tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
+            else:
+                tl.store(out_ids_ptr + id_dst + rank, tl.reshape(cols, [SUB]), mask=keep)
 
 
 @triton.jit
@@ -909,7 +991,7 @@ def launch_window_write(
     batch, vocab = probs.shape
     _window_write_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, window_ok, cutoff, logz, forms, before, n_chunks,
-        offsets, id_offsets, ids, values, CHUNK=CHUNK,
+        offsets, id_offsets, ids, values, CHUNK=CHUNK, SUB=WINDOW_WRITE_SUB,
         # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
         FAST=probs.is_cuda and torch.version.hip is None and not _interpreted(),
         num_warps=WINDOW_WRITE_WARPS,
@@ -1036,6 +1118,7 @@ def run_capture(
         SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
         BLOCK=RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad, ROW_BLOCK=ROW_BLOCK, DRAW_BLOCK=DRAW_BLOCK,
         WINDOW=window_on, CHUNK=CHUNK, BINS=triton.next_power_of_2(n_chunks + 1),
+        SEARCH_WAYS=WINDOW_SEARCH_WAYS,
         num_warps=RESOLVE_WARPS,
     )
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
