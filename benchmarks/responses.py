@@ -56,6 +56,7 @@ from _common import (
 import shmask
 from shmask import response_json
 from shmask.binary_rows import (
+    EmissionBuffer,
     SamplingMaskBase64,
     decode_rows,
     encode_chunk,
@@ -334,12 +335,14 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
               f"binary, encode_meta_info (native, {threads} threads)",
               "binary, encode_meta_info (native, 1 thread)",
               BINARY_BASELINE + SENT, f"binary, encode_meta_info (native, {threads} threads)" + SENT,
-              f"binary, encode_meta_info_many (native, {threads} threads)")
+              f"binary, encode_meta_info_many (native, {threads} threads)",
+              f"binary, encode_meta_info_many into an EmissionBuffer ({threads} threads)")
     client = ("orjson.loads + np.fromiter (JSON lists)", "orjson.loads + decode_rows (binary)",
               "floor: orjson.loads of the binary meta_info", "binary_rows.loads")
     times: dict[str, list[float]] = {name: [] for name in server + client}
     sizes: dict[str, int] = {}
     mismatches = 0
+    buffer = EmissionBuffer()  # reused by every repeat: each finds the last one's block free
     with one_emission(requests, tokens, width) as chunks:
         for _ in range(repeats):
             out: dict[str, list[bytes]] = {}
@@ -378,6 +381,11 @@ def measure_binary(requests: int, tokens: int, width: int, repeats: int) -> dict
             started = now()  # the emission in one native call (kept: it returns them all)
             out[server[9]] = encode_meta_info_many(chunks, threads=threads)
             times[server[9]].append(now() - started)
+            started = now()  # the same into the block the repeat before used (its views dropped)
+            views = encode_meta_info_many(chunks, threads=threads, into=buffer)
+            times[server[10]].append(now() - started)
+            mismatches += sum(bytes(a) != b for a, b in zip(views, out[server[2]], strict=True))
+            del views
             mismatches += sum(a != b for a, b in zip(out[server[1]], out[server[0]], strict=True))
             for name in (server[3], server[5], server[6], server[9]):  # encode_chunk's bytes
                 mismatches += sum(a != b for a, b in zip(out[name], out[server[2]], strict=True))

@@ -13,6 +13,9 @@ docs/architecture.md, "Binary rows"; in short, one JSON object::
 Server side: `encode_meta_info(chunk, start)` (one chunk's rows as SGLang's
 two meta_info fields, the whole JSON object written by the compiled core in
 one pass, its base64 encoded on SHMASK_JSON_THREADS threads),
+`encode_meta_info_many(chunks, starts)` (an emission in one call; with
+`into=EmissionBuffer()` into memory reused from one emission to the next
+while no document of it is alive),
 `encode_chunk(chunk)` (the binary-rows object alone, as an orjson.Fragment
 to embed) or `SamplingMaskBase64` (a request's rows accumulated across
 emissions, like the SGLang adapter's SamplingMaskJSON: `extend(chunk)` per
@@ -33,6 +36,7 @@ binascii here) or binascii, giving the same bytes and the same rows.
 from __future__ import annotations
 
 import binascii
+import contextlib
 import importlib
 import os
 import sys
@@ -198,17 +202,64 @@ def encode_chunk(chunk: Chunk, start: int = 0, threads: int | None = None) -> by
     return out
 
 
+class EmissionBuffer:
+    """Memory that encode_meta_info_many(..., into=buffer) writes an
+    emission's documents into, kept for the next emission: a server that
+    sends each emission's documents and drops them writes every emission
+    into pages already mapped, where a bytes object per document is new
+    memory each time (glibc gives an emission's 136 MB back when its
+    documents are freed, and faulting them in again cost a third of the
+    writer's time on the H200 host).
+
+    The block is reused only when no document of the emission before is
+    alive: every document is a read-only memoryview of it, and while any of
+    them (or any view, array or buffer made from one) exists the block has
+    an export and cannot be resized, which is what `_claim` tries. A block
+    someone still reads is never written again: the next emission gets a
+    new block, and the old one is freed with its last view. Not for several
+    threads at once."""
+
+    __slots__ = ("_block", "blocks_made")
+
+    def __init__(self) -> None:
+        self._block: bytearray | None = None
+        self.blocks_made = 0  # new blocks allocated so far (reuse is the rest)
+
+    def _claim(self, size: int) -> bytearray:
+        """A block of at least `size` usable bytes that nothing else refers
+        to. The block holds one byte past them, which resizing it by one
+        and back tests for exports (raises BufferError while any is alive;
+        neither step reallocates)."""
+        block = self._block
+        if block is not None and len(block) - 1 >= size:
+            try:
+                del block[-1]
+            except BufferError:  # a document of an emission before is still alive
+                block = None
+            else:
+                block.append(0)
+                return block
+        self._block = None  # the old block lives on with its views, if any
+        block = bytearray(size + 1)  # zero-filled: the writer fills only its documents
+        self.blocks_made += 1
+        self._block = block
+        return block
+
+
 def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None = None,
                           threads: int | None = None, *,
                           lengths: Sequence[int | None] | None = None,
-                          return_exceptions: bool = False) -> list[Any]:
+                          return_exceptions: bool = False,
+                          into: EmissionBuffer | None = None) -> list[Any]:
     """[encode_meta_info(chunk, start, length=length) for each chunk]: an
     emission's responses in one native call, the GIL released once, each of
     up to `threads` (SHMASK_JSON_THREADS) threads taking whole documents in
     turn (no split and join per document). With `return_exceptions` a chunk
     that fails (StaleChunkError, a bad start...) has its exception in its
     place and costs no other chunk its result; without, the first failure is
-    raised once every chunk is done."""
+    raised once every chunk is done. With `into` (an EmissionBuffer) each
+    document is a read-only memoryview of the buffer's block instead of a
+    bytes object (the same bytes; the compiled core only)."""
     count = len(chunks)
     starts = [0] * count if starts is None else list(starts)
     lengths = [None] * count if lengths is None else list(lengths)
@@ -218,6 +269,10 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
     if threads is not None and (type(threads) is not int or threads < 1):
         raise ValueError(f"threads must be a positive int, got {threads!r}")
     results: list[Any] = [None] * count
+    if into is not None and not isinstance(into, EmissionBuffer):
+        raise TypeError(f"into must be an EmissionBuffer, got {type(into).__name__}")
+    if into is not None and _native() is None:
+        raise BinaryRowsError("binary rows: into= needs shmask's compiled core")
     if _native() is None:
         for i, (chunk, start, length) in enumerate(zip(chunks, starts, lengths, strict=True)):
             try:
@@ -230,19 +285,31 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
         for i, (chunk, start, length) in enumerate(zip(chunks, starts, lengths, strict=True)):
             try:
                 total = start + chunk.rows if length is None else length
-                prepared.append((i, _Prepared(chunk, start, True, total)))
+                prepared.append((i, _Prepared(chunk, start, True, total, into is None)))
             except Exception as exc:  # kept in its place
                 results[i] = exc
-        jobs = ffi.new("shm_b64_rows_job[]", len(prepared))
-        for job, (_, p) in zip(jobs, prepared, strict=True):
-            (job.meta_info, job.support, job.start, job.rows, job.nnz, job.length, job.lengths,
-             job.status, job.ids, job.logprobs, job.out, job.capacity) = p.arguments
-        lib.shm_b64_rows_many(jobs, len(prepared), _threads(threads))
-        for job, (i, p) in zip(jobs, prepared, strict=True):
+        block = None
+        if into is not None:  # the documents side by side, each at a 64-byte boundary
+            places = np.cumsum([0] + [-(-p.size // 64) * 64 for _, p in prepared])
+            block = into._claim(int(places[-1]))
+        with (ffi.from_buffer(block) if block is not None else contextlib.nullcontext()) as base:
+            jobs = ffi.new("shm_b64_rows_job[]", len(prepared))
+            for k, (job, (_, p)) in enumerate(zip(jobs, prepared, strict=True)):
+                if base is not None:
+                    p.place(base + int(places[k]))
+                (job.meta_info, job.support, job.start, job.rows, job.nnz, job.length,
+                 job.lengths, job.status, job.ids, job.logprobs, job.out,
+                 job.capacity) = p.arguments
+            lib.shm_b64_rows_many(jobs, len(prepared), _threads(threads))
+        view = None if block is None else memoryview(block).toreadonly()
+        for k, (job, (i, p)) in enumerate(zip(jobs, prepared, strict=True)):
             try:
-                results[i] = p.finish(job.written)
+                written = p.finish(job.written)
+                results[i] = (written if view is None
+                              else view[int(places[k]):int(places[k]) + p.size])
             except Exception as exc:  # kept in its place
                 results[i] = exc
+        del view  # the documents hold the block's export, not this function
     failed = next((r for r in results if isinstance(r, Exception)), None)
     if failed is not None and not return_exceptions:
         raise failed
@@ -259,9 +326,10 @@ class _Prepared:
     """One chunk's arguments for the native writer (shm_b64_rows without
     its thread count), its result bytes, and the arrays they point into."""
 
-    __slots__ = ("chunk", "arguments", "out", "keep")
+    __slots__ = ("chunk", "arguments", "out", "keep", "size")
 
-    def __init__(self, chunk: Chunk, start: int, meta_info: bool, length: int) -> None:
+    def __init__(self, chunk: Chunk, start: int, meta_info: bool, length: int,
+                 allocate: bool = True) -> None:
         from .response_json import new_bytes  # needs the core, as this path does
 
         ffi, lib = _native()
@@ -285,19 +353,25 @@ class _Prepared:
         # The result is written in place, every byte of it: a bytes object
         # that no one else holds yet, not zero-filled first
         # (response_json.new_bytes); its pages are first touched by the
-        # threads that write them, so their faults run in parallel.
-        self.chunk, self.out = chunk, new_bytes(size)
+        # threads that write them, so their faults run in parallel. Or, with
+        # `allocate` false, wherever place() puts it (an EmissionBuffer).
+        self.chunk, self.size = chunk, size
+        self.out = new_bytes(size) if allocate else None
         status = None if status is None else np.ascontiguousarray(status, "u1")
         self.keep = (lengths, status, ids, logprobs)
         self.arguments = (meta_info, support, start, rows, nnz, length, ffi.from_buffer(lengths),
                           ffi.NULL if status is None else ffi.from_buffer(status),
                           ffi.from_buffer(ids), ffi.from_buffer(logprobs),
-                          ffi.from_buffer(self.out), size)
+                          ffi.NULL if self.out is None else ffi.from_buffer(self.out), size)
 
-    def finish(self, written: int) -> bytes:
+    def place(self, out: Any) -> None:
+        """Writes the document at `out` (a char pointer to self.size bytes)."""
+        self.arguments = (*self.arguments[:-2], out, self.size)
+
+    def finish(self, written: int) -> Any:
         """The bytes, once the writer returned `written`: checked, and only
         good if the chunk's record is still ours (StaleChunkError)."""
-        if written != self.arguments[-1]:
+        if written != self.size:
             raise BinaryRowsError(f"binary rows: the writer failed with code {written}")
         self.chunk.check()  # the views were read: only good if the record is still ours
         return self.out

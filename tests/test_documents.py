@@ -8,14 +8,15 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import orjson
 import pytest
 from conftest import forked_answer
 from test_response_json import expected_arrays, publish_rows, random_rows
 
 import shmask
-from shmask.binary_rows import encode_meta_info, encode_meta_info_many
+from shmask.binary_rows import EmissionBuffer, encode_meta_info, encode_meta_info_many
 from shmask.documents import map_documents
-from shmask.response_json import dumps, dumps_many
+from shmask.response_json import RawJSON, dumps, dumps_many
 
 
 @pytest.fixture
@@ -123,6 +124,61 @@ def test_a_failing_chunk_costs_only_itself(chunks):
     assert [got[i] for i in (0, 2, 4, 5, 6)] == [expected[i] for i in (0, 2, 4, 5, 6)]
     with pytest.raises(AttributeError):
         encode_meta_info_many(given, threads=4)
+
+
+# ------------------------------------- binary rows into a reused emission buffer
+
+
+@pytest.mark.parametrize("threads", [1, 5])
+def test_into_a_buffer_gives_the_same_bytes_as_read_only_views(chunks, threads):
+    expected = [encode_meta_info(chunk, 2, length=900) for chunk in chunks]
+    buffer = EmissionBuffer()
+    got = encode_meta_info_many(chunks, [2] * len(chunks), threads, lengths=[900] * len(chunks),
+                                into=buffer)
+    assert all(isinstance(view, memoryview) and view.readonly for view in got)
+    assert [bytes(view) for view in got] == expected
+    # a server places a document in its response as it is (RawJSON takes a view)
+    response = dumps({"rid": "r0", "meta_info": RawJSON(got[0])})
+    assert response == orjson.dumps({"rid": "r0", "meta_info": orjson.Fragment(expected[0])})
+    del got
+    # nothing refers to the block any more: the next emission writes into it
+    again = encode_meta_info_many(chunks, threads=threads, into=buffer)
+    assert [bytes(view) for view in again] == [encode_meta_info(c) for c in chunks]
+    assert buffer.blocks_made == 1
+
+
+@pytest.mark.parametrize("keep", ["document", "slice", "array", "bytes"])
+def test_a_document_still_held_is_never_written_over(chunks, keep):
+    """A client or a send queue that still holds a document of one emission
+    (or anything made from it) when the next one is written: the next one
+    goes to a new block and the held bytes stay as they were. Rows of
+    another chunk written over them would hand one request another's
+    rows."""
+    buffer = EmissionBuffer()
+    first = encode_meta_info_many(chunks, into=buffer)
+    want = bytes(first[0])
+    held = {"document": first[0], "slice": first[0][10:],
+            "array": np.frombuffer(first[0], dtype=np.uint8), "bytes": bytes(first[0])}[keep]
+    del first
+    second = encode_meta_info_many(chunks[3:], into=buffer)  # other rows, fewer bytes
+    assert [bytes(view) for view in second] == [encode_meta_info(c) for c in chunks[3:]]
+    assert bytes(held) == (want if keep != "slice" else want[10:])
+    assert buffer.blocks_made == (1 if keep == "bytes" else 2)
+    del second, held
+    third = encode_meta_info_many(chunks[:2], into=buffer)  # both blocks free now
+    assert [bytes(view) for view in third] == [encode_meta_info(c) for c in chunks[:2]]
+    assert buffer.blocks_made == (1 if keep == "bytes" else 2)
+
+
+def test_into_keeps_failures_in_their_place(chunks):
+    given = list(chunks)
+    starts = [0] * len(chunks)
+    starts[2] = -1
+    got = encode_meta_info_many(given, starts, 3, return_exceptions=True, into=EmissionBuffer())
+    assert isinstance(got[2], shmask.ShmaskError)
+    assert [bytes(got[i]) for i in (0, 1, 3)] == [encode_meta_info(chunks[i]) for i in (0, 1, 3)]
+    with pytest.raises(TypeError, match="EmissionBuffer"):
+        encode_meta_info_many(chunks, into=bytearray(10))
 
 
 @pytest.mark.parametrize("core", [True, False], ids=["native", "numpy"])
