@@ -916,6 +916,7 @@ def _window_write_kernel(
     the rank in the chunk (the set bits of the words before and below it).
     before, the support's ids in the chunks before c, comes from resolve,
     so no pass counts them first."""
+    tl.static_assert(CHUNK % SUB == 0, "the window write takes a chunk in whole steps")
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if tl.load(window_ok_ptr + row) != 0:

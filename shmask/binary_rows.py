@@ -40,6 +40,7 @@ import contextlib
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,7 @@ LENGTH_FIELD = "output_token_sampling_mask_length"
 _STATUS_MAX = 2  # OK 0, OVERFLOW 1, INVALID 2 (shmask.chunk.ROW_*)
 _LITTLE = sys.byteorder == "little"
 _FIELDS = (("lengths", "<i4"), ("status", "u1"), ("ids", "<i4"), ("logprobs", "<f4"))
-_ALIGN = 64  # each decoded array's offset in the one buffer they share
+_ALIGN = 64  # offset of each decoded array in their buffer; of each EmissionBuffer document
 _native_core: Any = None  # (ffi, lib) of the compiled core, False without it
 
 
@@ -208,42 +209,54 @@ class EmissionBuffer:
     sends each emission's documents and drops them writes every emission
     into pages already mapped, where a bytes object per document is new
     memory each time (glibc gives an emission's 136 MB back when its
-    documents are freed, and faulting them in again cost a third of the
-    writer's time on the H200 host).
+    documents are freed, and faulting them in again cost half the writer's
+    time on the H200 host).
 
-    The block is reused only when no document of the emission before is
-    alive: every document is a read-only memoryview of it, and while any of
-    them (or any view, array or buffer made from one) exists the block has
-    an export and cannot be resized, which is what `_claim` tries. A block
-    someone still reads is never written again: the next emission gets a
-    new block, and the old one is freed with its last view. Not for several
-    threads at once."""
+    The block is reused only when nothing made from the emission before is
+    alive. Its documents are read-only memoryviews of a read-only numpy
+    array over the block (a document's `.obj`); while that array, any
+    document, or any view, slice, array or buffer made from one exists, the
+    block has an export and refuses to be resized, which is what `_claim`
+    tries. A block someone still reads is never written again: the next
+    emission gets a new block, and the old one is freed with its last
+    reader. The price: one document still held keeps its whole emission's
+    block (136 MB at 256 x 50 x 1000) alive. Threads may share a buffer (a
+    call that finds the block in use takes a new one)."""
 
-    __slots__ = ("_block", "blocks_made")
+    __slots__ = ("_block", "_lock", "blocks_made")
 
     def __init__(self) -> None:
         self._block: bytearray | None = None
+        self._lock = threading.Lock()
         self.blocks_made = 0  # new blocks allocated so far (reuse is the rest)
 
-    def _claim(self, size: int) -> bytearray:
-        """A block of at least `size` usable bytes that nothing else refers
-        to. The block holds one byte past them, which resizing it by one
-        and back tests for exports (raises BufferError while any is alive;
-        neither step reallocates)."""
-        block = self._block
-        if block is not None and len(block) - 1 >= size:
-            try:
-                del block[-1]
-            except BufferError:  # a document of an emission before is still alive
-                block = None
-            else:
-                block.append(0)
-                return block
-        self._block = None  # the old block lives on with its views, if any
-        block = bytearray(size + 1)  # zero-filled: the writer fills only its documents
-        self.blocks_made += 1
-        self._block = block
-        return block
+    def _claim(self, size: int) -> tuple[bytearray, np.ndarray, int]:
+        """(block, owner, first): a block that nothing else refers to, with
+        `size` bytes from offset `first` (a 64-byte boundary, so that two
+        threads' documents share no cache line), and the read-only array
+        over it that the documents will be views of. Finding the block free
+        and taking the array's export are one step under the lock."""
+        with self._lock:
+            block = self._block
+            if block is None or len(block) < size + _ALIGN + 1 or not _unexported(block):
+                block = bytearray(size + _ALIGN + 1)  # zero-filled: only documents are written
+                self.blocks_made += 1
+                self._block = block  # an old block lives on with its readers, if any
+            owner = np.frombuffer(block, dtype=np.uint8)
+            owner.flags.writeable = False
+        return block, owner, -owner.ctypes.data % _ALIGN
+
+
+def _unexported(block: bytearray) -> bool:
+    """Whether no buffer export of `block` is alive: a bytearray refuses to
+    be resized while one is (BufferError). It holds one byte past any
+    document; taking it off and putting it back reallocates nothing."""
+    try:
+        del block[-1]
+    except BufferError:
+        return False
+    block.append(0)
+    return True
 
 
 def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None = None,
@@ -288,10 +301,12 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
                 prepared.append((i, _Prepared(chunk, start, True, total, into is None)))
             except Exception as exc:  # kept in its place
                 results[i] = exc
-        block = None
+        block = owner = None
         if into is not None:  # the documents side by side, each at a 64-byte boundary
-            places = np.cumsum([0] + [-(-p.size // 64) * 64 for _, p in prepared])
-            block = into._claim(int(places[-1]))
+            places = np.cumsum([0] + [-(-p.size // _ALIGN) * _ALIGN for _, p in prepared],
+                               dtype=np.int64)
+            block, owner, first = into._claim(int(places[-1]))
+            places += first
         with (ffi.from_buffer(block) if block is not None else contextlib.nullcontext()) as base:
             jobs = ffi.new("shm_b64_rows_job[]", len(prepared))
             for k, (job, (_, p)) in enumerate(zip(jobs, prepared, strict=True)):
@@ -301,7 +316,7 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
                  job.lengths, job.status, job.ids, job.logprobs, job.out,
                  job.capacity) = p.arguments
             lib.shm_b64_rows_many(jobs, len(prepared), _threads(threads))
-        view = None if block is None else memoryview(block).toreadonly()
+        view = None if owner is None else memoryview(owner.data)  # .obj: the owner
         for k, (job, (i, p)) in enumerate(zip(jobs, prepared, strict=True)):
             try:
                 written = p.finish(job.written)
@@ -309,7 +324,7 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
                               else view[int(places[k]):int(places[k]) + p.size])
             except Exception as exc:  # kept in its place
                 results[i] = exc
-        del view  # the documents hold the block's export, not this function
+        del view, owner  # the documents hold the block's export, not this function
     failed = next((r for r in results if isinstance(r, Exception)), None)
     if failed is not None and not return_exceptions:
         raise failed

@@ -5,6 +5,7 @@ own result; a forked child builds too."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -147,7 +148,7 @@ def test_into_a_buffer_gives_the_same_bytes_as_read_only_views(chunks, threads):
     assert buffer.blocks_made == 1
 
 
-@pytest.mark.parametrize("keep", ["document", "slice", "array", "bytes"])
+@pytest.mark.parametrize("keep", ["document", "slice", "array", "owner", "bytes"])
 def test_a_document_still_held_is_never_written_over(chunks, keep):
     """A client or a send queue that still holds a document of one emission
     (or anything made from it) when the next one is written: the next one
@@ -157,17 +158,63 @@ def test_a_document_still_held_is_never_written_over(chunks, keep):
     buffer = EmissionBuffer()
     first = encode_meta_info_many(chunks, into=buffer)
     want = bytes(first[0])
+    assert not first[0].obj.flags.writeable  # a document's owner is read-only too
     held = {"document": first[0], "slice": first[0][10:],
-            "array": np.frombuffer(first[0], dtype=np.uint8), "bytes": bytes(first[0])}[keep]
+            "array": np.frombuffer(first[0], dtype=np.uint8), "owner": first[0].obj,
+            "bytes": bytes(first[0])}[keep]
     del first
     second = encode_meta_info_many(chunks[3:], into=buffer)  # other rows, fewer bytes
     assert [bytes(view) for view in second] == [encode_meta_info(c) for c in chunks[3:]]
-    assert bytes(held) == (want if keep != "slice" else want[10:])
+    if keep == "owner":  # the whole block: the first document at its first 64-byte boundary
+        start = -held.ctypes.data % 64
+        assert bytes(held[start:start + len(want)]) == want
+    else:
+        assert bytes(held) == (want[10:] if keep == "slice" else want)
     assert buffer.blocks_made == (1 if keep == "bytes" else 2)
     del second, held
     third = encode_meta_info_many(chunks[:2], into=buffer)  # both blocks free now
     assert [bytes(view) for view in third] == [encode_meta_info(c) for c in chunks[:2]]
     assert buffer.blocks_made == (1 if keep == "bytes" else 2)
+
+
+def test_documents_start_on_64_byte_boundaries(chunks):
+    docs = encode_meta_info_many(chunks, threads=3, into=EmissionBuffer())
+    assert [np.frombuffer(doc, dtype=np.uint8).ctypes.data % 64 for doc in docs] == [0] * 7
+
+
+def test_threads_sharing_a_buffer_never_share_a_block(chunks):
+    """Two threads writing emissions into one buffer at once: each holds its
+    documents while the other writes, and each sees its own bytes."""
+    buffer = EmissionBuffer()
+    want = [encode_meta_info(c) for c in chunks]
+    start = threading.Barrier(2)
+    failures: list[str] = []
+
+    def emissions(order: list[int]) -> None:
+        start.wait()
+        for _ in range(20):
+            docs = encode_meta_info_many([chunks[i] for i in order], threads=2, into=buffer)
+            time.sleep(0.0005)  # held while the other thread writes
+            if [bytes(d) for d in docs] != [want[i] for i in order]:
+                failures.append(f"order {order}")
+
+    threads = [threading.Thread(target=emissions, args=(order,))
+               for order in ([0, 1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 0])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert failures == [] and not any(t.is_alive() for t in threads)
+
+
+class _Reclaimed:
+    """A record the producer took back while its chunk was being written."""
+
+    def check(self) -> None:
+        raise shmask.StaleChunkError("reclaimed (test)")
+
+    def release(self) -> None:
+        pass
 
 
 def test_into_keeps_failures_in_their_place(chunks):
@@ -177,6 +224,14 @@ def test_into_keeps_failures_in_their_place(chunks):
     got = encode_meta_info_many(given, starts, 3, return_exceptions=True, into=EmissionBuffer())
     assert isinstance(got[2], shmask.ShmaskError)
     assert [bytes(got[i]) for i in (0, 1, 3)] == [encode_meta_info(chunks[i]) for i in (0, 1, 3)]
+    # a chunk found stale once written: its document is not handed out
+    c = chunks[1]
+    stale = shmask.Chunk(c.mode, c.lengths, c.ids, c.logprobs, _Reclaimed(), flags=c.flags,
+                         vocab=c.vocab)
+    got = encode_meta_info_many([chunks[0], stale, chunks[2]], return_exceptions=True,
+                                into=EmissionBuffer())
+    assert isinstance(got[1], shmask.StaleChunkError)
+    assert [bytes(got[i]) for i in (0, 2)] == [encode_meta_info(chunks[i]) for i in (0, 2)]
     with pytest.raises(TypeError, match="EmissionBuffer"):
         encode_meta_info_many(chunks, into=bytearray(10))
 

@@ -20,6 +20,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -172,6 +174,61 @@ def test_window_rows_with_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     got = run_both(probs, probs.argmax(1), top_p=0.9, max_tokens=vocab)
     assert got.status.cpu().tolist() == [Status.OK] + [Status.INVALID] * 3
     assert window.calls == [[1, 0, 0, 0]]  # row 0 took the window path
+
+
+@triton.jit
+def _bracket_search_kernel(vals_ptr, n, targets_ptr, lo_ptr, hi_ptr, bisected_ptr, searched_ptr,
+                           BLOCK: tl.constexpr, WAYS: tl.constexpr):
+    """Program i: resolve's search over bracket i both ways, the bisection
+    over all 31 bits clamped into the bracket (what resolve did before) and
+    the search over the bracket's keys alone."""
+    i = tl.program_id(0)
+    base = tl.zeros([], dtype=tl.int64)
+    idx = tl.arange(0, BLOCK)
+    live = idx < n
+    v = tl.load(vals_ptr + idx, mask=live, other=0.0)
+    key = v.to(tl.int32, bitcast=True)
+    target = tl.load(targets_ptr + i)
+    lo = tl.load(lo_ptr + i)
+    hi = tl.load(hi_ptr + i)
+    bisected = capture_module._largest_key_reaching(vals_ptr, base, n, v, key, live, target,
+                                                    True, BLOCK)
+    tl.store(bisected_ptr + i, tl.minimum(tl.maximum(bisected, lo), hi))
+    tl.store(searched_ptr + i, capture_module._largest_key_between(
+        vals_ptr, base, n, v, key, live, target, lo, hi, BLOCK, WAYS))
+
+
+@pytest.mark.parametrize("ways", [2, 4])
+def test_bracket_search_is_the_clamped_bisection(ways: int) -> None:
+    """A window row's cutoff searched over its bracket [lo, hi] alone is
+    the 31-bit bisection's clamped into the bracket, for candidates in
+    registers and past them (BLOCK 32), ties, brackets of 1 to 4 keys and
+    of the whole key range, and targets at 0, below 0, NaN, the total, past
+    it and tiny."""
+    gen = torch.Generator().manual_seed(19)
+    for n, ties in ((5, False), (40, True), (70, False)):
+        vals = torch.rand(n, generator=gen) ** 4
+        if ties:
+            vals[:n // 2] = vals[0]
+        keys = vals.view(torch.int32).sort().values
+        total = float(vals.sum())
+        targets = torch.cat([torch.rand(40, generator=gen) * total * 1.1,
+                             torch.tensor([0.0, -1.0, total, 2 * total, float(vals.min()),
+                                           1e-38, math.nan, float(vals.max())])])
+        near = torch.cat([keys, keys - 1, keys + 1])
+        lo = near[torch.randint(0, near.numel(), (48,), generator=gen)].clamp(1, 0x7F800000)
+        hi = torch.maximum(near[torch.randint(0, near.numel(), (48,), generator=gen)], lo)
+        for width, rows in ((0, slice(0, 4)), (1, slice(4, 8)), (2, slice(8, 10)),
+                            (3, slice(10, 12))):
+            hi[rows] = lo[rows] + width
+        lo[12], hi[12] = 1, 0x7F800000
+        hi = hi.clamp(max=0x7F800000)
+        bisected, searched = (torch.zeros(48, dtype=torch.int32, device=DEVICE)
+                              for _ in range(2))
+        _bracket_search_kernel[(48,)](vals.to(DEVICE), n, targets.to(DEVICE),
+                                      lo.to(DEVICE, torch.int32), hi.to(DEVICE, torch.int32),
+                                      bisected, searched, BLOCK=32, WAYS=ways)
+        assert torch.equal(searched, bisected), (n, (searched != bisected).nonzero()[:4])
 
 
 def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> None:
