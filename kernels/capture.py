@@ -271,12 +271,7 @@ def _cand_mark_kernel(
     WORDS: tl.constexpr = CHUNK // 32
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    word_idx = tl.arange(0, WORDS)
-    bit_idx = tl.arange(0, 32)
-    cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
-    inside = cols < vocab
-    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
-    w = w.to(tl.float32)
+    word_idx, bit_idx, _, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
     # lo can lie above +inf's bits (a top-p floor from a sample of zero
     # mass: the largest key reaching 0); no finite key reaches either.
     sampled_lo = tl.load(lo_ptr + row)
@@ -285,7 +280,6 @@ def _cand_mark_kernel(
     if WINDOW:
         window = tl.load(window_ptr + row) != 0
         lo = tl.where(window, INF_KEY, lo)  # the bad values alone
-    key = w.to(tl.int32, bitcast=True)
     # A bad value (NaN, inf, negative) is a candidate whatever its key: the
     # resolve program finds it among the candidates and the row is INVALID.
     # All of it is one unsigned comparison of the float bits: lo >= 1 lies

@@ -316,7 +316,7 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
                  job.lengths, job.status, job.ids, job.logprobs, job.out,
                  job.capacity) = p.arguments
             lib.shm_b64_rows_many(jobs, len(prepared), _threads(threads))
-        view = None if owner is None else memoryview(owner.data)  # .obj: the owner
+        view = None if owner is None else owner.data  # a memoryview whose .obj is the owner
         for k, (job, (i, p)) in enumerate(zip(jobs, prepared, strict=True)):
             try:
                 written = p.finish(job.written)
