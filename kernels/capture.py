@@ -41,25 +41,30 @@ Kernels:
    sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sampled
    max), hi = +inf, except for a window row (top-k off, top-p on, a support
    the sample puts past WINDOW_MIN ids, capture without ``into=``): hi is the
-   key whose sampled share reaches top_p - P_MARGIN, and [lo, hi) is where
-   the candidate mark places its pivots.
+   key whose sampled share reaches top_p - P_MARGIN, and the row's pivots
+   lie around the key whose sampled share reaches top_p, spread by the
+   width of [lo, hi) (_window_pivots).
 2. candidate mark (program per 8192-column chunk): one read of ``probs``:
    the candidates as a bitmask and their count (every bad value, NaN, inf
    or negative, is a candidate: resolve finds them there; a window row's
-   candidates are its bad values alone), and only the exact sums a row's
-   settings need (mass for top-p, max for min-p/greedy).
-2b. window mark (launched only when some row may be top-p only; program
-   per chunk, window rows only): the candidate mark's exact masses above 8
-   pivots spread over the row's sampled range place its top-p cutoff between
-   two of them (the bracket); one read rewrites its candidates as the ids in
-   the bracket and sums the count and mass of those above it.
+   are left to 2c), and only the exact sums a row's settings need (mass for
+   top-p, max for min-p/greedy; a window row's mass above each pivot).
+2b. window bracket (launched, like 2c, only when some row may be top-p only;
+   program per row): the exact masses above a window row's 8 pivots place
+   its top-p cutoff between two of them (the bracket); a bracket outside
+   the inner pivots (a sample that missed) is wide.
+2c. window mark (program per chunk, window rows only; launched twice): the
+   first launch sums, for wide rows only, the mass above 8 keys inside the
+   bracket; the second narrows a wide bracket by them, then one read
+   rewrites the row's candidates as its bad values and the ids in the
+   bracket, and sums the count and mass of those above it.
 3. expand (as in compaction): ascending candidate ids and values, row-local.
 4. resolve (program per row): exact cutoffs by bisection over the float bits
    of the candidates (held in registers when they fit), then a check that
    the sampled range held them (a cutoff at or above lo). A row that fails
    the check is resolved from its whole row (31 passes over it, one program:
    slow, exact) and its candidates rewritten as its support. A window row's
-   candidates are the ids of its bracket (2b), so its cutoff is exact, never
+   candidates are the ids of its bracket (2c), so its cutoff is exact, never
    a fallback; resolve also counts its support in each chunk. Then ``Z``, the
    selected logprob or, in :mod:`.sample`, the Gumbel-max draw; status,
    length, form.
@@ -126,19 +131,33 @@ P_MARGIN = 0.05
 # a window row's cutoff never falls back (H200, fp32 inputs, top_p 0.9:
 # 1,957 us a call with 16384 here, 1,815 with every top-p row a window row)
 WINDOW_MIN = 4096
+# H200, top_p 0.9 only, bf16: the bound 25.2 us at 8 warps, 27.4 at 16, 24.1 at 4
+BOUND_WARPS = 8
 CAND_MARK_WARPS = 16  # H200, bf16 top_k 1000: 105.9 us at 4 warps, 81.7 at 8, 75.0 at 16
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
 RESOLVE_WARPS = 8  # H200, capture top_k 1000: 18.3 us at 4 warps, 16.4 at 8, 31.3 at 16
 DRAW_BLOCK = 1024  # candidates per step of the sampler's draw in the resolve program
 # Window rows: the candidate mark sums the mass above WINDOW_PIVOTS keys
-# evenly spread over the sampled range widened by WINDOW_REACH/4 of its width
-# past each end (the top-p cutoff's bracket lies between two of them; a
-# sample that missed the cutoff by less than the range's width still gets a
-# bounded bracket). H200, B = 256, top_p 0.9, us a call, bf16 / fp32 inputs:
-# reach 0: 486 / 460 and 1,815 (rows missed by the sample: brackets of
-# nearly the whole row); reach 4: 583 / 493 and 505; reach 8: 705 / 563.
+# placed around the row's sampled estimate of its top-p cutoff (the key whose
+# sampled mass share reaches top_p), in hundredths of the width s of its
+# sampled range [lo, hi): PIVOTS - 2 evenly over the estimate +- WINDOW_INNER,
+# one WINDOW_BELOW under it and one WINDOW_ABOVE over it. The top-p cutoff's
+# bracket lies between two of them, and every id in it is a candidate of
+# resolve. Over 1,024 rows of each benchmark input (B = 256 x 4 sets, top_p
+# 0.9, benchmarks/capture_bf16.py), the cutoff lay within +-0.25 s of the
+# estimate in every bf16 row and +-0.46 s in all but 6 fp32 rows (down to
+# -1.33 s: a heavy token in or out of the sample), so the inner pivots give
+# brackets of 3,405 ids on average (bf16; 4,495 at most) and 2,958 (fp32)
+# where 8 pivots evenly over [lo - s, hi + s] (the layout before) gave
+# 12,213 and 7,819 (up to 32,168); the outer two keep a sample that missed
+# bounded (28 of the fp32 rows: brackets of ~35,000 ids).
 WINDOW_PIVOTS = 8
-WINDOW_REACH = 4
+WINDOW_INNER = 30
+WINDOW_BELOW = 150
+WINDOW_ABOVE = 100
+# A bracket outside the inner pivots is narrowed by the exact masses above
+# WINDOW_REFINE keys inside it before its ids are marked (_window_mark_kernel)
+WINDOW_REFINE = 8
 WINDOW_MARK_WARPS = 8  # H200, bf16 top_p 0.9: 61.4 us at 8 warps, 75.1 at 16
 WINDOW_WRITE_WARPS = 8  # 216.9 us at 8 warps, 225.8 at 16 (with tl.log)
 # H200, bf16 top_p 0.9 (window write us): the whole chunk at once 136, SUB
@@ -178,11 +197,31 @@ def _sample_key_reaching(key, w, target, USE_MASS: tl.constexpr):
 
 
 @triton.jit
+def _sample_keys_reaching3(key, w, target1, target2, target3):
+    """_sample_key_reaching (of the mass) for three targets at once: the
+    three searches' reductions at each step are independent, so their
+    latencies overlap (a window row's bound searches three keys)."""
+    found1 = tl.zeros([], dtype=tl.int32)
+    found2 = tl.zeros([], dtype=tl.int32)
+    found3 = tl.zeros([], dtype=tl.int32)
+    for step in range(BOUND_BITS):
+        bit = 1 << (30 - step)
+        reach1 = tl.sum(tl.where(key >= (found1 | bit), w, 0.0), axis=0)
+        reach2 = tl.sum(tl.where(key >= (found2 | bit), w, 0.0), axis=0)
+        reach3 = tl.sum(tl.where(key >= (found3 | bit), w, 0.0), axis=0)
+        found1 = tl.where(reach1 >= target1, found1 | bit, found1)
+        found2 = tl.where(reach2 >= target2, found2 | bit, found2)
+        found3 = tl.where(reach3 >= target3, found3 | bit, found3)
+    return found1, found2, found3
+
+
+@triton.jit
 def _bound_kernel(
     probs_ptr, stride_row, vocab, top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-    lo_ptr, hi_ptr, window_ptr,
+    lo_ptr, window_ptr, pivots_ptr,
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
+    PIVOTS: tl.constexpr, INNER: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
     the candidates' key range [lo, hi) and whether the row is a window row.
@@ -192,9 +231,10 @@ def _bound_kernel(
     sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sample's
     max), so the candidates are the support plus a little. Window rows (top-k
     off, top-p on, a support the sample puts past WINDOW_MIN ids): lo as
-    above and hi the key whose sampled mass share reaches top_p - P_MARGIN;
-    [lo, hi) only places the pivots whose exact masses the candidate mark
-    sums (the window mark brackets the cutoff by them)."""
+    above, hi the key whose sampled mass share reaches top_p - P_MARGIN, and
+    PIVOTS keys around the sampled estimate of the cutoff, spread by the
+    width of [lo, hi) (_window_pivots), whose exact masses the candidate
+    mark sums (the window mark brackets the cutoff by them)."""
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCKS * COLS)
     block = idx // COLS
@@ -223,11 +263,17 @@ def _bound_kernel(
     p_on = top_p < 1.0
     floor_p = tl.zeros([], dtype=tl.int32)
     hi = tl.full([], INF_KEY, tl.int32)
+    center = tl.zeros([], dtype=tl.int32)
     if p_on:
-        floor_p = _sample_key_reaching(key, w, (top_p + P_MARGIN) * total, True)
-        if top_p > P_MARGIN:
-            # the top of the key's bucket: at least the exact key + 1
-            hi = _sample_key_reaching(key, w, (top_p - P_MARGIN) * total, True) + BOUND_STEP
+        may_be_window = False
+        if WINDOW:
+            may_be_window = (top_p > P_MARGIN) & ~k_on
+        if may_be_window:
+            floor_p, hi, center = _sample_keys_reaching3(
+                key, w, (top_p + P_MARGIN) * total, (top_p - P_MARGIN) * total, top_p * total)
+            hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
+        else:
+            floor_p = _sample_key_reaching(key, w, (top_p + P_MARGIN) * total, True)
     min_p = tl.load(min_p_ptr + row)
     floor_m = tl.where(min_p > 0.0, (min_p * top.to(tl.float32, bitcast=True))
                        .to(tl.int32, bitcast=True), 0)
@@ -241,17 +287,20 @@ def _bound_kernel(
     if WINDOW:
         many = tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
         window = (p_on & ~k_on & ~greedy & many & (hi > lo)).to(tl.int32)
+        if window != 0:
+            j = tl.arange(0, PIVOTS)
+            tl.store(pivots_ptr + row * PIVOTS + j,
+                     _window_pivots(center, hi.to(tl.int64) - lo, j, PIVOTS, INNER, BELOW, ABOVE))
     tl.store(lo_ptr + row, lo)
-    tl.store(hi_ptr + row, tl.where(window != 0, hi, INF_KEY))
     tl.store(window_ptr + row, window)
 
 
 @triton.jit
 def _cand_mark_kernel(
-    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, window_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
+    probs_ptr, stride_row, vocab, lo_ptr, window_ptr, pivots_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
     bits_ptr, counts_ptr, sum_ptr, max_ptr, pivot_mass_ptr, n_chunks,
     CHUNK: tl.constexpr, MASS: tl.constexpr, TOP: tl.constexpr, WINDOW: tl.constexpr,
-    PIVOTS: tl.constexpr, REACH: tl.constexpr,
+    PIVOTS: tl.constexpr,
 ):
     """Program (b, c): one read of columns [c*CHUNK, (c+1)*CHUNK) of row b:
     the candidates key >= lo as a bitmask (CHUNK/32 words) and their count
@@ -259,10 +308,10 @@ def _cand_mark_kernel(
     the row's cutoffs need: its mass (top-p), its max (min-p, greedy). Each
     reduction over the chunk costs about as much as the read (H200,
     2026-12-02), so a row gets only the ones its settings need. A window row
-    (WINDOW) keeps its bad values only and sums, besides its mass, the mass
-    at or above each of PIVOTS keys spread over its sampled range [lo, hi)
-    widened on each side (_window_pivots): _window_mark_kernel narrows its
-    candidates with them.
+    (WINDOW) sums, besides its mass, the mass at or above each of its PIVOTS
+    pivots (_bound_kernel placed them), and writes no candidates:
+    _window_mark_kernel writes them all, its bad values among them (skipping
+    the words here: the H200's mark 118.7 -> 90.9 us for top_p 0.9, bf16).
 
     MASS, TOP and WINDOW say whether any row of the call may need the mass,
     the max or a window (known from the call's arguments, no host sync):
@@ -274,12 +323,10 @@ def _cand_mark_kernel(
     word_idx, bit_idx, _, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
     # lo can lie above +inf's bits (a top-p floor from a sample of zero
     # mass: the largest key reaching 0); no finite key reaches either.
-    sampled_lo = tl.load(lo_ptr + row)
-    lo = tl.minimum(sampled_lo, INF_KEY)
+    lo = tl.minimum(tl.load(lo_ptr + row), INF_KEY)
     window = False
     if WINDOW:
         window = tl.load(window_ptr + row) != 0
-        lo = tl.where(window, INF_KEY, lo)  # the bad values alone
     # A bad value (NaN, inf, negative) is a candidate whatever its key: the
     # resolve program finds it among the candidates and the row is INVALID.
     # All of it is one unsigned comparison of the float bits: lo >= 1 lies
@@ -288,11 +335,14 @@ def _cand_mark_kernel(
     # (the sign bit alone) is not bad and is left out. Written as float
     # tests (w >= 0, w < inf, or-ed with the range) the kernel took 97 us
     # instead of 44 (H200, bf16, top_k 1000, 2026-12-02).
-    keep = (key.to(tl.uint32, bitcast=True) >= lo.to(tl.uint32)) & (key != NEG_ZERO_KEY)
-    words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
     slot = row * n_chunks + chunk
-    tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
-    tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
+    if not window:
+        # (a window row's candidates, its bracket and bad values, are all
+        # written by _window_mark_kernel)
+        keep = (key.to(tl.uint32, bitcast=True) >= lo.to(tl.uint32)) & (key != NEG_ZERO_KEY)
+        words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+        tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
+        tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
     # The whole-chunk sums and maxima reduce the chunk as one flat vector in
     # whatever order its elements sit (can_reorder: no data moves), not row
     # by row then across rows: with 16 warps 7% less time for the kernel on
@@ -316,26 +366,25 @@ def _cand_mark_kernel(
             # one flat reduction a pivot (H200, bf16, top_p 0.9: 117 us for
             # the kernel, against 134 as one [CHUNK, PIVOTS] tile summed over
             # its rows); the keys come from the flat vector itself
-            pivot_idx = tl.arange(0, PIVOTS)
-            piv = _window_pivots(sampled_lo, tl.load(hi_ptr + row), pivot_idx, PIVOTS, REACH)
             fkey = flat.to(tl.int32, bitcast=True)
             for j in tl.static_range(PIVOTS):
-                # the keys computed once, as one vector, and picked out of it:
-                # computed a pivot at a time (64-bit arithmetic each) the
-                # kernel had 8% more instructions and 61 registers a thread
-                # instead of 43 (H200, bf16 top_p 0.9: 139 us against 119)
-                p_j = tl.sum(tl.where(pivot_idx == j, piv, 0), axis=0)
-                m_j = tl.sum(tl.where(fkey >= p_j, flat, 0.0), axis=0)
+                m_j = tl.sum(tl.where(fkey >= tl.load(pivots_ptr + row * PIVOTS + j), flat, 0.0),
+                             axis=0)
                 tl.store(pivot_mass_ptr + slot.to(tl.int64) * PIVOTS + j, m_j)
 
 
 @triton.jit
-def _window_pivots(lo, hi, j, PIVOTS: tl.constexpr, REACH: tl.constexpr):
-    """Pivot j (an index or a block of them) of PIVOTS keys evenly spread
-    over [lo - REACH s / 4, hi + REACH s / 4] (s = hi - lo), ascending,
-    within [1, +inf's bits]."""
-    span = hi.to(tl.int64) - lo
-    keys = lo - (span * REACH) // 4 + span * (4 + 2 * REACH) * j // (4 * (PIVOTS - 1))
+def _window_pivots(center, span, j, PIVOTS: tl.constexpr, INNER: tl.constexpr,
+                   BELOW: tl.constexpr, ABOVE: tl.constexpr):
+    """Pivot j (a block of indices) of a window row, ascending, within
+    [1, +inf's bits]: PIVOTS - 2 evenly over center +- INNER/100 x span, one
+    at center - BELOW/100 x span and one at center + ABOVE/100 x span."""
+    tl.static_assert(PIVOTS >= 4, "two inner pivots and two outer ones at least")
+    tl.static_assert((INNER < BELOW) & (INNER < ABOVE), "the outer pivots lie outside the inner")
+    inner = (center - (span * INNER) // 100
+             + (span * (2 * INNER) * tl.maximum(j - 1, 0)) // (100 * (PIVOTS - 3)))
+    keys = tl.where(j == 0, center - (span * BELOW) // 100,
+                    tl.where(j == PIVOTS - 1, center + (span * ABOVE) // 100, inner))
     return tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32)
 
 
@@ -475,26 +524,29 @@ def _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK: tl.constexpr):
     return word_idx, bit_idx, cols, w, w.to(tl.int32, bitcast=True)
 
 
+# A window row's bracket record (_window_bracket_kernel, _window_mark_kernel,
+# resolve): BRACKET int32 values a row; the refined bracket with min-p's floor
+# (B_FINAL_LO, B_FINAL_HI) is what resolve searches
+BRACKET = tl.constexpr(7)
+B_LO, B_HI, B_TARGET, B_FLOOR, B_WIDE, B_FINAL_LO, B_FINAL_HI = (tl.constexpr(k)
+                                                                  for k in range(7))
+
+
 @triton.jit
-def _window_mark_kernel(
-    probs_ptr, stride_row, vocab, lo_ptr, hi_ptr, window_ptr, top_p_ptr, min_p_ptr,
-    sum_ptr, max_ptr, pivot_mass_ptr, bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr,
-    bracket_ptr, n_chunks,
-    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr, REACH: tl.constexpr,
+def _window_bracket_kernel(
+    window_ptr, pivots_ptr, top_p_ptr, min_p_ptr, sum_ptr, max_ptr, pivot_mass_ptr,
+    bracket_ptr, n_chunks, CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr,
 ):
-    """Program (b, c), window rows only (top-p without top-k, a support of
-    thousands of ids): the row's exact masses above its pivots (the
-    candidate mark's chunk sums) place its top-p cutoff in the bracket
-    [b_lo, b_hi) between two pivots, min-p's key a floor under it; one read
-    of the chunk then rewrites its candidates as the ids in the bracket plus
-    its bad values, and sums the count and mass of the ids at or above b_hi
-    (all in the support). Every program of a row computes the same bracket
-    from the same sums; the row's first stores it, and the top-p target,
-    for resolve."""
+    """Program per row, window rows only: the candidate mark's exact masses
+    above the row's pivots place its top-p cutoff in the bracket
+    [b_lo, b_hi) between two of them (_narrow); stored with the target, the
+    min-p floor and whether the bracket is wide (outside the inner pivots:
+    a sample that missed the cutoff by more than WINDOW_INNER, tens of
+    thousands of ids that resolve's one program a row would search slowly,
+    so _window_mark_kernel refines it first). Computed once a row here, not
+    in each of the window mark's programs (H200: 15 us of their time)."""
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
     if tl.load(window_ptr + row) != 0:
-        WORDS: tl.constexpr = CHUNK // 32
         chunk_idx = tl.arange(0, CHUNKS_PAD)
         in_row = chunk_idx < n_chunks
         slots = row * n_chunks + chunk_idx
@@ -504,33 +556,112 @@ def _window_mark_kernel(
         total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
         rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
         target = tl.maximum(tl.load(top_p_ptr + row) * total, 1e-38).to(tl.float32)
-        piv = _window_pivots(tl.load(lo_ptr + row), tl.load(hi_ptr + row),
-                             tl.arange(0, PIVOTS), PIVOTS, REACH)
+        piv = tl.load(pivots_ptr + row * PIVOTS + pivot_idx)
         b_lo, b_hi = _narrow(piv, masses, target, tl.full([], 1, tl.int32),
                              tl.full([], INF_KEY, tl.int32))
+        inner_lo = tl.load(pivots_ptr + row * PIVOTS + 1)
+        inner_hi = tl.load(pivots_ptr + row * PIVOTS + PIVOTS - 2)
+        wide = (b_lo < inner_lo) | (b_hi > inner_hi)
         min_p = tl.load(min_p_ptr + row)
         floor = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 1)
-        b_lo = tl.maximum(b_lo, floor)  # nothing below min-p's key is in the support
-        b_hi = tl.maximum(b_hi, b_lo)
-        if chunk == 0:
-            tl.store(bracket_ptr + 3 * row, b_lo)
-            tl.store(bracket_ptr + 3 * row + 1, b_hi)
-            tl.store(bracket_ptr + 3 * row + 2, target.to(tl.int32, bitcast=True))
-        word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk,
-                                                      CHUNK)
-        # integer tests of the bits, as in the candidate mark: bad values
-        # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
-        # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits: no
-        # NaN, no inf) and the ids above it (finite, positive)
-        bad = (key.to(tl.uint32, bitcast=True) >= INF_KEY) & (key != NEG_ZERO_KEY)
-        keep = bad | ((key >= b_lo) & (key < b_hi))
-        words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-        slot = row * n_chunks + chunk
-        tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
-        tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
-        up = (key >= b_hi) & (key < INF_KEY)
-        tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
-        tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))
+        record = bracket_ptr + row * BRACKET
+        tl.store(record + B_LO, b_lo)
+        tl.store(record + B_HI, b_hi)
+        tl.store(record + B_TARGET, target.to(tl.int32, bitcast=True))
+        tl.store(record + B_FLOOR, floor)
+        tl.store(record + B_WIDE, wide.to(tl.int32))
+
+
+@triton.jit
+def _refine_pivots(b_lo, b_hi, first, last, k, REFINE: tl.constexpr):
+    """Refining pivot k (a block of indices) of a wide bracket [b_lo, b_hi):
+    REFINE keys evenly inside it, ascending. An end that no pivot set
+    (below the lowest pivot, first, or above the highest, last) lies the
+    width of all the pivots further out."""
+    first = first.to(tl.int64)
+    last = last.to(tl.int64)
+    r_lo = tl.where(b_lo < first, first - (last - first), b_lo.to(tl.int64))
+    r_hi = tl.where(b_hi > last, last + (last - first), b_hi.to(tl.int64))
+    keys = r_lo + (r_hi - r_lo) * (k + 1) // (REFINE + 1)
+    return tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32)
+
+
+@triton.jit
+def _window_mark_kernel(
+    probs_ptr, stride_row, vocab, window_ptr, pivots_ptr, refine_mass_ptr, bits_ptr, counts_ptr,
+    above_mass_ptr, above_count_ptr, bracket_ptr, n_chunks,
+    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr,
+    REFINE: tl.constexpr, REFINING: tl.constexpr,
+):
+    """Program (b, c), window rows only (top-p without top-k, a support of
+    thousands of ids), after _window_bracket_kernel: one read of the chunk
+    rewrites its candidates as the ids in the row's bracket [b_lo, b_hi)
+    plus its bad values, and sums the count and mass of the ids at or above
+    b_hi (all in the support). The row's first program stores the final
+    bracket for resolve.
+
+    A wide bracket is refined first: launched with REFINING, the kernel
+    sums, for wide rows only, the mass above REFINE keys inside the bracket
+    (_refine_pivots); the marking launch narrows the bracket by them
+    (_narrow) before the min-p floor."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    record = bracket_ptr + row * BRACKET
+    slot = row * n_chunks + chunk
+    refine_idx = tl.arange(0, REFINE)
+    if REFINING:
+        if tl.load(window_ptr + row) != 0:
+            if tl.load(record + B_WIDE) != 0:
+                _, _, _, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
+                flat = tl.reshape(tl.where((w >= 0.0) & (w < float("inf")), w, 0.0), [CHUNK],
+                                  can_reorder=True)
+                fkey = flat.to(tl.int32, bitcast=True)
+                sub = _refine_pivots(tl.load(record + B_LO), tl.load(record + B_HI),
+                                     tl.load(pivots_ptr + row * PIVOTS),
+                                     tl.load(pivots_ptr + row * PIVOTS + PIVOTS - 1),
+                                     refine_idx, REFINE)
+                for k in tl.static_range(REFINE):
+                    sub_k = tl.sum(tl.where(refine_idx == k, sub, 0), axis=0)
+                    tl.store(refine_mass_ptr + slot.to(tl.int64) * REFINE + k,
+                             tl.sum(tl.where(fkey >= sub_k, flat, 0.0), axis=0))
+    else:
+        if tl.load(window_ptr + row) != 0:
+            WORDS: tl.constexpr = CHUNK // 32
+            # the chunk's read first: its latency overlaps the bracket's
+            word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row,
+                                                          chunk, CHUNK)
+            b_lo = tl.load(record + B_LO)
+            b_hi = tl.load(record + B_HI)
+            if tl.load(record + B_WIDE) != 0:
+                sub = _refine_pivots(b_lo, b_hi, tl.load(pivots_ptr + row * PIVOTS),
+                                     tl.load(pivots_ptr + row * PIVOTS + PIVOTS - 1),
+                                     refine_idx, REFINE)
+                chunk_idx = tl.arange(0, CHUNKS_PAD)
+                slots = row * n_chunks + chunk_idx
+                sub_mass = tl.sum(tl.load(refine_mass_ptr + slots.to(tl.int64)[:, None] * REFINE
+                                          + refine_idx[None, :],
+                                          mask=(chunk_idx < n_chunks)[:, None], other=0.0),
+                                  axis=0)
+                target = tl.load(record + B_TARGET).to(tl.float32, bitcast=True)
+                b_lo, b_hi = _narrow(sub, sub_mass, target, b_lo, b_hi)
+            b_lo = tl.maximum(b_lo, tl.load(record + B_FLOOR))  # nothing below min-p's key
+            b_hi = tl.maximum(b_hi, b_lo)
+            if chunk == 0:
+                tl.store(record + B_FINAL_LO, b_lo)
+                tl.store(record + B_FINAL_HI, b_hi)
+            # integer tests of the bits, as in the candidate mark: bad values
+            # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
+            # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits:
+            # no NaN, no inf) and the ids above it (finite, positive)
+            bad = (key.to(tl.uint32, bitcast=True) >= INF_KEY) & (key != NEG_ZERO_KEY)
+            keep = bad | ((key >= b_lo) & (key < b_hi))
+            words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+            tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
+            tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)),
+                                               axis=0))
+            up = (key >= b_hi) & (key < INF_KEY)
+            tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
+            tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))
 
 
 @triton.jit
@@ -610,8 +741,8 @@ def _resolve_kernel(
         if window:
             above_count = tl.sum(tl.load(above_count_ptr + slots, mask=in_row, other=0), axis=0)
             above_mass = tl.sum(tl.load(above_mass_ptr + slots, mask=in_row, other=0.0), axis=0)
-            b_lo = tl.load(bracket_ptr + 3 * row)
-            b_hi = tl.load(bracket_ptr + 3 * row + 1)
+            b_lo = tl.load(bracket_ptr + row * BRACKET + B_FINAL_LO)
+            b_hi = tl.load(bracket_ptr + row * BRACKET + B_FINAL_HI)
     if p_on:
         mass = total
         if SEQUENTIAL & k_on:
@@ -621,8 +752,8 @@ def _resolve_kernel(
         target = tl.maximum(top_p * mass, 1e-38).to(tl.float32)
         if WINDOW:
             # the window mark's target, bit for bit (its bracket came from it)
-            target = tl.where(window, tl.load(bracket_ptr + 3 * row + 2).to(tl.float32,
-                                                                             bitcast=True), target)
+            target = tl.where(window, tl.load(bracket_ptr + row * BRACKET + B_TARGET)
+                              .to(tl.float32, bitcast=True), target)
         if window:
             cut_p = _largest_key_between(cand_vals_ptr, base, n, v0, key0, live0,
                                          target - above_mass, b_lo, b_hi, BLOCK, SEARCH_WAYS)
@@ -1055,14 +1186,17 @@ def run_capture(
     # into=: the sampler's draw and the ring stores need every support id
     # among the candidates.
     window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
-    # lo, hi, window and (window rows) each row's bracket and target
-    i32 = torch.empty((6 if window_on else 3) * batch, dtype=torch.int32, device=device)
-    lo, hi, window = i32[:batch], i32[batch:2 * batch], i32[2 * batch:3 * batch]
-    bracket = i32[3 * batch:]
+    # lo, window and (window rows) each row's bracket and target, and pivots
+    i32 = torch.empty((2 + BRACKET.value + WINDOW_PIVOTS if window_on else 2) * batch,
+                      dtype=torch.int32, device=device)
+    lo, window = i32[:batch], i32[batch:2 * batch]
+    bracket, pivots = (i32[2 * batch:(2 + BRACKET.value) * batch],
+                       i32[(2 + BRACKET.value) * batch:])
     _bound_kernel[(batch,)](
-        probs, probs.stride(0), vocab, top_k, top_p, min_p, greedy_i8, lo, hi, window,
+        probs, probs.stride(0), vocab, top_k, top_p, min_p, greedy_i8, lo, window, pivots,
         SEQUENTIAL=sequential, WINDOW=window_on, BLOCKS=SAMPLE_BLOCKS, COLS=SAMPLE_COLS,
-        K_SLACK=K_SLACK, P_MARGIN=P_MARGIN, WINDOW_MIN=WINDOW_MIN, num_warps=8,
+        K_SLACK=K_SLACK, P_MARGIN=P_MARGIN, WINDOW_MIN=WINDOW_MIN, PIVOTS=WINDOW_PIVOTS,
+        INNER=WINDOW_INNER, BELOW=WINDOW_BELOW, ABOVE=WINDOW_ABOVE, num_warps=BOUND_WARPS,
     )
     n_chunks = triton.cdiv(vocab, CHUNK)
     chunks_pad = triton.next_power_of_2(n_chunks)
@@ -1070,31 +1204,38 @@ def run_capture(
                        device=device)
     # per chunk: counts, sums, maxes; for window rows also the support's
     # count before the chunk, the count and mass above the bracket, and the
-    # mass above each pivot
-    slices = (6 + WINDOW_PIVOTS) if window_on else 3
+    # mass above each pivot and each refining pivot
+    slices = (6 + WINDOW_PIVOTS + WINDOW_REFINE) if window_on else 3
     per_chunk = torch.empty(slices * batch * n_chunks, dtype=torch.int32, device=device)
     counts, before, above_count = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
                                    for i in (0, 3, 4))
     sums, maxes, above_mass = (per_chunk[i * batch * n_chunks:(i + 1) * batch * n_chunks]
                                .view(torch.float32) for i in (1, 2, 5))
-    pivot_mass = per_chunk[6 * batch * n_chunks:].view(torch.float32)
+    refined = (6 + WINDOW_PIVOTS) * batch * n_chunks
+    pivot_mass = per_chunk[6 * batch * n_chunks:refined].view(torch.float32)
+    refine_mass = per_chunk[refined:].view(torch.float32)
     if not window_on:  # not read: any int32 / float32 pointer of the call
         before = above_count = counts
-        above_mass = pivot_mass = sums
+        above_mass = pivot_mass = refine_mass = sums
     _cand_mark_kernel[(batch, n_chunks)](
-        probs, probs.stride(0), vocab, lo, hi, window, top_p, min_p, greedy_i8, bits, counts,
+        probs, probs.stride(0), vocab, lo, window, pivots, top_p, min_p, greedy_i8, bits, counts,
         sums, maxes, pivot_mass, n_chunks, CHUNK=CHUNK,
         MASS=may_be_on(top_p_arg, lambda p: p < 1.0),
         TOP=may_be_on(min_p_arg, lambda m: m > 0.0) or may_be_on(greedy, bool),
-        WINDOW=window_on, PIVOTS=WINDOW_PIVOTS, REACH=WINDOW_REACH, num_warps=CAND_MARK_WARPS,
+        WINDOW=window_on, PIVOTS=WINDOW_PIVOTS, num_warps=CAND_MARK_WARPS,
     )
     if window_on:
-        _window_mark_kernel[(batch, n_chunks)](
-            probs, probs.stride(0), vocab, lo, hi, window, top_p, min_p, sums, maxes, pivot_mass,
-            bits, counts, above_mass, above_count, bracket, n_chunks,
-            CHUNK=CHUNK, CHUNKS_PAD=chunks_pad, PIVOTS=WINDOW_PIVOTS, REACH=WINDOW_REACH,
-            num_warps=WINDOW_MARK_WARPS,
+        _window_bracket_kernel[(batch,)](
+            window, pivots, top_p, min_p, sums, maxes, pivot_mass, bracket, n_chunks,
+            CHUNKS_PAD=chunks_pad, PIVOTS=WINDOW_PIVOTS, num_warps=4,
         )
+        for refining in (True, False):
+            _window_mark_kernel[(batch, n_chunks)](
+                probs, probs.stride(0), vocab, window, pivots, refine_mass, bits, counts,
+                above_mass, above_count, bracket, n_chunks, CHUNK=CHUNK, CHUNKS_PAD=chunks_pad,
+                PIVOTS=WINDOW_PIVOTS, REFINE=WINDOW_REFINE, REFINING=refining,
+                num_warps=WINDOW_MARK_WARPS,
+            )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
     cand_vals = torch.empty(batch * vocab, dtype=torch.float32, device=device)

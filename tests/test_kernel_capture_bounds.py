@@ -453,9 +453,12 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     """The candidate mark's one integer test of the float bits keeps exactly
     what the float tests define: finite w > 0 with lo <= bits, and every bad
     value (NaN, inf, negative; -0.0 is a zero), for lo at its edges, lo
-    above +inf's bits among them; a window row keeps its bad values alone.
-    Every float32 value an fp16 can hold (all 65,536 patterns) plus
-    float32-only NaN payloads and extremes, run through the kernel itself."""
+    above +inf's bits among them. A window row's candidates are left to the
+    window mark (the candidate mark writes none), which keeps its bad values
+    and the finite w > 0 in its bracket [b_lo, b_hi), and both sum the mass
+    the bracket comes from. Every float32 value an fp16 can hold (all 65,536
+    patterns) plus float32-only NaN payloads and extremes, run through the
+    kernels themselves."""
     extra = torch.tensor([0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800000 - 2**32,
                           0x80000000 - 2**32, 0x80000001 - 2**32, 1, 0x7F7FFFFF],
                          dtype=torch.int64).to(torch.int32).view(torch.float32)
@@ -463,48 +466,89 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     values = torch.cat([half.float(), extra])
     vocab = values.numel()  # not a multiple of CHUNK: padding lanes too
     inf_key = 0x7F800000
-    bounds = [1, 0x3A800000, 0x7F7FFFFF, inf_key, 0x7FFF8000]
+    bounds = [1, 0x3A800000, 0x7F7FFFFF, inf_key, 0x7FFF8000, 0x46000000]
     batch = len(bounds)
-    probs = values.repeat(batch, 1).to(DEVICE)
+    probs = values.repeat(batch, 1)
+    if window:
+        # float32's largest value would outweigh the rest of rows 0, 1 and 5
+        # (their brackets would end at +inf's bits, not at a value)
+        probs[[0, 1, 5], 65536 + len(extra) - 1] = 0.0
+    probs = probs.to(DEVICE)
+    w = probs.cpu()
     lo = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    hi = torch.tensor([min(b + 2**24, inf_key) for b in bounds], dtype=torch.int32,
-                      device=DEVICE)
     chunk = capture_module.CHUNK
     pivots = 8
+    # pivots from lo up to fp16's largest value, within [1, +inf's bits] and
+    # on keys an fp16 value has (low 13 bits zero), so that a bracket's ends
+    # fall on values (the bound kernel places them; here they only need to
+    # split the values)
+    base = (lo.cpu().long()[:, None] + 0x1FFF) & ~0x1FFF
+    step = ((0x47800000 - base).clamp(min=1 << 21) // (pivots - 1)) & ~0x1FFF
+    piv = (base + step * torch.arange(pivots)).clamp(1, inf_key)
+    # row 5: inner pivots on values 4 fp16 steps apart around its top-p 0.5
+    # cutoff, so that its bracket lies between two of them (not refined)
+    sorted_w = probs[5].double().nan_to_num(0.0, 0.0, 0.0).clamp(min=0).sort(descending=True)[0]
+    first = int((sorted_w.cumsum(0) < 0.5 * sorted_w.sum()).sum())
+    cut = int(sorted_w[first].float().view(torch.int32)) & ~0x1FFF
+    inner = cut + (torch.arange(1, pivots - 1) - pivots // 2) * 4 * 0x2000
+    piv[5] = torch.cat([inner[:1] - (1 << 24), inner, inner[-1:] + (1 << 24)])
     n_chunks = -(-vocab // chunk)
-    bits = torch.zeros(batch * n_chunks * (chunk // 32), dtype=torch.int32, device=DEVICE)
-    counts = torch.zeros(batch * n_chunks, dtype=torch.int32, device=DEVICE)
+    bits = torch.full((batch * n_chunks * (chunk // 32),), 7, dtype=torch.int32, device=DEVICE)
+    counts = torch.full((batch * n_chunks,), 7, dtype=torch.int32, device=DEVICE)
     sums, maxes = (torch.zeros(batch * n_chunks, device=DEVICE) for _ in range(2))
     pivot_mass = torch.zeros(batch * n_chunks * pivots, device=DEVICE)
-    reach = capture_module.WINDOW_REACH
     settings = torch.zeros(batch, dtype=torch.float32, device=DEVICE)
+    top_p = settings + (0.5 if window else 1.0)
     is_window = torch.full((batch,), int(window), dtype=torch.int32, device=DEVICE)
+    pivots_in = piv.to(DEVICE, torch.int32).flatten()
     capture_module._cand_mark_kernel[(batch, n_chunks)](
-        probs, probs.stride(0), vocab, lo, hi, is_window, settings + 1.0, settings,
-        settings.to(torch.int8), bits, counts, sums, maxes, pivot_mass, n_chunks,
-        CHUNK=chunk, MASS=False, TOP=False, WINDOW=window, PIVOTS=pivots, REACH=reach,
-        num_warps=4)
+        probs, probs.stride(0), vocab, lo, is_window, pivots_in, top_p, settings,
+        settings.to(torch.int8), bits, counts, sums, maxes, pivot_mass, n_chunks, CHUNK=chunk,
+        MASS=window, TOP=False, WINDOW=window, PIVOTS=pivots, num_warps=4)
+    key = w.view(torch.int32)
+    good = (w >= 0) & (w < math.inf)
+    in_range = good & (w > 0) & (key >= lo.cpu()[:, None])
+    want = in_range | ~good
+    if window:
+        assert (bits.cpu() == 7).all() and (counts.cpu() == 7).all()  # left to the window mark
+        above_mass = torch.zeros(batch * n_chunks, device=DEVICE)
+        above_count = torch.zeros(batch * n_chunks, dtype=torch.int32, device=DEVICE)
+        record = capture_module.BRACKET.value
+        bracket = torch.zeros(record * batch, dtype=torch.int32, device=DEVICE)
+        refine = 8
+        refine_mass = torch.zeros(batch * n_chunks * refine, device=DEVICE)
+        chunks_pad = triton.next_power_of_2(n_chunks)
+        capture_module._window_bracket_kernel[(batch,)](
+            is_window, pivots_in, top_p, settings, sums, maxes, pivot_mass, bracket, n_chunks,
+            CHUNKS_PAD=chunks_pad, PIVOTS=pivots, num_warps=4)
+        for refining in (True, False):
+            capture_module._window_mark_kernel[(batch, n_chunks)](
+                probs, probs.stride(0), vocab, is_window, pivots_in, refine_mass, bits, counts,
+                above_mass, above_count, bracket, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
+                PIVOTS=pivots, REFINE=refine, REFINING=refining, num_warps=4)
+        final = capture_module.B_FINAL_LO.value
+        b_lo, b_hi = bracket.cpu().view(batch, record)[:, final:final + 2].long().unbind(1)
+        assert (b_lo >= 1).all() and (b_hi <= inf_key).all()
+        # rows 0 and 1: the cutoff lies between the top two pivots, outside
+        # the inner ones: the bracket was refined to an eighth of that or less
+        assert ((b_hi - b_lo)[:2] <= (piv[:2, -1] - piv[:2, -2]) // 8 + 1).all()
+        assert (refine_mass.cpu() != 0).any()
+        # brackets whose two ends are values of the row: each end on its side
+        ends = (good & (key == b_lo[:, None])).any(1) & (good & (key == b_hi[:, None])).any(1)
+        assert ends[5] and b_hi[5] - b_lo[5] == 4 * 0x2000
+        in_bracket = (key >= b_lo[:, None]) & (key < b_hi[:, None])
+        want = (good & (w > 0) & in_bracket) | ~good
     words = bits.cpu().view(batch, -1).to(torch.int64) & 0xFFFFFFFF
     kept = ((words[:, :, None] >> torch.arange(32)) & 1).bool().view(batch, -1)[:, :vocab]
-    w = values
-    key = w.view(torch.int32)[None, :]
-    good = (w >= 0) & (w < math.inf)
-    in_range = (good & (w > 0))[None, :] & (key >= lo.cpu()[:, None])
-    want = (in_range & (not window)) | ~good[None, :]
     for b in range(batch):
         wrong = (kept[b] != want[b]).nonzero()[:, 0]
-        assert wrong.numel() == 0, (bounds[b], [hex(int(key[0, i]) & 0xFFFFFFFF)
+        assert wrong.numel() == 0, (bounds[b], [hex(int(key[b, i]) & 0xFFFFFFFF)
                                                 for i in wrong[:8]])
     assert torch.equal(counts.cpu().view(batch, n_chunks).sum(1), want.sum(1).to(torch.int32))
     if window:
-        # the mass at or above each pivot (spread evenly over [lo, hi] widened
-        # by reach/4 of its width past each end), bad values as zeros
-        span = (hi.cpu().long() - lo.cpu().long())[:, None]
-        first = lo.cpu().long()[:, None] - span * reach // 4
-        piv = first + span * (4 + 2 * reach) * torch.arange(pivots) // (4 * (pivots - 1))
-        piv = piv.clamp(1, inf_key)
+        # the mass at or above each pivot, bad values as zeros
         w_good = torch.where(good, w, 0.0).double()
-        want_mass = ((key[0].long()[None, None, :] >= piv[:, :, None]) * w_good).sum(2)
+        want_mass = ((key.long()[:, None, :] >= piv[:, :, None]) * w_good[:, None, :]).sum(2)
         got_mass = pivot_mass.cpu().view(batch, n_chunks, pivots).double().sum(1)
         torch.testing.assert_close(got_mass, want_mass, rtol=1e-5, atol=1e-30)
         assert (want_mass[:, 0] > want_mass[:, -1]).any()  # pivots that split the values
