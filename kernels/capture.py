@@ -163,6 +163,12 @@ WINDOW_WRITE_WARPS = 8  # 216.9 us at 8 warps, 225.8 at 16 (with tl.log)
 # H200, bf16 top_p 0.9 (window write us): the whole chunk at once 136, SUB
 # 4096 113, 2048 150, 1024 132; 4096 at 4 warps 131, at 16 190
 WINDOW_WRITE_SUB = 4096  # columns per step of the window write
+# registers a thread (maxnreg; None: the compiler's choice). H200, bf16 top_p
+# 0.9 only: the window write 112.3 us at the compiler's 107 registers (two
+# programs an SM), 96.3 at 80 (three; no spills), 104.5 at 64 (four, a few
+# spills); the window mark 57.0 us at its 74, 63.5 at 64, 83.5 at 56
+WINDOW_WRITE_REGISTERS = 80
+WINDOW_MARK_REGISTERS = None
 # resolve's search over a window row's bracket: 4 ways 87.3 us (bf16) / 68.9
 # (fp32), 2 ways 92.8 / 78.4, the bisection over 31 bits 114 / 93
 WINDOW_SEARCH_WAYS = 4
@@ -1115,13 +1121,19 @@ def launch_window_write(
     """_window_write_kernel over every (row, chunk); rows with window_ok 0
     return at once."""
     batch, vocab = probs.shape
+    # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
+    nvidia = probs.is_cuda and torch.version.hip is None and not _interpreted()
     _window_write_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, window_ok, cutoff, logz, forms, before, n_chunks,
-        offsets, id_offsets, ids, values, CHUNK=CHUNK, SUB=WINDOW_WRITE_SUB,
-        # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
-        FAST=probs.is_cuda and torch.version.hip is None and not _interpreted(),
-        num_warps=WINDOW_WRITE_WARPS,
+        offsets, id_offsets, ids, values, CHUNK=CHUNK, SUB=WINDOW_WRITE_SUB, FAST=nvidia,
+        num_warps=WINDOW_WRITE_WARPS, **register_cap(nvidia, WINDOW_WRITE_REGISTERS),
     )
+
+
+def register_cap(nvidia: bool, registers: int | None) -> dict[str, int]:
+    """The launch option capping a kernel's registers a thread (NVIDIA's
+    compiled kernels only): more programs resident on each multiprocessor."""
+    return {"maxnreg": registers} if nvidia and registers else {}
 
 
 def may_be_on(setting: Any, on: Any) -> bool:
@@ -1235,6 +1247,8 @@ def run_capture(
                 above_mass, above_count, bracket, n_chunks, CHUNK=CHUNK, CHUNKS_PAD=chunks_pad,
                 PIVOTS=WINDOW_PIVOTS, REFINE=WINDOW_REFINE, REFINING=refining,
                 num_warps=WINDOW_MARK_WARPS,
+                **register_cap(probs.is_cuda and torch.version.hip is None
+                               and not _interpreted(), WINDOW_MARK_REGISTERS),
             )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
