@@ -146,11 +146,13 @@ DRAW_BLOCK = 1024  # candidates per step of the sampler's draw in the resolve pr
 # resolve. Over 1,024 rows of each benchmark input (B = 256 x 4 sets, top_p
 # 0.9, benchmarks/capture_bf16.py), the cutoff lay within +-0.25 s of the
 # estimate in every bf16 row and +-0.46 s in all but 6 fp32 rows (down to
-# -1.33 s: a heavy token in or out of the sample), so the inner pivots give
-# brackets of 3,405 ids on average (bf16; 4,495 at most) and 2,958 (fp32)
-# where 8 pivots evenly over [lo - s, hi + s] (the layout before) gave
-# 12,213 and 7,819 (up to 32,168); the outer two keep a sample that missed
-# bounded (28 of the fp32 rows: brackets of ~35,000 ids).
+# -1.33 s: a heavy token in or out of the sample). On the H200 (inner
+# +-0.30 s) the brackets hold 2,870 ids on average (bf16; 3,638 at most) and
+# 1,930 (fp32; 3,109), all within resolve's registers, where 8 pivots evenly
+# over [lo - s, hi + s] (the layout before) gave 12,250 and 7,800 (up to
+# 14,306 / 12,587). The outer two keep a sample that missed bounded; such a
+# bracket (a few fp32 rows a set, ~35,000 ids) is refined (WINDOW_REFINE):
+# unrefined, resolve took 146-156 us for those batches instead of 27.
 WINDOW_PIVOTS = 8
 WINDOW_INNER = 30
 WINDOW_BELOW = 150

@@ -277,6 +277,36 @@ def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (ids_form.forms.cpu() == 1).all()
 
 
+def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Window rows whose top-p cutoff lies outside the inner pivots (squeezed
+    here to +-1% of the sampled range around its estimate, so that every
+    row's does: a sample that missed): the bracket reaching out to an outer
+    pivot is narrowed by the exact masses above WINDOW_REFINE keys inside it
+    before its ids are marked. Every row equals the reference, and 8
+    refining keys leave fewer candidates than 1."""
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    monkeypatch.setattr(capture_module, "WINDOW_INNER", 1)
+    window = WindowRows(monkeypatch)
+    candidates: list[int] = []
+    real_expand = capture_module.launch_expand_local
+
+    def count(probs, bits, counts, n_chunks, *args, **kwargs):
+        candidates.append(int(counts.sum()))
+        return real_expand(probs, bits, counts, n_chunks, *args, **kwargs)
+
+    monkeypatch.setattr(capture_module, "launch_expand_local", count)
+    gen = torch.Generator().manual_seed(21)
+    vocab = 2 * capture_module.CHUNK + 1500
+    probs = dyadic_probs(4, vocab, gen, scale=0.7)
+    top_p = torch.tensor([0.9, 0.5, 0.75, 0.95])
+    for refine in (8, 1):
+        monkeypatch.setattr(capture_module, "WINDOW_REFINE", refine)
+        got = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
+        assert (got.sizes.cpu() > 64).all()
+    assert window.calls == [[1] * 4] * 2
+    assert candidates[0] < candidates[1], candidates
+
+
 def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """A window row whose exact support turns out small (its large values
     all outside the sampled blocks, so the sample expects thousands of ids):

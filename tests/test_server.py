@@ -465,12 +465,15 @@ def test_load_one_event_per_emission_and_health():
     for rid, received in enumerate(events):
         assert received[-1][1] == b"data: [DONE]"
         # One event per emission (every EMIT_EVERY tokens and the last), each
-        # holding exactly that emission's rows.
+        # holding exactly that emission's rows; a stream whose client lags
+        # MAX_QUEUED_EVENTS events behind (this machine busy with other
+        # work) gets the emissions queued since in one event: whole
+        # emissions still, every row once, in order.
         emissions = math.ceil(lengths[rid] / EMIT_EVERY)
-        assert len(received) - 1 == emissions, (rid, len(received), emissions)
+        assert 1 <= len(received) - 1 <= emissions, (rid, len(received), emissions)
         metas = [orjson.loads(event[6:])["meta_info"] for _, event in received[:-1]]
         rows = [len(meta["output_token_sampling_mask"]) for meta in metas]
-        assert rows == [EMIT_EVERY] * (emissions - 1) + [lengths[rid] - EMIT_EVERY * (emissions - 1)]
+        assert sum(rows) == lengths[rid] and all(n % EMIT_EVERY == 0 for n in rows[:-1]), rows
         assert metas[-1]["finish_reason"]["type"] == "stop"
         if rid in (0, LOAD_REQUESTS - 1):  # every value, for two of them
             start = 0
