@@ -36,14 +36,14 @@ either side.
 Kernels:
 1. bound (program per row): reads a sample of the row (8 blocks of 1024
    columns spread over it; the whole row when V <= 8192) and sets the
-   candidates' key range [lo, hi): lo under every cutoff (top-k: the sampled
+   candidates' floor lo, under every cutoff (top-k: the sampled
    key with 1.25x its share of k above it, plus slack; top-p: the key whose
    sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sampled
-   max), hi = +inf, except for a window row (top-k off, top-p on, a support
-   the sample puts past WINDOW_MIN ids, capture without ``into=``): hi is the
-   key whose sampled share reaches top_p - P_MARGIN, and the row's pivots
-   lie around the key whose sampled share reaches top_p, spread by the
-   width of [lo, hi) (_window_pivots).
+   max). A window row (top-k off, top-p on, a support the sample puts past
+   WINDOW_MIN ids, capture without ``into=``) gets 8 pivots instead, around
+   the key whose sampled share reaches top_p, spread by the width of [lo, hi)
+   (hi: the key whose sampled share reaches top_p - P_MARGIN;
+   _window_pivots).
 2. candidate mark (program per 8192-column chunk): one read of ``probs``:
    the candidates as a bitmask and their count (every bad value, NaN, inf
    or negative, is a candidate: resolve finds them there; a window row's
@@ -232,17 +232,17 @@ def _bound_kernel(
     PIVOTS: tl.constexpr, INNER: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
-    the candidates' key range [lo, hi) and whether the row is a window row.
+    the candidates' floor lo and whether the row is a window row.
 
-    Full rows (hi = +inf): lo is a floor under every cutoff (top-k: the
-    sample's key with K_SLACK x its share of k above it; top-p: the key whose
-    sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sample's
-    max), so the candidates are the support plus a little. Window rows (top-k
-    off, top-p on, a support the sample puts past WINDOW_MIN ids): lo as
-    above, hi the key whose sampled mass share reaches top_p - P_MARGIN, and
-    PIVOTS keys around the sampled estimate of the cutoff, spread by the
-    width of [lo, hi) (_window_pivots), whose exact masses the candidate
-    mark sums (the window mark brackets the cutoff by them)."""
+    lo lies under every cutoff (top-k: the sample's key with K_SLACK x its
+    share of k above it; top-p: the key whose sampled mass share reaches
+    top_p + P_MARGIN; min-p: min_p x the sample's max), so the candidates
+    (every key >= lo) are the support plus a little. A window row (top-k
+    off, top-p on, a support the sample puts past WINDOW_MIN ids) gets
+    instead PIVOTS keys around the sampled estimate of its cutoff, spread by
+    the width of [lo, hi) (hi: the key whose sampled mass share reaches
+    top_p - P_MARGIN; _window_pivots), whose exact masses the candidate mark
+    sums (the window bracket and mark bracket the cutoff by them)."""
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCKS * COLS)
     block = idx // COLS
@@ -294,11 +294,19 @@ def _bound_kernel(
     window = tl.zeros([], dtype=tl.int32)
     if WINDOW:
         many = tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
-        window = (p_on & ~k_on & ~greedy & many & (hi > lo)).to(tl.int32)
+        window = (p_on & ~k_on & ~greedy & many & (hi > lo) & (top_p > P_MARGIN)).to(tl.int32)
         if window != 0:
+            # The pivots' spread: the width of [lo, hi), or twice that of
+            # [center, hi) when top_p + P_MARGIN leaves no lower end (the
+            # floor's target is the sample's whole mass: lo falls to its
+            # smallest key, and the width to ~13 binades; simulated on the
+            # benchmark's rows, top_p 0.95: brackets of 97k ids a bf16 row
+            # against 4.3k, 0.99: 148k against 10.5k)
+            span = tl.where(top_p + P_MARGIN < 1.0, hi.to(tl.int64) - lo,
+                            2 * (hi.to(tl.int64) - center))
             j = tl.arange(0, PIVOTS)
             tl.store(pivots_ptr + row * PIVOTS + j,
-                     _window_pivots(center, hi.to(tl.int64) - lo, j, PIVOTS, INNER, BELOW, ABOVE))
+                     _window_pivots(center, span, j, PIVOTS, INNER, BELOW, ABOVE))
     tl.store(lo_ptr + row, lo)
     tl.store(window_ptr + row, window)
 
@@ -1124,12 +1132,18 @@ def launch_window_write(
     return at once."""
     batch, vocab = probs.shape
     # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
-    nvidia = probs.is_cuda and torch.version.hip is None and not _interpreted()
+    nvidia = compiled_for_nvidia(probs)
     _window_write_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, window_ok, cutoff, logz, forms, before, n_chunks,
         offsets, id_offsets, ids, values, CHUNK=CHUNK, SUB=WINDOW_WRITE_SUB, FAST=nvidia,
         num_warps=WINDOW_WRITE_WARPS, **register_cap(nvidia, WINDOW_WRITE_REGISTERS),
     )
+
+
+def compiled_for_nvidia(x: torch.Tensor) -> bool:
+    """Whether kernels on x run compiled for an NVIDIA GPU (PTX and its
+    launch options), not in Triton's interpreter or on ROCm."""
+    return x.is_cuda and torch.version.hip is None and not _interpreted()
 
 
 def register_cap(nvidia: bool, registers: int | None) -> dict[str, int]:
@@ -1249,8 +1263,7 @@ def run_capture(
                 above_mass, above_count, bracket, n_chunks, CHUNK=CHUNK, CHUNKS_PAD=chunks_pad,
                 PIVOTS=WINDOW_PIVOTS, REFINE=WINDOW_REFINE, REFINING=refining,
                 num_warps=WINDOW_MARK_WARPS,
-                **register_cap(probs.is_cuda and torch.version.hip is None
-                               and not _interpreted(), WINDOW_MARK_REGISTERS),
+                **register_cap(compiled_for_nvidia(probs), WINDOW_MARK_REGISTERS),
             )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)

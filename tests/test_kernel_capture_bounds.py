@@ -277,24 +277,38 @@ def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (ids_form.forms.cpu() == 1).all()
 
 
-def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch) -> None:
+class BracketSizes:
+    """Each window row's candidates (its bracket's ids, plus bad values),
+    read from the counts capture hands to launch_expand_local."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[torch.Tensor] = []
+        real = capture_module.launch_expand_local
+
+        def spy(probs, bits, counts, n_chunks, *args, **kwargs):
+            self.calls.append(counts.view(probs.shape[0], n_chunks).sum(1).cpu())
+            return real(probs, bits, counts, n_chunks, *args, **kwargs)
+
+        monkeypatch.setattr(capture_module, "launch_expand_local", spy)
+
+
+@pytest.mark.parametrize("layout", [(1, 150, 100), (1, 2, 2)], ids=["outer", "squeezed"])
+def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch, layout) -> None:
     """Window rows whose top-p cutoff lies outside the inner pivots (squeezed
     here to +-1% of the sampled range around its estimate, so that every
     row's does: a sample that missed): the bracket reaching out to an outer
-    pivot is narrowed by the exact masses above WINDOW_REFINE keys inside it
-    before its ids are marked. Every row equals the reference, and 8
-    refining keys leave fewer candidates than 1."""
+    pivot, or past the outermost ones (all pivots squeezed: the refining
+    keys then lie a pivots' width beyond), is narrowed by the exact masses
+    above WINDOW_REFINE keys inside it before its ids are marked. Every row
+    equals the reference; with the outer pivots in place, 8 refining keys
+    leave each row fewer candidates than 1."""
+    inner, below, above = layout
     monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
-    monkeypatch.setattr(capture_module, "WINDOW_INNER", 1)
+    monkeypatch.setattr(capture_module, "WINDOW_INNER", inner)
+    monkeypatch.setattr(capture_module, "WINDOW_BELOW", below)
+    monkeypatch.setattr(capture_module, "WINDOW_ABOVE", above)
     window = WindowRows(monkeypatch)
-    candidates: list[int] = []
-    real_expand = capture_module.launch_expand_local
-
-    def count(probs, bits, counts, n_chunks, *args, **kwargs):
-        candidates.append(int(counts.sum()))
-        return real_expand(probs, bits, counts, n_chunks, *args, **kwargs)
-
-    monkeypatch.setattr(capture_module, "launch_expand_local", count)
+    brackets = BracketSizes(monkeypatch)
     gen = torch.Generator().manual_seed(21)
     vocab = 2 * capture_module.CHUNK + 1500
     probs = dyadic_probs(4, vocab, gen, scale=0.7)
@@ -304,7 +318,27 @@ def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch) -> None:
         got = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
         assert (got.sizes.cpu() > 64).all()
     assert window.calls == [[1] * 4] * 2
-    assert candidates[0] < candidates[1], candidates
+    if below > inner:
+        assert (brackets.calls[0] < brackets.calls[1]).all(), brackets.calls
+
+
+def test_window_rows_top_p_near_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Window rows with top_p + P_MARGIN >= 1: the sampled range has no lower
+    end (its floor's target is the sample's whole mass), so the pivots are
+    spread by twice the width of [estimate, hi): the rows equal the
+    reference and each bracket holds a small part of its support, not the
+    whole of it (the spread of [lo, hi) there: ~13 binades)."""
+    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    window = WindowRows(monkeypatch)
+    brackets = BracketSizes(monkeypatch)
+    gen = torch.Generator().manual_seed(22)
+    vocab = 2 * capture_module.CHUNK + 1500
+    probs = dyadic_probs(3, vocab, gen, scale=0.7)
+    top_p = torch.tensor([0.95, 0.97, 0.99])
+    got = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
+    assert window.calls == [[1] * 3]
+    sizes = got.sizes.cpu()
+    assert (brackets.calls[0] < sizes // 4).all(), (brackets.calls, sizes)
 
 
 def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
