@@ -47,24 +47,26 @@ Kernels:
 2. candidate mark (program per 8192-column chunk): one read of ``probs``:
    the candidates as a bitmask and their count (every bad value, NaN, inf
    or negative, is a candidate: resolve finds them there; a window row's
-   are left to 2c), and only the exact sums a row's settings need (mass for
+   are left to 2d), and only the exact sums a row's settings need (mass for
    top-p, max for min-p/greedy; a window row's mass above each pivot).
-2b. window bracket (launched, like 2c, only when some row may be top-p only;
-   program per row): the exact masses above a window row's 8 pivots place
-   its top-p cutoff between two of them (the bracket); a bracket outside
-   the inner pivots (a sample that missed) is wide.
-2c. window mark (program per chunk, window rows only; launched twice): the
-   first launch sums, for wide rows only, the mass above 8 keys inside the
-   bracket; the second narrows a wide bracket by them, then one read
-   rewrites the row's candidates as its bad values and the ids in the
-   bracket, and sums the count and mass of those above it.
+2b. window bracket (launched, like 2c and 2d, only when some row may be
+   top-p only; program per row): the exact masses above a window row's 8
+   pivots place its top-p cutoff between two of them (the bracket); a
+   bracket outside the inner pivots (a sample that missed) is wide, and
+   gets 8 refining keys inside it.
+2c. window refine (program per chunk, wide brackets only): the mass above 8
+   keys inside the bracket.
+2d. window mark (program per chunk, window rows only): a wide bracket
+   narrowed by those masses, min-p's key a floor, one read rewrites the
+   row's candidates as its bad values and the ids in the bracket, and sums
+   the count and mass of those above it.
 3. expand (as in compaction): ascending candidate ids and values, row-local.
 4. resolve (program per row): exact cutoffs by bisection over the float bits
    of the candidates (held in registers when they fit), then a check that
    the sampled range held them (a cutoff at or above lo). A row that fails
    the check is resolved from its whole row (31 passes over it, one program:
    slow, exact) and its candidates rewritten as its support. A window row's
-   candidates are the ids of its bracket (2c), so its cutoff is exact, never
+   candidates are the ids of its bracket (2d), so its cutoff is exact, never
    a fallback; resolve also counts its support in each chunk. Then ``Z``, the
    selected logprob or, in :mod:`.sample`, the Gumbel-max draw; status,
    length, form.
@@ -165,12 +167,11 @@ WINDOW_WRITE_WARPS = 8  # 216.9 us at 8 warps, 225.8 at 16 (with tl.log)
 # H200, bf16 top_p 0.9 (window write us): the whole chunk at once 136, SUB
 # 4096 113, 2048 150, 1024 132; 4096 at 4 warps 131, at 16 190
 WINDOW_WRITE_SUB = 4096  # columns per step of the window write
-# registers a thread (maxnreg; None: the compiler's choice). H200, bf16 top_p
-# 0.9 only: the window write 112.3 us at the compiler's 107 registers (two
-# programs an SM), 96.3 at 80 (three; no spills), 104.5 at 64 (four, a few
-# spills); the window mark 57.0 us at its 74, 63.5 at 64, 83.5 at 56
+# the window write's registers a thread (maxnreg). H200, bf16 top_p 0.9 only:
+# 112.3 us at the compiler's 107 (two programs an SM), 96.3 at 80 (three; no
+# spills), 104.5 at 64 (four, a few spills); capping the window mark's did
+# not pay (57.0 us at its 74, 63.5 at 64, 83.5 at 56)
 WINDOW_WRITE_REGISTERS = 80
-WINDOW_MARK_REGISTERS = None
 # resolve's search over a window row's bracket: 4 ways 87.3 us (bf16) / 68.9
 # (fp32), 2 ways 92.8 / 78.4, the bisection over 31 bits 114 / 93
 WINDOW_SEARCH_WAYS = 4
@@ -272,10 +273,11 @@ def _bound_kernel(
     floor_p = tl.zeros([], dtype=tl.int32)
     hi = tl.full([], INF_KEY, tl.int32)
     center = tl.zeros([], dtype=tl.int32)
+    # a window row needs top-p on, top-k off and room for top_p - P_MARGIN
+    may_be_window = False
+    if WINDOW:
+        may_be_window = p_on & ~k_on & (top_p > P_MARGIN)
     if p_on:
-        may_be_window = False
-        if WINDOW:
-            may_be_window = (top_p > P_MARGIN) & ~k_on
         if may_be_window:
             floor_p, hi, center = _sample_keys_reaching3(
                 key, w, (top_p + P_MARGIN) * total, (top_p - P_MARGIN) * total, top_p * total)
@@ -294,7 +296,7 @@ def _bound_kernel(
     window = tl.zeros([], dtype=tl.int32)
     if WINDOW:
         many = tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
-        window = (p_on & ~k_on & ~greedy & many & (hi > lo) & (top_p > P_MARGIN)).to(tl.int32)
+        window = (may_be_window & ~greedy & many & (hi > lo)).to(tl.int32)
         if window != 0:
             # The pivots' spread: the width of [lo, hi), or twice that of
             # [center, hi) when top_p + P_MARGIN leaves no lower end (the
@@ -365,8 +367,7 @@ def _cand_mark_kernel(
     # the H200 (bf16, top_k 1000: 81.7 -> 74.2 us; top_p 0.9: 106.6 -> 91.8
     # us). A float sum's rounding depends on its order, which was Triton's
     # to choose before as well.
-    w = tl.where((w >= 0.0) & (w < float("inf")), w, 0.0)  # NaN fails both: 0
-    flat = tl.reshape(w, [CHUNK], can_reorder=True)
+    flat = _good_flat(w, CHUNK)
     total = tl.zeros([], dtype=tl.float32)
     if MASS:
         if tl.load(top_p_ptr + row) < 1.0:
@@ -379,14 +380,26 @@ def _cand_mark_kernel(
     tl.store(max_ptr + slot, top)
     if WINDOW:
         if window:
-            # one flat reduction a pivot (H200, bf16, top_p 0.9: 117 us for
-            # the kernel, against 134 as one [CHUNK, PIVOTS] tile summed over
-            # its rows); the keys come from the flat vector itself
-            fkey = flat.to(tl.int32, bitcast=True)
-            for j in tl.static_range(PIVOTS):
-                m_j = tl.sum(tl.where(fkey >= tl.load(pivots_ptr + row * PIVOTS + j), flat, 0.0),
-                             axis=0)
-                tl.store(pivot_mass_ptr + slot.to(tl.int64) * PIVOTS + j, m_j)
+            _masses_above(flat, pivots_ptr + row * PIVOTS,
+                          pivot_mass_ptr + slot.to(tl.int64) * PIVOTS, PIVOTS)
+
+
+@triton.jit
+def _good_flat(w, CHUNK: tl.constexpr):
+    """A chunk's tile of w as one flat vector in whatever order its elements
+    sit (can_reorder: no data moves), bad values (NaN, inf, negative) as 0."""
+    return tl.reshape(tl.where((w >= 0.0) & (w < float("inf")), w, 0.0), [CHUNK],
+                      can_reorder=True)  # NaN fails both tests
+
+
+@triton.jit
+def _masses_above(flat, keys_ptr, out_ptr, N: tl.constexpr):
+    """out[j] = the chunk's mass at or above key j, for N keys: one flat
+    reduction a key (H200, bf16, top_p 0.9: the candidate mark 117 us with 8
+    pivots, against 134 as one [CHUNK, N] tile summed over its rows)."""
+    fkey = flat.to(tl.int32, bitcast=True)
+    for j in tl.static_range(N):
+        tl.store(out_ptr + j, tl.sum(tl.where(fkey >= tl.load(keys_ptr + j), flat, 0.0), axis=0))
 
 
 @triton.jit
@@ -551,16 +564,20 @@ B_LO, B_HI, B_TARGET, B_FLOOR, B_WIDE, B_FINAL_LO, B_FINAL_HI = (tl.constexpr(k)
 @triton.jit
 def _window_bracket_kernel(
     window_ptr, pivots_ptr, top_p_ptr, min_p_ptr, sum_ptr, max_ptr, pivot_mass_ptr,
-    bracket_ptr, n_chunks, CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr,
+    bracket_ptr, refine_keys_ptr, n_chunks,
+    CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr, REFINE: tl.constexpr,
 ):
     """Program per row, window rows only: the candidate mark's exact masses
     above the row's pivots place its top-p cutoff in the bracket
     [b_lo, b_hi) between two of them (_narrow); stored with the target, the
     min-p floor and whether the bracket is wide (outside the inner pivots:
     a sample that missed the cutoff by more than WINDOW_INNER, tens of
-    thousands of ids that resolve's one program a row would search slowly,
-    so _window_mark_kernel refines it first). Computed once a row here, not
-    in each of the window mark's programs (H200: 15 us of their time)."""
+    thousands of ids that resolve's one program a row would search slowly).
+    A wide bracket also gets REFINE keys evenly inside it, whose masses
+    _window_refine_kernel sums and _window_mark_kernel narrows it by; an
+    end that no pivot set (below the lowest, above the highest) lies the
+    width of all the pivots further out. Computed once a row here, not in
+    each of the window mark's programs (H200: 15 us of their time)."""
     row = tl.program_id(0)
     if tl.load(window_ptr + row) != 0:
         chunk_idx = tl.arange(0, CHUNKS_PAD)
@@ -572,12 +589,10 @@ def _window_bracket_kernel(
         total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
         rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
         target = tl.maximum(tl.load(top_p_ptr + row) * total, 1e-38).to(tl.float32)
-        piv = tl.load(pivots_ptr + row * PIVOTS + pivot_idx)
-        b_lo, b_hi = _narrow(piv, masses, target, tl.full([], 1, tl.int32),
-                             tl.full([], INF_KEY, tl.int32))
-        inner_lo = tl.load(pivots_ptr + row * PIVOTS + 1)
-        inner_hi = tl.load(pivots_ptr + row * PIVOTS + PIVOTS - 2)
-        wide = (b_lo < inner_lo) | (b_hi > inner_hi)
+        pivots = pivots_ptr + row * PIVOTS
+        b_lo, b_hi = _narrow(tl.load(pivots + pivot_idx), masses, target,
+                             tl.full([], 1, tl.int32), tl.full([], INF_KEY, tl.int32))
+        wide = (b_lo < tl.load(pivots + 1)) | (b_hi > tl.load(pivots + PIVOTS - 2))
         min_p = tl.load(min_p_ptr + row)
         floor = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 1)
         record = bracket_ptr + row * BRACKET
@@ -586,98 +601,86 @@ def _window_bracket_kernel(
         tl.store(record + B_TARGET, target.to(tl.int32, bitcast=True))
         tl.store(record + B_FLOOR, floor)
         tl.store(record + B_WIDE, wide.to(tl.int32))
+        if wide:
+            first = tl.load(pivots).to(tl.int64)
+            last = tl.load(pivots + PIVOTS - 1).to(tl.int64)
+            r_lo = tl.where(b_lo < first, first - (last - first), b_lo.to(tl.int64))
+            r_hi = tl.where(b_hi > last, last + (last - first), b_hi.to(tl.int64))
+            k = tl.arange(0, REFINE)
+            keys = r_lo + (r_hi - r_lo) * (k + 1) // (REFINE + 1)  # r_hi >= r_lo
+            tl.store(refine_keys_ptr + row * REFINE + k,
+                     tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32))
 
 
 @triton.jit
-def _refine_pivots(b_lo, b_hi, first, last, k, REFINE: tl.constexpr):
-    """Refining pivot k (a block of indices) of a wide bracket [b_lo, b_hi):
-    REFINE keys evenly inside it, ascending. An end that no pivot set
-    (below the lowest pivot, first, or above the highest, last) lies the
-    width of all the pivots further out."""
-    first = first.to(tl.int64)
-    last = last.to(tl.int64)
-    r_lo = tl.where(b_lo < first, first - (last - first), b_lo.to(tl.int64))
-    r_hi = tl.where(b_hi > last, last + (last - first), b_hi.to(tl.int64))
-    keys = r_lo + (r_hi - r_lo) * (k + 1) // (REFINE + 1)
-    return tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32)
+def _window_refine_kernel(
+    probs_ptr, stride_row, vocab, window_ptr, bracket_ptr, refine_keys_ptr, refine_mass_ptr,
+    n_chunks, CHUNK: tl.constexpr, REFINE: tl.constexpr,
+):
+    """Program (b, c), window rows with a wide bracket only: the chunk's
+    mass at or above each of the row's REFINE refining keys."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if tl.load(window_ptr + row) != 0:
+        if tl.load(bracket_ptr + row * BRACKET + B_WIDE) != 0:
+            _, _, _, w, _ = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
+            slot = row * n_chunks + chunk
+            _masses_above(_good_flat(w, CHUNK), refine_keys_ptr + row * REFINE,
+                          refine_mass_ptr + slot.to(tl.int64) * REFINE, REFINE)
 
 
 @triton.jit
 def _window_mark_kernel(
-    probs_ptr, stride_row, vocab, window_ptr, pivots_ptr, refine_mass_ptr, bits_ptr, counts_ptr,
-    above_mass_ptr, above_count_ptr, bracket_ptr, n_chunks,
-    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr,
-    REFINE: tl.constexpr, REFINING: tl.constexpr,
+    probs_ptr, stride_row, vocab, window_ptr, bracket_ptr, refine_keys_ptr, refine_mass_ptr,
+    bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr, n_chunks,
+    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, REFINE: tl.constexpr,
 ):
     """Program (b, c), window rows only (top-p without top-k, a support of
-    thousands of ids), after _window_bracket_kernel: one read of the chunk
-    rewrites its candidates as the ids in the row's bracket [b_lo, b_hi)
-    plus its bad values, and sums the count and mass of the ids at or above
-    b_hi (all in the support). The row's first program stores the final
-    bracket for resolve.
-
-    A wide bracket is refined first: launched with REFINING, the kernel
-    sums, for wide rows only, the mass above REFINE keys inside the bracket
-    (_refine_pivots); the marking launch narrows the bracket by them
-    (_narrow) before the min-p floor."""
+    thousands of ids), after _window_bracket_kernel (and, for a wide
+    bracket, _window_refine_kernel, whose masses narrow it first): one read
+    of the chunk rewrites its candidates as the ids in the row's bracket
+    [b_lo, b_hi), min-p's key a floor under it, plus its bad values, and
+    sums the count and mass of the ids at or above b_hi (all in the
+    support). The row's first program stores the final bracket for
+    resolve."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    record = bracket_ptr + row * BRACKET
-    slot = row * n_chunks + chunk
-    refine_idx = tl.arange(0, REFINE)
-    if REFINING:
-        if tl.load(window_ptr + row) != 0:
-            if tl.load(record + B_WIDE) != 0:
-                _, _, _, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
-                flat = tl.reshape(tl.where((w >= 0.0) & (w < float("inf")), w, 0.0), [CHUNK],
-                                  can_reorder=True)
-                fkey = flat.to(tl.int32, bitcast=True)
-                sub = _refine_pivots(tl.load(record + B_LO), tl.load(record + B_HI),
-                                     tl.load(pivots_ptr + row * PIVOTS),
-                                     tl.load(pivots_ptr + row * PIVOTS + PIVOTS - 1),
-                                     refine_idx, REFINE)
-                for k in tl.static_range(REFINE):
-                    sub_k = tl.sum(tl.where(refine_idx == k, sub, 0), axis=0)
-                    tl.store(refine_mass_ptr + slot.to(tl.int64) * REFINE + k,
-                             tl.sum(tl.where(fkey >= sub_k, flat, 0.0), axis=0))
-    else:
-        if tl.load(window_ptr + row) != 0:
-            WORDS: tl.constexpr = CHUNK // 32
-            # the chunk's read first: its latency overlaps the bracket's
-            word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row,
-                                                          chunk, CHUNK)
-            b_lo = tl.load(record + B_LO)
-            b_hi = tl.load(record + B_HI)
-            if tl.load(record + B_WIDE) != 0:
-                sub = _refine_pivots(b_lo, b_hi, tl.load(pivots_ptr + row * PIVOTS),
-                                     tl.load(pivots_ptr + row * PIVOTS + PIVOTS - 1),
-                                     refine_idx, REFINE)
-                chunk_idx = tl.arange(0, CHUNKS_PAD)
-                slots = row * n_chunks + chunk_idx
-                sub_mass = tl.sum(tl.load(refine_mass_ptr + slots.to(tl.int64)[:, None] * REFINE
-                                          + refine_idx[None, :],
-                                          mask=(chunk_idx < n_chunks)[:, None], other=0.0),
-                                  axis=0)
-                target = tl.load(record + B_TARGET).to(tl.float32, bitcast=True)
-                b_lo, b_hi = _narrow(sub, sub_mass, target, b_lo, b_hi)
-            b_lo = tl.maximum(b_lo, tl.load(record + B_FLOOR))  # nothing below min-p's key
-            b_hi = tl.maximum(b_hi, b_lo)
-            if chunk == 0:
-                tl.store(record + B_FINAL_LO, b_lo)
-                tl.store(record + B_FINAL_HI, b_hi)
-            # integer tests of the bits, as in the candidate mark: bad values
-            # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
-            # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits:
-            # no NaN, no inf) and the ids above it (finite, positive)
-            bad = (key.to(tl.uint32, bitcast=True) >= INF_KEY) & (key != NEG_ZERO_KEY)
-            keep = bad | ((key >= b_lo) & (key < b_hi))
-            words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-            tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
-            tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)),
-                                               axis=0))
-            up = (key >= b_hi) & (key < INF_KEY)
-            tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
-            tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))
+    if tl.load(window_ptr + row) != 0:
+        WORDS: tl.constexpr = CHUNK // 32
+        # the chunk's read first: its latency overlaps the bracket's
+        word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk,
+                                                      CHUNK)
+        record = bracket_ptr + row * BRACKET
+        b_lo = tl.load(record + B_LO)
+        b_hi = tl.load(record + B_HI)
+        if tl.load(record + B_WIDE) != 0:
+            chunk_idx = tl.arange(0, CHUNKS_PAD)
+            refine_idx = tl.arange(0, REFINE)
+            slots = row * n_chunks + chunk_idx
+            sub_mass = tl.sum(tl.load(refine_mass_ptr + slots.to(tl.int64)[:, None] * REFINE
+                                      + refine_idx[None, :],
+                                      mask=(chunk_idx < n_chunks)[:, None], other=0.0), axis=0)
+            b_lo, b_hi = _narrow(tl.load(refine_keys_ptr + row * REFINE + refine_idx), sub_mass,
+                                 tl.load(record + B_TARGET).to(tl.float32, bitcast=True),
+                                 b_lo, b_hi)
+        b_lo = tl.maximum(b_lo, tl.load(record + B_FLOOR))  # nothing below min-p's key
+        b_hi = tl.maximum(b_hi, b_lo)
+        if chunk == 0:
+            tl.store(record + B_FINAL_LO, b_lo)
+            tl.store(record + B_FINAL_HI, b_hi)
+        # integer tests of the bits, as in the candidate mark: bad values
+        # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
+        # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits: no
+        # NaN, no inf) and the ids above it (finite, positive)
+        bad = (key.to(tl.uint32, bitcast=True) >= INF_KEY) & (key != NEG_ZERO_KEY)
+        keep = bad | ((key >= b_lo) & (key < b_hi))
+        words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+        slot = row * n_chunks + chunk
+        tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
+        tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
+        up = (key >= b_hi) & (key < INF_KEY)
+        tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
+        tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))
 
 
 @triton.jit
@@ -1146,10 +1149,10 @@ def compiled_for_nvidia(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.version.hip is None and not _interpreted()
 
 
-def register_cap(nvidia: bool, registers: int | None) -> dict[str, int]:
+def register_cap(nvidia: bool, registers: int) -> dict[str, int]:
     """The launch option capping a kernel's registers a thread (NVIDIA's
     compiled kernels only): more programs resident on each multiprocessor."""
-    return {"maxnreg": registers} if nvidia and registers else {}
+    return {"maxnreg": registers} if nvidia else {}
 
 
 def may_be_on(setting: Any, on: Any) -> bool:
@@ -1214,12 +1217,16 @@ def run_capture(
     # into=: the sampler's draw and the ring stores need every support id
     # among the candidates.
     window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
-    # lo, window and (window rows) each row's bracket and target, and pivots
-    i32 = torch.empty((2 + BRACKET.value + WINDOW_PIVOTS if window_on else 2) * batch,
-                      dtype=torch.int32, device=device)
+    # lo, window and (window rows) each row's bracket record, pivots and
+    # refining keys
+    i32 = torch.empty(
+        (2 + BRACKET.value + WINDOW_PIVOTS + WINDOW_REFINE if window_on else 2) * batch,
+        dtype=torch.int32, device=device)
     lo, window = i32[:batch], i32[batch:2 * batch]
-    bracket, pivots = (i32[2 * batch:(2 + BRACKET.value) * batch],
-                       i32[(2 + BRACKET.value) * batch:])
+    pivots_at = (2 + BRACKET.value) * batch
+    bracket = i32[2 * batch:pivots_at]
+    pivots = i32[pivots_at:pivots_at + WINDOW_PIVOTS * batch]
+    refine_keys = i32[pivots_at + WINDOW_PIVOTS * batch:]
     _bound_kernel[(batch,)](
         probs, probs.stride(0), vocab, top_k, top_p, min_p, greedy_i8, lo, window, pivots,
         SEQUENTIAL=sequential, WINDOW=window_on, BLOCKS=SAMPLE_BLOCKS, COLS=SAMPLE_COLS,
@@ -1254,17 +1261,19 @@ def run_capture(
     )
     if window_on:
         _window_bracket_kernel[(batch,)](
-            window, pivots, top_p, min_p, sums, maxes, pivot_mass, bracket, n_chunks,
-            CHUNKS_PAD=chunks_pad, PIVOTS=WINDOW_PIVOTS, num_warps=4,
+            window, pivots, top_p, min_p, sums, maxes, pivot_mass, bracket, refine_keys,
+            n_chunks, CHUNKS_PAD=chunks_pad, PIVOTS=WINDOW_PIVOTS, REFINE=WINDOW_REFINE,
+            num_warps=4,
         )
-        for refining in (True, False):
-            _window_mark_kernel[(batch, n_chunks)](
-                probs, probs.stride(0), vocab, window, pivots, refine_mass, bits, counts,
-                above_mass, above_count, bracket, n_chunks, CHUNK=CHUNK, CHUNKS_PAD=chunks_pad,
-                PIVOTS=WINDOW_PIVOTS, REFINE=WINDOW_REFINE, REFINING=refining,
-                num_warps=WINDOW_MARK_WARPS,
-                **register_cap(compiled_for_nvidia(probs), WINDOW_MARK_REGISTERS),
-            )
+        _window_refine_kernel[(batch, n_chunks)](
+            probs, probs.stride(0), vocab, window, bracket, refine_keys, refine_mass, n_chunks,
+            CHUNK=CHUNK, REFINE=WINDOW_REFINE, num_warps=WINDOW_MARK_WARPS,
+        )
+        _window_mark_kernel[(batch, n_chunks)](
+            probs, probs.stride(0), vocab, window, bracket, refine_keys, refine_mass, bits, counts,
+            above_mass, above_count, n_chunks, CHUNK=CHUNK, CHUNKS_PAD=chunks_pad,
+            REFINE=WINDOW_REFINE, num_warps=WINDOW_MARK_WARPS,
+        )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
     cand_vals = torch.empty(batch * vocab, dtype=torch.float32, device=device)

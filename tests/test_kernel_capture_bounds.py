@@ -54,19 +54,33 @@ def bf16_probs(batch: int, vocab: int, hidden: int, sigma: float, seed: int) -> 
     return torch.softmax((h @ head).float(), -1)
 
 
-class WindowRows:
+class LauncherSpy:
+    """What capture hands one of its launchers: record(*args) a call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, record) -> None:
+        self.calls: list = []
+        real = getattr(capture_module, name)
+
+        def spy(*args, **kwargs):
+            self.calls.append(record(*args))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(capture_module, name, spy)
+
+
+def WindowRows(monkeypatch: pytest.MonkeyPatch) -> LauncherSpy:  # noqa: N802 (reads as a class)
     """Which rows the window write wrote (window rows), read from the
     window_ok mask capture hands to launch_window_write."""
+    return LauncherSpy(monkeypatch, "launch_window_write",
+                       lambda probs, window_ok, *_: window_ok.cpu().tolist())
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[list[int]] = []
-        real = capture_module.launch_window_write
 
-        def spy(probs, window_ok, *args, **kwargs):
-            self.calls.append(window_ok.cpu().tolist())
-            return real(probs, window_ok, *args, **kwargs)
-
-        monkeypatch.setattr(capture_module, "launch_window_write", spy)
+def BracketSizes(monkeypatch: pytest.MonkeyPatch) -> LauncherSpy:  # noqa: N802
+    """Each window row's candidates (its bracket's ids, plus bad values),
+    read from the counts capture hands to launch_expand_local."""
+    return LauncherSpy(monkeypatch, "launch_expand_local",
+                       lambda probs, bits, counts, n_chunks, *_:
+                       counts.view(probs.shape[0], n_chunks).sum(1).cpu())
 
 
 def on_device(kwargs: dict) -> dict:
@@ -275,21 +289,6 @@ def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> Non
     assert sizes[4] == 6000  # row 4's min-p floor binds
     ids_form = run_both(probs[:2], sampled[:2], top_p=0.9, max_tokens=vocab // 2)
     assert (ids_form.forms.cpu() == 1).all()
-
-
-class BracketSizes:
-    """Each window row's candidates (its bracket's ids, plus bad values),
-    read from the counts capture hands to launch_expand_local."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[torch.Tensor] = []
-        real = capture_module.launch_expand_local
-
-        def spy(probs, bits, counts, n_chunks, *args, **kwargs):
-            self.calls.append(counts.view(probs.shape[0], n_chunks).sum(1).cpu())
-            return real(probs, bits, counts, n_chunks, *args, **kwargs)
-
-        monkeypatch.setattr(capture_module, "launch_expand_local", spy)
 
 
 @pytest.mark.parametrize("layout", [(1, 150, 100), (1, 2, 2)], ids=["outer", "squeezed"])
@@ -582,14 +581,17 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         refine = 8
         refine_mass = torch.zeros(batch * n_chunks * refine, device=DEVICE)
         chunks_pad = triton.next_power_of_2(n_chunks)
+        refine_keys = torch.zeros(batch * refine, dtype=torch.int32, device=DEVICE)
         capture_module._window_bracket_kernel[(batch,)](
-            is_window, pivots_in, top_p, settings, sums, maxes, pivot_mass, bracket, n_chunks,
-            CHUNKS_PAD=chunks_pad, PIVOTS=pivots, num_warps=4)
-        for refining in (True, False):
-            capture_module._window_mark_kernel[(batch, n_chunks)](
-                probs, probs.stride(0), vocab, is_window, pivots_in, refine_mass, bits, counts,
-                above_mass, above_count, bracket, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
-                PIVOTS=pivots, REFINE=refine, REFINING=refining, num_warps=4)
+            is_window, pivots_in, top_p, settings, sums, maxes, pivot_mass, bracket, refine_keys,
+            n_chunks, CHUNKS_PAD=chunks_pad, PIVOTS=pivots, REFINE=refine, num_warps=4)
+        capture_module._window_refine_kernel[(batch, n_chunks)](
+            probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, n_chunks,
+            CHUNK=chunk, REFINE=refine, num_warps=4)
+        capture_module._window_mark_kernel[(batch, n_chunks)](
+            probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, bits,
+            counts, above_mass, above_count, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
+            REFINE=refine, num_warps=4)
         final = capture_module.B_FINAL_LO.value
         b_lo, b_hi = bracket.cpu().view(batch, record)[:, final:final + 2].long().unbind(1)
         assert (b_lo >= 1).all() and (b_hi <= inf_key).all()
