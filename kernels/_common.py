@@ -288,6 +288,20 @@ def is_bitmask(length, status, max_tokens, vocab):
 
 
 @triton.jit
+def after_previous(PDL: tl.constexpr):
+    """Programmatic dependent launch (a kernel launched with ``launch_pdl``
+    may start while the kernel before it runs): wait until the kernels
+    before have finished and their writes are visible, then let the next
+    kernel launch. Every program calls it before it reads what they wrote
+    or writes anything, and before it exits, so that a kernel finishes
+    only after those before it (the kernel after relies on that). Reads of
+    the call's inputs, which no kernel of the chain writes, may come first."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def mark_kernel(
     x_ptr, stride_row, vocab, opt_in_ptr, key_floor_ptr, bits_ptr, counts_ptr, n_chunks,
     MODE: tl.constexpr, CHUNK: tl.constexpr, ALL_ROWS: tl.constexpr, PDL: tl.constexpr,
@@ -297,11 +311,7 @@ def mark_kernel(
     their count. Little work per element, so the pass streams at memory speed;
     the kept ids come out of the bitmask in expand_kernel."""
     WORDS: tl.constexpr = CHUNK // 32
-    if PDL:
-        # Launched early (programmatic dependent launch): wait for the
-        # kernels before this one (they wrote x), then let the next launch.
-        gdc_wait()
-        gdc_launch_dependents()
+    after_previous(PDL)  # the kernels before wrote x
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     word_idx = tl.arange(0, WORDS)
@@ -349,9 +359,7 @@ def scan_kernel(
     (entry, fits, rows, words, nnz, ring ids address, ring values address,
     0: the row's expand programs that finished). The expand kernel's
     programs store the row there a second time and its last one commits it."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    after_previous(PDL)
     n_words = (vocab + 31) // 32
     carry = tl.zeros([], dtype=tl.int32)
     id_carry = tl.zeros([], dtype=tl.int32)
@@ -431,8 +439,7 @@ def expand_kernel(
     LOG_VALUES (capture's rows with a large support, kernels/capture.py):
     the values stored are ``log(x) - logz[b]``, the support's logprobs."""
     WORDS: tl.constexpr = GROUP * (CHUNK // 32)
-    if PDL:
-        gdc_wait()
+    after_previous(PDL)
     row = tl.program_id(0)
     first_chunk = tl.program_id(1) * GROUP
     word_idx = tl.arange(0, WORDS)
@@ -527,8 +534,17 @@ def expand_kernel(
 def _logprobs(a, b, c, d, logz):
     """log(w) - logz of one peel step's four gathers (masked-off lanes
     are never stored)."""
-    return (tl.log(a.to(tl.float32)) - logz, tl.log(b.to(tl.float32)) - logz,
-            tl.log(c.to(tl.float32)) - logz, tl.log(d.to(tl.float32)) - logz)
+    return (log_any(a.to(tl.float32)) - logz, log_any(b.to(tl.float32)) - logz,
+            log_any(c.to(tl.float32)) - logz, log_any(d.to(tl.float32)) - logz)
+
+
+@triton.jit
+def log_any(x):
+    """ln x for every x >= 0, subnormal x too: Triton's log on NVIDIA GPUs
+    is libdevice's with flush-to-zero, which takes a subnormal for 0 (and
+    gives -inf), so such an x is scaled by 2^24 first and 24 ln 2 taken off."""
+    tiny = x < 1.1754943508222875e-38  # below float32's smallest normal
+    return tl.log(tl.where(tiny, x * 16777216.0, x)) - tl.where(tiny, 16.635532333438686, 0.0)
 
 
 @triton.jit
@@ -610,14 +626,15 @@ def launch_mark(
 
 def launch_expand_local(
     x: torch.Tensor, bits: torch.Tensor, counts: torch.Tensor, n_chunks: int,
-    out_ids: torch.Tensor, out_vals: torch.Tensor, chunk: int = CHUNK,
+    out_ids: torch.Tensor, out_vals: torch.Tensor, chunk: int = CHUNK, pdl: bool = False,
 ) -> None:
-    """expand_kernel, row-local: row b's kept ids and values at out[b * V:]."""
+    """expand_kernel, row-local: row b's kept ids and values at out[b * V:]
+    (``pdl``: launched as a programmatic dependent of the kernel before)."""
     batch, vocab = x.shape
     group = max(1, EXPAND_WORDS // (chunk // WORD_BITS))
     expand_kernel[(batch, triton.cdiv(n_chunks, group))](
         x, x.stride(0), vocab, bits, counts, n_chunks, counts, counts, counts, counts,
-        out_ids, out_vals, 0, counts, counts, counts, ROW_LOCAL=True, PDL=False, CHUNK=chunk,
+        out_ids, out_vals, 0, counts, counts, counts, ROW_LOCAL=True, PDL=pdl, CHUNK=chunk,
         GROUP=group, CHUNKS_PAD=triton.next_power_of_2(n_chunks), DIRECT=False,
-        LOG_VALUES=False, num_warps=8,
+        LOG_VALUES=False, num_warps=8, **launch_options(pdl),
     )

@@ -53,9 +53,9 @@ Kernels:
    top-p only; program per row): the exact masses above a window row's 8
    pivots place its top-p cutoff between two of them (the bracket); a
    bracket outside the inner pivots (a sample that missed) is wide, and
-   gets 8 refining keys inside it.
-2c. window refine (program per chunk, wide brackets only): the mass above 8
-   keys inside the bracket.
+   gets 8 refining keys inside it; the wide rows are listed.
+2c. window refine (a fixed grid of programs sharing out the listed rows'
+   chunks): the mass above 8 keys inside each wide bracket.
 2d. window mark (program per chunk, window rows only): a wide bracket
    narrowed by those masses, min-p's key a floor, one read rewrites the
    row's candidates as its bad values and the ids in the bracket, and sums
@@ -79,10 +79,15 @@ Kernels:
    chunk): one contiguous read of a window row's chunk writes its support's
    bitmask words (or ids) and ``log(w) - log(Z)`` at the row's offsets plus
    the counts of the chunks before, which resolve found.
+
+On sm90+ GPUs every kernel is launched as a programmatic dependent of the
+one before (after_previous): it starts while that one ends and waits for it
+before reading what it wrote; reads of ``probs`` may come first.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -93,12 +98,16 @@ from ._common import (
     Rows,
     Status,
     _interpreted,
+    after_previous,
     bitmask_words,
     check_matrix,
     check_max_tokens,
     is_bitmask,
     launch_expand_local,
+    launch_options,
+    log_any,
     pack_rows,
+    pdl_default,
     per_row,
     popcount,
     row_mask,
@@ -133,9 +142,13 @@ P_MARGIN = 0.05
 # a window row's cutoff never falls back (H200, fp32 inputs, top_p 0.9:
 # 1,957 us a call with 16384 here, 1,815 with every top-p row a window row)
 WINDOW_MIN = 4096
-# H200, top_p 0.9 only, bf16: the bound 25.2 us at 8 warps, 27.4 at 16, 24.1 at 4
+# H200, top_p 0.9 only, bf16: the bound 25.2 us at 8 warps, 27.4 at 16, 24.1 at 4;
+# a call that may have window rows launches it at 4 (23.6 us)
 BOUND_WARPS = 8
+BOUND_WINDOW_WARPS = 4
 CAND_MARK_WARPS = 16  # H200, bf16 top_k 1000: 105.9 us at 4 warps, 81.7 at 8, 75.0 at 16
+# with window rows (8 pivot sums an element): 91 us at 16 warps, 82 at 8, 90 at 4
+CAND_MARK_WINDOW_WARPS = 8
 RESOLVE_BLOCK = 4096  # candidates held in registers by the resolve program
 RESOLVE_WARPS = 8  # H200, capture top_k 1000: 18.3 us at 4 warps, 16.4 at 8, 31.3 at 16
 DRAW_BLOCK = 1024  # candidates per step of the sampler's draw in the resolve program
@@ -177,6 +190,7 @@ WINDOW_WRITE_REGISTERS = 80
 WINDOW_SEARCH_WAYS = 4
 WRITE_BLOCK = 4096  # candidates per step of the write program
 ROW_BLOCK = 4096  # columns per step of a resolve program that reads its whole row
+SMALLEST_POSITIVE = tl.constexpr(1.401298464324817e-45)  # float32 bits 1, a subnormal
 INF_KEY = tl.constexpr(0x7F800000)  # float bits of +inf: a floor no candidate reaches
 NEG_ZERO_KEY = tl.constexpr(-0x80000000)  # float bits of -0.0 as an int32
 # The bound kernel's bisection settles the first BOUND_BITS of bits 30..0 of
@@ -227,10 +241,11 @@ def _sample_keys_reaching3(key, w, target1, target2, target3):
 @triton.jit
 def _bound_kernel(
     probs_ptr, stride_row, vocab, top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-    lo_ptr, window_ptr, pivots_ptr,
+    lo_ptr, window_ptr, pivots_ptr, wide_count_ptr,
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
     PIVOTS: tl.constexpr, INNER: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
     the candidates' floor lo and whether the row is a window row.
@@ -244,6 +259,7 @@ def _bound_kernel(
     the width of [lo, hi) (hi: the key whose sampled mass share reaches
     top_p - P_MARGIN; _window_pivots), whose exact masses the candidate mark
     sums (the window bracket and mark bracket the cutoff by them)."""
+    after_previous(PDL)  # the kernel before may have written probs
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCKS * COLS)
     block = idx // COLS
@@ -311,6 +327,9 @@ def _bound_kernel(
                      _window_pivots(center, span, j, PIVOTS, INNER, BELOW, ABOVE))
     tl.store(lo_ptr + row, lo)
     tl.store(window_ptr + row, window)
+    if WINDOW:
+        if row == 0:
+            tl.store(wide_count_ptr, 0)  # _window_bracket_kernel counts the wide rows
 
 
 @triton.jit
@@ -318,7 +337,7 @@ def _cand_mark_kernel(
     probs_ptr, stride_row, vocab, lo_ptr, window_ptr, pivots_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
     bits_ptr, counts_ptr, sum_ptr, max_ptr, pivot_mass_ptr, n_chunks,
     CHUNK: tl.constexpr, MASS: tl.constexpr, TOP: tl.constexpr, WINDOW: tl.constexpr,
-    PIVOTS: tl.constexpr,
+    PIVOTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c): one read of columns [c*CHUNK, (c+1)*CHUNK) of row b:
     the candidates key >= lo as a bitmask (CHUNK/32 words) and their count
@@ -339,6 +358,8 @@ def _cand_mark_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     word_idx, bit_idx, _, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
+    # the chunk's read is issued first: it overlaps the bound's end
+    after_previous(PDL)
     # lo can lie above +inf's bits (a top-p floor from a sample of zero
     # mass: the largest key reaching 0); no finite key reaches either.
     lo = tl.minimum(tl.load(lo_ptr + row), INF_KEY)
@@ -388,8 +409,13 @@ def _cand_mark_kernel(
 def _good_flat(w, CHUNK: tl.constexpr):
     """A chunk's tile of w as one flat vector in whatever order its elements
     sit (can_reorder: no data moves), bad values (NaN, inf, negative) as 0."""
-    return tl.reshape(tl.where((w >= 0.0) & (w < float("inf")), w, 0.0), [CHUNK],
-                      can_reorder=True)  # NaN fails both tests
+    # One unsigned test of the bits, as the candidate mark's predicate: the
+    # finite w >= 0 lie below +inf's bits, NaNs and negative values (sign
+    # bit set) above; -0.0 (the sign bit alone) counts as a zero either way.
+    # The float tests (w >= 0, w < inf) took the window rows' candidate
+    # mark 87 us instead of 70 (H200, bf16 top_p 0.9, 2026-12-02).
+    good = w.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True) < INF_KEY
+    return tl.reshape(tl.where(good, w, 0.0), [CHUNK], can_reorder=True)
 
 
 @triton.jit
@@ -541,14 +567,31 @@ def _narrow(piv, masses, target, b_lo, b_hi):
 
 
 @triton.jit
-def _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK: tl.constexpr):
-    """Columns [chunk*CHUNK, (chunk+1)*CHUNK) of row as CHUNK/32 words of 32
-    bits (the mark's layout): word and bit indices, columns, float32 values
-    (0 past the row) and their float bits."""
+def _chunk_cols(chunk, CHUNK: tl.constexpr):
+    """Word and bit indices and columns of _chunk_tile's tile."""
     word_idx = tl.arange(0, CHUNK // 32)
     bit_idx = tl.arange(0, 32)
-    cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
-    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+    return word_idx, bit_idx, chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
+
+
+@triton.jit
+def _prefetch_chunk(probs_ptr, stride_row, limit, row, chunk, CHUNK: tl.constexpr):
+    """Bring the 128-byte lines of _chunk_tile's columns below limit into L2
+    (NVIDIA's compiled kernels only): no registers held, unlike a load."""
+    cols = tl.minimum(chunk * CHUNK + tl.arange(0, CHUNK // 32) * 32, tl.maximum(limit - 1, 0))
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [probs_ptr + row.to(tl.int64) * stride_row + cols],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _chunk_tile(probs_ptr, stride_row, limit, row, chunk, CHUNK: tl.constexpr):
+    """Columns [chunk*CHUNK, (chunk+1)*CHUNK) of row as CHUNK/32 words of 32
+    bits (the mark's layout): word and bit indices, columns, float32 values
+    (0 from column limit on: the row's length, or 0 to read nothing) and
+    their float bits."""
+    word_idx, bit_idx, cols = _chunk_cols(chunk, CHUNK)
+    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < limit,
                 other=0.0).to(tl.float32)
     return word_idx, bit_idx, cols, w, w.to(tl.int32, bitcast=True)
 
@@ -564,8 +607,8 @@ B_LO, B_HI, B_TARGET, B_FLOOR, B_WIDE, B_FINAL_LO, B_FINAL_HI = (tl.constexpr(k)
 @triton.jit
 def _window_bracket_kernel(
     window_ptr, pivots_ptr, top_p_ptr, min_p_ptr, sum_ptr, max_ptr, pivot_mass_ptr,
-    bracket_ptr, refine_keys_ptr, n_chunks,
-    CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr, REFINE: tl.constexpr,
+    bracket_ptr, refine_keys_ptr, wide_count_ptr, wide_rows_ptr, n_chunks,
+    CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr, REFINE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program per row, window rows only: the candidate mark's exact masses
     above the row's pivots place its top-p cutoff in the bracket
@@ -574,10 +617,14 @@ def _window_bracket_kernel(
     a sample that missed the cutoff by more than WINDOW_INNER, tens of
     thousands of ids that resolve's one program a row would search slowly).
     A wide bracket also gets REFINE keys evenly inside it, whose masses
-    _window_refine_kernel sums and _window_mark_kernel narrows it by; an
-    end that no pivot set (below the lowest, above the highest) lies the
-    width of all the pivots further out. Computed once a row here, not in
-    each of the window mark's programs (H200: 15 us of their time)."""
+    _window_refine_kernel sums and _window_mark_kernel narrows it by (the
+    row is listed for the refine's programs); an end that no pivot set
+    (below the lowest, above the highest) lies the width of all the pivots
+    further out. Computed once a row here, not in each of the window mark's
+    programs (H200: 15 us of their time). Done by the candidate mark's last
+    program of each row instead (an atomic count of the row's programs), the
+    mark took 87 us instead of 82 (75 registers a thread against 64)."""
+    after_previous(PDL)
     row = tl.program_id(0)
     if tl.load(window_ptr + row) != 0:
         chunk_idx = tl.arange(0, CHUNKS_PAD)
@@ -588,7 +635,7 @@ def _window_bracket_kernel(
                                 + pivot_idx[None, :], mask=in_row[:, None], other=0.0), axis=0)
         total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
         rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
-        target = tl.maximum(tl.load(top_p_ptr + row) * total, 1e-38).to(tl.float32)
+        target = _top_p_target(tl.load(top_p_ptr + row), total)
         pivots = pivots_ptr + row * PIVOTS
         b_lo, b_hi = _narrow(tl.load(pivots + pivot_idx), masses, target,
                              tl.full([], 1, tl.int32), tl.full([], INF_KEY, tl.int32))
@@ -602,6 +649,8 @@ def _window_bracket_kernel(
         tl.store(record + B_FLOOR, floor)
         tl.store(record + B_WIDE, wide.to(tl.int32))
         if wide:
+            # listed (in any order) for _window_refine_kernel's programs
+            tl.store(wide_rows_ptr + tl.atomic_add(wide_count_ptr, 1), row)
             first = tl.load(pivots).to(tl.int64)
             last = tl.load(pivots + PIVOTS - 1).to(tl.int64)
             r_lo = tl.where(b_lo < first, first - (last - first), b_lo.to(tl.int64))
@@ -613,27 +662,41 @@ def _window_bracket_kernel(
 
 
 @triton.jit
+def _top_p_target(top_p, mass):
+    """top_p x mass, the mass a top-p support reaches, at least the smallest
+    positive float32 (a subnormal, key 1): a product that underflows to 0
+    would be reached by every key, and a floor any larger (1e-38 before)
+    lies above the whole mass of a row whose mass is subnormal."""
+    return tl.maximum(top_p * mass, SMALLEST_POSITIVE).to(tl.float32)
+
+
+@triton.jit
 def _window_refine_kernel(
-    probs_ptr, stride_row, vocab, window_ptr, bracket_ptr, refine_keys_ptr, refine_mass_ptr,
-    n_chunks, CHUNK: tl.constexpr, REFINE: tl.constexpr,
+    probs_ptr, stride_row, vocab, wide_count_ptr, wide_rows_ptr, refine_keys_ptr,
+    refine_mass_ptr, n_chunks, CHUNK: tl.constexpr, REFINE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (b, c), window rows with a wide bracket only: the chunk's
-    mass at or above each of the row's REFINE refining keys."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if tl.load(window_ptr + row) != 0:
-        if tl.load(bracket_ptr + row * BRACKET + B_WIDE) != 0:
-            _, _, _, w, _ = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
-            slot = row * n_chunks + chunk
-            _masses_above(_good_flat(w, CHUNK), refine_keys_ptr + row * REFINE,
-                          refine_mass_ptr + slot.to(tl.int64) * REFINE, REFINE)
+    """The chunks of the rows with a wide bracket (listed by
+    _window_bracket_kernel), shared out over the programs: each chunk's
+    mass at or above each of its row's REFINE refining keys. A fixed grid
+    of a few programs an SM, not one a chunk of every row: wide rows are
+    rare, and 4,864 programs that only found their row narrow took 6 us
+    (H200, B = 256)."""
+    after_previous(PDL)
+    items = tl.load(wide_count_ptr) * n_chunks
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        row = tl.load(wide_rows_ptr + item // n_chunks)
+        chunk = item % n_chunks
+        _, _, _, w, _ = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
+        slot = row * n_chunks + chunk
+        _masses_above(_good_flat(w, CHUNK), refine_keys_ptr + row * REFINE,
+                      refine_mass_ptr + slot.to(tl.int64) * REFINE, REFINE)
 
 
 @triton.jit
 def _window_mark_kernel(
     probs_ptr, stride_row, vocab, window_ptr, bracket_ptr, refine_keys_ptr, refine_mass_ptr,
     bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr, n_chunks,
-    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, REFINE: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, REFINE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c), window rows only (top-p without top-k, a support of
     thousands of ids), after _window_bracket_kernel (and, for a wide
@@ -645,11 +708,15 @@ def _window_mark_kernel(
     resolve."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    if tl.load(window_ptr + row) != 0:
+    # A window row's chunk is read before the wait for the kernels before,
+    # overlapping their end: its flag is the bound's, which finished before
+    # the kernel before this one began (read from L2: ".cg")
+    window = tl.load(window_ptr + row, cache_modifier=".cg") != 0
+    word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row,
+                                                  tl.where(window, vocab, 0), row, chunk, CHUNK)
+    after_previous(PDL)
+    if window:
         WORDS: tl.constexpr = CHUNK // 32
-        # the chunk's read first: its latency overlaps the bracket's
-        word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk,
-                                                      CHUNK)
         record = bracket_ptr + row * BRACKET
         b_lo = tl.load(record + B_LO)
         b_hi = tl.load(record + B_HI)
@@ -695,6 +762,22 @@ def _candidates(vals_ptr, ids_ptr, base, start, n, cutoff, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _draw(v, ids, live, hit, seed, rowmax, vocab, best_score, best_id, first_id):
+    """One block of the sampler's draw (ids ascending, after the blocks
+    before): the exponential race's best score and id so far, and the
+    smallest id at the row's max (greedy)."""
+    score = tl.where(hit, v / -tl.log(tl.rand(seed, ids)), float("-inf"))
+    block_best = tl.max(score, axis=0)
+    block_id = tl.min(tl.where(score == block_best, ids, vocab), axis=0)
+    # ids ascend: a later block's tie never beats an earlier id
+    best_id = tl.where(block_best > best_score, block_id, best_id)
+    best_score = tl.maximum(best_score, block_best)
+    # greedy: the smallest id among the maxima (all of them are candidates)
+    first_id = tl.minimum(first_id, tl.min(tl.where(live & (v == rowmax), ids, vocab), axis=0))
+    return best_score, best_id, first_id
+
+
+@triton.jit
 def _resolve_kernel(
     probs_ptr, stride_row, vocab,
     cand_ids_ptr, cand_vals_ptr, counts_ptr, n_chunks,
@@ -706,8 +789,9 @@ def _resolve_kernel(
     SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
     DRAW_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
-    SEARCH_WAYS: tl.constexpr,
+    SEARCH_WAYS: tl.constexpr, PDL: tl.constexpr,
 ):
+    after_previous(PDL)
     row = tl.program_id(0)
     chunk_idx = tl.arange(0, CHUNKS_PAD)
     in_row = chunk_idx < n_chunks
@@ -768,7 +852,7 @@ def _resolve_kernel(
             # the top-k mass: all of it lies among the candidates when cut_k was found
             mass = _reach(cand_vals_ptr, base, n, v0, key0, live0, tl.maximum(cut_k, 1), True,
                           BLOCK)
-        target = tl.maximum(top_p * mass, 1e-38).to(tl.float32)
+        target = _top_p_target(top_p, mass)
         if WINDOW:
             # the window mark's target, bit for bit (its bracket came from it)
             target = tl.where(window, tl.load(bracket_ptr + row * BRACKET + B_TARGET)
@@ -807,7 +891,7 @@ def _resolve_kernel(
             mass = total
             if SEQUENTIAL & k_on:
                 mass = _row_reach(row_ptr, vocab, tl.maximum(cut_k, 1), True, ROW_BLOCK)
-            cut_p = _row_key_reaching(row_ptr, vocab, tl.maximum(top_p * mass, 1e-38), True,
+            cut_p = _row_key_reaching(row_ptr, vocab, _top_p_target(top_p, mass), True,
                                       ROW_BLOCK)
         cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
         n = tl.zeros([], dtype=tl.int32)
@@ -832,13 +916,14 @@ def _resolve_kernel(
     hit0 = live0 & (key0 >= cutoff)
     size = above_count + tl.sum(hit0.to(tl.int32), axis=0)
     z = above_mass + tl.sum(tl.where(hit0, v0, 0.0), axis=0)
-    for start in range(BLOCK, n, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        live = idx < n
-        v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
-        hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
-        size += tl.sum(hit.to(tl.int32), axis=0)
-        z += tl.sum(tl.where(hit, v, 0.0), axis=0)
+    if not SAMPLE:  # the sampler's draw sums the candidates past the first BLOCK itself
+        for start in range(BLOCK, n, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            live = idx < n
+            v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
+            hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
+            size += tl.sum(hit.to(tl.int32), axis=0)
+            z += tl.sum(tl.where(hit, v, 0.0), axis=0)
     if WINDOW:
         if window & ~bad:
             # the support's ids in each chunk (above the bracket, then the
@@ -865,24 +950,34 @@ def _resolve_kernel(
         # 2026-12-02). The price: a row of tens of thousands of candidates
         # (top-p only: no window rows in sample) is read twice, here and in
         # the sweep above (per-row tensor settings with such rows, bf16: 953
-        # us a call against 885 before). Measured and not kept: each lane
+        # us a call against 885 before), unless the draw over the candidates
+        # past the first BLOCK also sums their size and mass (the sweep above
+        # leaves them to it: one read). Measured and not kept: each lane
         # keeping its own best, reduced once at the end (996 us).
         seed = tl.load(seed_ptr + row)
         best_score = tl.full([], float("-inf"), tl.float32)
         best_id = tl.zeros([], dtype=tl.int32) + vocab
         first_id = tl.zeros([], dtype=tl.int32) + vocab
-        for start in range(0, n, DRAW_BLOCK):
+        for start in range(0, tl.minimum(n, BLOCK), DRAW_BLOCK):  # summed from registers
             v, ids, live, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n, cutoff,
                                             DRAW_BLOCK)
-            score = tl.where(hit, v / -tl.log(tl.rand(seed, ids)), float("-inf"))
-            block_best = tl.max(score, axis=0)
-            block_id = tl.min(tl.where(score == block_best, ids, vocab), axis=0)
-            # ids ascend: a later block's tie never beats an earlier id
-            best_id = tl.where(block_best > best_score, block_id, best_id)
-            best_score = tl.maximum(best_score, block_best)
-            # greedy: the smallest id among the maxima (all of them are candidates)
-            first_id = tl.minimum(first_id, tl.min(tl.where(live & (v == rowmax), ids, vocab),
-                                                   axis=0))
+            best_score, best_id, first_id = _draw(v, ids, live, hit, seed, rowmax, vocab,
+                                                  best_score, best_id, first_id)
+        # the size and mass past the first BLOCK, a lane at a time, reduced
+        # once after the loop (summed a block at a time, two block-wide
+        # reductions a step made the draw slower than reading twice: bf16
+        # top-p rows 1,754 us a call against 1,636)
+        lane_size = tl.zeros([DRAW_BLOCK], dtype=tl.int32)
+        lane_mass = tl.zeros([DRAW_BLOCK], dtype=tl.float32)
+        for start in range(BLOCK, n, DRAW_BLOCK):
+            v, ids, live, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n, cutoff,
+                                            DRAW_BLOCK)
+            lane_size += hit.to(tl.int32)
+            lane_mass += tl.where(hit, v, 0.0)
+            best_score, best_id, first_id = _draw(v, ids, live, hit, seed, rowmax, vocab,
+                                                  best_score, best_id, first_id)
+        size += tl.sum(lane_size, axis=0)
+        z += tl.sum(lane_mass, axis=0)
         token = tl.where(greedy, first_id, best_id)
     else:
         token = tl.load(token_ptr + row).to(tl.int32)
@@ -890,7 +985,7 @@ def _resolve_kernel(
     w_y = tl.load(probs_ptr + row.to(tl.int64) * stride_row + token,
                   mask=token_ok, other=0.0).to(tl.float32)
     in_support = token_ok & (w_y > 0.0) & (w_y.to(tl.int32, bitcast=True) >= cutoff)
-    selected = tl.log(w_y) - tl.log(z)
+    selected = log_any(w_y) - log_any(z)
     invalid = bad | ~in_support | ~(z > 0.0) | ~(tl.abs(selected) < float("inf"))
     # Greedy: the support is the token itself, logprob 0.
     invalid = tl.where(greedy, bad | ~token_ok, invalid)
@@ -906,7 +1001,7 @@ def _resolve_kernel(
     # not from its candidates.
     window_ok = window & (status == 0)
     tl.store(cutoff_ptr + row, cutoff)
-    tl.store(logz_ptr + row, tl.log(z))
+    tl.store(logz_ptr + row, log_any(z))
     tl.store(sizes_ptr + row, size)
     tl.store(lengths_ptr + row, length)
     tl.store(status_ptr + row, status)
@@ -931,7 +1026,7 @@ def _write_kernel(
     cutoff_ptr, logz_ptr, lengths_ptr, status_ptr, forms_ptr, greedy_ptr, token_ptr,
     offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, selected_ptr, table, arrivals,
     BLOCK: tl.constexpr, ROWS_BLOCK: tl.constexpr,
-    DIRECT: tl.constexpr, SUPPORT: tl.constexpr,
+    DIRECT: tl.constexpr, SUPPORT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program b places row b's support: values at offsets[b], and at
     id_offsets[b] its ids (ids form) or its bitmask words (bitmask form).
@@ -944,6 +1039,7 @@ def _write_kernel(
     ring (where it fits: ``ring_claim``), then its length, flags and counts
     (``ring_commit``), and the program arrives (``ring_arrive``); SUPPORT
     says whether the ring gets the values or the selected logprob."""
+    after_previous(PDL)
     row = tl.program_id(0)
     n_words = (vocab + 31) // 32
     offset = tl.zeros([], dtype=tl.int32)
@@ -1015,10 +1111,11 @@ def _write_kernel(
                 hit_i = hit.to(tl.int32)
                 rank = written + tl.cumsum(hit_i, axis=0) - 1
                 ids = tl.load(cand_ids_ptr + base + idx, mask=live, other=0)
-                tl.store(out_vals_ptr + offset + rank, tl.log(v) - logz, mask=hit)
+                tl.store(out_vals_ptr + offset + rank, log_any(v) - logz, mask=hit)
                 if DIRECT:
                     if SUPPORT:
-                        tl.store(ring_vals + rank, tl.log(v) - logz, mask=tl.where(fits, hit, False))
+                        tl.store(ring_vals + rank, log_any(v) - logz,
+                                 mask=tl.where(fits, hit, False))
                 if bitmask:
                     # Padding sorts after every id, so the runs stay contiguous.
                     word = tl.where(live, ids // 32, n_words)
@@ -1050,7 +1147,7 @@ def _write_kernel(
 def _window_write_kernel(
     probs_ptr, stride_row, vocab, window_ok_ptr, cutoff_ptr, logz_ptr, forms_ptr, before_ptr,
     n_chunks, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, CHUNK: tl.constexpr,
-    SUB: tl.constexpr, FAST: tl.constexpr,
+    SUB: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c), window rows only: the support in columns
     [c*CHUNK, (c+1)*CHUNK) of row b, every finite w at or above the row's
@@ -1063,6 +1160,14 @@ def _window_write_kernel(
     tl.static_assert(CHUNK % SUB == 0, "the window write takes a chunk in whole steps")
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    if FAST & PDL:
+        # A window row's chunk is brought into L2 before the wait for the
+        # write kernel, overlapping its end (H200: 2 us a call): window_ok
+        # is resolve's, which finished before the write kernel began (read
+        # from L2: ".cg")
+        on = tl.load(window_ok_ptr + row, cache_modifier=".cg") != 0
+        _prefetch_chunk(probs_ptr, stride_row, tl.where(on, vocab, 0), row, chunk, CHUNK)
+    after_previous(PDL)
     if tl.load(window_ok_ptr + row) != 0:
         cutoff = tl.load(cutoff_ptr + row)
         logz = tl.load(logz_ptr + row)
@@ -1091,7 +1196,7 @@ def _window_write_kernel(
             if FAST:
                 logw = _log_approx(w)
             else:
-                logw = tl.log(w)
+                logw = log_any(w)
             # The scattered stores as flat vectors, in the tile's own order:
             # the compiler keeps the load's layout (lanes along a word's 32
             # columns, whose kept values land side by side). Stored as the
@@ -1129,18 +1234,34 @@ def _log_approx(x):
 def launch_window_write(
     probs: torch.Tensor, window_ok: torch.Tensor, cutoff: torch.Tensor, logz: torch.Tensor,
     forms: torch.Tensor, before: torch.Tensor, n_chunks: int, offsets: torch.Tensor,
-    id_offsets: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
+    id_offsets: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, pdl: bool = False,
 ) -> None:
     """_window_write_kernel over every (row, chunk); rows with window_ok 0
-    return at once."""
+    return at once (``pdl``: launched as a programmatic dependent of the
+    kernel before, which began after the one that wrote window_ok ended)."""
     batch, vocab = probs.shape
     # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
     nvidia = compiled_for_nvidia(probs)
     _window_write_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, window_ok, cutoff, logz, forms, before, n_chunks,
-        offsets, id_offsets, ids, values, CHUNK=CHUNK, SUB=WINDOW_WRITE_SUB, FAST=nvidia,
+        offsets, id_offsets, ids, values, CHUNK=CHUNK, SUB=WINDOW_WRITE_SUB, FAST=nvidia, PDL=pdl,
         num_warps=WINDOW_WRITE_WARPS, **register_cap(nvidia, WINDOW_WRITE_REGISTERS),
+        **launch_options(pdl),
     )
+
+
+def refine_programs(device: torch.device) -> int:
+    """_window_refine_kernel's grid: as many programs as the GPU holds at
+    once (8 an SM at 8 warps); 2 in Triton's interpreter (a program at a
+    time, so that few programs loop over the chunks)."""
+    if device.type != "cuda" or _interpreted():
+        return 2
+    return 8 * multiprocessors(device)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compiled_for_nvidia(x: torch.Tensor) -> bool:
@@ -1219,19 +1340,29 @@ def run_capture(
     window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
     # lo, window and (window rows) each row's bracket record, pivots and
     # refining keys
+    # refining keys, and the wide rows and their count
     i32 = torch.empty(
-        (2 + BRACKET.value + WINDOW_PIVOTS + WINDOW_REFINE if window_on else 2) * batch,
+        (3 + BRACKET.value + WINDOW_PIVOTS + WINDOW_REFINE if window_on else 2) * batch + 1,
         dtype=torch.int32, device=device)
     lo, window = i32[:batch], i32[batch:2 * batch]
     pivots_at = (2 + BRACKET.value) * batch
     bracket = i32[2 * batch:pivots_at]
     pivots = i32[pivots_at:pivots_at + WINDOW_PIVOTS * batch]
-    refine_keys = i32[pivots_at + WINDOW_PIVOTS * batch:]
+    refine_at = pivots_at + WINDOW_PIVOTS * batch
+    refine_keys = i32[refine_at:refine_at + WINDOW_REFINE * batch]
+    wide_rows = i32[refine_at + WINDOW_REFINE * batch:-1]
+    wide_count = i32[-1:]
+    # Every kernel of the call is a programmatic dependent of the one
+    # before (sm90+, compiled): it launches while that one ends, issues its
+    # reads of probs, then waits for it (after_previous).
+    pdl = pdl_default(device)
+    launch = launch_options(pdl)
     _bound_kernel[(batch,)](
         probs, probs.stride(0), vocab, top_k, top_p, min_p, greedy_i8, lo, window, pivots,
-        SEQUENTIAL=sequential, WINDOW=window_on, BLOCKS=SAMPLE_BLOCKS, COLS=SAMPLE_COLS,
+        wide_count, SEQUENTIAL=sequential, WINDOW=window_on, BLOCKS=SAMPLE_BLOCKS, COLS=SAMPLE_COLS,
         K_SLACK=K_SLACK, P_MARGIN=P_MARGIN, WINDOW_MIN=WINDOW_MIN, PIVOTS=WINDOW_PIVOTS,
-        INNER=WINDOW_INNER, BELOW=WINDOW_BELOW, ABOVE=WINDOW_ABOVE, num_warps=BOUND_WARPS,
+        INNER=WINDOW_INNER, BELOW=WINDOW_BELOW, ABOVE=WINDOW_ABOVE, PDL=pdl,
+        num_warps=BOUND_WINDOW_WARPS if window_on else BOUND_WARPS, **launch,
     )
     n_chunks = triton.cdiv(vocab, CHUNK)
     chunks_pad = triton.next_power_of_2(n_chunks)
@@ -1257,27 +1388,29 @@ def run_capture(
         sums, maxes, pivot_mass, n_chunks, CHUNK=CHUNK,
         MASS=may_be_on(top_p_arg, lambda p: p < 1.0),
         TOP=may_be_on(min_p_arg, lambda m: m > 0.0) or may_be_on(greedy, bool),
-        WINDOW=window_on, PIVOTS=WINDOW_PIVOTS, num_warps=CAND_MARK_WARPS,
+        WINDOW=window_on, PIVOTS=WINDOW_PIVOTS, PDL=pdl,
+        num_warps=CAND_MARK_WINDOW_WARPS if window_on else CAND_MARK_WARPS, **launch,
     )
     if window_on:
         _window_bracket_kernel[(batch,)](
             window, pivots, top_p, min_p, sums, maxes, pivot_mass, bracket, refine_keys,
-            n_chunks, CHUNKS_PAD=chunks_pad, PIVOTS=WINDOW_PIVOTS, REFINE=WINDOW_REFINE,
-            num_warps=4,
+            wide_count, wide_rows, n_chunks, CHUNKS_PAD=chunks_pad, PIVOTS=WINDOW_PIVOTS,
+            REFINE=WINDOW_REFINE, PDL=pdl, num_warps=4, **launch,
         )
-        _window_refine_kernel[(batch, n_chunks)](
-            probs, probs.stride(0), vocab, window, bracket, refine_keys, refine_mass, n_chunks,
-            CHUNK=CHUNK, REFINE=WINDOW_REFINE, num_warps=WINDOW_MARK_WARPS,
+        _window_refine_kernel[(min(batch * n_chunks, refine_programs(device)),)](
+            probs, probs.stride(0), vocab, wide_count, wide_rows, refine_keys, refine_mass,
+            n_chunks, CHUNK=CHUNK, REFINE=WINDOW_REFINE, PDL=pdl, num_warps=WINDOW_MARK_WARPS,
+            **launch,
         )
         _window_mark_kernel[(batch, n_chunks)](
             probs, probs.stride(0), vocab, window, bracket, refine_keys, refine_mass, bits, counts,
             above_mass, above_count, n_chunks, CHUNK=CHUNK, CHUNKS_PAD=chunks_pad,
-            REFINE=WINDOW_REFINE, num_warps=WINDOW_MARK_WARPS,
+            REFINE=WINDOW_REFINE, PDL=pdl, num_warps=WINDOW_MARK_WARPS, **launch,
         )
     # Candidates of row b: cand[b * V : b * V + n_b], ascending ids.
     cand_ids = torch.empty(batch * vocab, dtype=torch.int32, device=device)
     cand_vals = torch.empty(batch * vocab, dtype=torch.float32, device=device)
-    launch_expand_local(probs, bits, counts, n_chunks, cand_ids, cand_vals)
+    launch_expand_local(probs, bits, counts, n_chunks, cand_ids, cand_vals, pdl=pdl)
     per_row_out = torch.empty(9 * batch, dtype=torch.int32, device=device)
     (cutoff, sizes, lengths, status, forms, n_cand, window_ok) = (
         per_row_out[i * batch:(i + 1) * batch] for i in range(7))
@@ -1292,8 +1425,8 @@ def run_capture(
         SEQUENTIAL=sequential, SAMPLE=sample_mode, STATUS_ON_OVERFLOW=overflow == "status",
         BLOCK=RESOLVE_BLOCK, CHUNKS_PAD=chunks_pad, ROW_BLOCK=ROW_BLOCK, DRAW_BLOCK=DRAW_BLOCK,
         WINDOW=window_on, CHUNK=CHUNK, BINS=triton.next_power_of_2(n_chunks + 1),
-        SEARCH_WAYS=WINDOW_SEARCH_WAYS,
-        num_warps=RESOLVE_WARPS,
+        SEARCH_WAYS=WINDOW_SEARCH_WAYS, PDL=pdl,
+        num_warps=RESOLVE_WARPS, **launch,
     )
     offsets = torch.empty(batch + 1, dtype=torch.int32, device=device)
     id_offsets = torch.empty_like(offsets)
@@ -1317,12 +1450,14 @@ def run_capture(
             BLOCK=WRITE_BLOCK, ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)),
             num_warps=16, DIRECT=direct is not None,
             SUPPORT=target is None or target[2] == "support",
+            # the GPU-direct path launches it through the native core, without PDL
+            PDL=pdl and direct is None, **launch_options(pdl and direct is None),
         )
     if window_on:
         # Window rows: the support written from one read of each chunk, at
         # the offsets the write kernel set and the chunk counts resolve found.
         launch_window_write(probs, window_ok, cutoff, logz, forms, before, n_chunks, offsets,
-                            id_offsets, ids, values)
+                            id_offsets, ids, values, pdl=pdl)
     rows_out = Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values, vocab,
                     selected, tokens if sample_mode else None, max_tokens)
     if direct is not None:

@@ -450,6 +450,37 @@ def test_full_vocab_top_p_only_rows_in_the_interpreter() -> None:
     assert assert_top_p_rows(got, probs, 0.9) <= 1
 
 
+def test_top_p_of_a_subnormal_mass() -> None:
+    """Rows whose whole mass is subnormal (below float32's smallest normal,
+    1.2e-38): the top-p target is top_p x mass, met by the row's own largest
+    values as in the reference, and their logprobs are finite (a target
+    floored at 1e-38 lay above the whole mass and kept every positive id;
+    the GPU's log, flush-to-zero, took a subnormal for 0 and made the row
+    INVALID). Row 1's target, 0.1 x 3 x 2^-149, rounds to 0 in float32: it
+    is the smallest positive float instead, not 0 (which every key reaches:
+    an empty support). Row 3 is a window row's size with a subnormal tail."""
+    vocab = 8192
+    probs = torch.zeros(4, vocab)
+    probs[0, [3, 10, 20]] = torch.tensor([2e-40, 1e-40, 1e-41])
+    probs[1, [5, 6]] = torch.tensor([1, 2], dtype=torch.int32).view(torch.float32)
+    probs[2, :100] = torch.linspace(1e-39, 5e-39, 100)
+    gen = torch.Generator().manual_seed(31)
+    probs[3] = torch.softmax(torch.randn(vocab, generator=gen) * 0.5, -1)
+    probs[3, 7000:] = torch.linspace(1e-41, 1e-39, vocab - 7000)
+    top_p = torch.tensor([0.9, 0.1, 0.5, 0.9])
+    tokens = probs.argmax(1)
+    got = capture(probs.to(DEVICE), tokens.to(DEVICE), top_p=top_p.to(DEVICE), max_tokens=vocab)
+    want = reference_capture(probs, tokens, top_p=top_p, max_tokens=vocab)
+    assert (got.status.cpu() == Status.OK).all() and (want.status == Status.OK).all()
+    assert torch.equal(got.sizes.cpu(), want.sizes)
+    assert got.sizes[0] == 2 and got.sizes[1] == 1  # not every positive id
+    for b in range(4):
+        ids, logprobs = got.row(b)
+        assert ids.cpu().tolist() == want.row(b)[0].tolist()
+        assert torch.isfinite(logprobs).all()
+        torch.testing.assert_close(logprobs.cpu(), want.row(b)[1], atol=2e-5, rtol=0)
+
+
 def test_top_p_within_rounding_refuses_wrong_supports() -> None:
     """The rounding check itself: the reference's support passes; one more
     or one fewer id than a boundary far from the target fails, and so does
@@ -564,10 +595,17 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     top_p = settings + (0.5 if window else 1.0)
     is_window = torch.full((batch,), int(window), dtype=torch.int32, device=DEVICE)
     pivots_in = piv.to(DEVICE, torch.int32).flatten()
+    record = capture_module.BRACKET.value
+    bracket = torch.zeros(record * batch, dtype=torch.int32, device=DEVICE)
+    refine = 8
+    refine_keys = torch.zeros(batch * refine, dtype=torch.int32, device=DEVICE)
+    # the wide rows' list and their count
+    wide_rows, wide_count = (torch.zeros(n, dtype=torch.int32, device=DEVICE) for n in (batch, 1))
+    chunks_pad = triton.next_power_of_2(n_chunks)
     capture_module._cand_mark_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, lo, is_window, pivots_in, top_p, settings,
         settings.to(torch.int8), bits, counts, sums, maxes, pivot_mass, n_chunks, CHUNK=chunk,
-        MASS=window, TOP=False, WINDOW=window, PIVOTS=pivots, num_warps=4)
+        MASS=window, TOP=False, WINDOW=window, PIVOTS=pivots, PDL=False, num_warps=4)
     key = w.view(torch.int32)
     good = (w >= 0) & (w < math.inf)
     in_range = good & (w > 0) & (key >= lo.cpu()[:, None])
@@ -576,22 +614,23 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         assert (bits.cpu() == 7).all() and (counts.cpu() == 7).all()  # left to the window mark
         above_mass = torch.zeros(batch * n_chunks, device=DEVICE)
         above_count = torch.zeros(batch * n_chunks, dtype=torch.int32, device=DEVICE)
-        record = capture_module.BRACKET.value
-        bracket = torch.zeros(record * batch, dtype=torch.int32, device=DEVICE)
-        refine = 8
         refine_mass = torch.zeros(batch * n_chunks * refine, device=DEVICE)
-        chunks_pad = triton.next_power_of_2(n_chunks)
-        refine_keys = torch.zeros(batch * refine, dtype=torch.int32, device=DEVICE)
         capture_module._window_bracket_kernel[(batch,)](
             is_window, pivots_in, top_p, settings, sums, maxes, pivot_mass, bracket, refine_keys,
-            n_chunks, CHUNKS_PAD=chunks_pad, PIVOTS=pivots, REFINE=refine, num_warps=4)
-        capture_module._window_refine_kernel[(batch, n_chunks)](
-            probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, n_chunks,
-            CHUNK=chunk, REFINE=refine, num_warps=4)
+            wide_count, wide_rows, n_chunks, CHUNKS_PAD=chunks_pad, PIVOTS=pivots, REFINE=refine,
+            PDL=False, num_warps=4)
+        # the wide rows (rows 0 and 1 among them, below) are listed for the
+        # refine, in any order
+        wide = bracket.cpu().view(batch, record)[:, capture_module.B_WIDE.value].nonzero()[:, 0]
+        assert {0, 1} <= set(wide.tolist())
+        assert sorted(wide_rows.cpu()[:int(wide_count)].tolist()) == wide.tolist()
+        capture_module._window_refine_kernel[(3,)](
+            probs, probs.stride(0), vocab, wide_count, wide_rows, refine_keys, refine_mass,
+            n_chunks, CHUNK=chunk, REFINE=refine, PDL=False, num_warps=4)
         capture_module._window_mark_kernel[(batch, n_chunks)](
             probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, bits,
             counts, above_mass, above_count, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
-            REFINE=refine, num_warps=4)
+            REFINE=refine, PDL=False, num_warps=4)
         final = capture_module.B_FINAL_LO.value
         b_lo, b_hi = bracket.cpu().view(batch, record)[:, final:final + 2].long().unbind(1)
         assert (b_lo >= 1).all() and (b_hi <= inf_key).all()

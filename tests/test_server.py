@@ -439,6 +439,45 @@ async def read_stream(client: httpx.AsyncClient, url: str, rid: int, events: lis
     assert pending == b""
 
 
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_lagging_stream_coalesces_its_emissions(mode):
+    """A stream whose client lags keeps at most MAX_QUEUED_EVENTS events,
+    one an emission; the emissions after them go into one event, built when
+    the client catches up (the loop's build of every row no event holds):
+    every row once, in order, none lost. The server's own ReqState and
+    Stream, fed the workload's rows as chunks the way its lane folds them."""
+    from server import MAX_QUEUED_EVENTS, Generation, ReqState, Stream
+
+    from shmask.chunk import Chunk
+    from shmask.refs import MODE_SELECTED, MODE_SUPPORT
+
+    rid, rows_each = 2, 3
+    emissions = MAX_QUEUED_EVENTS + 10
+    length = emissions * rows_each
+    state = ReqState(rid, length, mode == "support")
+    generation = Generation(f"r{rid}", state, length, {"type": "length", "length": length},
+                            sampled_tokens(SEED, TOP_K, rid, 0, length), 3, True, False, True)
+    stream = Stream(generation)
+    state.streams.append(stream)
+    for e in range(emissions):
+        lengths, ids, logprobs = expected_chunk(SEED, TOP_K, rid, e * rows_each, rows_each, mode)
+        state.fold(e * rows_each, Chunk(MODE_SUPPORT if mode == "support" else MODE_SELECTED,
+                                        lengths, ids, logprobs, None))
+        # one event an emission until the queue is full, then none
+        assert len(stream.events) == min(e + 1, MAX_QUEUED_EVENTS)
+    assert stream.sent == MAX_QUEUED_EVENTS * rows_each and not stream.done
+    stream.build()  # the client caught up: one event of the rest
+    assert len(stream.events) == MAX_QUEUED_EVENTS + 1 and stream.done
+    seen = 0
+    for n, event in enumerate(stream.events):
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        meta = orjson.loads(event[6:-2])["meta_info"]
+        rows = check_rows(meta, rid, mode, start=seen)
+        assert rows == (rows_each if n < MAX_QUEUED_EVENTS else length - seen)
+        seen += rows
+    assert seen == length and meta["finish_reason"]["type"] == "length"
+
+
 def test_load_one_event_per_emission_and_health():
     tokens = 2000
     lengths = request_lengths(np.arange(LOAD_REQUESTS), tokens)
