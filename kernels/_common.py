@@ -295,7 +295,9 @@ def after_previous(PDL: tl.constexpr):
     kernel launch. Every program calls it before it reads what they wrote
     or writes anything, and before it exits, so that a kernel finishes
     only after those before it (the kernel after relies on that). Reads of
-    the call's inputs, which no kernel of the chain writes, may come first."""
+    the call's inputs, which no kernel of the chain writes, may come first,
+    and so may reads from L2 (``.cg``) of what a kernel two or more launches
+    back wrote: it finished before the kernel before this one began."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -587,9 +589,10 @@ def _peel(words, col_base):
 
 
 def pdl_default(device: torch.device) -> bool:
-    """Programmatic dependent launch where the GPU has it (sm90+) and the
-    kernels are compiled (Triton's interpreter has no grid dependencies)."""
-    return (device.type == "cuda" and not _interpreted()
+    """Programmatic dependent launch where the GPU has it (NVIDIA sm90+, not
+    ROCm, whose gfx9 parts report major 9 too) and the kernels are compiled
+    (Triton's interpreter has no grid dependencies)."""
+    return (device.type == "cuda" and torch.version.hip is None and not _interpreted()
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

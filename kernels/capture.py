@@ -82,7 +82,8 @@ Kernels:
 
 On sm90+ GPUs every kernel is launched as a programmatic dependent of the
 one before (after_previous): it starts while that one ends and waits for it
-before reading what it wrote; reads of ``probs`` may come first.
+before reading what it wrote; reads of ``probs``, and from L2 of what a
+kernel two or more launches back wrote, may come first.
 """
 
 from __future__ import annotations
@@ -567,14 +568,6 @@ def _narrow(piv, masses, target, b_lo, b_hi):
 
 
 @triton.jit
-def _chunk_cols(chunk, CHUNK: tl.constexpr):
-    """Word and bit indices and columns of _chunk_tile's tile."""
-    word_idx = tl.arange(0, CHUNK // 32)
-    bit_idx = tl.arange(0, 32)
-    return word_idx, bit_idx, chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
-
-
-@triton.jit
 def _prefetch_chunk(probs_ptr, stride_row, limit, row, chunk, CHUNK: tl.constexpr):
     """Bring the 128-byte lines of _chunk_tile's columns below limit into L2
     (NVIDIA's compiled kernels only): no registers held, unlike a load."""
@@ -590,7 +583,9 @@ def _chunk_tile(probs_ptr, stride_row, limit, row, chunk, CHUNK: tl.constexpr):
     bits (the mark's layout): word and bit indices, columns, float32 values
     (0 from column limit on: the row's length, or 0 to read nothing) and
     their float bits."""
-    word_idx, bit_idx, cols = _chunk_cols(chunk, CHUNK)
+    word_idx = tl.arange(0, CHUNK // 32)
+    bit_idx = tl.arange(0, 32)
+    cols = chunk * CHUNK + word_idx[:, None] * 32 + bit_idx[None, :]
     w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < limit,
                 other=0.0).to(tl.float32)
     return word_idx, bit_idx, cols, w, w.to(tl.int32, bitcast=True)
@@ -621,9 +616,10 @@ def _window_bracket_kernel(
     row is listed for the refine's programs); an end that no pivot set
     (below the lowest, above the highest) lies the width of all the pivots
     further out. Computed once a row here, not in each of the window mark's
-    programs (H200: 15 us of their time). Done by the candidate mark's last
-    program of each row instead (an atomic count of the row's programs), the
-    mark took 87 us instead of 82 (75 registers a thread against 64)."""
+    programs (H200: 15 us of their time). Measured and not kept: the
+    candidate mark's last program of each row doing it (an atomic count of
+    the row's programs, no launch here): the mark 87 us instead of 82 (75
+    registers a thread against 64)."""
     after_previous(PDL)
     row = tl.program_id(0)
     if tl.load(window_ptr + row) != 0:
@@ -666,7 +662,9 @@ def _top_p_target(top_p, mass):
     """top_p x mass, the mass a top-p support reaches, at least the smallest
     positive float32 (a subnormal, key 1): a product that underflows to 0
     would be reached by every key, and a floor any larger (1e-38 before)
-    lies above the whole mass of a row whose mass is subnormal."""
+    lies above the whole mass of a row whose mass is subnormal. The
+    constant, below float32's normals, is typed float64: the max is exact
+    in float64, and the cast brings it back."""
     return tl.maximum(top_p * mass, SMALLEST_POSITIVE).to(tl.float32)
 
 
@@ -911,8 +909,9 @@ def _resolve_kernel(
         key0 = v0.to(tl.int32, bitcast=True)
     cutoff = tl.maximum(cutoff, 1)  # zeros are never in the support
 
-    # Support size, mass and (sampling) the Gumbel-max draw in one sweep; a
-    # window row adds the ids above its bracket.
+    # Support size and mass (the candidates past the first BLOCK: in the
+    # sampler's draw, which reads them anyway); a window row adds the ids
+    # above its bracket.
     hit0 = live0 & (key0 >= cutoff)
     size = above_count + tl.sum(hit0.to(tl.int32), axis=0)
     z = above_mass + tl.sum(tl.where(hit0, v0, 0.0), axis=0)
@@ -947,13 +946,12 @@ def _resolve_kernel(
         # a Philox state for each of BLOCK lanes held at once took the
         # program to 196 registers, one program per SM instead of two, and
         # the batch two waves (resolve 43 us against capture's 16.5; H200,
-        # 2026-12-02). The price: a row of tens of thousands of candidates
-        # (top-p only: no window rows in sample) is read twice, here and in
-        # the sweep above (per-row tensor settings with such rows, bf16: 953
-        # us a call against 885 before), unless the draw over the candidates
-        # past the first BLOCK also sums their size and mass (the sweep above
-        # leaves them to it: one read). Measured and not kept: each lane
-        # keeping its own best, reduced once at the end (996 us).
+        # 2026-12-02). A row of tens of thousands of candidates (top-p
+        # only: no window rows in sample) was then read twice, by the sweep
+        # above and here (per-row tensor settings with such rows, bf16: 953
+        # us a call against 885); the draw now sums those past the first
+        # BLOCK itself. Measured and not kept: each lane keeping its own
+        # best, reduced once at the end (996 us).
         seed = tl.load(seed_ptr + row)
         best_score = tl.full([], float("-inf"), tl.float32)
         best_id = tl.zeros([], dtype=tl.int32) + vocab
@@ -1251,9 +1249,10 @@ def launch_window_write(
 
 
 def refine_programs(device: torch.device) -> int:
-    """_window_refine_kernel's grid: as many programs as the GPU holds at
-    once (8 an SM at 8 warps); 2 in Triton's interpreter (a program at a
-    time, so that few programs loop over the chunks)."""
+    """_window_refine_kernel's grid: 8 programs an SM, more than the few
+    wide rows' chunks need (a wave or two when every row is wide); 2 in
+    Triton's interpreter (a program at a time, so that few programs loop
+    over the chunks)."""
     if device.type != "cuda" or _interpreted():
         return 2
     return 8 * multiprocessors(device)
@@ -1339,7 +1338,6 @@ def run_capture(
     # among the candidates.
     window_on = (not sample_mode and target is None and may_be_window(top_k_arg, top_p_arg, vocab))
     # lo, window and (window rows) each row's bracket record, pivots and
-    # refining keys
     # refining keys, and the wide rows and their count
     i32 = torch.empty(
         (3 + BRACKET.value + WINDOW_PIVOTS + WINDOW_REFINE if window_on else 2) * batch + 1,
@@ -1450,7 +1448,8 @@ def run_capture(
             BLOCK=WRITE_BLOCK, ROWS_BLOCK=min(1024, triton.next_power_of_2(batch)),
             num_warps=16, DIRECT=direct is not None,
             SUPPORT=target is None or target[2] == "support",
-            # the GPU-direct path launches it through the native core, without PDL
+            # without PDL on the GPU-direct path, as before (its ring stores
+            # and arrival have not been measured chained)
             PDL=pdl and direct is None, **launch_options(pdl and direct is None),
         )
     if window_on:
