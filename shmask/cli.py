@@ -57,20 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     integrate = sub.add_parser(
         "integrate", parents=[after], help="check, apply or revert the SGLang or vLLM patch",
         description="The patch for the installed engine (shipped in shmask/integrations/): --check "
-                    "(the default) dry-runs it, --apply applies it, --revert takes it out. Exit 1 when "
-                    "the engine is missing, is not the version the patch was made for, or the patch "
-                    "does not apply.")
+                    "(the default) dry-runs it file by file, --apply applies it, --revert takes it out. "
+                    "A partly patched tree (some files patched, some not): --check names them and "
+                    "exits 1, --apply patches the rest, --revert unpatches the patched ones. The engine "
+                    "is found however pip installed it (wheel, editable; a local version label such "
+                    "as +cu126 is the same release). Exit 1 when the engine is missing, is not the "
+                    "release the patch was made for, the tree is partly patched (--check), or a file "
+                    "differs from both the release and the patched release.")
     integrate.add_argument("engine", choices=["sglang", "vllm"])
     action = integrate.add_mutually_exclusive_group()
-    for name, text in (("check", "dry run: say whether the patch applies or is applied (default)"),
-                       ("apply", "apply the patch to the installed engine (nothing if applied)"),
-                       ("revert", "take the patch out again (nothing if not applied)")):
+    for name, text in (("check", "dry run: say per file whether the patch applies or is applied (default)"),
+                       ("apply", "patch the installed engine's unpatched files (nothing if applied)"),
+                       ("revert", "take the patch out of the patched files (nothing if not applied)")):
         action.add_argument(f"--{name}", dest="action", action="store_const", const=name, help=text)
     integrate.add_argument("--site", type=Path, default=None, metavar="DIR",
-                           help="the directory holding the engine's package (default: the one this "
-                                "Python imports, without importing it)")
+                           help="the directory holding the engine's package, or the site-packages "
+                                "of an editable install of it (default: the one this Python imports, "
+                                "without importing it)")
     integrate.add_argument("--force", action="store_true",
-                           help="try the patch on another engine version (it must still apply exactly)")
+                           help="try the patch on another engine version, or one without metadata "
+                                "(it must still apply exactly)")
     return parser
 
 
@@ -286,7 +292,7 @@ def doctor_checks(rings: int = 1) -> list[dict[str, Any]]:
 
 
 def _integrate(out: _Output, args: argparse.Namespace) -> int:
-    from .integrate import IntegrateError, integrate
+    from .integrate import APPLIED, DIFFERS, NOT_APPLIED, PARTLY, IntegrateError, integrate
 
     try:
         report = integrate(args.engine, args.action or "check", site=args.site, force=args.force)
@@ -300,20 +306,31 @@ def _integrate(out: _Output, args: argparse.Namespace) -> int:
         out.json({"ok": report.ok, **asdict(report)})
         return 0 if report.ok else 1
     version = f"{report.engine} {report.version}" + (
-        "" if report.version == report.supported else f" (patch made for {report.supported}; --force)")
+        "" if report.same_release else f" (patch made for {report.supported}; --force)")
     out.line(f"{version} in {report.site}")
     out.line(f"patch: {report.patch}")
+    out.table(["file", "state"], [[(path, ""), (state, "good" if state in (APPLIED, NOT_APPLIED) else "bad")]
+                                  for path, state in report.files.items()])
     if report.done:
-        out.line(f"{report.done}: the patch is now {report.state}", "good")
-    elif report.state == "does not apply":
+        out.line(f"{report.done}: the patch is now {report.state} "
+                 f"({len(report.changed)} of {len(report.files)} files changed)", "good")
+    elif report.state == DIFFERS:
         out.line("the patch does not apply: these files differ from the release it was made for "
-                 "(edited, or partly patched):\n" + report.detail, "bad")
+                 "(edited, or partly patched within a file):\n" + report.detail, "bad")
         out.line(f"reinstall {report.engine}=={report.supported} "
                  f"(pip install --force-reinstall --no-deps '{report.engine}=={report.supported}') "
-                 "and run --apply again", "bad")
+                 "and run --apply again (an editable install: restore these files from the "
+                 f"v{report.supported} tag of its checkout)", "bad")
+        return 1
+    elif report.state == PARTLY:
+        patched = [path for path, state in report.files.items() if state == APPLIED]
+        unpatched = [path for path, state in report.files.items() if state == NOT_APPLIED]
+        out.line(f"the patch is partly applied: {len(patched)} of {len(report.files)} files are patched "
+                 f"({', '.join(patched)}), {len(unpatched)} are not ({', '.join(unpatched)}); "
+                 "--apply patches the rest, --revert takes it out of the patched ones", "bad")
         return 1
     else:
-        hint = {"not applied": "; --apply applies it", "applied": "; --revert takes it out"}[report.state]
+        hint = {NOT_APPLIED: "; --apply applies it", APPLIED: "; --revert takes it out"}[report.state]
         out.line(f"the patch is {report.state}{hint}", "good")
     return 0
 

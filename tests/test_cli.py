@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 
@@ -200,9 +201,18 @@ def _fake_engine(site, name: str, version: str) -> dict[str, str]:
     return originals
 
 
-def _integrate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmask", "integrate", *args], capture_output=True,
-                          text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+def _integrate(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
+    """The real CLI in its own process group (it runs GNU patch), killed whole on a hang."""
+    command = [sys.executable, "-m", "shmask", "integrate", *args]
+    env = {"PATH": os.environ["PATH"], **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def _files(site, originals) -> dict[str, str]:
@@ -271,7 +281,7 @@ def test_a_failed_apply_leaves_every_file_as_it_was(tmp_path):
     """GNU patch writes file by file: when the real run fails after the dry
     run (a file changed in between), the file it already patched is put back
     and no reject file is left in the engine's directory."""
-    from shmask.integrate import IntegrateError, _run
+    from shmask.integrate import IntegrateError, _run, split_patch
 
     (tmp_path / "pkg").mkdir()
     first, second = tmp_path / "pkg" / "a.py", tmp_path / "pkg" / "b.py"
@@ -282,7 +292,119 @@ def test_a_failed_apply_leaves_every_file_as_it_was(tmp_path):
         "--- a/pkg/a.py\n+++ b/pkg/a.py\n@@ -1,3 +1,3 @@\n x = 1\n-y = 2\n+y = 20\n z = 3\n"
         "--- a/pkg/b.py\n+++ b/pkg/b.py\n@@ -1 +1 @@\n-original\n+patched\n")
     with pytest.raises(IntegrateError, match="left as it was"):
-        _run(tmp_path, patch, "--forward")
+        _run(tmp_path, split_patch(patch))
     assert first.read_text() == "x = 1\ny = 2\nz = 3\n"
     assert second.read_text() == "changed meanwhile\n"
     assert not list(tmp_path.rglob("*.rej")) and not list(tmp_path.rglob("*.orig"))
+
+
+@pytest.mark.parametrize("name,version", [("sglang", "0.5.23"), ("vllm", "0.33.0")])
+def test_integrate_on_a_partly_patched_tree(tmp_path, name, version):
+    """Issue 33 #2: one patched file put back. --check names the patched and
+    unpatched files and fails (it said "applied"), --apply patches the rest (it
+    did nothing), --revert unpatches only the patched ones (GNU patch's --batch
+    swapped which files were patched)."""
+    originals = _fake_engine(tmp_path, name, version)
+    site = ("--site", str(tmp_path))
+    assert _integrate(name, "--apply", *site).returncode == 0
+    patched = _files(tmp_path, originals)
+    put_back = sorted(originals)[0]
+    (tmp_path / put_back).write_text(originals[put_back])
+    mixed = {**patched, put_back: originals[put_back]}
+    check = _integrate(name, *site)
+    assert check.returncode == 1, check.stdout
+    text = " ".join(check.stdout.split())
+    assert f"the patch is partly applied: {len(originals) - 1} of {len(originals)} files are patched" in text
+    assert f"1 are not ({put_back})" in text and "--apply patches the rest" in text
+    report = json.loads(_integrate(name, "--json", *site).stdout)
+    assert report["state"] == "partly applied" and not report["ok"]
+    assert report["files"] == {f: "not applied" if f == put_back else "applied" for f in originals}
+    assert _files(tmp_path, originals) == mixed  # --check changed nothing
+    applied = json.loads(_integrate(name, "--apply", "--json", *site).stdout)
+    assert applied["ok"] and applied["state"] == "applied" and applied["changed"] == [put_back]
+    assert _files(tmp_path, originals) == patched
+    (tmp_path / put_back).write_text(originals[put_back])
+    reverted = json.loads(_integrate(name, "--revert", "--json", *site).stdout)
+    assert reverted["ok"] and reverted["state"] == "not applied"
+    assert reverted["changed"] == sorted(set(originals) - {put_back})
+    assert _files(tmp_path, originals) == originals
+
+
+def test_integrate_accepts_a_local_version_label(tmp_path):
+    """Issue 33 #13: vllm 0.33.0+cu126 (a per-CUDA wheel of 0.33.0) is that
+    release; another release with a label is still refused."""
+    originals = _fake_engine(tmp_path, "vllm", "0.33.0+cu126")
+    check = _integrate("vllm", "--site", str(tmp_path))
+    assert check.returncode == 0, check.stdout
+    assert f"vllm 0.33.0+cu126 in {tmp_path}\n" in check.stdout and "--force" not in check.stdout
+    assert "the patch is not applied" in check.stdout
+    applied = json.loads(_integrate("vllm", "--apply", "--json", "--site", str(tmp_path)).stdout)
+    assert applied["version"] == "0.33.0+cu126" and applied["state"] == "applied"
+    assert _files(tmp_path, originals) != originals
+    other = tmp_path / "other"
+    _fake_engine(other, "vllm", "0.33.1+cu126")
+    refused = _integrate("vllm", "--site", str(other))
+    assert refused.returncode == 1 and "vllm 0.33.1+cu126 is installed" in " ".join(refused.stdout.split())
+
+
+def _editable(tmp_path, name: str, version: str) -> tuple:
+    """A source checkout (the package under checkout/python/, as SGLang lays
+    it out) and a site-packages holding what `pip install -e checkout/python`
+    leaves there: the dist-info with an editable direct_url.json and a .pth
+    naming the checkout."""
+    source, site = tmp_path / "checkout" / "python", tmp_path / "site-packages"
+    originals = _fake_engine(source, name, version)
+    site.mkdir()
+    (source / f"{name}-{version}.dist-info").rename(site / f"{name}-{version}.dist-info")
+    (site / f"{name}-{version}.dist-info" / "direct_url.json").write_text(
+        json.dumps({"url": source.as_uri(), "dir_info": {"editable": True}}))
+    (site / f"__editable__.{name}-{version}.pth").write_text(f"{source}\n")
+    return source, site, originals
+
+
+def test_integrate_finds_an_editable_install(tmp_path):
+    """Issue 33 #12: `pip install -e`: the package is in the checkout, its
+    dist-info in site-packages. Found from the import path (the checkout on
+    it, as the .pth puts it), from --site <checkout>, and from --site
+    <site-packages>; the patch goes into the checkout."""
+    source, site, originals = _editable(tmp_path, "sglang", "0.5.23")
+    on_path = os.pathsep.join([str(site), str(source)])  # what the .pth adds, before the venv's own
+    for args, pythonpath in (((), on_path), (("--site", str(source)), str(site)),
+                             (("--site", str(site)), "")):
+        report = _integrate("sglang", "--json", *args, pythonpath=pythonpath)
+        assert report.returncode == 0, (args, report.stdout)
+        report = json.loads(report.stdout)
+        assert report["site"] == str(source) and report["version"] == "0.5.23", args
+        assert report["state"] == "not applied", args
+    applied = _integrate("sglang", "--apply", "--site", str(site))
+    assert applied.returncode == 0 and "applied: the patch is now applied" in applied.stdout
+    assert all(_files(source, originals)[f] != originals[f] for f in originals)
+    reverted = _integrate("sglang", "--revert", pythonpath=on_path)
+    assert reverted.returncode == 0 and _files(source, originals) == originals
+
+
+def test_integrate_finds_a_legacy_editable_install(tmp_path):
+    """`setup.py develop` / pip's legacy editable mode: an .egg-link in
+    site-packages names the checkout, which holds the egg-info."""
+    source, site, originals = _editable(tmp_path, "sglang", "0.5.23")
+    (site / "sglang-0.5.23.dist-info").rename(source / "sglang.egg-info")
+    (source / "sglang.egg-info" / "direct_url.json").unlink()
+    (source / "sglang.egg-info" / "METADATA").rename(source / "sglang.egg-info" / "PKG-INFO")
+    (site / "sglang.egg-link").write_text(f"{source}\n.\n")
+    for where in (site, source):
+        report = json.loads(_integrate("sglang", "--json", "--site", str(where)).stdout)
+        assert report["site"] == str(source) and report["version"] == "0.5.23", where
+        assert report["state"] == "not applied"
+
+
+def test_integrate_without_metadata_under_force(tmp_path):
+    """A copied tree with no metadata anywhere: refused with --force named;
+    --force checks and applies it, the version said to be unknown."""
+    originals = _fake_engine(tmp_path, "vllm", "0.33.0")
+    (tmp_path / "vllm-0.33.0.dist-info" / "METADATA").unlink()
+    (tmp_path / "vllm-0.33.0.dist-info").rmdir()
+    refused = _integrate("vllm", "--site", str(tmp_path))
+    assert refused.returncode == 1 and "--force tries the patch anyway" in " ".join(refused.stdout.split())
+    forced = _integrate("vllm", "--apply", "--force", "--site", str(tmp_path))
+    assert forced.returncode == 0 and "vllm unknown (patch made for 0.33.0; --force)" in forced.stdout
+    assert _files(tmp_path, originals) != originals
