@@ -66,11 +66,15 @@ $(COMPAT_STAMP): $(STAMP) tests/compat/requirements-deps.txt tests/compat/requir
 	$(PY) -m pip install -q --no-deps -r tests/compat/requirements-nodeps.txt
 	touch $(COMPAT_STAMP)
 
+# The integrate fault case (mixed trees of both engines, short size) runs
+# here too: under `make test` the engines are not installed and it skips.
 test-compat: $(COMPAT_STAMP)
-	$(PY) -m pytest -q tests/compat
+	$(PY) -m pytest -q tests/compat tests/faults/test_faults_integrate.py
 
-# The whole fault matrix (the short version runs inside `make test`).
-faults: $(STAMP)
+# The whole fault matrix (the short version runs inside `make test`). The
+# integrate case patches copies of the released engines' trees: it needs the
+# compat install.
+faults: $(COMPAT_STAMP)
 	SHMASK_FAULTS_FULL=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/faults
 
 serve: $(SERVE_STAMP)
