@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import astuple, fields
@@ -48,6 +49,20 @@ _rings: dict[str, tuple[_Metrics, tuple[str, ...]]] = {}
 _LABEL_PATTERN = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _ERROR_INTERVAL_S = 60.0
 _errors = {"pending": 0, "last": -_ERROR_INTERVAL_S}
+# Held across a sync's read of `synced`, its increments and its update of
+# `synced`: threads sharing a Reader sync its one snapshot, and two unlocked
+# syncs would both hand over the same delta. Taken once per emission or per
+# 256 opens, never per row or per open.
+_sync_lock = threading.Lock()
+
+
+def _new_sync_lock() -> None:
+    # A fork while another thread syncs would leave the child's copy held.
+    global _sync_lock
+    _sync_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_sync_lock)
 
 # WriterStats field -> (metric name, help, labels)
 _PRODUCER_COUNTERS = {
@@ -150,12 +165,15 @@ def sync(stats: Any, synced: Any, ring_usage: tuple[int, int] | None = None,
     (a snapshot of the same type, updated in place) to prometheus_client,
     and set the ring gauges of `segment` (a Writer's segment name) to
     `ring_usage` (used, capacity). Never raises: it runs inside data calls
-    (take_batch, open, discard)."""
+    (take_batch, open, discard). Threads may sync one `synced` at once
+    (a Reader they share): each increment is handed over once, and a
+    snapshot older than `synced` hands over nothing."""
     metrics = _metrics
     if metrics is None:
         return
     try:
-        _sync(metrics, stats, synced, ring_usage if segment else None, segment)
+        with _sync_lock:
+            _sync(metrics, stats, synced, ring_usage if segment else None, segment)
     except Exception:  # noqa: BLE001 - metrics must never fail a data call
         _log_error()
 

@@ -19,9 +19,21 @@ work on worker threads runs beside the loop. `Offload` gives that work:
   so never waits behind that feed, only behind its own key's jobs;
 - **failures stay with their job**: a job's exception goes to its future
   only; later jobs of the same key and every other key still run (what a
-  failed request means is the caller's to decide);
+  failed request means is the caller's to decide). Every job's future
+  completes, whatever the job raises: an Exception as it was raised, but
+  StopIteration (asyncio cannot set it on a Future, so the awaitable would
+  never complete) and any BaseException that is not an Exception
+  (KeyboardInterrupt, SystemExit, GeneratorExit, CancelledError) become a
+  RuntimeError whose ``__cause__`` is the original, as PEP 479 turns a
+  coroutine's StopIteration. On a worker those interrupt nothing (signals
+  reach the main thread), and passed on as they are they would stop the
+  caller's event loop (asyncio re-raises KeyboardInterrupt and SystemExit
+  out of ``run``) or read as the caller's own cancellation;
 - **shutdown**: `close()` cancels the jobs not started, waits only for the
-  ones running (each one fold or one response) and joins the threads.
+  ones running (each one fold or one response) and joins the threads. A
+  `fold_ref` job that never runs (cancelled, or dropped by `close()`)
+  gives its chunk back to the ring unopened (`Reader.discard`), so the
+  producer need not wait for the lease.
 
     offload = Offload(threads=4)
     folded = await offload.put(rid, fold_ref, reader, ref, state.masks.extend)
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import threading
 from collections.abc import Callable, Hashable
@@ -52,6 +65,8 @@ T = TypeVar("T")
 
 __all__ = ["Offload", "default_threads", "fold_ref"]
 
+log = logging.getLogger("shmask")
+
 
 def default_threads() -> int:
     """SHMASK_OFFLOAD_THREADS, else min(8, the cores this process may run on)
@@ -68,6 +83,30 @@ def fold_ref(reader: Reader, ref: ChunkRef, fold: Callable[[Chunk], T]) -> T:
     held only while its rows are being written, on a worker thread."""
     with reader.open(ref) as chunk:
         return fold(chunk)
+
+
+def _job_error(exc: BaseException) -> BaseException:
+    """What a job's future carries for `exc` (the module docstring says why
+    StopIteration and non-Exception BaseExceptions become RuntimeError)."""
+    if isinstance(exc, Exception) and not isinstance(exc, StopIteration):
+        return exc
+    error = RuntimeError(f"Offload job raised {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _dropped(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """A job that will never run: a fold_ref job's chunk goes back to the
+    ring now rather than at the lease. Never raises (it runs in close() and
+    on workers)."""
+    if fn is not fold_ref or len(args) != 3:
+        return
+    reader, ref = args[0], args[1]
+    try:
+        reader.discard(ref)
+    except Exception as exc:  # noqa: BLE001 - a ref that cannot be given back has nothing to give
+        log.warning("chunk of a cancelled Offload job not given back: %s: %s",
+                    type(exc).__name__, exc)
 
 
 class Offload:
@@ -120,7 +159,9 @@ class Offload:
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # the job's future carries it, nothing else
-                future.set_exception(exc)
+                future.set_exception(_job_error(exc))
+        else:  # cancelled before its turn
+            _dropped(fn, args)
         del future, fn, args  # hold no chunk or state while waiting for a turn
         with self._lock:
             if not lane:
@@ -133,8 +174,9 @@ class Offload:
         except RuntimeError:  # the pool shut down (close(), or interpreter exit)
             with self._lock:
                 stranded = self._lanes.pop(key, None) or ()
-            for future, _, _ in stranded:
+            for future, fn, args in stranded:
                 future.cancel()
+                _dropped(fn, args)
 
     # -- asyncio --------------------------------------------------------------
 
@@ -168,7 +210,9 @@ class Offload:
         """`submit`, awaited: the result (or the exception) of `fn(*args)`.
         It takes no slot, so it never queues behind `put`'s feeder: use it
         for work bounded by its callers (one response per client at a time).
-        Cancelling the await cancels the job if it has not started."""
+        Cancelling the await cancels the job if it has not started. Every
+        failure of the job completes the await (the module docstring says
+        which exceptions become RuntimeError)."""
         return await asyncio.wrap_future(self.submit(key, fn, *args))
 
     # -- shutdown -------------------------------------------------------------
@@ -178,11 +222,12 @@ class Offload:
         one job) and join the threads. Idempotent; `submit` raises after."""
         with self._lock:
             self._closed = True
-            queued = [job[0] for lane in self._lanes.values() for job in lane]
+            queued = [job for lane in self._lanes.values() for job in lane]
             for lane in self._lanes.values():
                 lane.clear()
-        for future in queued:
+        for future, fn, args in queued:
             future.cancel()
+            _dropped(fn, args)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Offload:

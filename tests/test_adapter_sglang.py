@@ -357,6 +357,28 @@ def test_response_meta_info_from_chunks():
         adapter.response_meta_info([])
 
 
+def test_response_meta_info_failure_gives_back_every_chunk(writer):
+    """Issue 33 #7: response_meta_info(chunks) stopped at the first chunk that
+    failed and held the ones after it until the lease. The request fails
+    with that chunk's error and every chunk goes back to the ring, whether
+    the chunks come as a list or a generator."""
+    for as_given in (list, iter):
+        support = adapter.SamplingMaskRows("support")
+        selected = adapter.SamplingMaskRows("selected")
+        chunks = []
+        for _ in range(4):
+            support.append(np.arange(3, dtype=np.int32), np.zeros(3, np.float32))
+            chunks.append(support.take())
+        selected.append(np.arange(2, dtype=np.int32), np.zeros(1, np.float32))
+        chunks.insert(1, selected.take())  # the wrong mode for this request
+        with pytest.raises(shmask.ShmaskError, match="selected-mode rows"):
+            adapter.response_meta_info(as_given(chunks), support_logprobs=True)
+        support.close()
+        selected.close()
+        writer.reclaim()
+        assert writer.ring_usage()[0] == 0, as_given
+
+
 def test_staging_flushes_per_step_and_isolates_a_bad_row(writer, config):
     rows = [adapter.SamplingMaskRows("support") for _ in range(3)]
     staging = adapter._staging_of(writer)

@@ -7,10 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
-from conftest import random_chunk
+from conftest import forked_answer, random_chunk
 
 import shmask
 from shmask import metrics
@@ -227,3 +228,58 @@ def test_dead_writer_rings_stay_until_mark_process_dead(tmp_path, prefix):
         # The dead producer's segment: a new Writer collects it.
         with shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)):
             pass
+
+
+def test_threads_sharing_a_reader_count_every_open_once(registry, prefix):
+    """Issue 33 #8: threads sharing one Reader synced its one snapshot
+    without a lock, so two syncs could hand over the same increments
+    (120,768-122,304 counted for 120,000 opens). Every thread also syncs
+    after each open (Reader.sync_metrics), so the syncs overlap all the
+    time; the counter must still equal reader.stats exactly."""
+    threads, rounds, per_round = 4, 12, 1000
+    config = shmask.Config(ring_mb=4, name_prefix=prefix, lease_s=600)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the syncs interleave
+    try:
+        with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+            queues = [writer.open_queue("selected") for _ in range(per_round)]
+            errors: list[BaseException] = []
+
+            def open_share(share: list) -> None:
+                try:
+                    for ref in share:
+                        reader.open(ref).release()
+                        reader.sync_metrics()
+                except BaseException as exc:  # noqa: BLE001 - shown by the assert below
+                    errors.append(exc)
+
+            for _ in range(rounds):
+                writer.append_step(queues, np.ones(per_round, np.int32),
+                                   np.arange(per_round, dtype=np.int32),
+                                   np.zeros(0, np.float32), np.zeros(per_round, np.float32))
+                refs = list(writer.take_batch(queues))
+                workers = [threading.Thread(target=open_share, args=(refs[i::threads],))
+                           for i in range(threads)]
+                for worker in workers:
+                    worker.start()
+                for worker in workers:
+                    worker.join(60)
+                assert not errors and not any(w.is_alive() for w in workers), errors
+                writer.reclaim()
+            reader.sync_metrics()
+            opens = reader.stats.opens
+    finally:
+        sys.setswitchinterval(switch_interval)
+    assert opens == rounds * per_round
+    samples = _samples(prometheus_client.generate_latest(registry).decode())
+    assert samples[("shmask_reader_opens_total", ())] == opens
+
+
+def test_a_child_forked_during_a_sync_can_sync(registry, prefix):
+    """The sync lock is made anew in a forked child: a fork while another
+    thread holds it (mid-sync) must not leave the child's first sync
+    blocked forever."""
+    with shmask.Reader(shmask.Config(ring_mb=1, name_prefix=prefix)) as reader:
+        with metrics._sync_lock:  # held as by another thread mid-sync when the fork comes
+            answer = forked_answer(lambda: (reader.sync_metrics(), b"synced")[1], timeout=30)
+    assert answer == b"synced"

@@ -176,3 +176,102 @@ def test_fold_ref_releases_the_chunk(writer, reader):
             futures[1].result(WAIT_S)
         assert futures[2].result(WAIT_S) == rows[2][0].sum()
     assert all(chunk.released for chunk in seen)  # the failed fold's chunk too
+
+
+class _Custom(BaseException):
+    """A BaseException of the caller's own, not an Exception."""
+
+
+# What a job raises -> what its future carries: Exceptions as raised;
+# StopIteration and BaseExceptions that are not Exceptions as a RuntimeError
+# caused by them (the module docstring says why).
+_FAILURES = [(ValueError, ValueError), (StopAsyncIteration, StopAsyncIteration),
+             (StopIteration, RuntimeError), (KeyboardInterrupt, RuntimeError),
+             (SystemExit, RuntimeError), (GeneratorExit, RuntimeError),
+             (asyncio.CancelledError, RuntimeError), (_Custom, RuntimeError)]
+
+
+@pytest.mark.parametrize(("raised", "carried"), _FAILURES,
+                         ids=[raised.__name__ for raised, _ in _FAILURES])
+def test_every_way_a_job_can_fail_completes_its_future(raised, carried):
+    """Issue 33 #5: a job raising StopIteration never completed the awaitable
+    of run()/put() (asyncio refuses StopIteration on a Future), and one
+    raising KeyboardInterrupt or SystemExit stopped the caller's event loop.
+    Each form (run, put, submit) must complete with the job's failure within
+    a bound, and the loop and the pool go on."""
+    def job() -> None:
+        raise raised("job failed")
+
+    def check(error: BaseException) -> None:
+        assert type(error) is carried
+        if carried is not raised:
+            assert type(error.__cause__) is raised
+            assert raised.__name__ in str(error)
+
+    async def main() -> None:
+        with Offload(threads=2) as offload:
+            for attempt in ("run", "put"):
+                try:
+                    if attempt == "run":
+                        await asyncio.wait_for(offload.run("k", job), WAIT_S)
+                    else:
+                        await asyncio.wait_for(await offload.put("k", job), WAIT_S)
+                except asyncio.TimeoutError:
+                    pytest.fail(f"{attempt}: the job's awaitable never completed")
+                except BaseException as error:  # noqa: BLE001 - checked below
+                    check(error)
+                else:
+                    pytest.fail(f"{attempt}: the job's failure was lost")
+            # The loop and the pool still serve (the key's lane too).
+            assert await asyncio.wait_for(offload.run("k", len, "abc"), WAIT_S) == 3
+            future = offload.submit("k", job)
+            check(future.exception(WAIT_S))
+
+    asyncio.run(main())
+
+
+def test_fold_ref_jobs_that_never_run_give_their_chunks_back(writer, reader):
+    """A fold_ref job cancelled before its turn (its future, or the await of
+    run()), or dropped by close(), gives its chunk back unopened: the
+    producer reclaims the ring at once instead of after the lease."""
+    rng = np.random.default_rng(11)
+    refs = [writer.publish(*random_chunk(rng, 3, 20)) for _ in range(3)]
+    folded: list[shmask.Chunk] = []
+    release = [threading.Event(), threading.Event()]
+
+    def blocker(turn: int) -> None:
+        assert release[turn].wait(WAIT_S)
+
+    async def main() -> None:
+        offload = Offload(threads=1)  # one worker: the blocker holds it
+        offload.submit("a", blocker, 0)
+        cancelled = offload.submit("b", fold_ref, reader, refs[0], folded.append)
+        awaited = asyncio.ensure_future(offload.run("c", fold_ref, reader, refs[1],
+                                                    folded.append))
+        await asyncio.sleep(0)  # run() has submitted its job
+        assert cancelled.cancel()
+        awaited.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await awaited
+        after = offload.submit("e", lambda: "after")  # served after "b" and "c" were
+        release[0].set()
+        assert after.result(WAIT_S) == "after"
+        # close() drops a queued job: started in a thread, since it waits
+        # for the running blocker, which is let go once the job is dropped.
+        offload.submit("a", blocker, 1)
+        dropped = offload.submit("d", fold_ref, reader, refs[2], folded.append)
+        closing = threading.Thread(target=offload.close)
+        closing.start()
+        deadline = time.monotonic() + WAIT_S
+        while not dropped.cancelled():
+            assert time.monotonic() < deadline, "close() did not drop the queued job"
+            await asyncio.sleep(0.01)
+        release[1].set()
+        closing.join(WAIT_S)
+        assert not closing.is_alive()
+
+    asyncio.run(main())
+    assert folded == []  # none of them ran
+    assert reader.stats.discards == 3
+    writer.reclaim()
+    assert writer.ring_usage()[0] == 0

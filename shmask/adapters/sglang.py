@@ -1165,16 +1165,29 @@ def response_meta_info(source: SamplingMaskJSON | SamplingMaskChunk | Chunk
 
     ``source`` is a request's ``SamplingMaskJSON`` (streaming: extend it per
     emission, call this per response; ``start`` is SGLang's incremental
-    offset), or its chunk(s) (whole response; they are released), which then
-    needs ``support_logprobs``. ``raw=True``: the arrays as
+    offset), or its chunk(s) (whole response), which then needs
+    ``support_logprobs``: each ``SamplingMaskChunk`` is released (an open
+    shmask ``Chunk`` stays its opener's to release, as in
+    ``SamplingMaskJSON.extend``). The chunks are one request's, so a chunk
+    that cannot be read fails the call with its error (StaleChunkError,
+    InvalidRefError, ShmaskError), after the chunks not yet read are
+    released too (not held until the lease). ``raw=True``: the arrays as
     ``shmask.response_json.RawJSON`` for ``response_json.dumps`` instead
     (the same bytes, one copy fewer)."""
     if not isinstance(source, SamplingMaskJSON):
         if support_logprobs is None:
             raise TypeError("response_meta_info(chunks) needs support_logprobs=")
         accumulated = SamplingMaskJSON(support_logprobs)
-        chunks = [source] if isinstance(source, SamplingMaskChunk | Chunk) else source
-        for chunk in chunks:
-            accumulated.extend(chunk)
+        chunks = iter([source] if isinstance(source, SamplingMaskChunk | Chunk) else source)
+        try:
+            for chunk in chunks:
+                accumulated.extend(chunk)
+        except BaseException:
+            # The failed chunk was released by extend (or never opened);
+            # the ones after it are given back here. release_chunk never
+            # raises, so the error raised is the failed chunk's.
+            for rest in chunks:
+                release_chunk(rest)
+            raise
         source = accumulated
     return source.raw_fields(start) if raw else source.fields(start)
