@@ -11,7 +11,8 @@
 #define SHM_EXIT_PATH_BYTES 128
 
 /* Registers a segment's file path (/dev/shm/<name>) for this process: the
- * slot to unregister it with, or -1 (too long, or the table is full). */
+ * slot to unregister it with, or -1 (too long, or no memory for the table,
+ * which grows: there is no limit on the number of rings). */
 int shm_exit_register(const char *path);
 void shm_exit_unregister(int slot);
 /* Sets the SIGTERM handler if SIGTERM's action is the default one: 1 when

@@ -196,6 +196,9 @@ class Segment:
         self._exit_slot = -1
         if owner_fd is not None:
             self._exit_slot = int(lib.shm_exit_register(_path(name).encode()))
+            if self._exit_slot < 0:  # the table grows: only out of memory
+                raise SegmentError(f"cannot register ring {name!r} for removal at SIGTERM: "
+                                   "out of memory")
         self.closed = False
 
     @classmethod
@@ -204,28 +207,37 @@ class Segment:
         size = int(lib.SHM_HEADER_BYTES) + capacity
         for _ in range(_CREATE_ATTEMPTS):
             name = new_name(prefix)
-            try:
-                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-            except posix_ipc.ExistentialError:
-                continue  # the random name exists already: draw again
-            except posix_ipc.Error as exc:
-                raise SegmentError(f"cannot create shared memory {name!r}: {exc}") from exc
-            fd = shm.fd
+            # Until the registry holds the segment, a child forked meanwhile
+            # (by another thread) finds the lock's descriptor in _CREATING
+            # and closes its copy (_LiveSegments.forget_in_child); no fork
+            # happens between the open and that (_OPENING).
+            with _OPENING:
+                try:
+                    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+                except posix_ipc.ExistentialError:
+                    continue  # the random name exists already: draw again
+                except posix_ipc.Error as exc:
+                    raise SegmentError(f"cannot create shared memory {name!r}: {exc}") from exc
+                fd = shm.fd
+                _CREATING.add(fd)
             try:
                 # Lock first, then check the name still points at our file: a
                 # janitor that took the lock before us may have unlinked it.
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if not _same_file(fd, name):
+                    _CREATING.discard(fd)  # before the number can be reused
                     os.close(fd)
                     continue
                 _allocate(fd, size, name)
                 base = _map_separately(fd, size, name)
+                segment = cls(name, base, size, owner_fd=fd)
             except BaseException:
+                _CREATING.discard(fd)
                 _unlink_quietly(name)
                 os.close(fd)
                 raise
-            segment = cls(name, base, size, owner_fd=fd)
             _LIVE.add(segment)
+            _CREATING.discard(fd)
             return segment
         raise SegmentError(f"could not create a segment with prefix {prefix!r} in "
                            f"{_CREATE_ATTEMPTS} attempts")
@@ -292,8 +304,12 @@ class Segment:
         if self._owner_fd is not None:
             if self.owner_pid == os.getpid():
                 _unlink_quietly(self.name)
-            os.close(self._owner_fd)
-            self._owner_fd = None
+            # Forgotten before it is closed: a child forked in between must
+            # not close the number (forget_in_child), which another thread
+            # may have reused by then; its copy of the lock is harmless, the
+            # name is gone.
+            owner_fd, self._owner_fd = self._owner_fd, None
+            os.close(owner_fd)
         self.buffer = None  # type: ignore[assignment]
         self.base = None  # type: ignore[assignment]
 
@@ -380,20 +396,35 @@ class _LiveSegments:
     def forget_in_child(self) -> None:
         """After fork: the child is not the producer. Closing its copy of
         the descriptor leaves the lock with the parent alone, so a SIGKILLed
-        producer's ring becomes collectable even while a forked child lives."""
+        producer's ring becomes collectable even while a forked child lives.
+        Segments that other threads of the parent were creating at the fork
+        are not in the registry yet: their descriptors are in _CREATING."""
+        owner_fds = set(_CREATING)
         for segment in self._snapshot:
             if segment._owner_fd is not None:
-                try:
-                    os.close(segment._owner_fd)
-                except OSError:
-                    pass
+                owner_fds.add(segment._owner_fd)
                 segment._owner_fd = None
+        for fd in owner_fds:  # each once: a segment may be in both
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _CREATING.clear()
         self._segments.clear()
         self._snapshot = ()
         self._lock = threading.Lock()  # the parent's may have been held at the fork
 
 
+# Lock descriptors of segments being created, not yet in _LIVE (set.add and
+# discard are atomic). _OPENING is held from the open of a new segment until
+# its descriptor is in _CREATING (posix_ipc lets other threads run, a fork
+# included, before the opening thread gets the descriptor back); a fork
+# waits for it, so no child is made in between and none inherits it held.
+_CREATING: set[int] = set()
+_OPENING = threading.Lock()
 _LIVE = _LiveSegments()
+os.register_at_fork(before=_OPENING.acquire, after_in_parent=_OPENING.release,
+                    after_in_child=_OPENING.release)
 os.register_at_fork(after_in_child=_LIVE.forget_in_child)
 
 

@@ -135,6 +135,38 @@ def test_sigterm_cleans_up_a_writer_built_on_a_worker_thread(prefix):
         _end(proc, prefix)
 
 
+MANY_RINGS = 300  # past the native table's first chunk of 256 slots (issue 33, item 6)
+
+
+def test_sigterm_unlinks_every_ring_of_a_process_with_more_than_256(prefix):
+    """300 live Writers (the table that SIGTERM's handler reads had 256
+    fixed slots: 44 rings were left), some past the 256th closed before the
+    signal (their slots must be freed, not a live ring's): none is left."""
+    needed = MANY_RINGS * (4096 + (1 << 20)) + (64 << 20)  # ring_mb=1, and some room to spare
+    shm = os.statvfs("/dev/shm")
+    if shm.f_bavail * shm.f_frsize < needed:
+        pytest.skip(f"/dev/shm has {shm.f_bavail * shm.f_frsize >> 20} MiB free; "
+                    f"the test needs {needed >> 20} MiB")
+    proc = _spawn(f"""
+        config = shmask.Config.from_env(ring_mb=1)
+        writers = [shmask.Writer(config) for _ in range({MANY_RINGS})]
+        for writer in writers[260:280]:
+            writer.close()
+        print("made", flush=True)
+        time.sleep(60)
+    """, prefix)
+    try:
+        _line(proc)  # every ring made
+        made = [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
+        assert len(made) == MANY_RINGS - 20
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+        left = [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
+        assert not left, f"SIGTERM left {len(left)} of {len(made)} rings behind"
+    finally:
+        _end(proc, prefix)
+
+
 def test_sigterm_ignored_or_handled_leaves_the_handler_alone(prefix):
     """A process that ignores SIGTERM keeps ignoring it (and its ring); the
     native hook never replaces an action the host chose."""

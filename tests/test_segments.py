@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import leftover_segments
+from conftest import leftover_segments, run_child
 
 import shmask
 from shmask.segment import collect_garbage, list_segments
@@ -121,3 +121,36 @@ def test_reader_of_vanished_segment_gets_stale_error(config, reader):
     time.sleep(0.01)
     with pytest.raises(shmask.StaleChunkError):
         reader.open(ref)
+
+
+GUARDED_MAPPINGS = 1100  # past the SIGBUS guard's first chunk of 1,024 slots
+
+
+def test_guard_covers_more_than_1024_mappings(prefix):
+    """The guard's table grows (it had 1,024 fixed slots: the 1,025th
+    mapping failed with "Too many open files"): 1,100 mappings of one ring,
+    the file cut, and a read through the last mapping gets zero pages and a
+    truncated segment, not a SIGBUS."""
+    code = textwrap.dedent(f"""
+        import os, resource, sys, shmask
+        from shmask.segment import Segment
+        needed = {GUARDED_MAPPINGS} + 256  # the guard keeps a descriptor per mapping
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            print("skip: RLIMIT_NOFILE's hard limit is", hard)
+            sys.exit(0)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
+        writer = shmask.Writer(shmask.Config(ring_mb=1, name_prefix={prefix!r}))
+        segments = [Segment.attach(writer.segment_name) for _ in range({GUARDED_MAPPINGS})]
+        os.truncate("/dev/shm/" + writer.segment_name.lstrip("/"), 0)
+        last = segments[-1]
+        print(last.buffer[8192] == b"\\0", last.truncated)
+        for segment in segments:
+            segment.close()
+        writer.close()
+    """)
+    done = run_child([sys.executable, "-c", code], dict(os.environ), timeout=120)
+    if done.stdout.startswith("skip"):
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout
