@@ -45,6 +45,58 @@ static const char alphabet[64] =
 
 uint64_t shm_b64_encoded_size(uint64_t n) { return (n + 2) / 3 * 4; }
 
+#ifdef B64_X86
+/* Whether a byte at offset 3 modulo 4 of p[0 : 32 * blocks] has its top
+ * bit set (the sign of a little-endian int32 starting at p): the OR of the
+ * blocks, then the top bits of bytes 3, 7, ..., 31. Half the decoder's
+ * time when it was a loop over words. */
+__attribute__((target("avx2"))) static int any_high_top_byte_avx2(const uint8_t *p,
+                                                                   uint64_t blocks) {
+    __m256i any = _mm256_setzero_si256();
+#pragma GCC unroll 8 /* one OR per block, not four instructions: the encoder checks every id */
+    for (uint64_t i = 0; i < blocks; i++)
+        any = _mm256_or_si256(any, _mm256_loadu_si256((const __m256i *)(p + 32 * i)));
+    return (_mm256_movemask_epi8(any) & (int)0x88888888u) != 0;
+}
+#endif
+
+/* Whether a little-endian int32 array (starting at `array`) holds a
+ * negative value among its bytes [first, last): the top bit of a byte at
+ * offset 3 modulo 4. A task's bytes need not start or end on a word: a
+ * word it shares with the task before is judged by its top byte alone. The
+ * decoder reports it (the client refuses negative ids and lengths), the
+ * encoder refuses ids it would otherwise send. */
+static int any_negative_int32(const uint8_t *array, uint64_t first, uint64_t last) {
+    uint64_t b = first + (3 - first % 4) % 4; /* the first such byte */
+    uint32_t high = 0;
+    if (b < last && b < first + 3) { /* its word starts in another task's bytes */
+        high = (uint32_t)array[b] << 24;
+        b += 4;
+    }
+    b -= 3; /* a word's first byte: whole words from here, then the last top byte */
+#ifdef B64_X86
+    if (b < last && last - b >= 64 && shm_avx2()) {
+        uint64_t blocks = (last - b) / 32;
+        if (any_high_top_byte_avx2(array + b, blocks)) high |= 0x80000000u;
+        b += 32 * blocks;
+    }
+#endif
+    uint64_t pairs = 0; /* two words at a time: compilers do not vectorize the loop at -O2 */
+    for (; b + 8 <= last; b += 8) {
+        uint64_t two;
+        memcpy(&two, array + b, 8);
+        pairs |= two;
+    }
+    high |= (uint32_t)pairs | (uint32_t)(pairs >> 32);
+    for (; b + 4 <= last; b += 4) {
+        uint32_t word;
+        memcpy(&word, array + b, 4);
+        high |= word;
+    }
+    if (b + 3 < last) high |= (uint32_t)array[b + 3] << 24;
+    return (high & 0x80000000u) != 0;
+}
+
 /* ------------------------------------------------------------ encoding */
 
 /* Base64 of the whole 3-byte groups of src[0:n], then of the 1 or 2 bytes
@@ -168,6 +220,8 @@ typedef struct {
     char *dst[4];
     int arrays;
     uint64_t total, tasks;
+    int ids;          /* the array of ids (int32 LE), checked as it is encoded; -1: none */
+    atomic_int negative; /* set by a task that met a negative id */
 } encode_job;
 
 /* A cut at byte `at` of an array of `size` bytes, moved up to a whole
@@ -178,7 +232,7 @@ static uint64_t group_cut(uint64_t at, uint64_t size) {
 }
 
 static void encode_task(void *context, uint64_t task) {
-    const encode_job *job = context;
+    encode_job *job = context;
     uint64_t begin = job->total * task / job->tasks, end = job->total * (task + 1) / job->tasks;
     uint64_t base = 0; /* where array a starts in the job's bytes */
     for (int a = 0; a < job->arrays; base += job->size[a], a++) {
@@ -188,6 +242,11 @@ static void encode_task(void *context, uint64_t task) {
         if (to <= from) continue;
         char *dst = job->dst[a] + from / 3 * 4;
         shm_pool_prefault(dst, dst + (to - from + 2) / 3 * 4); /* only while few tasks run */
+        /* Ids are non-negative int32 wherever rows enter; arrays handed to
+         * the encoder directly are held to it too (checked just before
+         * they are encoded: the bytes are then in cache). */
+        if (a == job->ids && any_negative_int32(job->src[a], from, to))
+            atomic_store_explicit(&job->negative, 1, memory_order_relaxed);
         encode_block(job->src[a] + from, to - from, dst);
     }
 }
@@ -200,7 +259,7 @@ static void run_encode(encode_job *job, int threads) {
 }
 
 void shm_b64_encode(const uint8_t *src, uint64_t n, char *dst, int threads) {
-    encode_job job = {{src}, {n}, {dst}, 1, n, 1};
+    encode_job job = {{src}, {n}, {dst}, 1, n, 1, -1, 0};
     run_encode(&job, threads);
 }
 
@@ -251,9 +310,12 @@ static void layout(cursor *c, encode_job *job, int meta_info, int support, uint6
     uint64_t sizes[4] = {4 * rows, rows, 4 * nnz, 4 * (support ? nnz : rows)};
     job->arrays = 0;
     job->total = 0;
+    job->ids = -1;
+    atomic_init(&job->negative, 0);
     for (int f = 0; f < 4; f++) {
         if (f == 1 && !with_status) continue;
         put(c, keys[f]);
+        if (f == 2) job->ids = job->arrays;
         job->src[job->arrays] = arrays[f];
         job->size[job->arrays] = sizes[f];
         job->dst[job->arrays] = c->out ? c->out + c->at : NULL;
@@ -291,6 +353,9 @@ int64_t shm_b64_rows(int meta_info, int support, uint64_t start, uint64_t rows, 
     layout(&c, &job, meta_info, support, start, rows, nnz, length, lengths, status,
            status != NULL, ids, logprobs);
     run_encode(&job, threads);
+    /* A negative id: the rows are malformed, whatever was written (the
+     * caller finds the id for its message). */
+    if (atomic_load_explicit(&job.negative, memory_order_relaxed)) return SHM_B64_E_ARGS;
     return (int64_t)size;
 }
 
@@ -626,20 +691,6 @@ __attribute__((target("avx2"))) static uint64_t decode_avx2(const unsigned char 
 }
 #endif
 
-#ifdef B64_X86
-/* Whether a byte at offset 3 modulo 4 of p[0 : 32 * blocks] has its top
- * bit set (the sign of a little-endian int32 starting at p): the OR of the
- * blocks, then the top bits of bytes 3, 7, ..., 31. Half the decoder's
- * time when it was a loop over words. */
-__attribute__((target("avx2"))) static int any_high_top_byte_avx2(const uint8_t *p,
-                                                                   uint64_t blocks) {
-    __m256i any = _mm256_setzero_si256();
-    for (uint64_t i = 0; i < blocks; i++)
-        any = _mm256_or_si256(any, _mm256_loadu_si256((const __m256i *)(p + 32 * i)));
-    return (_mm256_movemask_epi8(any) & (int)0x88888888u) != 0;
-}
-#endif
-
 /* Decodes quartets [0, count) of `text` into out (3 bytes each); returns
  * the offset of the first character outside the alphabet, or -1. */
 static int64_t decode_quartets(const unsigned char *text, uint64_t count, uint8_t *out) {
@@ -719,36 +770,8 @@ static void decode_part(const decode_job *job, uint64_t k, uint64_t from, uint64
         }
     }
     if (bad >= 0) report_error(&job->results[2 * k], bad);
-    /* A negative int32: the top bit of a byte at offset 3 modulo 4. */
-    uint64_t first = 3 * from, last = 3 * to < size ? 3 * to : size;
-    uint64_t b = first + (3 - first % 4) % 4; /* the first such byte */
-    uint32_t high = 0;
-    if (b < last && b < first + 3) { /* its word starts in another task's bytes */
-        high = (uint32_t)out[b] << 24;
-        b += 4;
-    }
-    b -= 3; /* a word's first byte: whole words from here, then the last top byte */
-#ifdef B64_X86
-    if (b < last && last - b >= 64 && shm_avx2()) {
-        uint64_t blocks = (last - b) / 32;
-        if (any_high_top_byte_avx2(out + b, blocks)) high |= 0x80000000u;
-        b += 32 * blocks;
-    }
-#endif
-    uint64_t pairs = 0; /* two words at a time: compilers do not vectorize the loop at -O2 */
-    for (; b + 8 <= last; b += 8) {
-        uint64_t two;
-        memcpy(&two, out + b, 8);
-        pairs |= two;
-    }
-    high |= (uint32_t)pairs | (uint32_t)(pairs >> 32);
-    for (; b + 4 <= last; b += 4) {
-        uint32_t word;
-        memcpy(&word, out + b, 4);
-        high |= word;
-    }
-    if (b + 3 < last) high |= (uint32_t)out[b + 3] << 24;
-    if (high & 0x80000000u) __atomic_store_n(&job->results[2 * k + 1], 1, __ATOMIC_RELAXED);
+    if (any_negative_int32(out, 3 * from, 3 * to < size ? 3 * to : size))
+        __atomic_store_n(&job->results[2 * k + 1], 1, __ATOMIC_RELAXED);
 }
 
 static void decode_task(void *context, uint64_t task) {

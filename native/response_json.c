@@ -768,8 +768,10 @@ static inline char *write_word_comma(char *o, uint64_t digits) {
 }
 
 #ifdef RJ_AVX512
-/* Blocks of eight ids through convert_ints8_avx512, each followed by a comma. */
-RJ_AVX512_TARGET static char *write_ints8(char *o, const int32_t *values, uint64_t blocks) {
+/* Blocks of eight ids through convert_ints8_avx512, each followed by a comma;
+ * the ids off the fast path are OR-ed into *signs (write_ints_comma). */
+RJ_AVX512_TARGET static char *write_ints8(char *o, const int32_t *values, uint64_t blocks,
+                                          uint32_t *signs) {
     ints8 d;
     for (uint64_t b = 0; b < blocks; b++) {
         convert_ints8_avx512(values + 8 * b, &d);
@@ -779,6 +781,7 @@ RJ_AVX512_TARGET static char *write_ints8(char *o, const int32_t *values, uint64
                 o += d.length[i];
                 continue;
             }
+            *signs |= (uint32_t)values[8 * b + i];
             o = write_int(o, values[8 * b + i]);
             *o++ = ',';
         }
@@ -788,12 +791,15 @@ RJ_AVX512_TARGET static char *write_ints8(char *o, const int32_t *values, uint64
 #endif
 
 /* `count` ints, each followed by a comma. Ids are below 10^8: their
- * digits are made two at a time (one vector for both on x86-64). */
-static char *write_ints_comma(char *o, const int32_t *values, uint64_t count) {
+ * digits are made two at a time (one vector for both on x86-64). A
+ * negative id is written, and its sign bit OR-ed into *signs: only ids
+ * off the fast path are OR-ed (every negative one is), so the check costs
+ * the usual row nothing. */
+static char *write_ints_comma(char *o, const int32_t *values, uint64_t count, uint32_t *signs) {
     uint64_t i = 0;
 #ifdef RJ_AVX512
     if (count >= 8 && shm_avx512()) {
-        o = write_ints8(o, values, count / 8);
+        o = write_ints8(o, values, count / 8, signs);
         i = count / 8 * 8;
     }
 #endif
@@ -805,6 +811,7 @@ static char *write_ints_comma(char *o, const int32_t *values, uint64_t count) {
             o = write_word_comma(o, wx);
             o = write_word_comma(o, wy);
         } else { /* negative or 9 digits and more */
+            *signs |= x | y;
             o = write_int(o, values[i]);
             *o++ = ',';
             o = write_int(o, values[i + 1]);
@@ -812,6 +819,7 @@ static char *write_ints_comma(char *o, const int32_t *values, uint64_t count) {
         }
     }
     if (i < count) {
+        *signs |= (uint32_t)values[i];
         o = write_int(o, values[i]);
         *o++ = ',';
     }
@@ -873,6 +881,7 @@ typedef struct {
     uint64_t first_row, end_row, first_entry, end_entry;
     char *out[3];      /* where this part writes each field */
     uint64_t written[3];
+    uint32_t signs; /* ids off the fast path OR-ed: bit 31 set by a negative id */
 } rows_part;
 
 static inline int row_ok(const rows_job *job, uint64_t row) {
@@ -906,7 +915,7 @@ static void write_part(rows_part *part) {
         if (length > part->end_entry - entry) length = part->end_entry - entry;
         lengths_out = write_int(lengths_out, (int32_t)length);
         *ids_out++ = '[';
-        ids_out = write_ints_comma(ids_out, job->ids + entry, length);
+        ids_out = write_ints_comma(ids_out, job->ids + entry, length, &part->signs);
         if (length) ids_out--; /* the last comma becomes the "]" */
         *ids_out++ = ']';
         if (job->support) {
@@ -978,11 +987,15 @@ int shm_json_rows(int support, const int32_t *lengths, const uint8_t *flags, uin
         uint64_t own[3];
         field_bounds(support, row - first_row, entry - first_entry, own);
         part[i] = (rows_part){&job, first_row, row, first_entry, entry,
-                              {cursor[0], cursor[1], cursor[2]}, {0, 0, 0}};
+                              {cursor[0], cursor[1], cursor[2]}, {0, 0, 0}, 0};
         for (int f = 0; f < 3; f++) cursor[f] += own[f] + SHM_JSON_ROOM;
     }
 
     shm_pool_run(write_part_task, part, parts);
+    /* Ids are non-negative int32 wherever rows enter (the writer, the
+     * reader's checks); arrays handed here directly are held to it too. */
+    for (uint64_t i = 0; i < parts; i++)
+        if (part[i].signs >> 31) return SHM_JSON_E_ROWS;
 
     /* Each part's span of each field, the field's "[" before the first and
      * its "]" after the last (in the slack after that part). */

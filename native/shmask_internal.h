@@ -97,6 +97,117 @@ static inline int flags_ok(uint8_t f) {
     return f == 0 || f == SHM_ROW_OVERFLOW || f == SHM_ROW_INVALID || f == SHM_ROW_BITMASK;
 }
 
+/* Ids are non-negative int32 (0 <= id < 2^31) wherever rows enter: no
+ * vocabulary bounds an ids row (a bitmask row's vocab only gives its
+ * width), and every decoder downstream (binary rows, the adapters) refuses
+ * a negative one. The checks OR the ids together, eight to a vector, and
+ * test the sign bit once; the functions that run them are built twice,
+ * with AVX2 and without (SHM_AVX2_CLONES, picked at load time). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SHM_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SHM_AVX2_CLONES
+#endif
+
+/* Eight 4-byte words (ids, or float logprobs as their bits). */
+typedef int32_t shm_words8 __attribute__((vector_size(32)));
+
+/* Eight words at any 4-byte alignment (rows sit in records and numpy
+ * arrays); through a pointer, as a vector return would change the ABI of
+ * the build without AVX. */
+static inline __attribute__((always_inline)) void load8(shm_words8 *v, const void *at) {
+    memcpy(v, at, sizeof *v);
+}
+
+/* `at` OR-ed into *seen. */
+static inline __attribute__((always_inline)) void or8(shm_words8 *seen, const void *at) {
+    shm_words8 v;
+    load8(&v, at);
+    *seen |= v;
+}
+
+/* Eight words copied, OR-ed into *seen. */
+static inline __attribute__((always_inline)) void copy8(void *to, const void *from,
+                                                         shm_words8 *seen) {
+    shm_words8 v;
+    load8(&v, from);
+    memcpy(to, &v, sizeof v);
+    *seen |= v;
+}
+
+/* ids[0, n) OR-ed into *seen: 64 ids a step, then the last 8s, the very
+ * last eight overlapping the ones before (a row shorter than eight goes
+ * one by one). */
+static inline __attribute__((always_inline)) void or_ids(shm_words8 *seen, const int32_t *ids,
+                                                          uint64_t n) {
+    uint64_t i = 0;
+    if (n < 8) {
+        for (; i < n; i++) (*seen)[0] |= ids[i];
+        return;
+    }
+    for (; i + 64 <= n; i += 64)
+#pragma GCC unroll 8 /* -O2 keeps the loop otherwise: three more instructions a vector */
+        for (int k = 0; k < 8; k++) or8(seen, ids + i + 8 * k);
+    for (; i + 8 <= n; i += 8) or8(seen, ids + i);
+    if (i < n) or8(seen, ids + n - 8);
+}
+
+/* memcpy(dst, src, 4 n) of a row's words, OR-ing what it moves into *seen
+ * (the per-step copy checks the ids it moves, reading them once; for the
+ * logprobs nothing reads `seen` and the ORs go). Inline: rows of up to 32
+ * words as two overlapping halves, longer ones 64 words a step, as glibc's
+ * memcpy copies them but without its call and size dispatch, which pays
+ * for the check (the hot path's budget: benchmarks/hot_path.py). */
+static inline __attribute__((always_inline)) void copy_words(void *dst, const void *src,
+                                                              uint64_t n, shm_words8 *seen) {
+    char *to = dst;
+    const char *from = src;
+    if (n < 8) {
+        for (uint64_t i = 0; i < n; i++) {
+            int32_t word;
+            memcpy(&word, from + 4 * i, 4);
+            memcpy(to + 4 * i, &word, 4);
+            (*seen)[0] |= word;
+        }
+        return;
+    }
+    if (n <= 16) { /* the first eight and the last eight (overlapping) */
+        shm_words8 a, b;
+        load8(&a, from);
+        load8(&b, from + 4 * (n - 8));
+        memcpy(to, &a, 32);
+        memcpy(to + 4 * (n - 8), &b, 32);
+        *seen |= a | b;
+        return;
+    }
+    if (n <= 32) { /* the first sixteen and the last sixteen */
+        shm_words8 a, b, c, d;
+        load8(&a, from);
+        load8(&b, from + 32);
+        load8(&c, from + 4 * (n - 16));
+        load8(&d, from + 4 * (n - 8));
+        memcpy(to, &a, 32);
+        memcpy(to + 32, &b, 32);
+        memcpy(to + 4 * (n - 16), &c, 32);
+        memcpy(to + 4 * (n - 8), &d, 32);
+        *seen |= (a | b) | (c | d);
+        return;
+    }
+    uint64_t i = 0;
+    for (; i + 64 <= n; i += 64)
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) copy8(to + 4 * (i + 8 * k), from + 4 * (i + 8 * k), seen);
+    for (; i + 8 <= n; i += 8) copy8(to + 4 * i, from + 4 * i, seen);
+    if (i < n) copy8(to + 4 * (n - 8), from + 4 * (n - 8), seen);
+}
+
+/* Whether an id OR-ed into `seen` was negative. */
+static inline __attribute__((always_inline)) int any_negative(const shm_words8 *seen) {
+    int32_t all = 0;
+    for (int k = 0; k < 8; k++) all |= (*seen)[k];
+    return all < 0;
+}
+
 /* ------------------------------------------------------ RowQueue buffers */
 
 /* static inline: called per row on the step path, where an exported

@@ -295,6 +295,29 @@ static inline uint64_t row_words(uint8_t f, int32_t n, uint64_t mask_words) {
     return f == 0 ? (uint64_t)n : (f == SHM_ROW_BITMASK ? mask_words : 0);
 }
 
+/* A step whose copy met a negative id: every row's counts taken back (its
+ * bytes stay past the counts, where the next rows overwrite them). Returns
+ * the first row holding a negative id, for the caller's message. */
+static int64_t undo_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
+                         const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
+                         uint64_t row_stride, uint64_t mask_words, int has_flags) {
+    int64_t first = -1;
+    uint64_t id_cursor = 0;
+    for (uint64_t i = 0; i < batch; i++) {
+        shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
+        uint8_t f = has_flags ? flags[i] : 0;
+        uint64_t n = (uint64_t)lengths[i], w = row_words(f, (int32_t)n, mask_words);
+        const int32_t *row = ids + (row_stride ? i * row_stride : id_cursor);
+        for (uint64_t k = 0; first < 0 && f == 0 && k < n; k++)
+            if (row[k] < 0) first = (int64_t)i;
+        q->rows -= 1;
+        q->nnz -= n;
+        q->words -= w;
+        id_cursor += w;
+    }
+    return first;
+}
+
 /* The body of shm_append_step, compiled twice (has_flags 0 and 1) so a
  * step of OK ids rows only (flags NULL, the common case) pays nothing for
  * the row forms: with has_flags 0 every flags test folds away. */
@@ -385,7 +408,12 @@ append_rows(shm_ring *ring, const int64_t *handles, uint64_t batch, const int32_
         *bad_row = -1;
         return (int64_t)i;
     }
-    /* 3. Copy: nothing can fail from here on. */
+    /* 3. Copy, the ids of ids rows checked as they pass (read once, not in
+     * a pass of their own: the hot path's budget). A negative id undoes
+     * the step: nothing else can fail here, so every row was copied and
+     * counted, and every count moves back (the bytes stay past the counts,
+     * unseen). */
+    shm_words8 seen = {0}, unread = {0}; /* the ids' ORs; the others' (never read) */
     id_cursor = value_cursor = 0;
     for (uint64_t i = 0; i < batch; i++) {
         shm_queue *q = &ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK];
@@ -401,22 +429,32 @@ append_rows(shm_ring *ring, const int64_t *handles, uint64_t batch, const int32_
             q->flagged = 1;
         }
         if (q->flagged) q->flags[q->rows] = f;
-        memcpy(q->ids + q->words, ids + id_source, w * sizeof(int32_t));
+        /* a bitmask row's words may have bit 31 set (id 32 w + 31) */
+        copy_words(q->ids + q->words, ids + id_source, w, f == 0 ? &seen : &unread);
         if (q->mode == SHM_MODE_SUPPORT)
-            memcpy(q->logprobs + q->nnz, logprobs + value_source, n * sizeof(float));
+            copy_words(q->logprobs + q->nnz, logprobs + value_source, n, &unread);
         else
             q->logprobs[q->rows] = selected[i];
-        if (f == SHM_ROW_BITMASK) q->vocab = vocab;
         q->rows += 1;
         q->nnz += n;
         q->words += w;
         id_cursor += w;
         if (has_flags) value_cursor += n;
     }
+    if (any_negative(&seen)) {
+        *bad_row = undo_step(ring, handles, batch, lengths, flags, ids, row_stride, mask_words,
+                             has_flags);
+        return SHM_E_BAD_LENGTHS;
+    }
+    if (has_flags) /* the buffer's width is set once no row can be undone */
+        for (uint64_t i = 0; i < batch; i++)
+            if (flags[i] == SHM_ROW_BITMASK)
+                ring->queues[(uint64_t)handles[i] & HANDLE_SLOT_MASK].vocab = vocab;
     *bad_row = -1;
     return (int64_t)batch;
 }
 
+SHM_AVX2_CLONES
 int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
                         const int32_t *lengths, const uint8_t *flags, uint32_t vocab,
                         const int32_t *ids, const float *logprobs,

@@ -159,11 +159,15 @@ void shm_release_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
         results[i] = shm_release(base, mapped_bytes, capacity, positions[i], seals[i]);
 }
 
+/* Ids rows hold ids 0 <= id < 2^31 (shmask_internal.h): a negative one is
+ * a malformed row like a bad length, refused before any row is shown. */
+SHM_AVX2_CLONES
 int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
                       uint64_t rows, uint64_t words, uint64_t nnz, uint32_t vocab,
                       uint64_t max_row_length, uint32_t *any_flags) {
     uint64_t total = 0, cursor = 0, mask_words = shm_bitmask_words(vocab);
     uint32_t any = 0;
+    shm_words8 seen = {0};
     for (uint64_t i = 0; i < rows; i++) {
         int32_t n = lengths[i];
         uint8_t f = flags ? flags[i] : 0;
@@ -171,6 +175,7 @@ int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_
         if (f == 0) {
             if ((uint64_t)n > max_row_length || (uint64_t)n > words - cursor)
                 return SHM_E_BAD_LENGTHS;
+            if (flags) or_ids(&seen, ids + cursor, (uint64_t)n); /* else: all at once, below */
             cursor += (uint64_t)n;
         } else {
             any = 1;
@@ -186,6 +191,9 @@ int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_
         }
         total += (uint64_t)n;
     }
+    if (total != nnz || cursor != words) return SHM_E_BAD_LENGTHS;
+    if (!flags) or_ids(&seen, ids, words); /* every row an ids row: one run of ids */
+    if (any_negative(&seen)) return SHM_E_BAD_LENGTHS;
     *any_flags = any;
-    return total == nnz && cursor == words ? SHM_OK : SHM_E_BAD_LENGTHS;
+    return SHM_OK;
 }

@@ -48,7 +48,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from .config import check_threads
 from .errors import ShmaskError
+from .refs import ID_RULE
 
 if TYPE_CHECKING:
     from .chunk import Chunk
@@ -173,6 +175,8 @@ def encode_meta_info(chunk: Chunk, start: int = 0, threads: int | None = None, *
     SHMASK_JSON_THREADS) straight from the chunk's views; without the core,
     that orjson.dumps. Raises StaleChunkError if the record was reclaimed
     before or while it was read."""
+    check_threads(threads)
+    _check_start(start, length)
     total = start + chunk.rows if length is None else length
     if _native() is not None:
         return _encode_native(chunk, start, threads, True, total)
@@ -189,10 +193,12 @@ def encode_chunk(chunk: Chunk, start: int = 0, threads: int | None = None) -> by
     encode_meta_info does (numpy and the base64 codec without it). Raises
     StaleChunkError if the record was reclaimed before or while it was
     read."""
+    check_threads(threads)
+    _check_start(start, 0)
     if _native() is not None:
         return _encode_native(chunk, start, threads, False, 0)
-    _check_start(start, 0)
     ids, _ = chunk._csr_arrays()  # checked below, once the views were read
+    _check_ids(ids)
     status = chunk.status if chunk.flags is not None else None
     logprobs = chunk.logprobs if chunk.support_mode else _selected_values(chunk.logprobs, status)
     out = _object(chunk.support_mode, start, chunk.rows, int(ids.size),
@@ -279,8 +285,7 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
     if len(starts) != count or len(lengths) != count:
         raise BinaryRowsError(f"binary rows: {count} chunks but {len(starts)} starts and "
                               f"{len(lengths)} lengths")
-    if threads is not None and (type(threads) is not int or threads < 1):
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    check_threads(threads)
     results: list[Any] = [None] * count
     if into is not None and not isinstance(into, EmissionBuffer):
         raise TypeError(f"into must be an EmissionBuffer, got {type(into).__name__}")
@@ -297,6 +302,7 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
         prepared: list[tuple[int, _Prepared]] = []
         for i, (chunk, start, length) in enumerate(zip(chunks, starts, lengths, strict=True)):
             try:
+                _check_start(start, length)
                 total = start + chunk.rows if length is None else length
                 prepared.append((i, _Prepared(chunk, start, True, total, into is None)))
             except Exception as exc:  # kept in its place
@@ -331,10 +337,24 @@ def encode_meta_info_many(chunks: Sequence[Chunk], starts: Sequence[int] | None 
     return results
 
 
-def _check_start(start: int, length: int) -> None:
-    if start < 0 or length < 0:
-        raise BinaryRowsError(f"binary rows: start ({start}) and length ({length}) must be "
-                              f"non-negative")
+def _check_start(start: object, length: object) -> None:
+    """start and length (None: not given) are non-negative ints, never
+    floats or bools (the object would carry them as they are)."""
+    for name, value in (("start", start), ("length", length)):
+        if value is None and name == "length":
+            continue
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+            raise BinaryRowsError(f"binary rows: {name} must be a non-negative int, got "
+                                  f"{value!r}")
+
+
+def _check_ids(ids: np.ndarray) -> None:
+    """Ids are non-negative int32 wherever rows enter (the decoder refuses
+    others): rows handed over in-process are held to it too."""
+    negative = np.flatnonzero(ids < 0)
+    if negative.size:
+        raise BinaryRowsError(f"binary rows: id {int(ids[negative[0]])} (at {int(negative[0])}) "
+                              f"is negative: {ID_RULE}")
 
 
 class _Prepared:
@@ -387,6 +407,8 @@ class _Prepared:
         """The bytes, once the writer returned `written`: checked, and only
         good if the chunk's record is still ours (StaleChunkError)."""
         if written != self.size:
+            self.chunk.check()  # reclaimed under the writer: that is why
+            _check_ids(self.keep[2])  # the writer refuses negative ids
             raise BinaryRowsError(f"binary rows: the writer failed with code {written}")
         self.chunk.check()  # the views were read: only good if the record is still ours
         return self.out
@@ -433,6 +455,9 @@ class SamplingMaskBase64:
     __slots__ = ("support", "_lengths", "_status", "_ids", "_logprobs", "_rows", "_dropped")
 
     def __init__(self, support_logprobs: bool) -> None:
+        if not isinstance(support_logprobs, bool | np.bool_):
+            raise TypeError(f"SamplingMaskBase64: support_logprobs must be True or False, got "
+                            f"{support_logprobs!r}")
         self.support = bool(support_logprobs)
         self._lengths, self._status = _Column(), _Column()
         self._ids, self._logprobs = _Column(), _Column()
@@ -447,6 +472,7 @@ class SamplingMaskBase64:
         if not chunk.rows:
             return
         ids, _ = chunk._csr_arrays()  # checked below, once copied
+        _check_ids(ids)
         status = chunk.status
         logprobs = chunk.logprobs if self.support else _selected_values(chunk.logprobs, status)
         columns = (self._lengths, self._status, self._ids, self._logprobs)
@@ -467,8 +493,10 @@ class SamplingMaskBase64:
         return self._rows
 
     def to_bytes(self, start: int = 0) -> bytes:
-        """The object for rows [start:] (`start` clamped to [0, rows]), as
-        JSON bytes."""
+        """The object for rows [start:] (`start`, an int, clamped to [0,
+        rows] as a slice's start is), as JSON bytes."""
+        if not isinstance(start, int | np.integer) or isinstance(start, bool):
+            raise BinaryRowsError(f"binary rows: start must be an int, got {start!r}")
         start = min(max(start, 0), self._rows)
         lengths = np.frombuffer(self._lengths.raw, "<i4")
         nnz_before = int(lengths[:start].sum(dtype=np.int64))
@@ -513,6 +541,11 @@ class BinaryRows:
         return int(self.lengths.shape[0])
 
 
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"binary rows: {name} must be True or False, got {value!r}")
+
+
 def _count(obj: dict[str, Any], name: str) -> int:
     value = obj.get(name)
     if type(value) is not int or value < 0:
@@ -526,7 +559,8 @@ def _header(obj: dict[str, Any]) -> tuple[str, int, int, int]:
     if obj.get("format") != FORMAT:
         raise BinaryRowsError(f"binary rows: 'format' must be {FORMAT!r}, got "
                               f"{obj.get('format')!r}")
-    if obj.get("version") != VERSION:
+    version = obj.get("version")
+    if type(version) is not int or version != VERSION:  # not 1.0, not true
         raise BinaryRowsError(f"binary rows: 'version' {obj.get('version')!r} is not supported "
                               f"(this decoder reads version {VERSION})")
     mode = obj.get("mode")
@@ -622,6 +656,7 @@ def decode_rows(obj: dict[str, Any] | str | bytes, *, torch: bool = False) -> Bi
     codec's bytes are copied once. (`loads` decodes a whole response body,
     faster: it never makes the base64 Python strings.)
     Raises BinaryRowsError naming the field for anything malformed."""
+    _check_flag("torch", torch)
     if isinstance(obj, str | bytes):
         try:
             obj = orjson.loads(obj)
@@ -791,10 +826,18 @@ def loads(body: bytes | bytearray | memoryview | str, *, torch: bool = False) ->
     buffer per body), and orjson parses only the rest. Anything the native
     path cannot vouch for (bad input of any kind, JSON escapes inside the
     base64) is left to orjson.loads and decode_rows, which is also the
-    path without the core: both give the same rows and the same errors."""
+    path without the core: both give the same rows and the same errors
+    (a str holding a lone surrogate, which no UTF-8 body can, or a body of
+    another type: orjson.JSONDecodeError, as from orjson.loads)."""
+    _check_flag("torch", torch)
     native = _native()
-    if native is not None:
-        data = body.encode() if isinstance(body, str) else body
+    if native is not None and isinstance(body, str):
+        try:
+            body = body.encode()
+        except UnicodeEncodeError:  # a lone surrogate: orjson.loads says so
+            native = None
+    if native is not None and isinstance(body, bytes | bytearray | memoryview):
+        data = body
         if isinstance(data, memoryview):
             data = data.cast("B") if data.contiguous else data.tobytes()
         try:

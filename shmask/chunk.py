@@ -11,8 +11,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._native import ffi, lib
+from .config import check_threads
 from .errors import DoubleReleaseError, RowDroppedError, ShmaskError
-from .refs import MODE_NAMES, MODE_SUPPORT
+from .refs import MODE_NAMES, MODE_SUPPORT, is_index
 from .response_json import RowsJSON, dumps, response_arrays
 
 DEFAULT_FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
@@ -140,12 +141,23 @@ class Chunk:
     def __len__(self) -> int:
         return self.rows
 
+    def _bounds(self, what: str, start: object, stop: object) -> tuple[int, int]:
+        """[start, stop) as a slice gives it, from ints (or None) only: a
+        slice takes True for 1, and a float raises a TypeError naming nothing."""
+        for name, value in (("start", start), ("stop", stop)):
+            if not is_index(value) and value is not None:
+                raise TypeError(f"{what}: {name} must be an int or None, got {value!r} "
+                                f"({type(value).__name__})")
+        begin, end, _ = slice(start, stop).indices(self.rows)
+        return begin, end
+
     def check_rows(self, start: int = 0, stop: int | None = None) -> None:
         """Raise RowDroppedError for the first row in [start, stop) whose
-        status is not OK (its ids were never sent)."""
+        status is not OK (its ids were never sent). start and stop are ints
+        (or None) as in a slice."""
+        begin, end = self._bounds("check_rows", start, stop)
         if self.flags is None:
             return
-        begin, end, _ = slice(start, stop).indices(self.rows)
         dropped = np.flatnonzero(self.flags[begin:end] & ROW_STATUS_BITS)
         if dropped.size:
             index = begin + int(dropped[0])
@@ -194,6 +206,8 @@ class Chunk:
         An ids-form row gives views; a bitmask row its decoded ids (a copy).
         Raises RowDroppedError for a row whose status is not OK, and
         StaleChunkError once the record was reclaimed."""
+        if not is_index(index):
+            raise TypeError(f"row index must be an int, got {index!r} ({type(index).__name__})")
         if not -self.rows <= index < self.rows:
             raise IndexError(f"row {index} out of range for a chunk of {self.rows} rows")
         try:
@@ -223,8 +237,10 @@ class Chunk:
 
     def slice(self, start: int, stop: int | None = None) -> Chunk:
         """Rows [start, stop) as a chunk sharing this one's memory (for
-        per-token streaming). Releasing stays the parent's job."""
-        begin, end, _ = slice(start, stop).indices(self.rows)
+        per-token streaming). start and stop are ints (or None) taken as in
+        a slice: negative ones count from the end, and both are
+        clamped to the rows. Releasing stays the parent's job."""
+        begin, end = self._bounds("slice", start, stop)
         end = max(begin, end)
         lo, hi = int(self.offsets[begin]), int(self.offsets[end])
         logprobs = self.logprobs[lo:hi] if self.support_mode else self.logprobs[begin:end]
@@ -280,9 +296,11 @@ class Chunk:
         `threads` (default SHMASK_JSON_THREADS) threads share the rows. A
         row whose status is not OK is null in all three fields (ids,
         logprobs, length), as in to_lists; bitmask rows are decoded."""
-        ids_field, logprobs_field, lengths_field = names = [str(f) for f in fields]
-        if len(set(names)) != 3:
-            raise ValueError(f"to_json needs three distinct field names, got {names}")
+        names = list(fields)
+        if len(names) != 3 or len(set(names)) != 3 or not all(isinstance(f, str) for f in names):
+            raise ValueError(f"to_json needs three distinct field names (str), got {names!r}")
+        check_threads(threads)
+        ids_field, logprobs_field, lengths_field = names
         rows = self.json_rows()
         return dumps({ids_field: rows.ids, logprobs_field: rows.logprobs,
                       lengths_field: rows.lengths_field}, threads=threads)
@@ -307,6 +325,7 @@ class Chunk:
         of the lengths, null where a row is not OK). Floats are the float32
         values widened to double, in the shortest form that reads back as
         that double (NaN and infinities as null), as orjson writes them."""
+        check_threads(threads)
         try:
             out = self._json(threads)
         except Exception:

@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from .errors import ConfigError
 
 TRANSPORTS = ("shm", "inline")
@@ -35,7 +37,22 @@ OTHER_VARIABLES = frozenset({"SHMASK_FAULTS_FULL", "SHMASK_TEST_GPU", "SHMASK_PA
 OTHER_PREFIXES = ("SHMASK_TEST_", "SHMASK_BENCH_", "SHMASK_FAULTS_")
 MASK_FORMATS = ("lists", "arrays")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+_PREFIX_RULE = "1 to 32 letters, digits or underscores"
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
+# Each numeric field's accepted range (both ends included); each choice's values.
+_RANGES: dict[str, tuple[float, float]] = {
+    "ring_mb": (1, 1 << 20),
+    "full_wait_ms": (0, 60_000),
+    "lease_s": (0.001, 86_400),
+    "max_tokens": (1, 1 << 22),
+    # A fresh buffer holds queue_rows rows of the step's length: a bound
+    # here keeps one setting from asking for gigabytes per request.
+    "queue_rows": (1, 1 << 16),
+    "json_threads": (1, JSON_THREADS_MAX),
+    "offload_threads": (1, 256),
+}
+_CHOICES = {"transport": TRANSPORTS, "gpu_direct": GPU_DIRECT, "log_level": LOG_LEVELS,
+            "mask_format": MASK_FORMATS}
 
 
 def _usable_cpus(at_most: int) -> int:
@@ -116,24 +133,22 @@ class Config:
     server cannot JSON-encode them)."""
 
     def __post_init__(self) -> None:
-        _check_choice("SHMASK_TRANSPORT", self.transport, TRANSPORTS)
-        _check_range("SHMASK_RING_MB", self.ring_mb, 1, 1 << 20)
+        # Every field's type before its range: a dataclass checks none, and
+        # a value of the wrong type would fail far from here (ring_mb=1.5)
+        # or be taken for another (json_simd=1, ring_mb=True).
+        for field in fields(self):
+            name, value = field.name, getattr(self, field.name)
+            variable = "SHMASK_" + name.upper()
+            _check_type(variable, name, value, type(field.default))
+            if name in _RANGES:
+                _check_range(variable, value, *_RANGES[name])
+            elif name in _CHOICES:
+                _check_choice(variable, value, _CHOICES[name])
         if not _PREFIX_PATTERN.match(self.name_prefix):
             raise ConfigError(
                 f"SHMASK_NAME_PREFIX={self.name_prefix!r} is invalid: "
-                "use 1 to 32 letters, digits or underscores"
+                f"use {_PREFIX_RULE}"
             )
-        _check_range("SHMASK_FULL_WAIT_MS", self.full_wait_ms, 0, 60_000)
-        _check_range("SHMASK_LEASE_S", self.lease_s, 0.001, 86_400)
-        _check_range("SHMASK_MAX_TOKENS", self.max_tokens, 1, 1 << 22)
-        # A fresh buffer holds queue_rows rows of the step's length: a bound
-        # here keeps one setting from asking for gigabytes per request.
-        _check_range("SHMASK_QUEUE_ROWS", self.queue_rows, 1, 1 << 16)
-        _check_choice("SHMASK_GPU_DIRECT", self.gpu_direct, GPU_DIRECT)
-        _check_choice("SHMASK_LOG_LEVEL", self.log_level, LOG_LEVELS)
-        _check_range("SHMASK_JSON_THREADS", self.json_threads, 1, JSON_THREADS_MAX)
-        _check_range("SHMASK_OFFLOAD_THREADS", self.offload_threads, 1, 256)
-        _check_choice("SHMASK_MASK_FORMAT", self.mask_format, MASK_FORMATS)
 
     @property
     def ring_capacity_bytes(self) -> int:
@@ -160,6 +175,20 @@ class Config:
         CLI, the examples); the library itself never changes its host's
         logging."""
         logging.getLogger("shmask").setLevel(self.log_level)
+
+
+def check_threads(threads: object) -> None:
+    """A `threads=` argument of the response writers (Chunk.to_json,
+    response_json.dumps, binary_rows.encode_meta_info, ...): None (then
+    SHMASK_JSON_THREADS) or an int from 1 to JSON_THREADS_MAX, never a
+    float or a bool, never clamped."""
+    if threads is None:
+        return
+    accepted = f"a positive int up to {JSON_THREADS_MAX} (or None: SHMASK_JSON_THREADS)"
+    if not isinstance(threads, int | np.integer) or isinstance(threads, bool):
+        raise TypeError(f"threads must be {accepted}, got {threads!r}")
+    if not 1 <= threads <= JSON_THREADS_MAX:
+        raise ValueError(f"threads must be {accepted}, got {threads}")
 
 
 class UnknownVariableWarning(UserWarning):
@@ -207,6 +236,30 @@ def _parse(name: str, raw: str, kind: type) -> object:
         return kind(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _check_type(variable: str, field: str, value: object, kind: type) -> None:
+    """`value` is of the field's kind (its default's type): an int field
+    takes ints, a float field ints or floats, neither a bool (an int to
+    Python, never a count or a size here); a bool field takes only a bool."""
+    if kind is bool or kind is str:
+        ok = type(value) is bool if kind is bool else isinstance(value, str)
+    else:
+        ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
+    if ok:
+        return
+    if field in _RANGES:
+        low, high = _RANGES[field]
+        accepted = f"{'integers' if kind is int else 'numbers'} {low} to {high}"
+    elif field in _CHOICES:
+        accepted = ", ".join(_CHOICES[field])
+    else:
+        accepted = "True or False" if kind is bool else _PREFIX_RULE
+    raise ConfigError(f"{variable}={value!r} (Config.{field}) is not {_KIND_NAMES[kind]}: "
+                      f"accepted {accepted}")
+
+
+_KIND_NAMES = {int: "an int", float: "a number", bool: "a bool", str: "a str"}
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:

@@ -23,6 +23,7 @@ from .chunk import Chunk
 from .config import Config
 from .errors import InvalidRefError, RemoteChunkError, SegmentError, ShmaskError, StaleChunkError
 from .refs import (
+    ID_RULE,
     KIND_EMPTY,
     KIND_INLINE,
     KIND_LOST,
@@ -93,6 +94,9 @@ class Reader:
     attaching a new segment takes a lock)."""
 
     def __init__(self, config: Config | None = None) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"Reader takes a shmask.Config (or None: from the environment), "
+                            f"got {type(config).__name__}")
         self.config = config or Config.from_env()
         # Plain int attributes: the cheapest count on the open path (stats
         # builds the ReaderStats view on demand).
@@ -274,6 +278,10 @@ class Reader:
         if rc:
             if rc == lib.SHM_E_BAD_LENGTHS:
                 record.check()  # reclaimed or truncated meanwhile: say that instead
+                _raise_if_negative_id(np.frombuffer(copied, np.int32, rows),
+                                      np.frombuffer(copied, np.uint8, rows, 4 * rows),
+                                      np.frombuffer(attached.memory, np.int32, words,
+                                                    view.ids_offset), ref.vocab, f"open {ref!r}")
             attached.error(rc, f"open {ref!r}")
         memory = attached.memory  # read-only: so are ids and logprobs
         geometry = bytes(copied)  # immutable: the chunk's arrays are read-only
@@ -359,8 +367,29 @@ def _check_rows(lengths: np.ndarray, flags: np.ndarray, ids: np.ndarray, nnz: in
                                ffi.from_buffer("int32_t[]", ids), lengths.size, ids.size, nnz,
                                vocab, max_tokens, any_flags)
     if rc:
+        _raise_if_negative_id(lengths, flags, ids, vocab, "chunk rows")
         raise_for(rc, "chunk rows")
     return bool(any_flags[0])
+
+
+def _raise_if_negative_id(lengths: np.ndarray, flags: np.ndarray, ids: np.ndarray, vocab: int,
+                          context: str) -> None:
+    """The error for rows the core refused, when a negative id in an ids
+    row is why (the error path only: rows that passed were checked natively).
+    Ids are non-negative int32 wherever rows enter; a chunk holding one is
+    corrupt (written past the producer's checks), never shown."""
+    words = np.where(flags == 0, lengths, np.where(flags == lib.SHM_ROW_BITMASK,
+                                                   (vocab + 31) // 32, 0)).astype(np.int64)
+    ends = np.cumsum(words)
+    if words.size == 0 or ends[-1] > ids.size or np.any(lengths < 0):
+        return  # the lengths themselves are wrong: the core's message says so
+    for row in np.flatnonzero((flags == 0) & (lengths > 0)).tolist():
+        values = ids[ends[row] - words[row]:ends[row]]
+        negative = np.flatnonzero(values < 0)
+        if negative.size:
+            raise InvalidRefError(
+                f"{context}: row {row} holds id {int(values[negative[0]])}, which is negative: "
+                f"{ID_RULE}, so the chunk is corrupt")
 
 
 def _open_inline(ref: ChunkRef, max_tokens: int) -> Chunk:

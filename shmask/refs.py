@@ -54,6 +54,10 @@ LOST_STALE = 1  # StaleChunkError: reclaimed, aborted or truncated before the ho
 LOST_INVALID = 2  # InvalidRefError: the hop found the reference malformed
 MODE_SELECTED = 1
 MODE_SUPPORT = 2
+# The one rule for ids, wherever rows enter (Writer.publish / append_step,
+# a reader's checks, the response encoders): no vocabulary bounds an ids row
+# (a bitmask row's vocab is only its width), and every decoder refuses less.
+ID_RULE = "ids are non-negative int32 (0 <= id < 2**31)"
 MODES = {"selected": MODE_SELECTED, "support": MODE_SUPPORT}
 MODE_NAMES = {v: k for k, v in MODES.items()}
 
@@ -75,11 +79,19 @@ assert ENTRY_DTYPE.itemsize == 48
 
 
 def mode_code(mode: str | int) -> int:
+    """A mode's code from its name ('selected', 'support') or its code (1,
+    2; an int, not True or 1.0, which compare equal to 1)."""
     if isinstance(mode, str) and mode in MODES:
         return MODES[mode]
-    if mode in MODE_NAMES:
-        return int(mode)
+    if type(mode) is int and mode in MODE_NAMES:
+        return mode
     raise InvalidRefError(f"mode {mode!r} is invalid: accepted 'selected' or 'support'")
+
+
+def is_index(value: object) -> bool:
+    """Whether `value` is an integer index or count: a Python or numpy int,
+    never a bool (numpy and Python both take True for 1) or a float."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def payload_bytes(mode, rows, nnz, words=None):  # type: ignore[no-untyped-def]
@@ -218,6 +230,10 @@ class RefBatch:
     # ------------------------------------------------------------- parsing
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> RefBatch:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            # bytes(5) would be five zero bytes, bytes([1, 2]) two bytes
+            raise TypeError(f"a reference batch is bytes (or a bytearray or memoryview), got "
+                            f"{type(data).__name__}")
         data = bytes(data) if not isinstance(data, bytes) else data
         if len(data) < _HEADER.size:
             raise InvalidRefError(f"reference batch of {len(data)} bytes is shorter than its header")
@@ -260,6 +276,14 @@ class RefBatch:
         return len(self._entries)
 
     def __getitem__(self, index: int) -> ChunkRef:
+        """Request `index`'s reference: an int in [-len, len), as in a list
+        (select() takes several)."""
+        count = len(self._entries)
+        if not is_index(index):
+            raise TypeError(f"RefBatch index must be an int, got {index!r} "
+                            f"({type(index).__name__}); select() takes several")
+        if not -count <= index < count:
+            raise IndexError(f"RefBatch index {index} is outside [-{count}, {count})")
         return self._ref(*self._entries[index].tolist())
 
     def __iter__(self) -> Iterator[ChunkRef]:
@@ -322,12 +346,19 @@ class RefBatch:
         Entry by entry: a chunk the hop cannot read (reclaimed, aborted,
         malformed) becomes a LOST entry whose open raises that error for its
         request alone; the others are forwarded, each released exactly once."""
+        _check_reader(reader)
         return self._inline_where(reader, lambda host: True)
 
     def for_host(self, host: int, reader: Any) -> RefBatch:
         """This batch as a consumer on `host` (its shmask.host_id()) can read
         it: unchanged when every ring lives there, else with the chunks of
         other hosts' rings carried inline (see to_inline)."""
+        if not is_index(host):
+            raise TypeError(f"for_host: host must be a host id (an int from shmask.host_id()), "
+                            f"got {host!r}")
+        if not 0 <= host < 1 << 64:
+            raise ValueError(f"for_host: host {host} is outside 0 to 2**64 - 1")
+        _check_reader(reader)
         if all(ring_host == host for ring_host in self.hosts):
             return self
         return self._inline_where(reader, lambda ring_host: ring_host != host)
@@ -360,11 +391,20 @@ class RefBatch:
     def nbytes(self) -> int:
         return len(self._data)
 
-    def select(self, indices: Sequence[int] | np.ndarray) -> RefBatch:
-        """A batch of the given requests, in that order (multi-tokenizer routing)."""
-        index = np.asarray(indices, dtype=np.int64)
-        if index.size and (index.min() < -len(self) or index.max() >= len(self)):
-            raise IndexError(f"select: indices must lie in [0, {len(self)})")
+    def select(self, indices: Sequence[int] | Sequence[bool] | np.ndarray) -> RefBatch:
+        """A batch of some of the requests (multi-tokenizer routing), given
+        either as
+          - integer indices (Python ints, or a 1-D numpy integer array), in
+            [-len, len) as for a list: those requests, in that order
+            (repeats allowed);
+          - a boolean mask of exactly len(self) values (a 1-D numpy bool
+            array, or a list of bools): the requests where it is True, in
+            batch order: `batch.select(owner == k)`.
+        Anything else raises instead of being cast: floats, bools among
+        ints (True is not request 1), a mask of another length, arrays that
+        are not 1-D (TypeError, ValueError; IndexError for an index out of
+        range)."""
+        index = _selection(indices, len(self))
         entries = self._entries[index].copy()
         inline = np.flatnonzero(entries["kind"] == KIND_INLINE)
         chunks = []
@@ -381,6 +421,50 @@ class RefBatch:
 
     def __repr__(self) -> str:
         return f"RefBatch({len(self)} refs, {self.nbytes} bytes)"
+
+
+def _selection(indices: object, count: int) -> np.ndarray:
+    """select()'s argument as int64 indices into a batch of `count`."""
+    if isinstance(indices, np.ndarray):
+        array = indices
+        kind = "bool" if array.dtype == np.bool_ else "int" if array.dtype.kind in "iu" else None
+    elif isinstance(indices, Sequence) and not isinstance(indices, str | bytes):
+        # Element by element: numpy would turn [True, 2] into [1, 2].
+        if all(isinstance(v, bool | np.bool_) for v in indices) and len(indices):
+            kind = "bool"
+        elif all(is_index(v) for v in indices):
+            kind = "int"
+        else:
+            bad = next(v for v in indices if not is_index(v))
+            raise TypeError(f"select: {bad!r} ({type(bad).__name__}) is not an index: give ints "
+                            f"(or a numpy integer array) or a boolean mask of {count} bools, "
+                            "not a mix")
+        array = np.array(indices, dtype=bool if kind == "bool" else np.int64)
+    else:
+        raise TypeError(f"select takes a sequence of int indices or a boolean mask, got "
+                        f"{type(indices).__name__}")
+    if kind is None:
+        raise TypeError(f"select: an index array must hold integers (or be a boolean mask), "
+                        f"got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"select: indices must be 1-D, got shape {array.shape}")
+    if kind == "bool":
+        if array.size != count:
+            raise ValueError(f"select: a boolean mask needs one value per request ({count}), "
+                             f"got {array.size}")
+        return np.flatnonzero(array)
+    if array.size:
+        low, high = array.min(), array.max()
+        if low < -count or high >= count:
+            bad = low if low < -count else high
+            raise IndexError(f"select: index {int(bad)} is outside [-{count}, {count})")
+    return array.astype(np.int64, copy=False)
+
+
+def _check_reader(reader: Any) -> None:
+    """The forwarding hop's shmask.Reader (duck-typed: refs.py imports no core)."""
+    if not callable(getattr(reader, "open", None)):
+        raise TypeError(f"reader must be a shmask.Reader, got {type(reader).__name__}")
 
 
 def _copy_out(reader: Any, ref: ChunkRef) -> bytes:
@@ -455,6 +539,6 @@ def msgpack_enc_hook(obj: Any) -> Any:
 
 def msgpack_ext_hook(code: int, data: memoryview) -> Any:
     """msgspec.msgpack ext_hook: the inverse of msgpack_enc_hook (a RefBatch)."""
-    if code != MSGPACK_EXT_CODE:
-        raise InvalidRefError(f"unknown msgpack extension code {code}")
+    if type(code) is not int or code != MSGPACK_EXT_CODE:
+        raise InvalidRefError(f"unknown msgpack extension code {code!r}: accepted {MSGPACK_EXT_CODE}")
     return RefBatch.from_bytes(data)

@@ -22,9 +22,10 @@ import numpy as np
 import orjson
 
 from ._native import ffi, lib
-from .config import Config
+from .config import Config, check_threads
 from .documents import map_documents
-from .errors import ShmaskError
+from .errors import InvalidRowsError, ShmaskError
+from .refs import ID_RULE
 
 _threads: int | None = None
 _KEEP_BYTES = 32 << 20  # scratch kept per thread between calls (larger ones are freed)
@@ -53,8 +54,12 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
     `ids` holds the rows' ids back to back (decoded: sum of lengths),
     `logprobs` as many values (support mode) or one per row (selected). A
     row whose status (flags & 3) is not OK is null in all three and must
-    have length 0. `threads` (default SHMASK_JSON_THREADS): at most this
-    many threads share the rows; small chunks use fewer."""
+    have length 0. Ids are non-negative int32 (0 <= id < 2**31), as
+    everywhere rows enter: a negative one raises InvalidRowsError. `threads`
+    (default SHMASK_JSON_THREADS): at most this many threads share the
+    rows; small chunks use fewer."""
+    _check_support(support)
+    check_threads(threads)
     out, fields = _write_rows(support, lengths, flags, ids, logprobs, threads, _scratch_buffer)
     # Each array is its parts' spans, joined in the one copy out of the scratch.
     view = memoryview(out)
@@ -89,6 +94,11 @@ def _write_rows(support: bool, lengths: np.ndarray, flags: np.ndarray | None, id
                              json_threads() if threads is None else threads,
                              ffi.from_buffer(out), len(out), spans, parts)
     if code == lib.SHM_JSON_E_ROWS:
+        negative = np.flatnonzero(ids < 0)
+        if negative.size:  # the writer refuses them (ids are non-negative int32)
+            raise InvalidRowsError(
+                f"response JSON: id {int(ids[negative[0]])} (at {int(negative[0])}) is "
+                f"negative: {ID_RULE}")
         raise ShmaskError(
             f"response JSON: {rows} rows whose lengths (sum {int(lengths.sum())}) or statuses "
             f"disagree with {ids.size} ids and {logprobs.size} logprobs "
@@ -117,6 +127,7 @@ class RowsJSON:
     def __init__(self, support: bool, lengths: np.ndarray, flags: np.ndarray | None,
                  ids: np.ndarray, logprobs: np.ndarray,
                  check: Callable[[], None] | None = None) -> None:
+        _check_support(support)
         self.support, self.lengths, self.flags = bool(support), lengths, flags
         self.ids_values, self.logprobs_values, self.check = ids, logprobs, check
         self.ids, self.logprobs, self.lengths_field = (_RowsField(self, f) for f in range(3))
@@ -155,6 +166,7 @@ def dumps(obj: Any, *, option: int | None = None, default: Callable[[Any], Any] 
     gathered into the one result in a single copy, shared by up to
     `threads` (SHMASK_JSON_THREADS) threads. Byte for byte what orjson
     writes for the same document with the rows as Python lists."""
+    check_threads(threads)
     holes: list[_RowsField | RawJSON] = []
 
     def place(value: Any) -> Any:
@@ -217,6 +229,7 @@ def dumps_many(objs: Sequence[Any], *, option: int | None = None,
     `return_exceptions` its exception takes its place in the list (what a
     server needs: one request's error, the others' responses); without,
     the first failure is raised once every document is done."""
+    check_threads(threads)
     return map_documents(
         lambda obj, each: dumps(obj, option=option, default=default, threads=each), objs,
         json_threads() if threads is None else threads, return_exceptions)
@@ -287,6 +300,8 @@ def avx512(enable: bool | None = None) -> bool:
     it for the process (True only where the CPU has AVX-512), None leaves it.
     Returns the setting now. Every path writes the same bytes either way;
     this is for the tests that check both and for measuring."""
+    if enable is not None and type(enable) is not bool:
+        raise TypeError(f"avx512: enable must be True, False or None, got {enable!r}")
     if enable is not None:
         lib.shm_set_avx512(int(enable))
     return bool(lib.shm_set_avx512(-1))
@@ -306,11 +321,22 @@ def float_json(values: np.ndarray) -> bytes:
     return bytes(out)
 
 
+def _check_support(support: object) -> None:
+    """Support mode or not: a bool (numpy's too), never a number or a string
+    taken by its truth."""
+    if not isinstance(support, bool | np.bool_):
+        raise TypeError(f"support must be True (support mode) or False (selected), "
+                        f"got {support!r}")
+
+
 def _contiguous(array: np.ndarray, dtype: type) -> np.ndarray:
-    """`array` as a C-contiguous array of `dtype`: the C writer reads raw memory."""
-    if array.dtype != dtype:
-        raise ShmaskError(f"response JSON: expected {np.dtype(dtype).name} values, "
-                          f"got {array.dtype}")
+    """`array` as a C-contiguous array of `dtype`: the C writer reads raw
+    memory, so nothing is converted (and nothing of another shape flattened)."""
+    if not isinstance(array, np.ndarray) or array.dtype != dtype or array.ndim != 1:
+        got = (f"{array.dtype} of shape {array.shape}" if isinstance(array, np.ndarray)
+               else type(array).__name__)
+        raise InvalidRowsError(f"response JSON: expected a 1-D numpy array of "
+                               f"{np.dtype(dtype).name}, got {got}")
     return np.ascontiguousarray(array)
 
 

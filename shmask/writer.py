@@ -33,6 +33,7 @@ from .config import Config
 from .errors import InvalidRowsError, SegmentError, ShmaskError
 from .refs import (
     ENTRY_DTYPE,
+    ID_RULE,
     KIND_EMPTY,
     KIND_INLINE,
     KIND_SHM,
@@ -101,6 +102,9 @@ class Writer:
     """
 
     def __init__(self, config: Config | None = None) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"Writer takes a shmask.Config (or None: from the environment), "
+                            f"got {type(config).__name__}")
         self.config = config or Config.from_env()
         self.stats = WriterStats()
         self._synced = WriterStats()  # what the metrics were last told
@@ -192,6 +196,7 @@ class Writer:
                                    ffi.from_buffer("int32_t[]", ids), rows, nnz, nnz, 0,
                                    self._max_row, self._any_flags)
         if rc:
+            _raise_if_negative_ids(ids, "publish")
             raise InvalidRowsError(
                 f"lengths must be 0..{self._max_row} (SHMASK_MAX_TOKENS) and sum to "
                 f"len(ids)={nnz}"
@@ -334,6 +339,8 @@ class Writer:
                 bad = int(self._bad_row[0])
                 where = (f"append_step row {bad} (handle {int(handles[bad])}, length "
                          f"{int(lengths[bad])})" if bad >= 0 else "append_step")
+                if done == lib.SHM_E_BAD_LENGTHS and bad >= 0:  # a negative id (step undone)
+                    _raise_if_negative_ids(_row_ids(ids, lengths, c_flags, vocab, bad), where)
                 raise_for(int(done), where)
             self._grow_queue(int(handles[int(done)]) & _SLOT_MASK)
 
@@ -346,6 +353,8 @@ class Writer:
         (the requests ended)."""
         if self.closed:  # before the GPU's quiesce: a forked child has no GPU of ours
             raise self._closed_error()
+        if type(final) is not bool and not isinstance(final, np.bool_):
+            raise TypeError(f"take_batch: final must be True or False, got {final!r}")
         direct = self._direct
         if direct is not None and not direct.quiet:
             # Waits for the last step's kernel only: nothing is published
@@ -488,9 +497,10 @@ class Writer:
         if isinstance(queues, np.ndarray):
             if queues.dtype is _INT64 and queues.ndim == 1 and queues.flags.c_contiguous:
                 return queues  # the engine's own handle array: nothing to convert
-            if queues.dtype.kind not in "iu":
-                raise InvalidRowsError(f"queue handles must be an integer array, got {queues.dtype}")
-            return np.ascontiguousarray(queues, dtype=np.int64).ravel()
+            if queues.dtype.kind not in "iu" or queues.ndim != 1:
+                raise InvalidRowsError(f"queue handles must be a 1-D integer array, got "
+                                       f"{queues.dtype} of shape {queues.shape}")
+            return np.ascontiguousarray(queues, dtype=np.int64)
         try:
             return np.fromiter((q.handle for q in queues), dtype=np.int64, count=len(queues))
         except (AttributeError, TypeError) as exc:
@@ -757,15 +767,17 @@ os.register_at_fork(after_in_child=_refuse_in_forked_child)
 
 def _as_array(value: object, dtype: type, name: str) -> np.ndarray:
     """`value` as a contiguous array of `dtype`, refusing casts that would
-    change values silently (int64 ids past int32, float ids)."""
+    change values silently (int64 ids past int32, float ids, bools taken for
+    0 and 1)."""
     if isinstance(value, np.ndarray) and value.dtype == dtype:
         return np.ascontiguousarray(value)  # the hot path: nothing to check
     try:
         source = np.asarray(value)
         target = np.dtype(dtype)
+        wanted, kinds = ("integers", "iu") if target.kind == "i" else ("numbers", "iuf")
+        if source.dtype.kind not in kinds:
+            raise InvalidRowsError(f"{name} must be {wanted}, got {source.dtype}")
         if target.kind == "i":
-            if source.dtype.kind not in "iub":
-                raise InvalidRowsError(f"{name} must be integers, got {source.dtype}")
             limits = np.iinfo(target)  # type: ignore[type-var]  # target is an integer dtype here
             if source.size and (source.min() < limits.min or source.max() > limits.max):
                 raise InvalidRowsError(
@@ -778,8 +790,31 @@ def _as_array(value: object, dtype: type, name: str) -> np.ndarray:
     return array
 
 
+def _row_ids(ids: np.ndarray, lengths: np.ndarray, c_flags: Any, vocab: int,
+             row: int) -> np.ndarray:
+    """Row `row`'s ids as append_step read them (for an error message)."""
+    if ids.ndim == 2:
+        return ids[row, :lengths[row]]
+    flags = (np.zeros(lengths.size, np.uint8) if c_flags == ffi.NULL
+             else np.frombuffer(ffi.buffer(c_flags), np.uint8))
+    words = np.where(flags == 0, lengths, np.where(flags == lib.SHM_ROW_BITMASK, (vocab + 31) // 32, 0))
+    start = int(words[:row].sum())
+    return ids[start:start + int(lengths[row])]
+
+
+def _raise_if_negative_ids(ids: np.ndarray, where: str) -> None:
+    """The message for rows the core refused for a negative id (if that is why)."""
+    negative = np.flatnonzero(ids < 0)
+    if negative.size:
+        raise InvalidRowsError(
+            f"{where}: id {int(ids.flat[negative[0]])} (at {int(negative[0])}) is negative: "
+            f"{ID_RULE}")
+
+
 def _vocab(value: object) -> int:
     try:
+        if isinstance(value, bool | np.bool_):
+            raise TypeError
         vocab = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidRowsError(f"vocab must be an integer, got {value!r}") from None
@@ -793,11 +828,14 @@ def _row_flags(status: object, forms: object, batch: int) -> np.ndarray:
     0-1, bitmask form in bit 2. Ranges are checked here because packing a bad
     status into bits would turn it into another, valid, flag."""
     flags = np.zeros(batch, np.uint8)
-    for name, value, limit, shift in (("status", status, 2, 0), ("forms", forms, 1, 2)):
+    # status holds codes (0, 1, 2): a bool array is not one; forms says per
+    # row whether it is a bitmask, which a bool array says as well as 0 / 1.
+    for name, value, limit, shift, kinds in (("status", status, 2, 0, "iu"),
+                                             ("forms", forms, 1, 2, "iub")):
         if value is None:
             continue
         array = np.asarray(value)
-        if array.shape != (batch,) or array.dtype.kind not in "iub":
+        if array.shape != (batch,) or array.dtype.kind not in kinds:
             raise InvalidRowsError(f"{name} must be an integer array of shape ({batch},), got "
                                    f"{array.dtype} {array.shape}")
         if batch and (array.min() < 0 or array.max() > limit):

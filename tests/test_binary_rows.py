@@ -738,3 +738,52 @@ def test_every_byte_is_judged_as_the_alphabet_says():
                 assert results[0] == -1 and bytes(out[:36]) == base64.b64decode(bytes(text))
             else:
                 assert results[0] == place, (place, value)
+
+
+# ------------------------------------------------ issue 33: one rule for ids, loads of any str
+def test_loads_of_a_str_with_a_lone_surrogate_raises_orjsons_error():
+    """Item 11: a str holding a lone surrogate is no JSON text (no UTF-8
+    body holds one): orjson's JSONDecodeError, as docs/responses.md says,
+    not the UnicodeEncodeError of str.encode."""
+    for body in ("\ud800", '{"a": "\udcff"}', '[1, "\ud83d"]'):
+        with pytest.raises(orjson.JSONDecodeError, match="surrogates"):
+            loads(body)
+    assert loads('{"a": "\u00e9"}') == {"a": "\u00e9"}
+
+
+@pytest.mark.parametrize("version", [1.0, True])
+def test_a_version_that_is_not_the_int_1_is_refused(version):
+    obj = good()
+    obj["version"] = version  # equal to 1 in Python, not version 1 on the wire
+    with pytest.raises(BinaryRowsError, match="'version'"):
+        decode_rows(obj)
+
+
+def _hand_built(ids: np.ndarray, width: int) -> shmask.Chunk:
+    """Rows handed over in-process (never through a Writer): `width` ids a row."""
+    lengths = np.full(ids.size // width, width, np.int32)
+    return shmask.Chunk(MODE_SUPPORT, lengths, ids, np.zeros(ids.size, np.float32), None)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_encoders_refuse_a_negative_id_anywhere(numpy_path, threads):
+    """Item 9: ids are non-negative int32 wherever rows enter; rows given to
+    the encoders in-process are held to it (decode_rows would refuse the
+    whole response): a negative id at the first, a vector block's or a
+    task's edge, or the last place raises BinaryRowsError naming it, on the
+    native path (its check runs in each encoding task) and without the core."""
+    width = 1000
+    ids = np.tile(np.arange(width, dtype=np.int32), 40)  # 160,000 bytes: several tasks
+    # 4 tasks of ~80,040 bytes: the ids' word 19970 straddles the first edge
+    for place in (0, 1, 7, 8, 15, 16, 4095, 4096, 13333, *range(19968, 19973), ids.size - 1):
+        bad = ids.copy()
+        bad[place] = -(place + 1)
+        for encode in (lambda c: encode_meta_info(c, threads=threads),
+                       lambda c: encode_chunk(c, threads=threads),
+                       lambda c: binary_rows.encode_meta_info_many([c], threads=threads)[0],
+                       lambda c: numpy_path(encode_chunk, c),
+                       lambda c: SamplingMaskBase64(True).extend(c)):
+            with pytest.raises(BinaryRowsError, match=f"id {-(place + 1)} .*negative"):
+                encode(_hand_built(bad, width))
+    good_rows = decode_rows(encode_chunk(_hand_built(ids, width), threads=threads))
+    assert np.array_equal(good_rows.ids, ids)

@@ -127,3 +127,24 @@ def test_log_levels_as_python_logging_names_them(raw, level):
         assert logger.level == logging.getLevelName(level)
     finally:
         logger.setLevel(before)
+
+
+# ------------------------------------------------ issue 33: every field's type at construction
+@pytest.mark.parametrize(("field", "value", "accepted"), [
+    ("ring_mb", 1.5, "integers 1 to 1048576"), ("max_tokens", 100.5, "integers 1 to 4194304"),
+    ("queue_rows", 2.5, "integers 1 to 65536"), ("ring_mb", True, "integers"),
+    ("json_threads", 2.0, "integers 1 to 64"), ("offload_threads", False, "integers 1 to 256"),
+    ("lease_s", True, "numbers 0.001 to 86400"), ("full_wait_ms", "50", "numbers 0 to 60000"),
+    ("json_simd", 1, "True or False"), ("json_simd", "off", "True or False"),
+    ("transport", 1, "shm, inline"), ("name_prefix", 5, "letters, digits"),
+    ("mask_format", None, "lists, arrays"),
+])
+def test_a_field_of_the_wrong_type_is_refused_naming_it(field, value, accepted):
+    """Item 10: Config(ring_mb=1.5) and the like failed later (AttributeError,
+    "an integer is required"); each field's type is checked at construction,
+    bools are not ints and ints are not bools."""
+    with pytest.raises(shmask.ConfigError) as info:
+        shmask.Config(**{field: value})
+    message = str(info.value)
+    assert f"SHMASK_{field.upper()}={value!r}" in message and f"Config.{field}" in message
+    assert accepted in message

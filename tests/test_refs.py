@@ -165,3 +165,50 @@ def test_split_gives_each_entry_as_its_own_batch(writer):
         for i, part in enumerate(parts):
             assert part == whole[i].to_bytes()
             assert shmask.ChunkRef.from_bytes(part).rows == whole[i].rows
+
+
+# ------------------------------------------------ issue 33: select takes indices or a mask
+def test_select_takes_a_boolean_mask_of_every_request(writer, reader):
+    """Item 1: `batch.select(owner == k)` picks the requests where the mask
+    is True, in batch order; True is never taken for request 1."""
+    rng = np.random.default_rng(33)
+    chunks = [random_chunk(rng, 2, 5) for _ in range(4)]
+    batch = shmask.RefBatch.from_refs([writer.publish(*c) for c in chunks])
+    owner = np.array([0, 1, 0, 1])
+    for mask, picked in (([True, False, True, False], [0, 2]), (np.zeros(4, bool), []),
+                         (owner == 1, [1, 3]), (owner == 0, [0, 2])):
+        sub = shmask.RefBatch.from_bytes(batch.select(mask).to_bytes())
+        assert sub.entries.tobytes() == batch.entries[picked].tobytes()
+    for ref, i in zip(sub, picked, strict=True):  # owner == 0's chunks open to their own rows
+        with reader.open(ref) as chunk:
+            assert_chunk_equal(chunk, *chunks[i])
+
+
+@pytest.mark.parametrize(("indices", "error", "says"), [
+    ([1.0, 2.0], TypeError, "1.0"), (np.array([0.0, 1.5]), TypeError, "float64"),
+    ([True, 2], TypeError, "True"), ([0, np.True_], TypeError, "True"),
+    (np.array([True, False]), ValueError, "one value per request \\(4\\), got 2"),
+    ([True] * 5, ValueError, "got 5"), (np.array([[0, 1]]), ValueError, "1-D"),
+    ([4], IndexError, "index 4 is outside \\[-4, 4\\)"), ([-5], IndexError, "-5"),
+    ("01", TypeError, "str"), (2, TypeError, "int"),
+])
+def test_select_refuses_what_it_would_have_cast(writer, indices, error, says):
+    batch = shmask.RefBatch.from_refs([
+        writer.publish(np.array([1], np.int32), np.array([i], np.int32), np.zeros(1, np.float32))
+        for i in range(4)])
+    with pytest.raises(error, match=says):
+        batch.select(indices)
+    assert [r.nnz for r in batch.select(np.array([3, -4], np.int64))] == [1, 1]
+
+
+@pytest.mark.parametrize(("index", "error", "says"), [
+    (1.0, TypeError, "must be an int, got 1.0"), (True, TypeError, "must be an int, got True"),
+    (slice(0, 2), TypeError, "must be an int, got slice"), (4, IndexError, "outside \\[-4, 4\\)")])
+def test_a_batch_index_is_an_int(writer, index, error, says):
+    """batch[i] is one request: a float, a bool or a slice is refused saying so
+    (numpy took True for a new axis and a slice for several entries)."""
+    batch = shmask.RefBatch.from_refs([writer.publish(
+        np.array([1], np.int32), np.array([i], np.int32), np.zeros(1, np.float32)) for i in range(4)])
+    with pytest.raises(error, match=says):
+        batch[index]
+    assert batch[-1].nnz == 1

@@ -260,7 +260,7 @@ def test_threads_split_rows_of_any_size_the_same_way():
     rng = np.random.default_rng(5)
     for lengths in ([0, 0, 200_000, 0, 1], [1] * 70_000, [70_000], [0] * 50_000):
         lengths = np.array(lengths, np.int32)
-        ids = rng.integers(-2**31, 2**31, int(lengths.sum()), dtype=np.int64).astype(np.int32)
+        ids = rng.integers(0, 2**31, int(lengths.sum()), dtype=np.int64).astype(np.int32)
         logprobs = from_bits(rng.integers(0, 2**32, ids.size, dtype=np.uint64))
         flags = np.zeros(lengths.size, np.uint8)
         flags[(lengths == 0) & (np.arange(lengths.size) % 3 == 0)] = ROW_OVERFLOW
@@ -315,13 +315,14 @@ def test_ids_of_every_length_and_digit_group_match_orjson(simd_path):
     both) or eight at a time (AVX-512, one word per id below 10^7):
     0..99_999 covers every 4-digit group in the low half and every length
     to 5, then every length to 10, the 10^7 and 10^8 edges where a word no
-    longer holds them, and negatives, each in every place of a block of
-    eight; then rows of every length to 20 (the tail after the blocks)."""
+    longer holds them, each in every place of a block of eight; then rows
+    of every length to 20 (the tail after the blocks). (Negative ids are
+    refused: tests/test_api_types.py.)"""
     rng = np.random.default_rng(8)
     edges = [10**e + d for e in range(11) for d in (-1, 0, 1) if 10**e + d < 2**31]
     values = np.concatenate([
         np.arange(100_000), np.arange(0, 10**8, 9_973), np.array(edges),
-        rng.integers(-2**31, 2**31, 50_000), [-(2**31), 2**31 - 1, -1, 99_999_999, 100_000_000],
+        rng.integers(0, 2**31, 50_000), [0, 2**31 - 1, 99_999_999, 100_000_000],
     ]).astype(np.int32)
     for offset in range(8):  # each value in every place of a pair and of a block
         row = values[offset:]

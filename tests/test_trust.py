@@ -320,3 +320,119 @@ def test_one_unreadable_chunk_costs_only_its_entry_in_for_host(writer, reader):
     assert (batch.entries["kind"] == KIND_SHM).all()
     for queue in queues:
         queue.close()
+
+
+# ------------------------------------------------ issue 33, item 9: one rule for ids
+# Ids are non-negative int32 (0 <= id < 2**31) wherever rows enter; no
+# vocabulary bounds an ids row (a bitmask row's vocab is only its width).
+NEGATIVE_ID = r"id -7\b.* negative: ids are non-negative int32 \(0 <= id < 2\*\*31\)"
+
+
+def test_publish_refuses_a_negative_id(writer):
+    with pytest.raises(shmask.InvalidRowsError, match=NEGATIVE_ID):
+        writer.publish(np.array([2, 1], np.int32), np.array([3, -7, 5], np.int32),
+                       np.zeros(3, np.float32))
+    assert writer.stats.chunks == 0
+
+
+def _bitmask_of(ids: list[int], vocab: int) -> np.ndarray:
+    words = np.zeros((vocab + 31) // 32, np.uint32)
+    for i in ids:
+        words[i // 32] |= np.uint32(1 << (i % 32))
+    return words.view(np.int32)
+
+
+@pytest.mark.parametrize("layout", ["padded", "flat", "forms"])
+def test_append_step_refuses_a_negative_id_and_appends_nothing(writer, reader, layout):
+    """A step whose last row holds a negative id (its queue also earlier in
+    the step, as with speculative decoding) is refused whole, naming the row
+    and the id: the rows before it, already copied, are taken back. A
+    bitmask row's word with bit 31 set (id 31) is no negative id, and an
+    undone bitmask row leaves its queue free to take another width."""
+    queues = [writer.open_queue("support") for _ in range(2)]
+    handles = np.array([queues[0].handle, queues[1].handle, queues[0].handle], np.int64)
+    good = np.array([[1, 2, 3], [4, 5, 6], [31, 40, 50]], np.int32)
+    bad = good.copy()
+    bad[2, 1] = -7
+    values = np.zeros((3, 3), np.float32)
+    if layout == "padded":
+        step = {"ids": bad, "logprobs": values}
+        retry = {"ids": good, "logprobs": values}
+    elif layout == "flat":
+        step = {"ids": bad.ravel(), "logprobs": values.ravel()}
+        retry = {"ids": good.ravel(), "logprobs": values.ravel()}
+    else:  # row 1 a bitmask of width 64 holding id 31 (bit 31 of its first word)
+        bitmask = _bitmask_of([31, 33, 40], 64)
+        step = {"ids": np.concatenate([bad[0], bitmask, bad[2]]), "logprobs": values.ravel(),
+                "forms": np.array([0, 1, 0]), "vocab": 64}
+        retry = {"ids": np.concatenate([good[0], _bitmask_of([31, 33, 40], 96), good[2]]),
+                 "logprobs": values.ravel(), "forms": np.array([0, 1, 0]), "vocab": 96}
+    lengths = np.array([3, 3, 3], np.int32)
+    with pytest.raises(shmask.InvalidRowsError, match="append_step row 2 .*" + NEGATIVE_ID):
+        writer.append_step(handles, lengths, **step)
+    assert [q.rows for q in queues] == [0, 0]
+    writer.append_step(handles, lengths, **retry)  # another width: the undone row left none
+    assert [q.rows for q in queues] == [2, 1]
+    lists = [reader.open(ref).to_lists()[0] for ref in writer.take_batch(queues)]
+    second = [31, 33, 40] if layout == "forms" else [4, 5, 6]
+    assert lists == [[[1, 2, 3], [31, 40, 50]], [second]]
+
+
+def test_a_forged_negative_id_in_the_ring_is_refused_at_open(writer, reader, config):
+    """A negative id written into a published record (a process of the same
+    uid; the reader maps the ring writable) is a corrupt chunk: open raises
+    InvalidRefError naming the row and the id, never returns it."""
+    marker = 123_456_789
+    ref = writer.publish(np.array([2, 2], np.int32), np.array([1, 2, 3, marker], np.int32),
+                         np.zeros(4, np.float32))
+    ring = np.frombuffer(reader._attach(ref.segment).segment.buffer, np.int32)
+    (where,) = np.flatnonzero(ring == marker)
+    ring[where] = -7
+    with pytest.raises(shmask.InvalidRefError, match="row 1 holds " + NEGATIVE_ID):
+        reader.open(ref)
+    ring[where] = marker  # put back: the same ref opens to its rows
+    with reader.open(ref) as chunk:
+        assert chunk.to_lists()[0] == [[1, 2], [3, marker]]
+
+
+def test_a_forged_negative_id_inline_is_refused_at_open(prefix):
+    inline = shmask.Config(transport="inline", name_prefix=prefix)
+    with shmask.Writer(inline) as writer:
+        ref = writer.publish(np.array([1, 2], np.int32), np.array([4, 5, 6], np.int32),
+                             np.zeros(3, np.float32))
+    payload = bytearray(ref.payload)
+    ids_at = 4 * 2 + 4  # lengths, then flags padded to 4
+    payload[ids_at + 4:ids_at + 8] = np.array([-7], "<i4").tobytes()
+    forged = shmask.ChunkRef(ref.kind, ref.mode, "", 0, 0, len(payload), ref.rows, ref.nnz,
+                             memoryview(bytes(payload)))
+    with pytest.raises(shmask.InvalidRefError, match="row 1 holds " + NEGATIVE_ID):
+        shmask.Reader(inline).open(forged)
+
+
+def test_the_checking_copy_moves_rows_of_every_length_exactly(writer, reader):
+    """The per-step copy checks ids as it moves them (inline, eight words a
+    vector, overlapping at a row's end): rows of every length from 0 to
+    140, and long ones, padded or flat, land exactly, ids and logprobs,
+    with a largest id and a NaN's bits among them."""
+    rng = np.random.default_rng(33)
+    lengths = np.array([*range(141), 1000, 4097], np.int32)
+    queues = [writer.open_queue("support") for _ in range(lengths.size)]
+    for layout in ("padded", "flat"):
+        rows = [rng.integers(0, 2**31, n, dtype=np.int64).astype(np.int32) for n in lengths]
+        rows[-1][-1] = 2**31 - 1
+        values = [rng.standard_normal(n).astype(np.float32) for n in lengths]
+        values[-2][7] = np.float32("nan")
+        if layout == "padded":
+            ids = np.zeros((lengths.size, lengths.max()), np.int32)
+            logprobs = np.zeros(ids.shape, np.float32)
+            for i, n in enumerate(lengths):
+                ids[i, :n], logprobs[i, :n] = rows[i], values[i]
+        else:
+            ids, logprobs = np.concatenate(rows), np.concatenate(values)
+        writer.append_step(queues, lengths, ids, logprobs)
+        for ref, row, value in zip(writer.take_batch(queues), rows, values, strict=True):
+            if not row.size:
+                continue
+            with reader.open(ref) as chunk:
+                assert np.array_equal(chunk.ids, row)
+                assert chunk.logprobs.tobytes() == value.tobytes()
