@@ -10,7 +10,7 @@ import time
 import msgspec
 import numpy as np
 import zmq
-from workload import configure, expected_chunk
+from workload import configure, exit_with, expected_chunk
 
 import shmask
 
@@ -22,7 +22,10 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=1000)
     parser.add_argument("--mode", choices=["support", "selected"], default="support")
     parser.add_argument("--seed", type=int, default=0, help="the seed the producer used")
+    parser.add_argument("--exit-with", type=int, default=None, metavar="PID",
+                        help="exit when this process (the one that started it) dies")
     args = parser.parse_args()
+    exit_with(args.exit_with)
 
     context = zmq.Context()
     inp = context.socket(zmq.PULL)

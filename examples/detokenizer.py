@@ -10,6 +10,7 @@ import time
 import msgspec
 import numpy as np
 import zmq
+from workload import exit_with
 
 import shmask
 
@@ -19,7 +20,10 @@ def main() -> None:
     parser.add_argument("--inp", required=True, help="zmq endpoint to bind for the scheduler")
     parser.add_argument("--out", required=True, nargs="+", help="one endpoint per tokenizer")
     parser.add_argument("--results", required=True)
+    parser.add_argument("--exit-with", type=int, default=None, metavar="PID",
+                        help="exit when this process (the one that started it) dies")
     args = parser.parse_args()
+    exit_with(args.exit_with)
 
     context = zmq.Context()
     inp = context.socket(zmq.PULL)

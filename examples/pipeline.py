@@ -6,12 +6,24 @@ and prints what moved and what it cost.
 
 shmask settings come from SHMASK_* environment variables (docs/configuration.md),
 which the child processes inherit.
+
+Every child is watched (a pidfd each, polled with the results socket): if
+one dies, the pipeline does not wait for it, nor for the others, which can
+no longer finish. It stops them, removes the ring of a producer killed
+outright, and exits 1 with one line naming the dead process and how it
+died ("pipeline failed: producer.py (pid 4242) was killed by signal 9
+(SIGKILL)"). The other way round, every child is started with --exit-with
+(workload.exit_with): the kernel sends it SIGTERM if the pipeline itself
+dies, even by SIGKILL, so none is left waiting for a peer, and the
+producer's ring goes with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,10 +38,25 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 from workload import request_lengths
 
+import shmask
+from shmask.segment import collect_garbage
+
 HERE = Path(__file__).resolve().parent
 
 
+class PipelineFailed(Exception):
+    """A child died or the pipeline ran out of time: the message says which."""
+
+
 def main() -> int:
+    try:
+        return run()
+    except PipelineFailed as exc:
+        print(f"pipeline failed: {exc}", file=sys.stderr)
+        return 1
+
+
+def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=256)
@@ -60,7 +87,8 @@ def main() -> int:
         results.bind(endpoint("results"))
         control = context.socket(zmq.PUSH)
         control.bind(endpoint("control"))
-        common = ["--results", endpoint("results")]
+        # --exit-with: each goes with this process, even one killed outright.
+        common = ["--results", endpoint("results"), "--exit-with", str(os.getpid())]
         workload = ["--top-k", str(args.top_k), "--mode", args.mode]
         tokenizer_inputs = [endpoint(f"tokenizer{i}") for i in range(args.tokenizers)]
         commands = [
@@ -75,6 +103,13 @@ def main() -> int:
         ]
         started = time.perf_counter()
         processes = [subprocess.Popen([sys.executable, *command], env=env) for command in commands]
+        # A pidfd per child turns readable when it exits: polled with the
+        # results socket, a death is heard at once, whatever else arrives.
+        watch = zmq.Poller()
+        watch.register(results, zmq.POLLIN)
+        exits = {os.pidfd_open(process.pid): process for process in processes}
+        for fd in exits:
+            watch.register(fd, zmq.POLLIN)
         stats: dict[str, list[dict]] = {}
         decoder = msgspec.msgpack.Decoder()
         deadline = time.monotonic() + args.timeout
@@ -86,12 +121,20 @@ def main() -> int:
                           disable=not console.is_terminal) as progress:
                 task = progress.add_task("rows checked", total=total_rows)
                 while sum(len(v) for v in stats.values()) < expected_reports:
-                    if results.poll(1000) == 0:
-                        failed = [p.args[1] for p in processes if p.poll() not in (None, 0)]
-                        if all(p.poll() is not None for p in processes):
-                            failed = failed or ["every process exited before reporting"]
-                        if failed or time.monotonic() > deadline:
-                            raise RuntimeError(f"pipeline stalled or failed: {failed or 'timeout'}")
+                    ready = dict(watch.poll(1000))
+                    for fd in [fd for fd in exits if fd in ready]:
+                        watch.unregister(fd)
+                        os.close(fd)
+                        process = exits.pop(fd)
+                        status = process.wait()  # at once: it has exited
+                        if status != 0:  # 0: its work is done (a report is on its way)
+                            raise PipelineFailed(f"{Path(process.args[1]).name} (pid "
+                                                 f"{process.pid}) {describe_exit(status)}")
+                    if results not in ready:
+                        if not exits and results.poll(0) == 0:
+                            raise PipelineFailed("every process exited before reporting")
+                        if time.monotonic() > deadline:
+                            raise PipelineFailed(f"no result within --timeout {args.timeout:g} s")
                         continue
                     report = decoder.decode(results.recv())
                     if report["stage"] == "progress":
@@ -106,16 +149,48 @@ def main() -> int:
                             control.send(b"exit")  # the producer may unlink its ring now
             wall = time.perf_counter() - started
             for process in processes:
-                process.wait(timeout=60)
+                try:
+                    status = process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    raise PipelineFailed(f"{Path(process.args[1]).name} (pid {process.pid}) "
+                                         "did not exit within 60 s of the end") from None
+                if status != 0:
+                    raise PipelineFailed(f"{Path(process.args[1]).name} (pid {process.pid}) "
+                                         f"{describe_exit(status)} after reporting")
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+            for fd in exits:
+                os.close(fd)
+            stop(processes)
+            # A producer killed outright (SIGKILL) left its ring behind.
+            collect_garbage(shmask.Config.from_env(env).name_prefix)
             results.close(linger=0)
             control.close(linger=0)
             context.term()
     return _report(console, args, stats, wall, total_rows)
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """Children still running (the pipeline failed): SIGTERM, so that the
+    producer unlinks its ring; SIGKILL for one that does not go in 2 s."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def describe_exit(status: int) -> str:
+    """A Popen returncode in words: "exited with status 1", "was killed by
+    signal 9 (SIGKILL)"."""
+    if status >= 0:
+        return f"exited with status {status}"
+    with contextlib.suppress(ValueError):  # a real-time signal has no name
+        return f"was killed by signal {-status} ({signal.Signals(-status).name})"
+    return f"was killed by signal {-status}"
 
 
 def _report(console: Console, args, stats, wall: float, total_rows: int) -> int:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ import time
 import msgspec
 import numpy as np
 import zmq
-from workload import configure, request_lengths, step_rows
+from workload import configure, exit_with, request_lengths, step_rows
 
 import shmask
 
@@ -29,7 +29,10 @@ def main() -> None:
     parser.add_argument("--mode", choices=["support", "selected"], default="support")
     parser.add_argument("--emit-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exit-with", type=int, default=None, metavar="PID",
+                        help="exit when this process (the one that started it) dies")
     args = parser.parse_args()
+    exit_with(args.exit_with)
 
     context = zmq.Context()
     out = context.socket(zmq.PUSH)

@@ -64,9 +64,39 @@ its folds and response builds run in order, one at a time, while other
 requests' run beside them; responses are written by shmask's native JSON
 writer (or the binary-rows encoder) from those arrays and embedded as
 orjson.Fragments: no Python list per row. So /health answers while 64
-requests stream, and SIGTERM or Ctrl-C ends open streams (with an error
-event), stops the engine and exits within a second or two. A port in use
-is reported at once (exit code 1), before the engine starts.
+requests stream. A port in use is reported at once (exit code 1), before
+the engine starts.
+
+The engine's processes are watched: a pidfd of each (Linux 5.3 or later)
+on the event loop says the moment one exits. Exit status 0 is its normal
+end (the detokenizer after the engine's last emission, the producer once
+told to exit); any other exit, a signal included, fails the engine: every
+pending /generate is answered at once with 503 and
+`{"error": {"message": "the engine failed: producer.py (pid 4242) was
+killed by signal 9 (SIGKILL)", "code": 503}}`, each open stream ends with
+that error as its last event, new requests get the same 503, and /health
+turns 503 with the same body. The rest of the engine is stopped (SIGTERM),
+and the ring of a producer killed outright is removed. The server goes on
+answering 503 until it is stopped: restarting an engine is its launcher's
+job. Measured (tests/faults/cases_server.py, `make faults`: 4 kills, the
+producer and the detokenizer twice each, with 64 requests pending each,
+half streamed; a 2-core VM, 2026-12-03): 256/256 answered with the error,
+the slowest 196-247 ms after the kill (p50 105-121 ms). The other way
+round, the engine goes with the server: each process is started with
+--exit-with (workload.exit_with: the kernel sends it SIGTERM when the
+server dies, even by SIGKILL), so none is left waiting on sockets nobody
+serves, and the producer's ring goes with it.
+
+SIGTERM or Ctrl-C ends every open stream at once with an error event
+("the server is shutting down"), stops the engine and exits. A client that
+does not read its stream (its response blocked on full socket buffers) is
+disconnected SLOW_CLIENT_GRACE_S (0.5 s) after the signal, so it holds the
+exit no longer than that, and no traceback is logged. From the signal to
+the exit at 64 streams x 20,000 tokens on a busy 2-core VM
+(`benchmarks/server_health.py --runs 0 --exit-runs 7 [--stalled 0]`, two
+sets of 7 runs, 2026-12-03): medians 256 and 282 ms (162-359 ms); with two
+clients that stopped reading, 689 and 697 ms (621-817 ms). Before issue 33
+(5 runs each): 458 and 526 ms, and 1,437 and 1,538 ms with ASGI tracebacks.
 
 /metrics serves shmask's Prometheus metrics (docs/metrics.md) of the
 server and its engine processes when prometheus_client is installed (the
@@ -82,6 +112,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import gc
 import importlib.util
 import os
 import signal
@@ -114,12 +145,17 @@ from shmask.binary_rows import encode_chunk
 from shmask.offload import Offload, fold_ref
 from shmask.refs import MODE_SELECTED, MODE_SUPPORT
 from shmask.response_json import RawJSON
+from shmask.segment import collect_garbage
 
 HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
 
 
 MAX_QUEUED_EVENTS = 64  # per stream; beyond, emissions coalesce into one event
+# After SIGTERM or Ctrl-C, a client has this long to take its stream's last
+# event (sent at once); a connection still open then is closed. A reading
+# client takes it in milliseconds, one on a busy machine in tens of them.
+SLOW_CLIENT_GRACE_S = 0.5
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 # The sampling_params keys SGLang 0.5.23 knows (its /generate refuses any
 # other); this example honours max_new_tokens and sampling_seed.
@@ -230,13 +266,26 @@ class TokenizerManager:
         self.reader = shmask.Reader(configure())
         self.offload = Offload(args.threads)
         self.engine_done = False
-        self.error: str | None = None  # the engine broke: every request fails
+        # The engine broke (an engine process died, or sent a malformed
+        # emission): every request fails with this status and message.
+        self.error: tuple[int, str] | None = None
+        self.engine: list[subprocess.Popen] = []  # watched from start() on
+        self._exit_fds: dict[int, subprocess.Popen] = {}  # pidfd -> engine process
         self.stopping = False
         self.stopped: asyncio.Future[None] | None = None  # done when shutdown begins
         self._tasks: list[asyncio.Task] = []
+        self._receiving: asyncio.Task | None = None  # the engine's emissions, one of _tasks
 
     async def start(self) -> None:
-        self.stopped = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.stopped = loop.create_future()
+        for process in self.engine:
+            # A pidfd turns readable when its process exits (one that died
+            # before this point: at once), so the loop hears of a death the
+            # moment it happens, with no polling.
+            fd = os.pidfd_open(process.pid)
+            self._exit_fds[fd] = process
+            loop.add_reader(fd, self._engine_exited, fd)
         self.context = zmq.asyncio.Context()
         self.inp = self.context.socket(zmq.PULL)
         self.inp.bind(self.endpoints["tokenizer"])
@@ -246,8 +295,8 @@ class TokenizerManager:
         self.results.bind(self.endpoints["results"])
         self.control = self.context.socket(zmq.PUSH)
         self.control.bind(self.endpoints["control"])
-        self._tasks = [asyncio.create_task(self._handle_loop()),
-                       asyncio.create_task(self._drain_results())]
+        self._receiving = asyncio.create_task(self._handle_loop())
+        self._tasks = [self._receiving, asyncio.create_task(self._drain_results())]
 
     def shut_down(self) -> None:
         """Shutdown began (a signal): open streams and waits end now, so
@@ -264,6 +313,11 @@ class TokenizerManager:
 
     async def stop(self) -> None:
         self.shut_down()
+        loop = asyncio.get_running_loop()
+        for fd in self._exit_fds:  # main() stops and reaps the engine from here on
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._exit_fds.clear()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # Jobs not started are dropped (their chunks go with the engine),
         # running ones (one fold each) finish; then nothing reads the ring.
@@ -306,10 +360,38 @@ class TokenizerManager:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken engine must fail requests, not hang them
-            self.error = f"{type(exc).__name__}: {exc}"
-            for state in self.states:
-                state.notify()
+            self.fail(500, f"the engine failed: {type(exc).__name__}: {exc}")
             raise
+
+    def _engine_exited(self, fd: int) -> None:
+        """An engine process exited (its pidfd is readable, on the loop)."""
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+        process = self._exit_fds.pop(fd)
+        status = process.wait()  # at once: it has exited; this reaps it
+        # Status 0 is its normal end: the detokenizer exits once it has
+        # forwarded the engine's last emission, the producer once told to.
+        if status == 0 or self.stopping:
+            return
+        self.fail(503, f"the engine failed: {Path(process.args[1]).name} (pid {process.pid}) "
+                  f"{describe_exit(status)}")
+        if self._receiving is not None:  # what the engine still sent serves nobody now
+            self._receiving.cancel()
+        # The rest of the engine cannot go on without it: stopped now (the
+        # producer unlinks its ring on SIGTERM); main() reaps them.
+        for other in self.engine:
+            if other.poll() is None:
+                other.terminate()
+        # A producer killed outright left its ring in /dev/shm: the ring of
+        # a dead producer goes now (the server is its launcher).
+        collect_garbage(self.reader.config.name_prefix)
+
+    def fail(self, status: int, message: str) -> None:
+        """Every request fails from now on; the first cause is the one told."""
+        if self.error is None:
+            self.error = (status, message)
+        for state in self.states:
+            state.notify()
 
     @staticmethod
     def _folded(state: ReqState, future: asyncio.Future) -> None:
@@ -324,7 +406,7 @@ class TokenizerManager:
 
     def check(self, state: ReqState) -> None:
         if self.error is not None:
-            raise HTTPException(500, f"engine failed: {self.error}")
+            raise HTTPException(*self.error)
         if state.error is not None:
             raise HTTPException(500, f"request {state.index} failed: {state.error}")
         if self.stopping:
@@ -556,7 +638,10 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if manager.error is None else 503)
+        if manager.error is not None:  # whatever failed, this server cannot serve
+            return Response(error_body(503, manager.error[1]), status_code=503,
+                            media_type="application/json")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -624,7 +709,10 @@ def unsubscribe(state: ReqState, stream: Stream) -> None:
 class Server(uvicorn.Server):
     """uvicorn's server, telling the manager at once when a signal asks it to
     exit: uvicorn's graceful shutdown waits for every open response, and a
-    stream of a long request would keep it waiting."""
+    stream of a long request would keep it waiting. A client that does not
+    read (its response blocked on a full socket) would keep it waiting too,
+    until uvicorn's timeout cancels the response with a traceback: such a
+    connection is closed SLOW_CLIENT_GRACE_S after the signal instead."""
 
     def __init__(self, config: uvicorn.Config, manager: TokenizerManager) -> None:
         super().__init__(config)
@@ -638,7 +726,20 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         if self.loop is not None:  # a signal handler: hand it to the loop
-            self.loop.call_soon_threadsafe(self.manager.shut_down)
+            self.loop.call_soon_threadsafe(self._begin_shutdown)
+
+    def _begin_shutdown(self) -> None:
+        self.manager.shut_down()  # every open stream sends its error event now
+        assert self.loop is not None
+        self.loop.call_later(SLOW_CLIENT_GRACE_S, self._drop_slow_clients)
+
+    def _drop_slow_clients(self) -> None:
+        # A connection still open this long after the signal has a client
+        # that does not take its last event. Aborting it ends the response
+        # at once: uvicorn sees the client gone, the blocked send returns
+        # and the stream's generator finishes, as for any client that left.
+        for connection in list(self.server_state.connections):
+            connection.transport.abort()
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -664,7 +765,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 def start_engine(args: argparse.Namespace, endpoints: dict[str, str]) -> list[subprocess.Popen]:
     """The producer and the detokenizer, wired as examples/pipeline.py does."""
-    common = ["--results", endpoints["results"]]
+    # --exit-with: each goes with this process, even one killed outright.
+    common = ["--results", endpoints["results"], "--exit-with", str(os.getpid())]
     workload = ["--top-k", str(args.top_k), "--mode", args.mode]
     commands = [
         [str(HERE / "detokenizer.py"), "--inp", endpoints["detok"], "--out",
@@ -675,6 +777,16 @@ def start_engine(args: argparse.Namespace, endpoints: dict[str, str]) -> list[su
     ]
     return [subprocess.Popen([sys.executable, *command], env=dict(os.environ))
             for command in commands]
+
+
+def describe_exit(status: int) -> str:
+    """A Popen returncode in words: "exited with status 1", "was killed by
+    signal 9 (SIGKILL)"."""
+    if status >= 0:
+        return f"exited with status {status}"
+    with contextlib.suppress(ValueError):  # a real-time signal has no name
+        return f"was killed by signal {-status} ({signal.Signals(-status).name})"
+    return f"was killed by signal {-status}"
 
 
 def stop_engine(processes: list[subprocess.Popen], finished: bool) -> None:
@@ -736,6 +848,7 @@ def main() -> None:
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
         server = Server(config, manager)
         processes = start_engine(args, endpoints)
+        manager.engine = processes
         print(f"shmask example server: http://{args.host}:{args.port}/generate "
               f"({args.requests} requests x {args.tokens} tokens, top_k {args.top_k}, "
               f"{args.mode} mode, seed {args.seed})", flush=True)
@@ -750,6 +863,12 @@ def main() -> None:
         finally:
             stop_engine(processes, manager.engine_done)
             listener.close()
+            # All this process started is stopped. The interpreter's teardown
+            # would still run full garbage collections over every object of
+            # fastapi, uvicorn, numpy and the rest: 0.4-0.7 s on a busy
+            # 2-core machine (measured), more than all of the shutdown
+            # before it. Frozen, they are skipped; nothing left needs them.
+            gc.freeze()
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ row, and negative float32 logprobs (or one logprob per row, selected mode).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
 import os
+import signal
 
 import numpy as np
 
@@ -20,6 +22,7 @@ import shmask
 import shmask.metrics
 
 VOCAB = 151_936
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -115,3 +118,18 @@ def request_for_prompt(prompt: str | list[int], requests: int, sampling_seed: in
     digest = hashlib.blake2b(data, digest_size=8, salt=sampling_seed.to_bytes(16, "little",
                                                                              signed=True))
     return int.from_bytes(digest.digest(), "little") % requests
+
+
+def exit_with(parent_pid: int | None) -> None:
+    """Have the kernel send this process SIGTERM when `parent_pid`, the
+    process that started it, dies (Linux's PR_SET_PDEATHSIG): a child of
+    the pipeline or the server never outlives it, even one killed outright
+    (SIGKILL, the OOM killer), and SIGTERM's default action takes a
+    producer's ring with it. None: run on its own, nothing to watch."""
+    if parent_pid is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # it died before the call above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)

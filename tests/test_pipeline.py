@@ -3,10 +3,13 @@ every row checked by the tokenizers against the seeded workload."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,104 @@ def test_the_check_catches_wrong_rows(tmp_path):
                                  "--check-seed", "1")
     assert result.returncode == 1
     assert stats["mismatches"] == stats["rows"] > 0
+
+
+# -- a process of the pipeline dies ---------------------------------------------
+# A workload of minutes, so every process is mid-way when one is killed.
+LONG = ["--requests", "64", "--tokens", "20000", "--top-k", "100", "--tokenizers", "2"]
+DEATH_EXIT_S = 5.0  # generous for a busy 2-core machine: the pipeline hears a death at once
+
+
+def children_of(pid: int) -> dict[str, list[int]]:
+    """script name -> the pids of the children of `pid` running examples/<script>."""
+    found: dict[str, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue  # not a process, or gone meanwhile
+        if ppid == pid and len(argv) > 1 and argv[1].endswith(b".py"):
+            found.setdefault(Path(argv[1].decode()).name, []).append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("victim", ["producer.py", "detokenizer.py", "consumer.py"])
+def test_a_dead_process_ends_the_pipeline_naming_it(prefix, victim):
+    """One of the pipeline's processes SIGKILLed mid-way: the pipeline does
+    not wait for it (nor for the others, which can no longer finish), but
+    exits 1 within seconds with one line naming the dead process and its
+    signal, no traceback, no process and no ring left behind."""
+    from conftest import leftover_segments
+
+    environ = {**os.environ, "SHMASK_NAME_PREFIX": prefix, "SHMASK_RING_MB": "16"}
+    process = subprocess.Popen([sys.executable, str(PIPELINE), "--timeout", "120", *LONG],
+                               env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        # Under way: every script's process started and the producer's ring made.
+        while len(children_of(process.pid)) < 3 or not leftover_segments(prefix):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the pipeline did not start"
+            time.sleep(0.1)
+        time.sleep(1.0)  # rows are moving
+        os.kill(children_of(process.pid)[victim][0], signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = process.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 1, (out, err)
+    assert "Traceback" not in err, err
+    assert f"{victim} (pid " in err and "SIGKILL" in err, err
+    assert took < DEATH_EXIT_S, (took, err)
+    with pytest.raises(ProcessLookupError):  # the other processes are gone too
+        os.killpg(process.pid, 0)
+    assert leftover_segments(prefix) == []  # the producer's ring, however it died
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (not exited, nor a zombie that its reaper has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+def test_children_go_with_a_killed_pipeline(prefix):
+    """The pipeline itself SIGKILLed: none of its processes outlives it,
+    waiting forever on a peer or on the word to exit (each asked the kernel
+    for SIGTERM when it dies), and the producer's ring goes with them."""
+    from conftest import leftover_segments
+
+    environ = {**os.environ, "SHMASK_NAME_PREFIX": prefix, "SHMASK_RING_MB": "16"}
+    process = subprocess.Popen([sys.executable, str(PIPELINE), "--timeout", "120", *LONG],
+                               env=environ, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(children := children_of(process.pid)) < 3 or not leftover_segments(prefix):
+            assert process.poll() is None, "the pipeline ended early"
+            assert time.monotonic() < deadline, "the pipeline did not start"
+            time.sleep(0.1)
+        time.sleep(1.0)  # rows are moving: the producer's Writer is made
+        pids = [pid for same_script in children.values() for pid in same_script]
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        deadline = time.monotonic() + 10
+        while alive := [pid for pid in pids if running(pid)]:
+            assert time.monotonic() < deadline, f"processes outlived the pipeline: {alive}"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert leftover_segments(prefix) == []
