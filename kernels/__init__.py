@@ -1,8 +1,9 @@
 """GPU kernels of shmask: exact compaction, sampler-native support capture,
 sample with capture, admission, and the host hand-off to the transport.
 
-Each kernel module holds its Triton kernel(s), the launcher and a plain-torch
-reference of the same function. Without CUDA the kernels run in Triton's
+Each kernel module holds its Triton kernel(s) beside their launcher; each
+public function sits beside a plain-torch reference of the same function
+(docs/kernels.md lists the modules). Without CUDA the kernels run in Triton's
 interpreter (unless ``TRITON_INTERPRET`` says otherwise); choosing it leaves
 ``os.environ`` as it was.
 
@@ -74,12 +75,12 @@ with _interpreter_scope():
     except ImportError as exc:
         raise ImportError(f"shmask.kernels needs torch and triton ({exc}): "
                           "pip install 'shmask[kernels]'") from exc
-    from ._common import Form, Rows, Status
     from .admission import check_admission
     from .capture import capture, reference_capture, top_p_within_rounding
     from .compact import compact, reference_compact
     from .direct import DirectPublisher, publish, publisher_for, reference_direct
     from .host import HostRows, HostStaging
+    from .rows import Form, Rows, Status
     from .sample import reference_sample, sample
 
 __all__ = [

@@ -53,9 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Rows, Status, bitmask_words
 from .host import _MODES, HostRows, HostStaging, append_host_rows, check_fits_writer
 from .ring import ring_arrive, ring_claim, ring_commit
+from .rows import Rows, Status, bitmask_words
 
 __all__ = ["DirectPublisher", "publish", "publisher_for", "reference_direct"]
 

@@ -26,7 +26,7 @@ import torch
 
 from shmask.errors import InvalidRowsError
 
-from ._common import Rows, Status, longest_ids_row
+from .rows import Rows, Status, longest_ids_row
 
 __all__ = ["HostRows", "HostStaging", "append_host_rows"]
 

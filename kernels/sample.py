@@ -1,7 +1,8 @@
 """Sample with capture: draw each row's token and capture its support from the
 same thresholds in the same kernel, so the two can never disagree.
 
-The draw is an exponential race (equivalent to Gumbel-max): over the support
+The draw is an exponential race (equivalent to Gumbel-max; its device code
+in kernels/sample_draw.py, run by capture's resolve stage): over the support
 of :func:`.capture.capture`'s semantics, token = argmax ``w_i / E_i`` with
 ``E_i = -log(u_i)`` and ``u_i`` the Philox uniform of (``seeds[b]``, ``i``).
 So the token has probability ``w_i / Z`` and depends only on the row's seed,
@@ -19,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ._common import Rows, check_matrix, per_row
 from .capture import reference_capture, reference_support, run_capture
+from .checks import check_matrix, per_row
+from .rows import Rows
 
 __all__ = ["reference_sample", "sample"]
 
@@ -54,9 +56,9 @@ def reference_sample(
     probs: torch.Tensor,
     seeds: torch.Tensor | int,
     *,
-    top_k=None,
-    top_p=None,
-    min_p=None,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+    min_p: torch.Tensor | float | None = None,
     max_tokens: int,
     order: str = "joint",
     rows: torch.Tensor | None = None,

@@ -195,7 +195,7 @@ def test_scalar_settings_are_broadcast_once_per_setting() -> None:
     """A scalar setting becomes its [B] tensor once per (value, batch, dtype,
     device, stream) and is reused (no fill launch per call); 1, 1.0 and True
     stay apart, and past the cache's size every answer is still right."""
-    from shmask.kernels._common import constant_rows
+    from shmask.kernels.checks import constant_rows
     first = constant_rows(1000, 4, torch.int32, torch.device(DEVICE))
     assert constant_rows(1000, 4, torch.int32, torch.device(DEVICE)) is first
     assert first.cpu().tolist() == [1000] * 4

@@ -29,12 +29,18 @@ if not torch.cuda.is_available():
 from shmask.kernels import (  # noqa: E402
     Status,
     capture,
+    capture_mark,
+    capture_resolve,
+    capture_window,
+    capture_workspace,
     reference_capture,
     sample,
     top_p_within_rounding,
+    tuning,
 )
 from test_kernel_capture import assert_same, dyadic_probs  # noqa: E402
 
+# the module (the package's `capture` is the function): the launchers run_capture calls
 capture_module = importlib.import_module("shmask.kernels.capture")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL_VOCAB = 151936
@@ -70,9 +76,9 @@ class LauncherSpy:
 
 def WindowRows(monkeypatch: pytest.MonkeyPatch) -> LauncherSpy:  # noqa: N802 (reads as a class)
     """Which rows the window write wrote (window rows), read from the
-    window_ok mask capture hands to launch_window_write."""
+    workspace's window_ok mask capture hands to launch_window_write."""
     return LauncherSpy(monkeypatch, "launch_window_write",
-                       lambda probs, window_ok, *_: window_ok.cpu().tolist())
+                       lambda probs, ws, *_: ws.window_ok.cpu().tolist())
 
 
 def BracketSizes(monkeypatch: pytest.MonkeyPatch) -> LauncherSpy:  # noqa: N802
@@ -137,7 +143,7 @@ def test_window_rows_top_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Top-p-only rows past the window threshold: the support comes from the
     window write, its bitmask straight from the read; rows with top-k,
     greedy or min-p rows in the same batch keep the candidate path."""
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     vocab = 4000
@@ -159,7 +165,7 @@ def test_window_rows_top_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_window_rows_overflow_status_and_invalid(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     gen = torch.Generator().manual_seed(4)
     vocab = 3000
     probs = dyadic_probs(4, vocab, gen, scale=1.0)
@@ -176,7 +182,7 @@ def test_window_rows_with_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """A NaN, an inf or a negative value in a window row (whose candidates
     are its bracket's ids: the bad values' bits lie outside it) is a
     candidate all the same, and the row comes out INVALID; -0.0 is a zero."""
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
     gen = torch.Generator().manual_seed(9)
     vocab = 3000
@@ -205,10 +211,10 @@ def _bracket_search_kernel(vals_ptr, n, targets_ptr, lo_ptr, hi_ptr, bisected_pt
     target = tl.load(targets_ptr + i)
     lo = tl.load(lo_ptr + i)
     hi = tl.load(hi_ptr + i)
-    bisected = capture_module._largest_key_reaching(vals_ptr, base, n, v, key, live, target,
+    bisected = capture_resolve._largest_key_reaching(vals_ptr, base, n, v, key, live, target,
                                                     True, BLOCK)
     tl.store(bisected_ptr + i, tl.minimum(tl.maximum(bisected, lo), hi))
-    tl.store(searched_ptr + i, capture_module._largest_key_between(
+    tl.store(searched_ptr + i, capture_resolve._largest_key_between(
         vals_ptr, base, n, v, key, live, target, lo, hi, BLOCK, WAYS))
 
 
@@ -254,19 +260,19 @@ def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> Non
     only its small values (its cutoff lies above the sampled range, in the
     bracket above the top pivot), and a row whose min-p floor lies above its
     top-p cutoff."""
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
-    monkeypatch.setattr(capture_module, "RESOLVE_BLOCK", 128)
-    monkeypatch.setattr(capture_module, "WINDOW_PIVOTS", 4)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "RESOLVE_BLOCK", 128)
+    monkeypatch.setattr(tuning, "WINDOW_PIVOTS", 4)
     window = WindowRows(monkeypatch)
     gen = torch.Generator().manual_seed(12)
-    vocab = 2 * capture_module.CHUNK + 1500
+    vocab = 2 * tuning.CHUNK + 1500
     probs = dyadic_probs(5, vocab, gen, scale=0.7)
     probs[2] = 1 / 2**14  # one value throughout (a power of two: sums exact)
     probs[2, vocab - 1024:] = 0.0
     # the bound's sampled blocks (as _bound_kernel spreads them) see 2^-16,
     # the rest of the row is 2^-13
-    cols = capture_module.SAMPLE_COLS
-    blocks = capture_module.SAMPLE_BLOCKS
+    cols = tuning.SAMPLE_COLS
+    blocks = tuning.SAMPLE_BLOCKS
     probs[3] = 1 / 2**13
     for b in range(blocks):
         start = b * (vocab - cols) // (blocks - 1)
@@ -302,18 +308,18 @@ def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch, layout) -> None:
     equals the reference; with the outer pivots in place, 8 refining keys
     leave each row fewer candidates than 1."""
     inner, below, above = layout
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
-    monkeypatch.setattr(capture_module, "WINDOW_INNER", inner)
-    monkeypatch.setattr(capture_module, "WINDOW_BELOW", below)
-    monkeypatch.setattr(capture_module, "WINDOW_ABOVE", above)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "WINDOW_INNER", inner)
+    monkeypatch.setattr(tuning, "WINDOW_BELOW", below)
+    monkeypatch.setattr(tuning, "WINDOW_ABOVE", above)
     window = WindowRows(monkeypatch)
     brackets = BracketSizes(monkeypatch)
     gen = torch.Generator().manual_seed(21)
-    vocab = 2 * capture_module.CHUNK + 1500
+    vocab = 2 * tuning.CHUNK + 1500
     probs = dyadic_probs(4, vocab, gen, scale=0.7)
     top_p = torch.tensor([0.9, 0.5, 0.75, 0.95])
     for refine in (8, 1):
-        monkeypatch.setattr(capture_module, "WINDOW_REFINE", refine)
+        monkeypatch.setattr(tuning, "WINDOW_REFINE", refine)
         got = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
         assert (got.sizes.cpu() > 64).all()
     assert window.calls == [[1] * 4] * 2
@@ -327,11 +333,11 @@ def test_window_rows_top_p_near_one(monkeypatch: pytest.MonkeyPatch) -> None:
     spread by twice the width of [estimate, hi): the rows equal the
     reference and each bracket holds a small part of its support, not the
     whole of it (the spread of [lo, hi) there: ~13 binades)."""
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
     brackets = BracketSizes(monkeypatch)
     gen = torch.Generator().manual_seed(22)
-    vocab = 2 * capture_module.CHUNK + 1500
+    vocab = 2 * tuning.CHUNK + 1500
     probs = dyadic_probs(3, vocab, gen, scale=0.7)
     top_p = torch.tensor([0.95, 0.97, 0.99])
     got = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
@@ -344,9 +350,9 @@ def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """A window row whose exact support turns out small (its large values
     all outside the sampled blocks, so the sample expects thousands of ids):
     the window write stores its ids (32 L < V), not bitmask words."""
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
-    vocab = 2 * capture_module.CHUNK + 900
+    vocab = 2 * tuning.CHUNK + 900
     probs = torch.full((2, vocab), 1 / 2**20)
     probs[0, 5000:5040] = 1 / 2**6  # 40 ids between the sampled blocks
     got = run_both(probs, probs.argmax(1), top_p=0.5, max_tokens=vocab)
@@ -361,9 +367,9 @@ def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.Monk
     """Bounds that are wrong on purpose (too few ids asked above the top-k
     floor, top-p margins of the wrong sign): resolve notices and reads the
     whole row; every row still equals the reference."""
-    monkeypatch.setattr(capture_module, "WINDOW_MIN", window_min)
-    monkeypatch.setattr(capture_module, "K_SLACK", 0.2)
-    monkeypatch.setattr(capture_module, "P_MARGIN", -0.04)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", window_min)
+    monkeypatch.setattr(tuning, "K_SLACK", 0.2)
+    monkeypatch.setattr(tuning, "P_MARGIN", -0.04)
     gen = torch.Generator().manual_seed(5)
     vocab = 2500
     probs = dyadic_probs(6, vocab, gen, scale=1.5)
@@ -570,7 +576,7 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     probs = probs.to(DEVICE)
     w = probs.cpu()
     lo = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    chunk = capture_module.CHUNK
+    chunk = tuning.CHUNK
     pivots = 8
     # pivots from lo up to fp16's largest value, within [1, +inf's bits] and
     # on keys an fp16 value has (low 13 bits zero), so that a bracket's ends
@@ -595,14 +601,14 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     top_p = settings + (0.5 if window else 1.0)
     is_window = torch.full((batch,), int(window), dtype=torch.int32, device=DEVICE)
     pivots_in = piv.to(DEVICE, torch.int32).flatten()
-    record = capture_module.BRACKET.value
+    record = capture_workspace.BRACKET.value
     bracket = torch.zeros(record * batch, dtype=torch.int32, device=DEVICE)
     refine = 8
     refine_keys = torch.zeros(batch * refine, dtype=torch.int32, device=DEVICE)
     # the wide rows' list and their count
     wide_rows, wide_count = (torch.zeros(n, dtype=torch.int32, device=DEVICE) for n in (batch, 1))
     chunks_pad = triton.next_power_of_2(n_chunks)
-    capture_module._cand_mark_kernel[(batch, n_chunks)](
+    capture_mark._cand_mark_kernel[(batch, n_chunks)](
         probs, probs.stride(0), vocab, lo, is_window, pivots_in, top_p, settings,
         settings.to(torch.int8), bits, counts, sums, maxes, pivot_mass, n_chunks, CHUNK=chunk,
         MASS=window, TOP=False, WINDOW=window, PIVOTS=pivots, PDL=False, num_warps=4)
@@ -615,23 +621,23 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         above_mass = torch.zeros(batch * n_chunks, device=DEVICE)
         above_count = torch.zeros(batch * n_chunks, dtype=torch.int32, device=DEVICE)
         refine_mass = torch.zeros(batch * n_chunks * refine, device=DEVICE)
-        capture_module._window_bracket_kernel[(batch,)](
+        capture_window._window_bracket_kernel[(batch,)](
             is_window, pivots_in, top_p, settings, sums, maxes, pivot_mass, bracket, refine_keys,
             wide_count, wide_rows, n_chunks, CHUNKS_PAD=chunks_pad, PIVOTS=pivots, REFINE=refine,
             PDL=False, num_warps=4)
         # the wide rows (rows 0 and 1 among them, below) are listed for the
         # refine, in any order
-        wide = bracket.cpu().view(batch, record)[:, capture_module.B_WIDE.value].nonzero()[:, 0]
+        wide = bracket.cpu().view(batch, record)[:, capture_workspace.B_WIDE.value].nonzero()[:, 0]
         assert {0, 1} <= set(wide.tolist())
         assert sorted(wide_rows.cpu()[:int(wide_count)].tolist()) == wide.tolist()
-        capture_module._window_refine_kernel[(3,)](
+        capture_window._window_refine_kernel[(3,)](
             probs, probs.stride(0), vocab, wide_count, wide_rows, refine_keys, refine_mass,
             n_chunks, CHUNK=chunk, REFINE=refine, PDL=False, num_warps=4)
-        capture_module._window_mark_kernel[(batch, n_chunks)](
+        capture_window._window_mark_kernel[(batch, n_chunks)](
             probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, bits,
             counts, above_mass, above_count, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
             REFINE=refine, PDL=False, num_warps=4)
-        final = capture_module.B_FINAL_LO.value
+        final = capture_workspace.B_FINAL_LO.value
         b_lo, b_hi = bracket.cpu().view(batch, record)[:, final:final + 2].long().unbind(1)
         assert (b_lo >= 1).all() and (b_hi <= inf_key).all()
         # rows 0 and 1: the cutoff lies between the top two pivots, outside

@@ -3,7 +3,6 @@ it, draws are deterministic per seed, and frequencies follow w / Z."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -12,10 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shmask.kernels import Status, reference_capture, reference_sample, sample  # noqa: E402
+from shmask.kernels import Status, reference_capture, reference_sample, sample, tuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-capture_module = importlib.import_module("shmask.kernels.capture")
 
 
 def settings(batch: int, vocab: int, gen: torch.Generator) -> dict:
@@ -66,8 +64,8 @@ def test_rows_past_the_resolve_and_draw_blocks(monkeypatch: pytest.MonkeyPatch) 
     seeds = torch.arange(batch) + 5
     tokens = []
     for block, draw in ((4096, 1024), (64, 16), (128, 128)):
-        monkeypatch.setattr(capture_module, "RESOLVE_BLOCK", block)
-        monkeypatch.setattr(capture_module, "DRAW_BLOCK", draw)
+        monkeypatch.setattr(tuning, "RESOLVE_BLOCK", block)
+        monkeypatch.setattr(tuning, "DRAW_BLOCK", draw)
         got = sample(probs.to(DEVICE), seeds.to(DEVICE), **on_device(kwargs))
         want = reference_capture(probs, got.tokens.cpu().long(), **kwargs)
         assert (got.status.cpu() == Status.OK).all()

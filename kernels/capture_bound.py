@@ -1,0 +1,180 @@
+"""Capture's first stage, the bound (program per row): from a sample of
+each row, the floor key of its candidates, or for a window row the pivot
+keys around its top-p cutoff (kernels/capture.py says where it stands
+among the stages).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .capture_workspace import CaptureSettings, CaptureWorkspace
+from .float_bits import INF_KEY
+from .launch import after_previous, launch_options
+from .tuning import BOUND_BITS, BOUND_STEP
+
+
+def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
+                 pdl: bool) -> None:
+    """_bound_kernel over the rows: ws.lo, ws.window, a window row's
+    ws.pivots, and ws.wide_count cleared for the window bracket."""
+    batch = probs.shape[0]
+    _bound_kernel[(batch,)](
+        probs, probs.stride(0), probs.shape[1], settings.top_k, settings.top_p, settings.min_p,
+        settings.greedy, ws.lo, ws.window, ws.pivots, ws.wide_count,
+        SEQUENTIAL=settings.sequential, WINDOW=settings.window, BLOCKS=tuning.SAMPLE_BLOCKS,
+        COLS=tuning.SAMPLE_COLS, K_SLACK=tuning.K_SLACK, P_MARGIN=tuning.P_MARGIN,
+        WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS, INNER=tuning.WINDOW_INNER,
+        BELOW=tuning.WINDOW_BELOW, ABOVE=tuning.WINDOW_ABOVE, PDL=pdl,
+        num_warps=tuning.BOUND_WINDOW_WARPS if settings.window else tuning.BOUND_WARPS,
+        **launch_options(pdl),
+    )
+
+
+@triton.jit
+def _bound_kernel(
+    probs_ptr, stride_row, vocab, top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
+    lo_ptr, window_ptr, pivots_ptr, wide_count_ptr,
+    SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
+    K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
+    PIVOTS: tl.constexpr, INNER: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program per row: from a sample of the row (BLOCKS x COLS columns),
+    the candidates' floor lo and whether the row is a window row.
+
+    lo lies under every cutoff (top-k: the sample's key with K_SLACK x its
+    share of k above it; top-p: the key whose sampled mass share reaches
+    top_p + P_MARGIN; min-p: min_p x the sample's max), so the candidates
+    (every key >= lo) are the support plus a little. A window row (top-k
+    off, top-p on, a support the sample puts past WINDOW_MIN ids) gets
+    instead PIVOTS keys around the sampled estimate of its cutoff, spread by
+    the width of [lo, hi) (hi: the key whose sampled mass share reaches
+    top_p - P_MARGIN; _window_pivots), whose exact masses the candidate mark
+    sums (the window bracket and mark bracket the cutoff by them)."""
+    after_previous(PDL)  # the kernel before may have written probs
+    row = tl.program_id(0)
+    idx = tl.arange(0, BLOCKS * COLS)
+    block = idx // COLS
+    spread = vocab > BLOCKS * COLS
+    start = tl.where(spread, (block * (vocab - COLS)) // (BLOCKS - 1), block * COLS)
+    cols = start + idx % COLS
+    inside = cols < vocab
+    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=inside, other=0.0)
+    w = w.to(tl.float32)
+    good = inside & (w > 0.0) & (w < float("inf"))  # false for NaN
+    w = tl.where(good, w, 0.0)
+    key = tl.where(good, w.to(tl.int32, bitcast=True), 0)
+    n = tl.sum(inside.to(tl.float32), axis=0)
+    share = n / vocab  # the sample's share of the row
+    total = tl.sum(w, axis=0)
+    top = tl.max(key, axis=0)
+
+    top_k = tl.load(top_k_ptr + row)
+    k_on = (top_k >= 1) & (top_k < vocab)
+    expect = top_k.to(tl.float32) * share
+    need = K_SLACK * expect + 3.0 * tl.sqrt(expect) + 4.0
+    floor_k = tl.zeros([], dtype=tl.int32)
+    if k_on:
+        floor_k = _sample_key_reaching(key, w, need, False)
+    top_p = tl.load(top_p_ptr + row)
+    p_on = top_p < 1.0
+    floor_p = tl.zeros([], dtype=tl.int32)
+    hi = tl.full([], INF_KEY, tl.int32)
+    center = tl.zeros([], dtype=tl.int32)
+    # a window row needs top-p on, top-k off and room for top_p - P_MARGIN
+    may_be_window = False
+    if WINDOW:
+        may_be_window = p_on & ~k_on & (top_p > P_MARGIN)
+    if p_on:
+        if may_be_window:
+            floor_p, hi, center = _sample_keys_reaching3(
+                key, w, (top_p + P_MARGIN) * total, (top_p - P_MARGIN) * total, top_p * total)
+            hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
+        else:
+            floor_p = _sample_key_reaching(key, w, (top_p + P_MARGIN) * total, True)
+    min_p = tl.load(min_p_ptr + row)
+    floor_m = tl.where(min_p > 0.0, (min_p * top.to(tl.float32, bitcast=True))
+                       .to(tl.int32, bitcast=True), 0)
+    lo = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
+    if SEQUENTIAL:
+        # top-p's target is a share of the top-k mass: every w >= t_k is needed
+        lo = tl.where(k_on, tl.maximum(floor_k, 1), lo)
+    greedy = tl.load(greedy_ptr + row) != 0
+    lo = tl.where(greedy, tl.maximum(top, 1), lo)
+    window = tl.zeros([], dtype=tl.int32)
+    if WINDOW:
+        many = tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
+        window = (may_be_window & ~greedy & many & (hi > lo)).to(tl.int32)
+        if window != 0:
+            # The pivots' spread: the width of [lo, hi), or twice that of
+            # [center, hi) when top_p + P_MARGIN leaves no lower end (the
+            # floor's target is then the sample's whole mass: lo falls to
+            # its smallest key, and [lo, hi) spans binades)
+            span = tl.where(top_p + P_MARGIN < 1.0, hi.to(tl.int64) - lo,
+                            2 * (hi.to(tl.int64) - center))
+            j = tl.arange(0, PIVOTS)
+            tl.store(pivots_ptr + row * PIVOTS + j,
+                     _window_pivots(center, span, j, PIVOTS, INNER, BELOW, ABOVE))
+    tl.store(lo_ptr + row, lo)
+    tl.store(window_ptr + row, window)
+    if WINDOW:
+        if row == 0:
+            tl.store(wide_count_ptr, 0)  # _window_bracket_kernel counts the wide rows
+
+
+@triton.jit
+def _sample_key_reaching(key, w, target, USE_MASS: tl.constexpr):
+    """Largest key t whose low 31 - BOUND_BITS bits are zero with (count or
+    mass of the sample's keys >= t) >= target, by bisection over bits 30..
+    (31 - BOUND_BITS) of a register tile; 0 when none reaches. The exact key
+    lies in [t, t + BOUND_STEP): the bound is an estimate with margins, so
+    its first BOUND_BITS bits (the exponent and 8 of the mantissa: within
+    0.4% of the value) are all it needs, in half the steps of all 31."""
+    found = tl.zeros([], dtype=tl.int32)
+    for step in range(BOUND_BITS):
+        probe = found | (1 << (30 - step))
+        hit = key >= probe
+        if USE_MASS:
+            reach = tl.sum(tl.where(hit, w, 0.0), axis=0)
+        else:
+            reach = tl.sum(hit.to(tl.float32), axis=0)
+        found = tl.where(reach >= target, probe, found)
+    return found
+
+
+@triton.jit
+def _sample_keys_reaching3(key, w, target1, target2, target3):
+    """_sample_key_reaching (of the mass) for three targets at once: the
+    three searches' reductions at each step are independent, so their
+    latencies overlap (a window row's bound searches three keys)."""
+    found1 = tl.zeros([], dtype=tl.int32)
+    found2 = tl.zeros([], dtype=tl.int32)
+    found3 = tl.zeros([], dtype=tl.int32)
+    for step in range(BOUND_BITS):
+        bit = 1 << (30 - step)
+        reach1 = tl.sum(tl.where(key >= (found1 | bit), w, 0.0), axis=0)
+        reach2 = tl.sum(tl.where(key >= (found2 | bit), w, 0.0), axis=0)
+        reach3 = tl.sum(tl.where(key >= (found3 | bit), w, 0.0), axis=0)
+        found1 = tl.where(reach1 >= target1, found1 | bit, found1)
+        found2 = tl.where(reach2 >= target2, found2 | bit, found2)
+        found3 = tl.where(reach3 >= target3, found3 | bit, found3)
+    return found1, found2, found3
+
+
+@triton.jit
+def _window_pivots(center, span, j, PIVOTS: tl.constexpr, INNER: tl.constexpr,
+                   BELOW: tl.constexpr, ABOVE: tl.constexpr):
+    """Pivot j (a block of indices) of a window row, ascending, within
+    [1, +inf's bits]: PIVOTS - 2 evenly over center +- INNER/100 x span, one
+    at center - BELOW/100 x span and one at center + ABOVE/100 x span."""
+    tl.static_assert(PIVOTS >= 4, "two inner pivots and two outer ones at least")
+    tl.static_assert((INNER < BELOW) & (INNER < ABOVE), "the outer pivots lie outside the inner")
+    inner = (center - (span * INNER) // 100
+             + (span * (2 * INNER) * tl.maximum(j - 1, 0)) // (100 * (PIVOTS - 3)))
+    keys = tl.where(j == 0, center - (span * BELOW) // 100,
+                    tl.where(j == PIVOTS - 1, center + (span * ABOVE) // 100, inner))
+    return tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32)

@@ -1,0 +1,172 @@
+"""What the stages of one capture or sample call share: its settings as
+per-row tensors (:class:`CaptureSettings`) and its scratch memory
+(:class:`CaptureWorkspace`, named arrays carved from a few allocations),
+and the layout of a window row's bracket record.
+
+The workspace is allocated once a call, before the first kernel: every
+array is written by one stage and read by later ones (each field says
+which). A call without window rows (:func:`may_be_window`) gets empty
+window arrays: no kernel of such a call reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tuning
+from .checks import per_row, row_mask
+
+# A window row's bracket record: BRACKET int32 values a row, written by the
+# window bracket (B_LO .. B_WIDE) and the window mark (the refined bracket
+# with min-p's floor under it, B_FINAL_LO and B_FINAL_HI, what resolve
+# searches).
+BRACKET = tl.constexpr(7)
+B_LO, B_HI, B_TARGET, B_FLOOR, B_WIDE, B_FINAL_LO, B_FINAL_HI = (tl.constexpr(k)
+                                                                  for k in range(7))
+
+
+def may_be_on(setting: Any, on: Callable[[Any], bool]) -> bool:
+    """Whether a setting may turn its cutoff on in some row: ``on(value)``
+    for a scalar, always for a [B] tensor (no host sync), never for None."""
+    if setting is None:
+        return False
+    return isinstance(setting, torch.Tensor) or bool(on(setting))
+
+
+def may_be_window(top_k: torch.Tensor | int | None, top_p: torch.Tensor | float | None,
+                  vocab: int) -> bool:
+    """Whether some row may be top-p only (top-k off, top-p on): known from
+    scalars, assumed for [B] tensors (no host sync)."""
+    k_may_be_off = top_k is None or isinstance(top_k, torch.Tensor) or not 1 <= top_k < vocab
+    return bool(k_may_be_off and may_be_on(top_p, lambda p: p < 1.0))
+
+
+@dataclass
+class CaptureSettings:
+    """A call's settings as the kernels read them ([B] tensors), and what its
+    arguments say before any kernel runs (no host sync): which sums the
+    candidate mark may need and whether window rows may occur."""
+
+    top_k: torch.Tensor  # int32[B]; off where < 1 or >= V
+    top_p: torch.Tensor  # float32[B]; off where 1
+    min_p: torch.Tensor  # float32[B]; off where 0
+    greedy: torch.Tensor  # int8[B]
+    opt_in: torch.Tensor  # int8[B]: rows materialised
+    sequential: bool  # order "sequential": top-p's target is a share of the top-k mass
+    need_mass: bool  # some row may have top-p on
+    need_max: bool  # some row may have min-p on or be greedy
+    # window rows (a top-p support of thousands of ids, bracketed by pivot
+    # masses, written by the window write) only in capture without into=:
+    # the sampler's draw and the ring stores need every support id among
+    # the candidates
+    window: bool
+
+    @classmethod
+    def of(cls, batch: int, vocab: int, device: torch.device, *,
+           top_k: torch.Tensor | int | None, top_p: torch.Tensor | float | None,
+           min_p: torch.Tensor | float | None, greedy: torch.Tensor | bool | None,
+           rows: torch.Tensor | None, sequential: bool, window_allowed: bool) -> CaptureSettings:
+        """Checked per-row settings (scalars broadcast once and kept)."""
+        return cls(
+            top_k=per_row(top_k, batch, torch.int32, device, "top_k", 0),
+            top_p=per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0),
+            min_p=per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0),
+            greedy=per_row(greedy, batch, torch.int8, device, "greedy", False),
+            opt_in=row_mask(rows, batch, device),
+            sequential=sequential,
+            need_mass=may_be_on(top_p, lambda p: p < 1.0),
+            need_max=may_be_on(min_p, lambda m: m > 0.0) or may_be_on(greedy, bool),
+            window=window_allowed and may_be_window(top_k, top_p, vocab),
+        )
+
+
+def _carve(dtype: torch.dtype, device: torch.device, **sizes: int) -> dict[str, torch.Tensor]:
+    """One allocation cut into consecutive arrays of the sizes given, in order."""
+    buffer = torch.empty(sum(sizes.values()), dtype=dtype, device=device)
+    arrays, start = {}, 0
+    for name, size in sizes.items():
+        arrays[name] = buffer[start:start + size]
+        start += size
+    return arrays
+
+
+@dataclass
+class CaptureWorkspace:
+    """Scratch memory of one call, by stage. ``n_chunks`` = ceil(V / CHUNK);
+    per-chunk arrays hold row b's chunk c at b * n_chunks + c."""
+
+    n_chunks: int
+    # bound (per row): the candidates' floor key, whether a window row;
+    # a window row's pivots, and the wide-bracket list's count (cleared)
+    lo: torch.Tensor  # int32[B]
+    window: torch.Tensor  # int32[B]
+    pivots: torch.Tensor  # int32[B * WINDOW_PIVOTS]
+    wide_count: torch.Tensor  # int32[1]
+    # window bracket (per row): the bracket record, refining keys, wide rows
+    bracket: torch.Tensor  # int32[B * BRACKET]; the window mark adds the final bracket
+    refine_keys: torch.Tensor  # int32[B * WINDOW_REFINE]
+    wide_rows: torch.Tensor  # int32[B], the first wide_count listed
+    # candidate mark (per chunk): candidates' bitmask and count, exact sums
+    bits: torch.Tensor  # int32[B * n_chunks * CHUNK / 32]; the window mark rewrites window rows'
+    counts: torch.Tensor  # int32[B * n_chunks]; likewise
+    sums: torch.Tensor  # float32[B * n_chunks]: mass of the finite w >= 0 (top-p rows)
+    maxes: torch.Tensor  # float32[B * n_chunks]: max w (min-p and greedy rows)
+    pivot_mass: torch.Tensor  # float32[B * n_chunks * WINDOW_PIVOTS]: mass at or above each pivot
+    # window refine and mark (per chunk)
+    refine_mass: torch.Tensor  # float32[B * n_chunks * WINDOW_REFINE]
+    above_count: torch.Tensor  # int32[B * n_chunks]: ids above the final bracket
+    above_mass: torch.Tensor  # float32[B * n_chunks]: their mass
+    # expand (row b's at [b * V, b * V + n_b)): candidates in ascending id order
+    cand_ids: torch.Tensor  # int32[B * V]
+    cand_vals: torch.Tensor  # float32[B * V]
+    # resolve: per chunk, a window row's support ids in the chunks before
+    before: torch.Tensor  # int32[B * n_chunks]
+    # resolve (per row): cutoff key, log Z, size, length, status, form,
+    # candidates kept (the whole-row fallback rewrites them), whether the
+    # window write writes the row, selected logprob
+    cutoff: torch.Tensor  # int32[B]
+    sizes: torch.Tensor  # int32[B]
+    lengths: torch.Tensor  # int32[B]
+    status: torch.Tensor  # int32[B]
+    forms: torch.Tensor  # int32[B]
+    n_cand: torch.Tensor  # int32[B]
+    window_ok: torch.Tensor  # int32[B]
+    logz: torch.Tensor  # float32[B]
+    selected: torch.Tensor  # float32[B]
+
+    @classmethod
+    def allocate(cls, batch: int, vocab: int, device: torch.device,
+                 window: bool) -> CaptureWorkspace:
+        """Three int32 allocations carved by name (float32 arrays as views),
+        plus the bitmask and the candidates; ``window`` False: the window
+        rows' arrays empty."""
+        n_chunks = triton.cdiv(vocab, tuning.CHUNK)
+        cells = batch * n_chunks
+        rows_w = batch if window else 0  # a window array's rows
+        cells_w = cells if window else 0
+        per_row = _carve(
+            torch.int32, device, lo=batch, window=batch, bracket=BRACKET.value * rows_w,
+            pivots=tuning.WINDOW_PIVOTS * rows_w, refine_keys=tuning.WINDOW_REFINE * rows_w,
+            wide_rows=rows_w, wide_count=1)
+        per_chunk = _carve(
+            torch.int32, device, counts=cells, sums=cells, maxes=cells, before=cells_w,
+            above_count=cells_w, above_mass=cells_w, pivot_mass=tuning.WINDOW_PIVOTS * cells_w,
+            refine_mass=tuning.WINDOW_REFINE * cells_w)
+        resolved = _carve(
+            torch.int32, device, cutoff=batch, sizes=batch, lengths=batch, status=batch,
+            forms=batch, n_cand=batch, window_ok=batch, logz=batch, selected=batch)
+        floats = ("sums", "maxes", "above_mass", "pivot_mass", "refine_mass", "logz", "selected")
+        arrays = {name: array.view(torch.float32) if name in floats else array
+                  for name, array in {**per_row, **per_chunk, **resolved}.items()}
+        return cls(
+            n_chunks=n_chunks,
+            bits=torch.empty(cells * (tuning.CHUNK // 32), dtype=torch.int32, device=device),
+            cand_ids=torch.empty(batch * vocab, dtype=torch.int32, device=device),
+            cand_vals=torch.empty(batch * vocab, dtype=torch.float32, device=device),
+            **arrays)

@@ -1,0 +1,75 @@
+"""How the kernels are launched: compiled or interpreted, chained by
+programmatic dependent launch (PDL) or not, and the launch options that
+follow (``launch_pdl``, ``maxnreg``).
+
+PDL (sm90+, compiled): a kernel launched with ``launch_pdl`` may start
+while the kernel before it runs; every kernel calls :func:`after_previous`
+before it reads what the kernels before wrote, so the chain stays ordered.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+def launches_interpreted() -> bool:
+    """Whether Triton runs launches in its interpreter. From Triton 3.4 on
+    (the ``kernels`` extra's floor) that is the knob ``runtime.interpret``:
+    kernels/__init__ sets it when it chose the interpreter, and otherwise it
+    reads TRITON_INTERPRET at each access. A Triton without the knob (older
+    than the floor) interprets as TRITON_INTERPRET said when it was
+    imported: the variable is then the answer."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return bool(getattr(runtime, "interpret", False)) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pdl_default(device: torch.device) -> bool:
+    """Programmatic dependent launch where the GPU has it (NVIDIA sm90+, not
+    ROCm, whose gfx9 parts report major 9 too) and the kernels are compiled
+    (Triton's interpreter has no grid dependencies)."""
+    return (device.type == "cuda" and torch.version.hip is None and not launches_interpreted()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch option of a kernel chained to the one before (``pdl``)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def compiled_for_nvidia(x: torch.Tensor) -> bool:
+    """Whether kernels on x run compiled for an NVIDIA GPU (PTX and its
+    launch options), not in Triton's interpreter or on ROCm."""
+    return x.is_cuda and torch.version.hip is None and not launches_interpreted()
+
+
+def register_cap(nvidia: bool, registers: int) -> dict[str, int]:
+    """The launch option capping a kernel's registers a thread (NVIDIA's
+    compiled kernels only): more programs resident on each multiprocessor."""
+    return {"maxnreg": registers} if nvidia else {}
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def after_previous(PDL: tl.constexpr):
+    """Programmatic dependent launch (a kernel launched with ``launch_pdl``
+    may start while the kernel before it runs): wait until the kernels
+    before have finished and their writes are visible, then let the next
+    kernel launch. Every program calls it before it reads what they wrote
+    or writes anything, and before it exits, so that a kernel finishes
+    only after those before it (the kernel after relies on that). Reads of
+    the call's inputs, which no kernel of the chain writes, may come first,
+    and so may reads from L2 (``.cg``) of what a kernel two or more launches
+    back wrote: it finished before the kernel before this one began."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

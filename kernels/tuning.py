@@ -1,0 +1,99 @@
+"""Tuning constants of compaction's and capture's kernels, in one place.
+
+None changes a result: each sets how work is shared out (columns a
+program, warps, registers) or how close capture's sampled estimates start
+(margins, pivots), and resolve checks every estimate exactly. The
+launchers read them at each call (``tuning.NAME``), so a test may shrink
+one to reach a rare path on a small input. The measurements behind the
+values (H200, Triton 3.6) are in benchmarks/kernels_notes.md.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+# ---------------------------------------------------------------- shared
+CHUNK = 8192  # columns per mark program: 32 KiB of fp32 read each, bitmask words of 32 bits
+EXPAND_WORDS = 256  # bitmask words per expand program (8192 columns)
+EXPAND_WARPS = 8
+
+# ------------------------------------------------------------ compaction
+MARK_WARPS = 4
+SCAN_WARPS = 8
+# the scan takes a tile of rows x chunk counts a step: up to 16384 counts
+# (a batch of 512 rows at V = 151936 in one step)
+SCAN_TILE = 16384
+
+# ----------------------------------------------------------- capture: bound
+# The bound samples SAMPLE_BLOCKS blocks of SAMPLE_COLS contiguous columns
+# spread evenly over each row (the whole row when V is at most their total)
+# and sets each row's candidate range from them; resolve verifies it
+# exactly, and a row whose estimate was wrong is resolved from its whole row.
+SAMPLE_BLOCKS = 8
+SAMPLE_COLS = 1024
+# top-k: the floor keeps >= K_SLACK * k / scale + 3 sqrt(k / scale) + 4
+# sampled ids above it (scale: the sample's share of the row)
+K_SLACK = 1.25
+# top-p: the floor is where the sampled mass share reaches top_p + P_MARGIN;
+# a window row's range is [top_p - P_MARGIN, top_p + P_MARGIN]
+P_MARGIN = 0.05
+# The bound's bisection settles the first BOUND_BITS of bits 30..0 of a key
+# (the exponent and 8 mantissa bits: within 0.4% of the value, all an
+# estimate with margins needs); BOUND_STEP is one unit of the last.
+BOUND_BITS = tl.constexpr(16)
+BOUND_STEP = tl.constexpr(1 << (31 - 16))
+BOUND_WARPS = 8
+BOUND_WINDOW_WARPS = 4  # a call that may have window rows (three searches a row)
+
+# ------------------------------------------------- capture: candidate mark
+CAND_MARK_WARPS = 16
+CAND_MARK_WINDOW_WARPS = 8  # with window rows: WINDOW_PIVOTS sums an element
+
+# ---------------------------------------------------- capture: window rows
+# A top-p row (top-k off) is a window row when the sample puts its support
+# past WINDOW_MIN ids: more than resolve holds in registers (RESOLVE_BLOCK),
+# where a row's candidates get slow and a sample that missed its cutoff
+# costs the whole-row fallback. A window row's cutoff never falls back.
+WINDOW_MIN = 4096
+# Its candidate mark sums the mass above WINDOW_PIVOTS keys placed around the
+# sampled estimate of its top-p cutoff, in hundredths of the width s of its
+# sampled range: PIVOTS - 2 evenly over the estimate +- WINDOW_INNER, one
+# WINDOW_BELOW under it and one WINDOW_ABOVE over it. The cutoff lies between
+# two of them (the bracket), and every id in the bracket is a candidate of
+# resolve: the inner span keeps brackets within RESOLVE_BLOCK ids on the
+# benchmark's rows, the outer two keep a sample that missed bounded.
+WINDOW_PIVOTS = 8
+WINDOW_INNER = 30
+WINDOW_BELOW = 150
+WINDOW_ABOVE = 100
+# A bracket outside the inner pivots (wide) is narrowed by the exact masses
+# above WINDOW_REFINE keys inside it before its ids are marked.
+WINDOW_REFINE = 8
+BRACKET_WARPS = 4
+# The refine is a fixed grid (wide rows are rare): programs a multiprocessor
+# on the GPU, and a few in Triton's interpreter (a program at a time).
+REFINE_PROGRAMS_PER_SM = 8
+REFINE_PROGRAMS_INTERPRETED = 2
+WINDOW_MARK_WARPS = 8  # the window mark's and the refine's
+
+# --------------------------------------------------------- capture: resolve
+RESOLVE_BLOCK = 4096  # candidates held in registers by a resolve program
+RESOLVE_WARPS = 8
+DRAW_BLOCK = 1024  # candidates a step of the sampler's draw
+ROW_BLOCK = 4096  # columns a step of a resolve program that reads its whole row
+# resolve's search over a window row's bracket: 4 ways (three probes a pass
+# over the candidates, a quarter of the interval kept) or 2 (a bisection)
+WINDOW_SEARCH_WAYS = 4
+
+# ----------------------------------------------------------- capture: write
+# A write program walks its row's candidates a block at a time, so a row of
+# tens of thousands of candidates (past max_tokens) sets the kernel's time:
+# large blocks over many warps (no spills at these values).
+WRITE_BLOCK = 4096
+WRITE_WARPS = 16
+WRITE_ROWS_BLOCK = 1024  # most rows a step of the sum of the rows before
+WINDOW_WRITE_WARPS = 8
+WINDOW_WRITE_SUB = 4096  # columns a step of the window write (a chunk in whole steps)
+# the window write's registers a thread (maxnreg): three programs a
+# multiprocessor without spills, where the compiler's choice fits two
+WINDOW_WRITE_REGISTERS = 80
