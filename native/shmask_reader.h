@@ -61,11 +61,12 @@ int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t p
 /* Checks rows read from a ref or shared memory: flags valid, non-OK rows
  * empty, ids rows at most max_row_length long, bitmask rows with exactly L
  * bits set and none at ids >= vocab, lengths summing to nnz and id data to
- * words. flags may be NULL (every row an OK ids row). *any_flags is set
- * when some row is not an OK ids row. */
+ * words; with check_ids, every id of an ids row in [0, 2^31). flags may be
+ * NULL (every row an OK ids row). *any_flags is set when some row is not an
+ * OK ids row. */
 int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
                       uint64_t rows, uint64_t words, uint64_t nnz, uint32_t vocab,
-                      uint64_t max_row_length, uint32_t *any_flags);
+                      uint64_t max_row_length, int check_ids, uint32_t *any_flags);
 
 /* Releases many records of one segment (a tokenizer dropping an aborted
  * request's chunks without opening them): results[i] is shm_release's code. */

@@ -223,7 +223,7 @@ class _Lib:
     ) -> int: ...
     def shm_validate_rows(
         self, lengths: CData, flags: CData, ids: CData, rows: int, words: int, nnz: int,
-        vocab: int, max_row_length: int, any_flags: IntPointer, /,
+        vocab: int, max_row_length: int, check_ids: int, any_flags: IntPointer, /,
     ) -> int: ...
     def shm_ring_init(
         self, ring: CData, base: CData, mapped_bytes: int, capacity: int, epoch: int, pid: int,

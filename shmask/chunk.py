@@ -12,8 +12,8 @@ import numpy as np
 
 from ._native import ffi, lib
 from .config import check_threads
-from .errors import DoubleReleaseError, RowDroppedError, ShmaskError
-from .refs import MODE_NAMES, MODE_SUPPORT, is_index
+from .errors import DoubleReleaseError, InvalidRefError, RowDroppedError, ShmaskError
+from .refs import ID_RULE, MODE_NAMES, MODE_SUPPORT, is_index
 from .response_json import RowsJSON, dumps, response_arrays
 
 DEFAULT_FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
@@ -272,6 +272,12 @@ class Chunk:
 
     def _lists(self) -> tuple[list[list[int] | None], list[Any]]:
         flat_ids, offsets = self._csr_arrays()
+        if flat_ids.size and int(flat_ids.min()) < 0:  # open reads no ids: the response does
+            at = int(np.argmax(flat_ids < 0))
+            row = int(np.searchsorted(offsets, at, side="right")) - 1
+            raise InvalidRefError(f"row {row} of {self!r} holds id {int(flat_ids[at])}, which is "
+                                  f"negative: {ID_RULE}, so the chunk is corrupt (rewritten "
+                                  "after it was published)")
         bounds = offsets.tolist()
         all_ids = flat_ids.tolist()
         ids: list[Any] = [all_ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -278,10 +278,6 @@ class Reader:
         if rc:
             if rc == lib.SHM_E_BAD_LENGTHS:
                 record.check()  # reclaimed or truncated meanwhile: say that instead
-                _raise_if_negative_id(np.frombuffer(copied, np.int32, rows),
-                                      np.frombuffer(copied, np.uint8, rows, 4 * rows),
-                                      np.frombuffer(attached.memory, np.int32, words,
-                                                    view.ids_offset), ref.vocab, f"open {ref!r}")
             attached.error(rc, f"open {ref!r}")
         memory = attached.memory  # read-only: so are ids and logprobs
         geometry = bytes(copied)  # immutable: the chunk's arrays are read-only
@@ -365,7 +361,7 @@ def _check_rows(lengths: np.ndarray, flags: np.ndarray, ids: np.ndarray, nnz: in
     rc = lib.shm_validate_rows(ffi.from_buffer("int32_t[]", lengths),
                                ffi.from_buffer("uint8_t[]", flags),
                                ffi.from_buffer("int32_t[]", ids), lengths.size, ids.size, nnz,
-                               vocab, max_tokens, any_flags)
+                               vocab, max_tokens, 1, any_flags)
     if rc:
         _raise_if_negative_id(lengths, flags, ids, vocab, "chunk rows")
         raise_for(rc, "chunk rows")

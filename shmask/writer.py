@@ -194,7 +194,7 @@ class Writer:
             )
         rc = lib.shm_validate_rows(ffi.from_buffer("int32_t[]", lengths), ffi.NULL,
                                    ffi.from_buffer("int32_t[]", ids), rows, nnz, nnz, 0,
-                                   self._max_row, self._any_flags)
+                                   self._max_row, 1, self._any_flags)
         if rc:
             _raise_if_negative_ids(ids, "publish")
             raise InvalidRowsError(
