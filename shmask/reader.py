@@ -10,7 +10,9 @@ pages, which every check then rejects with StaleChunkError.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -105,6 +107,7 @@ class Reader:
         self._host = host_id()  # which /dev/shm this process sees
         self._attached: dict[str, _Attached] = {}
         self._attach_lock = threading.Lock()
+        _READERS.add(self)  # its lock is made anew in a forked child
         # Native results per thread: cffi lets go of the GIL inside a call,
         # so threads sharing this Reader must not share an out-struct.
         self._scratch = threading.local()
@@ -168,6 +171,7 @@ class Reader:
         entries = batch.entries
         shm = entries["kind"] == KIND_SHM
         given_back = 0
+        first_error: ShmaskError | None = None
         for index in np.unique(entries["segment"][shm]):
             name, epoch, host = batch.segments[int(index)]
             if host and host != self._host:
@@ -176,6 +180,9 @@ class Reader:
                 attached = self._attach(name)
             except StaleChunkError:
                 continue  # the producer is gone, and its ring with it
+            except ShmaskError as exc:  # a bad segment costs its own chunks only
+                first_error = first_error or exc
+                continue
             if attached.epoch != epoch:
                 continue
             these = shm & (entries["segment"] == index)
@@ -190,6 +197,8 @@ class Reader:
         self._discards += given_back
         if metrics.enabled():
             metrics.sync(self.stats, self._synced)
+        if first_error is not None:  # after every other segment's chunks went back
+            raise first_error
         return given_back
 
     def _open_other(self, ref: ChunkRef) -> Chunk:
@@ -211,9 +220,17 @@ class Reader:
         raise InvalidRefError(f"reference kind {ref.kind} is invalid: accepted 0, 1, 2, 3")
 
     def open_batch(self, batch: RefBatch) -> Iterator[Chunk]:
-        """Open every ref of a batch, in order."""
-        for ref in batch:
-            yield self.open(ref)
+        """Open every ref of a batch, in order. If one fails to open (the
+        error goes to the caller), or the caller stops early (closes the
+        generator), the chunks not yet opened are given back to the ring."""
+        opened = 0
+        try:
+            for ref in batch:
+                opened += 1  # one that fails to open holds nothing to give back
+                yield self.open(ref)
+        finally:
+            if opened < len(batch):
+                self.discard_batch(batch.select(np.arange(opened, len(batch))))
 
     def close(self) -> None:
         """Forget every segment (views handed out stay valid until dropped)."""
@@ -410,3 +427,17 @@ def _open_inline(ref: ChunkRef, max_tokens: int) -> Chunk:
     plain = not _check_rows(lengths, flags, ids, nnz, vocab, max_tokens)
     return Chunk(ref.mode, lengths, ids, logprobs, None, flags=None if plain else flags,
                  vocab=vocab)
+
+
+# Every Reader of the process: a child forked while a thread of the parent
+# held a Reader's attach lock (held across Segment.attach: shm_open, fstat,
+# mmap) would block on it forever; the child gets new locks instead.
+_READERS: weakref.WeakSet[Reader] = weakref.WeakSet()
+
+
+def _renew_locks_in_child() -> None:
+    for reader in list(_READERS):
+        reader._attach_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_locks_in_child)

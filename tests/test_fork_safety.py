@@ -220,9 +220,6 @@ def test_fork_at_random_points_of_the_ring_life_cycle(prefix):
     assert min(report["made"].values()) > 0, report  # every thread went round its loop
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="shmask/reader.py holds Reader._attach_lock (a "
-                   "threading.Lock) across Segment.attach and never renews it in a forked "
-                   "child: a child forked meanwhile blocks on it forever (issue 33, to fix there)")
 @pytest.mark.timeout(FORKS * 0.5 + 2 * CHILD_TIMEOUT_S + 180)
 def test_a_forked_child_reads_with_its_parents_reader(prefix):
     """Readers work on in a forked child (docs/architecture.md): children

@@ -153,3 +153,52 @@ def test_a_failing_chunk_costs_its_request_and_releases_the_rest(batch, call, ho
     batch.spoil(k, how)
     call(batch, k, SPOILS[how])
     batch.assert_all_given_back(k, how)
+
+
+# --------------------------------------------------- the Reader's own calls
+
+def _whole(batch: Batch) -> shmask.RefBatch:
+    return shmask.RefBatch.from_refs([shmask.ChunkRef.from_bytes(data) for data in batch.refs])
+
+
+@pytest.mark.parametrize("k", [0, 2, REQUESTS - 1])
+def test_open_batch_gives_back_what_it_did_not_open(batch, k):
+    """Reader.open_batch: a chunk that fails to open raises into the caller,
+    and the chunks after it (never opened) go back to the ring; so do those
+    left when the caller stops early."""
+    batch.spoil(k, "stale")
+    chunks = batch.reader.open_batch(_whole(batch))
+    for _ in range(k):
+        next(chunks).release()
+    with pytest.raises(shmask.StaleChunkError):
+        next(chunks)
+    batch.assert_all_given_back(k, "stale")
+
+
+def test_open_batch_stopped_early_gives_back_the_rest(batch):
+    whole = _whole(batch)
+    chunks = batch.reader.open_batch(whole)
+    next(chunks).release()
+    chunks.close()  # the caller stops after one
+    for queue in batch.queues:
+        queue.close()
+    batch.writer.reclaim()
+    assert batch.writer.ring_usage()[0] == 0, "a chunk is still held in the ring"
+
+
+def test_discard_batch_goes_on_past_a_bad_segment(batch):
+    """A batch whose refs name a segment that is not a shmask ring (forged)
+    besides a real one: the real one's chunks go back, then the bad name is
+    raised (InvalidRefError), not the other way round."""
+    whole = _whole(batch)
+    name, epoch, host = whole.segments[0]
+    entries = np.concatenate([whole.entries[:1], whole.entries])
+    entries["segment"][0] = 0  # the first ref names the forged segment, the rest the ring
+    entries["segment"][1:] = 1
+    both = shmask.RefBatch.build([("not-a-ring", epoch, host), (name, epoch, host)], entries, [])
+    with pytest.raises(shmask.InvalidRefError, match="not a shmask segment"):
+        batch.reader.discard_batch(both)
+    for queue in batch.queues:
+        queue.close()
+    batch.writer.reclaim()
+    assert batch.writer.ring_usage()[0] == 0, "a chunk is still held in the ring"

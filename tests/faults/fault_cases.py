@@ -878,10 +878,10 @@ def markdown_table(results: list[Result]) -> str:
 # Cases of later issues live in their own modules; importing them registers
 # them here (they import `case` and `Result` from this module, defined above).
 import cases_adapters  # noqa: E402,F401
-import cases_guard  # noqa: E402,F401
-import cases_lifecycle  # noqa: E402,F401
-import cases_trust  # noqa: E402,F401
 import cases_api  # noqa: E402,F401
 import cases_fork  # noqa: E402,F401
+import cases_guard  # noqa: E402,F401
 import cases_integrate  # noqa: E402,F401
+import cases_lifecycle  # noqa: E402,F401
 import cases_server  # noqa: E402,F401
+import cases_trust  # noqa: E402,F401
