@@ -53,8 +53,12 @@ import torch
 import triton
 import triton.language as tl
 
+from shmask import layout
+from shmask.device_port import DevicePort
+
 from .host import _MODES, HostRows, HostStaging, append_host_rows, check_fits_writer
-from .ring import ring_arrive, ring_claim, ring_commit
+from .launch import launches_interpreted
+from .ring import DESC, ring_arrive, ring_claim, ring_commit
 from .rows import Rows, Status, bitmask_words
 
 __all__ = ["DirectPublisher", "publish", "publisher_for", "reference_direct"]
@@ -64,6 +68,16 @@ log = logging.getLogger("shmask")
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_MAPPED = 2
 _BLOCK = 1024  # entries a program stores per loop iteration
+# shm_direct_step_desc's words (shmask/layout.py) as constexprs.
+_STATUS = tl.constexpr(layout.DESC_STATUS)
+_FORMS = tl.constexpr(layout.DESC_FORMS)
+_LENGTHS = tl.constexpr(layout.DESC_LENGTHS)
+_ID_OFFSETS = tl.constexpr(layout.DESC_ID_OFFSETS)
+_OFFSETS = tl.constexpr(layout.DESC_OFFSETS)
+_IDS = tl.constexpr(layout.DESC_IDS)
+_VALUES = tl.constexpr(layout.DESC_VALUES)
+_SELECTED = tl.constexpr(layout.DESC_SELECTED)
+_VOCAB = tl.constexpr(layout.DESC_VOCAB)
 
 
 # ------------------------------------------------------------------ kernel
@@ -77,32 +91,32 @@ def _direct_kernel(
     """Stores row b of the step the table's descriptor describes (the
     addresses of its Rows tensors) into its queue's buffer, or diverts it."""
     b = tl.program_id(0)
-    desc = table.to(tl.int64).to(tl.pointer_type(tl.int64)) + 8
-    status = tl.load(tl.load(desc + 0).to(tl.pointer_type(tl.int32)) + b)
-    form = tl.load(tl.load(desc + 1).to(tl.pointer_type(tl.int32)) + b)
-    length = tl.load(tl.load(desc + 2).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
-    id_offsets_ptr = tl.load(desc + 3).to(tl.pointer_type(tl.int32))
+    desc = table.to(tl.int64).to(tl.pointer_type(tl.int64)) + DESC
+    status = tl.load(tl.load(desc + _STATUS).to(tl.pointer_type(tl.int32)) + b)
+    form = tl.load(tl.load(desc + _FORMS).to(tl.pointer_type(tl.int32)) + b)
+    length = tl.load(tl.load(desc + _LENGTHS).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
+    id_offsets_ptr = tl.load(desc + _ID_OFFSETS).to(tl.pointer_type(tl.int32))
     id_start = tl.load(id_offsets_ptr + b).to(tl.int64)
     n_words = tl.load(id_offsets_ptr + b + 1).to(tl.int64) - id_start
-    vocab = tl.load((desc + 10).to(tl.pointer_type(tl.int32)))
+    vocab = tl.load((desc + _VOCAB).to(tl.pointer_type(tl.int32)))
     fits, entry, rows, words, nnz, dest_ids, dest_logprobs = ring_claim(
         table, b, status, form, length, n_words, vocab, SUPPORT)
     if fits:
-        ids_ptr = tl.load(desc + 5).to(tl.pointer_type(tl.int32))
+        ids_ptr = tl.load(desc + _IDS).to(tl.pointer_type(tl.int32))
         offs = tl.arange(0, BLOCK)
         for start in range(0, n_words, BLOCK):
             m = start + offs < n_words
             tl.store(dest_ids + start + offs, tl.load(ids_ptr + id_start + start + offs, mask=m),
                      mask=m)
         if SUPPORT:
-            values_ptr = tl.load(desc + 6).to(tl.pointer_type(tl.float32))
-            value_start = tl.load(tl.load(desc + 4).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
+            values_ptr = tl.load(desc + _VALUES).to(tl.pointer_type(tl.float32))
+            value_start = tl.load(tl.load(desc + _OFFSETS).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
             for start in range(0, length, BLOCK):
                 m = start + offs < length
                 data = tl.load(values_ptr + value_start + start + offs, mask=m)
                 tl.store(dest_logprobs + start + offs, data, mask=m)
         else:
-            tl.store(dest_logprobs, tl.load(tl.load(desc + 7).to(tl.pointer_type(tl.float32)) + b))
+            tl.store(dest_logprobs, tl.load(tl.load(desc + _SELECTED).to(tl.pointer_type(tl.float32)) + b))
     ring_commit(table, entry, fits, rows, words, nnz, status, form, length, n_words, vocab)
     ring_arrive(table, arrivals)
 
@@ -132,7 +146,7 @@ def reference_direct(rows: Rows, mode: str = "support") -> list[tuple[int, int, 
         else:
             assert selected is not None
             logprobs = [float(selected[b])]
-        out.append((st | forms[b] << 2, lengths[b], data, logprobs))
+        out.append((st | forms[b] << layout.ROW_FORM_SHIFT, lengths[b], data, logprobs))
     return out
 
 
@@ -161,28 +175,39 @@ class DirectPublisher:
     Engines normally get one through :func:`publisher_for` (what
     ``kernels.publish`` uses for device rows).
 
+    It uses the Writer only through its device port
+    (:class:`shmask.device_port.DevicePort`): it attaches there as the
+    Writer's :class:`~shmask.device_port.DeviceAttachment`, and the Writer
+    quiesces it around every CPU change of a queue.
+
     Not thread-safe, like the Writer. ``close()`` (or the Writer's close)
-    waits for the last kernel and unregisters the memory.
+    waits for the last kernel and unregisters the memory. ``max_tokens``
+    (default: the Writer's SHMASK_MAX_TOKENS): the ids and values of one
+    row each queue is given room for before a step.
     """
 
-    def __init__(self, writer: Any, device: torch.device | str | int | None = None, *,
-                 reserve_tokens: int | None = None, table_slots: int = 4096) -> None:
-        from shmask._native import ffi, lib  # the compiled transport: only this module needs it
+    def __init__(self, writer: DevicePort, device: torch.device | str | int | None = None, *,
+                 max_tokens: int | None = None, table_slots: int = 4096) -> None:
+        # Imported here, not at the top: kernels/ must import without the
+        # compiled core (benchmarks/sass_compare.py compiles every kernel in
+        # a venv of Triton and torch only); a Writer has loaded it already.
+        from shmask._native import ffi, lib
 
         self._ffi, self._lib = ffi, lib
         self.writer = writer
-        self.interpreted = _interpreted()
+        self.interpreted = launches_interpreted()
         self.device = torch.device(device) if device is not None else (
             torch.device("cpu") if self.interpreted or not torch.cuda.is_available()
             else torch.device("cuda", torch.cuda.current_device()))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._device_index = -1 if self.device.type != "cuda" else int(self.device.index)
-        if reserve_tokens is None:
-            reserve_tokens = writer.config.max_tokens
-        if reserve_tokens < 1:
-            raise ValueError(f"reserve_tokens must be >= 1, got {reserve_tokens}")
-        self.reserve_tokens = reserve_tokens
+        if max_tokens is None:
+            max_tokens = writer.config.max_tokens
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens (id words reserved per row) must be an int >= 1, "
+                             f"got {max_tokens!r}")
+        self.max_tokens = max_tokens
         self.staging = HostStaging()  # the CPU path and the diverted rows
         self._stats = {"direct_steps": 0, "fused_steps": 0, "cpu_steps": 0, "diverted_rows": 0,
                        "diverted_steps": 0, "waits": 0}
@@ -205,7 +230,7 @@ class DirectPublisher:
         if getattr(writer.config, "gpu_direct", "auto") == "off":
             self._give_up("SHMASK_GPU_DIRECT=off")
             return
-        if writer._direct is not None:
+        if writer.attached is not None:
             raise ValueError("this Writer already has a DirectPublisher; close that one first")
         if self.interpreted and not _interpreter_requested():
             # shmask.kernels chose the interpreter (no CUDA): the store kernels
@@ -234,8 +259,8 @@ class DirectPublisher:
         self._direct = direct
         self._table_device = table + table_offset
         self.active = True
-        writer._direct = self  # the Writer's hooks: quiesce()/resume() around CPU changes
-        lib.shm_direct_push_all(writer._ring, direct)
+        writer.attach_direct(self)  # the Writer quiesces us around its CPU changes
+        lib.shm_direct_push_all(writer.ring_handle, direct)
 
     # ------------------------------------------------------------ the step
     def publish(self, handles: np.ndarray, rows: Rows, mode: str = "support") -> None:
@@ -280,7 +305,7 @@ class DirectPublisher:
             assert rows is not None
             vocab = rows.vocab
         if self._reserve_words[0] != vocab:  # id words a row may need: its ids or its bitmask
-            self._reserve_words = (vocab, max(self.reserve_tokens, bitmask_words(vocab)))
+            self._reserve_words = (vocab, max(self.max_tokens, bitmask_words(vocab)))
         lib, ffi = self._lib, self._ffi
         support = mode == "support"
         addresses = self._addresses
@@ -298,9 +323,9 @@ class DirectPublisher:
             for index in range(8):
                 addresses[index] = 0
         c_handles = ffi.from_buffer("int64_t[]", handles)
-        args = (self.writer._ring, self._direct, c_handles, handles.size,
+        args = (self.writer.ring_handle, self._direct, c_handles, handles.size,
                 lib.SHM_MODE_SUPPORT if support else lib.SHM_MODE_SELECTED,
-                self._reserve_words[1], self.reserve_tokens if support else 0, addresses, vocab,
+                self._reserve_words[1], self.max_tokens if support else 0, addresses, vocab,
                 self._bad_row)
         rc = lib.shm_direct_step(*args)
         while rc > 0:  # the last step is still running, or left diverted rows
@@ -334,7 +359,7 @@ class DirectPublisher:
                 log.warning("GPU-direct: device sync after the failed launch: %s", error)
         self.close()
         self._give_up(f"launching {what} failed: {exc}")
-        self.writer._publisher = self  # publisher_for keeps giving this one: the CPU path
+        self.writer.default_publisher = self  # publisher_for keeps giving this one: the CPU path
 
     @property
     def table(self) -> int:
@@ -416,7 +441,7 @@ class DirectPublisher:
         """After the CPU changed queues: the table describes them again."""
         self._depth -= 1
         if self._depth == 0 and self.active:
-            self._lib.shm_direct_push_all(self.writer._ring, self._direct)
+            self._lib.shm_direct_push_all(self.writer.ring_handle, self._direct)
 
     @property
     def quiet(self) -> bool:
@@ -451,10 +476,7 @@ class DirectPublisher:
                     self.active = False
         finally:
             self._unregister()
-            if self.writer._direct is self:
-                self.writer._direct = None
-            if self.writer._publisher is self:
-                self.writer._publisher = None
+            self.writer.detach_direct(self)
 
     def __enter__(self) -> DirectPublisher:
         return self
@@ -493,7 +515,7 @@ class DirectPublisher:
         try:
             marks = np.zeros(0 if step is None else step.handles.size, np.uint8)
             if step is not None:
-                lib.shm_direct_diverted_rows(self.writer._ring, self._direct,
+                lib.shm_direct_diverted_rows(self.writer.ring_handle, self._direct,
                                              ffi.from_buffer("int64_t[]", step.handles),
                                              step.handles.size,
                                              ffi.from_buffer("uint8_t[]", marks,
@@ -503,16 +525,16 @@ class DirectPublisher:
                 chosen = (marks != 0) & (host.status != Status.SKIPPED)
                 self._stats["diverted_rows"] += int(chosen.sum())
                 self._append_rows(step.handles, host, chosen, step.mode)
-                nnz = self.reserve_tokens if step.mode == "support" else 0
-                words = max(self.reserve_tokens, bitmask_words(host.vocab) if host.vocab else 0)
+                nnz = self.max_tokens if step.mode == "support" else 0
+                words = max(self.max_tokens, bitmask_words(host.vocab) if host.vocab else 0)
                 for handle in step.handles[chosen]:
                     # SHM_FULL here only means the next rows divert again.
-                    lib.shm_direct_reserve(self.writer._ring,
+                    lib.shm_direct_reserve(self.writer.ring_handle,
                                            int(handle) & self._slot_mask, 1, words, nnz)
         finally:
             self._depth -= 1
         lib.shm_direct_diverted_done(self._direct)
-        lib.shm_direct_push_all(self.writer._ring, self._direct)
+        lib.shm_direct_push_all(self.writer.ring_handle, self._direct)
 
     def _append_rows(self, handles: np.ndarray, host: Any, chosen: np.ndarray,
                      mode: str) -> None:
@@ -532,7 +554,7 @@ class DirectPublisher:
                                 vocab=host.vocab)
 
     def _pull(self) -> None:
-        rc = self._lib.shm_direct_pull_all(self.writer._ring, self._direct, self._bad_slot)
+        rc = self._lib.shm_direct_pull_all(self.writer.ring_handle, self._direct, self._bad_slot)
         if rc:
             raise RuntimeError(f"GPU-direct table entry of queue slot {int(self._bad_slot[0])} "
                                f"is inconsistent ({rc}): the kernel and the table disagree")
@@ -676,14 +698,15 @@ def _handle_array(slots: np.ndarray | Sequence[Any]) -> np.ndarray:
     return np.array([getattr(s, "handle", s) for s in slots], np.int64)
 
 
-def publisher_for(writer: Any) -> DirectPublisher:
+def publisher_for(writer: DevicePort) -> DirectPublisher:
     """The Writer's DirectPublisher, made on first use: GPU-direct where
     CUDA is present and SHMASK_GPU_DIRECT is not "off", else one that
     takes the CPU path (said once, in a warning)."""
-    publisher = writer._publisher
+    publisher = writer.default_publisher
     if publisher is None:
-        publisher = writer._direct if writer._direct is not None else DirectPublisher(writer)
-        writer._publisher = publisher
+        attached = writer.attached
+        publisher = attached if isinstance(attached, DirectPublisher) else DirectPublisher(writer)
+        writer.default_publisher = publisher
     return publisher
 
 
@@ -759,12 +782,6 @@ def _fast_launcher(compiled: Any, table: int, arrivals: torch.Tensor, support: b
         return True
 
     return launch
-
-
-def _interpreted() -> bool:
-    from triton import knobs
-
-    return bool(getattr(knobs.runtime, "interpret", False))
 
 
 def _interpreter_requested() -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shmask.device_port import DevicePort
 from shmask.errors import InvalidRowsError
 
 from .rows import Rows, Status, longest_ids_row
@@ -130,7 +131,7 @@ class HostStaging:
 
 
 def append_host_rows(
-    writer: Any,
+    writer: DevicePort,
     slots: np.ndarray | Sequence[Any],
     rows: HostRows,
     mode: str = "support",
@@ -168,7 +169,7 @@ def append_host_rows(
     return status
 
 
-def check_fits_writer(writer: Any, max_tokens: int | None, vocab: int) -> None:
+def check_fits_writer(writer: DevicePort, max_tokens: int | None, vocab: int) -> None:
     """Raise InvalidRowsError unless every ids row of a kernel called with
     ``max_tokens`` (None: unknown) at vocabulary ``vocab`` fits ``writer``'s
     SHMASK_MAX_TOKENS. The GPU stores a step's rows in parallel and cannot

@@ -5,10 +5,11 @@ tells the CPU the step's stores are visible.
 
 Every kernel that publishes rows uses them: the store kernel (direct.py),
 capture's write kernel (capture.py) and compaction's scan and expand
-kernels (_common.py), each launched for one step that
+kernels (compact.py), each launched for one step that
 ``DirectPublisher.claim`` prepared (``shm_direct_step``). The table layout
-they read is native/shmask_core.h's (``shm_direct_entry``,
-``shm_direct_step_desc``); docs/architecture.md says what orders what.
+they read is native/shmask_direct.h's (``shm_direct_entry``,
+``shm_direct_step_desc``), by shmask/layout.py's names; docs/architecture.md
+says what orders what.
 ``ring_claim`` only reads the table, so it may run for a whole block of
 rows at once (compaction's scan kernel does); ``ring_commit`` and
 ``ring_arrive`` run once per row.
@@ -16,6 +17,36 @@ rows at once (compaction's scan kernel does); ``ring_commit`` and
 
 import triton
 import triton.language as tl
+
+from shmask import layout
+
+from .rows import Form, Status
+
+# The layouts as constexprs (a kernel reads a global only as one; the code
+# is the literal's). Row codes: kernels/rows.py; the table: shmask/layout.py.
+_OK = tl.constexpr(int(Status.OK))
+_SKIPPED = tl.constexpr(int(Status.SKIPPED))
+_BITMASK = tl.constexpr(int(Form.BITMASK))
+_FORM_SHIFT = tl.constexpr(layout.ROW_FORM_SHIFT)
+_DONE = tl.constexpr(layout.DIRECT_DONE_WORD)
+_DIVERTED = tl.constexpr(layout.DIRECT_DIVERTED_WORD)
+_TARGET = tl.constexpr(layout.DIRECT_TARGET_WORD)
+DESC = tl.constexpr(layout.DIRECT_DESC_WORD)  # the step descriptor, in u64 words
+DESC_SLOTS = tl.constexpr(layout.DESC_SLOTS)
+_HEADER_BYTES = tl.constexpr(layout.DIRECT_HEADER_BYTES)
+_ENTRY_BYTES = tl.constexpr(layout.DIRECT_ENTRY_BYTES)
+_LENGTHS = tl.constexpr(layout.ENTRY_LENGTHS)
+_FLAGS = tl.constexpr(layout.ENTRY_FLAGS)
+_IDS = tl.constexpr(layout.ENTRY_IDS)
+_LOGPROBS = tl.constexpr(layout.ENTRY_LOGPROBS)
+_ROWS = tl.constexpr(layout.ENTRY_ROWS)
+_ROWS_CAPACITY = tl.constexpr(layout.ENTRY_ROWS_CAPACITY)
+_WORDS = tl.constexpr(layout.ENTRY_WORDS)
+_WORDS_CAPACITY = tl.constexpr(layout.ENTRY_WORDS_CAPACITY)
+_NNZ = tl.constexpr(layout.ENTRY_NNZ)
+_NNZ_CAPACITY = tl.constexpr(layout.ENTRY_NNZ_CAPACITY)
+_VOCAB = tl.constexpr(layout.ENTRY_VOCAB)
+_ENTRY_DIVERTED = tl.constexpr(layout.ENTRY_DIVERTED)
 
 
 @triton.jit
@@ -26,24 +57,26 @@ def ring_claim(table, b, status, form, length, n_words, vocab, SUPPORT: tl.const
     `fits` is False for a SKIPPED row and for one that does not fit. Reads
     only; `b` and the row's arguments may be blocks (one claim per element)."""
     table = table.to(tl.int64)  # Triton types a small integer argument as i32
-    desc = table.to(tl.pointer_type(tl.int64)) + 8  # shm_direct_step_desc at byte 64
-    slot = tl.load(tl.load(desc + 9).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
-    entry = table + 256 + slot * 64  # SHM_DIRECT_HEADER_BYTES, one line per entry
-    counts = entry.to(tl.pointer_type(tl.int32))  # counts start at int32 word 8
-    rows = tl.load(counts + 8).to(tl.int64)
-    words = tl.load(counts + 10).to(tl.int64)
-    nnz = tl.load(counts + 12).to(tl.int64)
-    queue_vocab = tl.load(counts + 14)
-    fits = (status != 3) & (tl.load(counts + 15) == 0)  # SKIPPED; a queue diverted this step
-    fits = fits & (rows < tl.load(counts + 9)) & (words + n_words <= tl.load(counts + 11))
+    desc = table.to(tl.pointer_type(tl.int64)) + DESC
+    slot = tl.load(tl.load(desc + DESC_SLOTS).to(tl.pointer_type(tl.int32)) + b).to(tl.int64)
+    entry = table + _HEADER_BYTES + slot * _ENTRY_BYTES
+    counts = entry.to(tl.pointer_type(tl.int32))
+    rows = tl.load(counts + _ROWS).to(tl.int64)
+    words = tl.load(counts + _WORDS).to(tl.int64)
+    nnz = tl.load(counts + _NNZ).to(tl.int64)
+    queue_vocab = tl.load(counts + _VOCAB)
+    # A SKIPPED row; a queue diverted this step.
+    fits = (status != _SKIPPED) & (tl.load(counts + _ENTRY_DIVERTED) == 0)
+    fits = fits & (rows < tl.load(counts + _ROWS_CAPACITY))
+    fits = fits & (words + n_words <= tl.load(counts + _WORDS_CAPACITY))
     if SUPPORT:
-        fits = fits & (nnz + length <= tl.load(counts + 13))
+        fits = fits & (nnz + length <= tl.load(counts + _NNZ_CAPACITY))
     # One vocabulary per buffer (what the CPU path enforces with SHM_E_VOCAB).
-    bitmask = (status == 0) & (form == 1)
+    bitmask = (status == _OK) & (form == _BITMASK)
     fits = fits & ((bitmask == 0) | (queue_vocab == 0) | (queue_vocab == vocab))
     addresses = entry.to(tl.pointer_type(tl.int64))
-    ids = tl.load(addresses + 2).to(tl.pointer_type(tl.int32)) + words
-    logprobs = tl.load(addresses + 3).to(tl.pointer_type(tl.float32))
+    ids = tl.load(addresses + _IDS).to(tl.pointer_type(tl.int32)) + words
+    logprobs = tl.load(addresses + _LOGPROBS).to(tl.pointer_type(tl.float32))
     logprobs += nnz if SUPPORT else rows
     return fits, entry, rows, words, nnz, ids, logprobs
 
@@ -56,18 +89,19 @@ def ring_commit(table, entry, fits, rows, words, nnz, status, form, length, n_wo
     counts = entry.to(tl.pointer_type(tl.int32))
     if fits:
         addresses = entry.to(tl.pointer_type(tl.int64))
-        tl.store(tl.load(addresses).to(tl.pointer_type(tl.int32)) + rows, length.to(tl.int32))
-        tl.store(tl.load(addresses + 1).to(tl.pointer_type(tl.uint8)) + rows,
-                 (status | (form << 2)).to(tl.uint8))
-        tl.store(counts + 8, (rows + 1).to(tl.int32))
-        tl.store(counts + 10, (words + n_words).to(tl.int32))
-        tl.store(counts + 12, (nnz + length).to(tl.int32))
-        if (status == 0) & (form == 1):
-            tl.store(counts + 14, vocab)
-    elif status != 3:
-        tl.store(counts + 15, 1)
+        tl.store(tl.load(addresses + _LENGTHS).to(tl.pointer_type(tl.int32)) + rows,
+                 length.to(tl.int32))
+        tl.store(tl.load(addresses + _FLAGS).to(tl.pointer_type(tl.uint8)) + rows,
+                 (status | (form << _FORM_SHIFT)).to(tl.uint8))
+        tl.store(counts + _ROWS, (rows + 1).to(tl.int32))
+        tl.store(counts + _WORDS, (words + n_words).to(tl.int32))
+        tl.store(counts + _NNZ, (nnz + length).to(tl.int32))
+        if (status == _OK) & (form == _BITMASK):
+            tl.store(counts + _VOCAB, vocab)
+    elif status != _SKIPPED:
+        tl.store(counts + _ENTRY_DIVERTED, 1)
         # The diverted counter: GPU-side atomicity is all it needs.
-        tl.atomic_add(table.to(tl.int64).to(tl.pointer_type(tl.int64)), 1)
+        tl.atomic_add(table.to(tl.int64).to(tl.pointer_type(tl.int64)) + _DIVERTED, 1)
 
 
 @triton.jit
@@ -78,6 +112,6 @@ def ring_arrive(table, arrivals):
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
     header = table.to(tl.int64).to(tl.pointer_type(tl.int64))
-    target = tl.load(header + 16)  # shm_direct_step_desc.target
+    target = tl.load(header + _TARGET)
     if arrived == target - 1:
-        tl.atomic_xchg(header + 1, target, sem="release", scope="sys")
+        tl.atomic_xchg(header + _DONE, target, sem="release", scope="sys")

@@ -22,7 +22,7 @@ import torch
 
 from .capture import reference_capture, reference_support, run_capture
 from .checks import check_matrix, per_row
-from .rows import Rows
+from .rows import Rows, Status
 
 __all__ = ["reference_sample", "sample"]
 
@@ -86,6 +86,6 @@ def reference_sample(
     result = reference_capture(probs, tokens.to(probs.device), top_k=top_k, top_p=top_p,
                                min_p=min_p, max_tokens=max_tokens, order=order, rows=rows,
                                greedy=greedy, overflow=overflow)
-    tokens = torch.where(result.status == 2, -1, tokens.to(probs.device))
+    tokens = torch.where(result.status == Status.INVALID, -1, tokens.to(probs.device))
     result.tokens = tokens.to(torch.int32)
     return result

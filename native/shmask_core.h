@@ -56,11 +56,14 @@ typedef struct {
     uint64_t record_bytes;
 } shm_layout;
 
-/* Row flags (shmask_layout.h): status in bits 0-1, form in bit 2. */
+/* Row flags (shmask_layout.h): status in bits 0-1, form in bit 2
+ * (SHM_ROW_BITMASK == 1 << SHM_ROW_FORM_SHIFT; shmask/layout.py mirrors
+ * every value, tests/test_constants.py checks them). */
 #define SHM_ROW_OK 0
 #define SHM_ROW_OVERFLOW 1
 #define SHM_ROW_INVALID 2
 #define SHM_ROW_STATUS_MASK 3
+#define SHM_ROW_FORM_SHIFT 2
 #define SHM_ROW_BITMASK 4
 
 /* nnz_capacity counts support-mode logprobs; a selected-mode record has

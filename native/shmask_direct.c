@@ -21,7 +21,7 @@
  * system scope. So every store of the step happens before `done` changes,
  * and a CPU acquire load that sees the new `done` sees them all. */
 
-_Static_assert(sizeof(shm_direct_entry) == 64, "a direct entry is one cache line");
+_Static_assert(sizeof(shm_direct_entry) == SHM_DIRECT_ENTRY_BYTES, "a direct entry is one cache line");
 _Static_assert(sizeof(shm_direct_step_desc) == 128, "the step descriptor is two cache lines");
 _Static_assert(SHM_DIRECT_DESC_OFFSET + sizeof(shm_direct_step_desc) <= SHM_DIRECT_HEADER_BYTES,
                "the descriptor fits in the header");
@@ -41,7 +41,7 @@ static inline int32_t *direct_slots(const shm_direct *direct) {
 }
 
 static inline uint64_t *direct_counter(const shm_direct *direct, int index) {
-    return (uint64_t *)direct->table + index; /* 0: diverted, 1: done */
+    return (uint64_t *)direct->table + index; /* SHM_DIRECT_DIVERTED_WORD or SHM_DIRECT_DONE_WORD */
 }
 
 int shm_direct_init(shm_direct *direct, uint64_t slots, int64_t ring_offset) {
@@ -74,11 +74,12 @@ void shm_direct_free(shm_direct *direct) {
 }
 
 uint64_t shm_direct_diverted(const shm_direct *direct) {
-    return __atomic_load_n(direct_counter(direct, 0), __ATOMIC_ACQUIRE);
+    return __atomic_load_n(direct_counter(direct, SHM_DIRECT_DIVERTED_WORD), __ATOMIC_ACQUIRE);
 }
 
 int shm_direct_idle(const shm_direct *direct) {
-    return __atomic_load_n(direct_counter(direct, 1), __ATOMIC_ACQUIRE) == direct->launched;
+    return __atomic_load_n(direct_counter(direct, SHM_DIRECT_DONE_WORD), __ATOMIC_ACQUIRE) ==
+           direct->launched;
 }
 
 static uint64_t monotonic_ns(void) {
@@ -293,7 +294,7 @@ int shm_direct_launch(uint64_t function, uint32_t grid, uint32_t threads, uint32
 
 void shm_direct_cancel(shm_direct *direct) {
     /* The launch failed: its programs will never arrive. */
-    direct->launched = __atomic_load_n(direct_counter(direct, 1), __ATOMIC_ACQUIRE);
+    direct->launched = __atomic_load_n(direct_counter(direct, SHM_DIRECT_DONE_WORD), __ATOMIC_ACQUIRE);
 }
 
 void shm_direct_diverted_done(shm_direct *direct) {

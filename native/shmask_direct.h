@@ -74,8 +74,14 @@ typedef struct {
     uint64_t grown;        /* queues given room (a new buffer or a larger one), ever */
 } shm_direct;
 
+/* The table's layout (drawn above); the Triton kernels read it through
+ * shmask/layout.py's names, which tests/test_constants.py checks against
+ * these and against offsetof of the two structs. */
+#define SHM_DIRECT_DIVERTED_WORD 0 /* u64 word of the table: the diverted counter */
+#define SHM_DIRECT_DONE_WORD 1     /* u64 word of the table: `done` */
 #define SHM_DIRECT_HEADER_BYTES 256
 #define SHM_DIRECT_DESC_OFFSET 64
+#define SHM_DIRECT_ENTRY_BYTES 64  /* sizeof(shm_direct_entry): one cache line */
 #define SHM_DIRECT_IN_FLIGHT 2  /* shm_direct_step: the last step's kernel has not completed */
 #define SHM_DIRECT_DIVERTED 3   /* shm_direct_step: the last step diverted rows (CPU appends first) */
 #define SHM_E_DIRECT_SLOT -30   /* a queue slot past the direct table: the step takes the CPU path */

@@ -325,7 +325,7 @@ static inline __attribute__((always_inline)) int64_t
 append_rows(shm_ring *ring, const int64_t *handles, uint64_t batch, const int32_t *lengths,
             const uint8_t *flags, uint32_t vocab, const int32_t *ids, const float *logprobs,
             const float *selected, uint64_t row_stride, uint64_t ids_len, uint64_t logprobs_len,
-            uint64_t selected_len, int selected_is_logprobs, uint64_t max_row_length,
+            uint64_t selected_len, int selected_is_logprobs, uint64_t max_tokens,
             int64_t *bad_row, const int has_flags) {
     /* 1. Every handle names an open queue of this ring; every row's flags,
      * length and source ranges; each queue's totals for the step (a queue's
@@ -348,7 +348,7 @@ append_rows(shm_ring *ring, const int64_t *handles, uint64_t batch, const int32_
         uint8_t f = has_flags ? flags[i] : 0;
         if (n < 0) return SHM_E_BAD_LENGTH;
         if (f == 0) {
-            if ((uint64_t)n > max_row_length) return SHM_E_BAD_LENGTH;
+            if ((uint64_t)n > max_tokens) return SHM_E_BAD_LENGTH;
         } else if (!flags_ok(f)) {
             return SHM_E_BAD_FLAGS;
         } else if (f & SHM_ROW_STATUS_MASK) {
@@ -460,17 +460,18 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
                         const int32_t *ids, const float *logprobs,
                         const float *selected, uint64_t row_stride, uint64_t ids_len,
                         uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
-                        uint64_t max_row_length, int64_t *bad_row) {
+                        uint64_t max_tokens, int64_t *bad_row) {
     if (flags)
         return append_rows(ring, handles, batch, lengths, flags, vocab, ids, logprobs, selected,
                            row_stride, ids_len, logprobs_len, selected_len,
-                           selected_is_logprobs, max_row_length, bad_row, 1);
+                           selected_is_logprobs, max_tokens, bad_row, 1);
     return append_rows(ring, handles, batch, lengths, NULL, vocab, ids, logprobs, selected,
                        row_stride, ids_len, logprobs_len, selected_len, selected_is_logprobs,
-                       max_row_length, bad_row, 0);
+                       max_tokens, bad_row, 0);
 }
 
 _Static_assert(sizeof(shm_ref_entry) == 48, "a RefBatch entry is 48 bytes");
+_Static_assert(SHM_ROW_BITMASK == 1 << SHM_ROW_FORM_SHIFT, "the form bit sits above the status");
 _Static_assert(offsetof(shm_ref_entry, rows) == 4 && offsetof(shm_ref_entry, position) == 8 &&
                    offsetof(shm_ref_entry, nnz) == 24 && offsetof(shm_ref_entry, words) == 32 &&
                    offsetof(shm_ref_entry, vocab) == 36 && offsetof(shm_ref_entry, seal) == 40 &&
@@ -480,7 +481,7 @@ _Static_assert(offsetof(shm_ref_entry, rows) == 4 && offsetof(shm_ref_entry, pos
 /* Entry i of a take's output: a ring chunk of queue q's rows at `position`. */
 static void put_ring_ref(shm_ref_entry *e, uint64_t position, uint64_t record_bytes,
                          uint64_t seal, const shm_queue *q) {
-    e->kind = 1;
+    e->kind = SHM_REF_KIND_RING;
     e->seal = seal;
     e->position = position;
     e->record_bytes = record_bytes;

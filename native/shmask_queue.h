@@ -48,7 +48,7 @@ int64_t shm_append_step(shm_ring *ring, const int64_t *handles, uint64_t batch,
                         const int32_t *ids, const float *logprobs,
                         const float *selected, uint64_t row_stride, uint64_t ids_len,
                         uint64_t logprobs_len, uint64_t selected_len, int selected_is_logprobs,
-                        uint64_t max_row_length, int64_t *bad_row);
+                        uint64_t max_tokens, int64_t *bad_row);
 
 /* Gives the queue of `slot` room for its pending rows (set by the last
  * shm_append_step), keeping its rows: in the ring when allow_ring and there
@@ -66,7 +66,7 @@ int shm_queue_relocate(shm_ring *ring, uint64_t slot, int allow_ring);
  * tests/test_constants.py compares them), so a take writes the batch's
  * entries in place. */
 typedef struct {
-    uint8_t kind;          /* 0 empty, 1 ring, 2 inline */
+    uint8_t kind;          /* SHM_REF_KIND_* */
     uint8_t mode;
     uint16_t segment;
     uint32_t rows;
@@ -77,6 +77,14 @@ typedef struct {
     uint32_t vocab;
     uint64_t seal;         /* ring: the record's seal; other kinds: 0 */
 } shm_ref_entry;
+
+/* shm_ref_entry.kind (shmask.refs.KIND_*: shmask/layout.py). The core
+ * writes RING entries; EMPTY, INLINE and LOST (a chunk a forwarding hop
+ * could not read) are written by Python. */
+#define SHM_REF_KIND_EMPTY 0
+#define SHM_REF_KIND_RING 1
+#define SHM_REF_KIND_INLINE 2
+#define SHM_REF_KIND_LOST 3
 
 /* One emission: validates every handle, then publishes the ring buffers of
  * handles[start..count) in place and writes each chunk's entry (kind 0

@@ -164,6 +164,7 @@ class _Lib:
     SHM_ROW_INVALID: int
     SHM_ROW_STATUS_MASK: int
     SHM_ROW_BITMASK: int
+    SHM_ROW_FORM_SHIFT: int
     SHM_HANDLE_SLOT_BITS: int
     SHM_E_NO_SLOT: int
     # response_json.h
@@ -315,6 +316,13 @@ class _Lib:
     def shm_record_offset(self, ring: CData, position: int, /) -> int: ...
     # GPU-direct publishing (kernels/direct.py)
     SHM_DIRECT_HEADER_BYTES: int
+    SHM_DIRECT_DIVERTED_WORD: int
+    SHM_DIRECT_DONE_WORD: int
+    SHM_DIRECT_ENTRY_BYTES: int
+    SHM_REF_KIND_EMPTY: int
+    SHM_REF_KIND_RING: int
+    SHM_REF_KIND_INLINE: int
+    SHM_REF_KIND_LOST: int
     SHM_DIRECT_DESC_OFFSET: int
     SHM_DIRECT_IN_FLIGHT: int
     SHM_DIRECT_DIVERTED: int

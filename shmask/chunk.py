@@ -13,18 +13,15 @@ import numpy as np
 from ._native import ffi, lib
 from .config import check_threads
 from .errors import DoubleReleaseError, InvalidRefError, RowDroppedError, ShmaskError
+
+# A row's flags byte (shmask/layout.py; ROW_* stay importable from here).
+from .layout import ROW_BITMASK, ROW_INVALID, ROW_OK, ROW_OVERFLOW
+from .layout import ROW_STATUS_MASK as ROW_STATUS_BITS
 from .refs import ID_RULE, MODE_NAMES, MODE_SUPPORT, is_index
 from .response_json import RowsJSON, dumps, response_arrays
 
 DEFAULT_FIELDS = ("mask_ids", "mask_logprobs", "mask_lengths")
 
-# A row's flags byte (SHM_ROW_* in native/shmask_layout.h): the status in
-# bits 0-1, the bitmask form in bit 2.
-ROW_OK = 0
-ROW_OVERFLOW = 1  # support larger than the producer's cap: no ids sent
-ROW_INVALID = 2  # the sampler found the row invalid: no ids sent
-ROW_BITMASK = 4
-ROW_STATUS_BITS = 3
 STATUS_NAMES = {ROW_OK: "OK", ROW_OVERFLOW: "OVERFLOW", ROW_INVALID: "INVALID"}
 _STATUS_WHY = {ROW_OVERFLOW: "its support was larger than the producer's cap",
                ROW_INVALID: "the sampler found the row invalid"}

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidRefError, ShmaskError, StaleChunkError
+from .layout import REF_KIND_EMPTY, REF_KIND_INLINE, REF_KIND_LOST, REF_KIND_RING
 
 MAGIC = b"SMRB"
 # 2: each segment says which host (boot + /dev/shm mount) holds it;
@@ -43,13 +44,14 @@ _SEGMENT = struct.Struct("<QQB")
 MAX_NAME_BYTES = 64
 MSGPACK_EXT_CODE = 83  # msgspec/msgpack extension type carrying RefBatch bytes
 
-KIND_EMPTY = 0  # a request that produced no rows since its last take
-KIND_SHM = 1
-KIND_INLINE = 2
+# An entry's kind (shmask/layout.py, SHM_REF_KIND_* in native/shmask_queue.h).
+KIND_EMPTY = REF_KIND_EMPTY  # a request that produced no rows since its last take
+KIND_SHM = REF_KIND_RING
+KIND_INLINE = REF_KIND_INLINE
 # A chunk that a forwarding hop (RefBatch.to_inline / for_host) could not
 # read: no rows, only why; opening it raises that error (`position` holds
 # LOST_STALE or LOST_INVALID), so one bad chunk costs one request.
-KIND_LOST = 3
+KIND_LOST = REF_KIND_LOST
 LOST_STALE = 1  # StaleChunkError: reclaimed, aborted or truncated before the hop read it
 LOST_INVALID = 2  # InvalidRefError: the hop found the reference malformed
 MODE_SELECTED = 1

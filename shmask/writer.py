@@ -14,6 +14,7 @@ The ring's geometry, positions and the queue table live in a C struct
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
@@ -22,7 +23,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -30,7 +31,9 @@ from . import metrics
 from ._native import ffi, lib
 from ._native_errors import raise_for
 from .config import Config
+from .device_port import DeviceAttachment
 from .errors import InvalidRowsError, SegmentError, ShmaskError
+from .layout import ROW_BITMASK, ROW_FORM_SHIFT, ROW_INVALID, ROW_OK
 from .refs import (
     ENTRY_DTYPE,
     ID_RULE,
@@ -93,6 +96,30 @@ class _RateLimitedWarning:
         return True
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _device_quiesced(method: Callable[Concatenate[Writer, _P], _R]
+                     ) -> Callable[Concatenate[Writer, _P], _R]:
+    """For a method that changes queues on the CPU: while a publisher is
+    attached and the GPU owns the queues, the method runs inside its
+    quiesced() (the last kernel finished and its diverted rows appended
+    first, no kernel stores until the method returns). A closed Writer's
+    method runs as it is: it raises or does nothing on its own, and a
+    forked child has no GPU of ours to wait for."""
+
+    @functools.wraps(method)
+    def call(self: Writer, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        direct = self._direct
+        if direct is None or direct.quiet or self.closed:
+            return method(self, *args, **kwargs)
+        with direct.quiesced():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class Writer:
     """Creates one ring segment and publishes chunks into it.
 
@@ -114,7 +141,7 @@ class Writer:
         # the one check every call makes, so refusing a child costs nothing.
         self.closed = False
         self._pid = os.getpid()
-        self._max_row = self.config.max_tokens
+        self._max_tokens = self.config.max_tokens
         self._full_wait_s = self.config.full_wait_ms / 1000.0
         self._lease_ns = int(self.config.lease_s * 1e9)
         self._deadline: float | None = None  # one full-ring wait per public call
@@ -154,10 +181,11 @@ class Writer:
         weakref.finalize(self, _give_back, self._ring, self.segment).atexit = False
         _WRITERS.add(self)
         self._queues: dict[int, RowQueue] = {}
-        # kernels.direct.DirectPublisher, when one publishes into this ring:
-        # the GPU then owns the queues' counts between steps, so every CPU
-        # change of a queue runs inside its quiesce()/resume() (hooks below).
-        self._direct: Any = None
+        # The DeviceAttachment (kernels.direct.DirectPublisher) publishing
+        # into this ring, if any: the GPU then owns the queues' counts
+        # between steps, so every CPU change of a queue runs inside
+        # _device_quiesced() (attach_direct, shmask/device_port.py).
+        self._direct: DeviceAttachment | None = None
         # The DirectPublisher that kernels.publisher_for gives for this Writer
         # (active or taking the CPU path); an attribute, so the two are
         # collected together.
@@ -169,6 +197,35 @@ class Writer:
         self._layout = ffi.new("shm_layout *")
         self._any_flags = ffi.new("uint32_t *")
         self._seal = ffi.new("uint64_t *")
+
+    # ------------------------------------------- the device port (DevicePort)
+    @property
+    def ring_handle(self) -> Any:
+        """The native ``shm_ring *`` (the GPU-direct calls take it)."""
+        return self._ring
+
+    @property
+    def attached(self) -> DeviceAttachment | None:
+        return self._direct
+
+    def attach_direct(self, publisher: DeviceAttachment) -> None:
+        if self._direct is not None:
+            raise ValueError("this Writer already has a DirectPublisher; close that one first")
+        self._direct = publisher
+
+    def detach_direct(self, publisher: DeviceAttachment) -> None:
+        if self._direct is publisher:
+            self._direct = None
+        if self._publisher is publisher:
+            self._publisher = None
+
+    @property
+    def default_publisher(self) -> Any:
+        return self._publisher
+
+    @default_publisher.setter
+    def default_publisher(self, publisher: Any) -> None:
+        self._publisher = publisher
 
     # ------------------------------------------------------------ identity
     @property
@@ -194,11 +251,11 @@ class Writer:
             )
         rc = lib.shm_validate_rows(ffi.from_buffer("int32_t[]", lengths), ffi.NULL,
                                    ffi.from_buffer("int32_t[]", ids), rows, nnz, nnz, 0,
-                                   self._max_row, 1, self._any_flags)
+                                   self._max_tokens, 1, self._any_flags)
         if rc:
             _raise_if_negative_ids(ids, "publish")
             raise InvalidRowsError(
-                f"lengths must be 0..{self._max_row} (SHMASK_MAX_TOKENS) and sum to "
+                f"lengths must be 0..{self._max_tokens} (SHMASK_MAX_TOKENS) and sum to "
                 f"len(ids)={nnz}"
             )
         if rows == 0:
@@ -249,6 +306,7 @@ class Writer:
         self._queues[queue.slot] = queue
         return queue
 
+    @_device_quiesced  # the GPU's rows first, then these
     def append_step(self, queues: Sequence[RowQueue] | np.ndarray, lengths: np.ndarray,
                     ids: np.ndarray, logprobs: np.ndarray,
                     selected_logprobs: np.ndarray | None = None, *,
@@ -278,11 +336,6 @@ class Writer:
         """
         if self.closed:  # _begin_call, inlined: this runs every decode step
             raise self._closed_error()
-        direct = self._direct
-        if direct is not None and not direct.quiet:
-            with direct.quiesced():  # the GPU's rows first, then these
-                return self.append_step(queues, lengths, ids, logprobs, selected_logprobs,
-                                        status=status, forms=forms, vocab=vocab)
         self._deadline = None  # the SIGBUS guard covers the copy: no fstat here
         handles = self._handles(queues)
         lengths = _as_array(lengths, np.int32, "lengths")
@@ -331,7 +384,7 @@ class Writer:
             done = lib.shm_append_step(self._ring, c_handles, batch, c_lengths, c_flags, vocab,
                                        c_ids, c_logprobs,
                                        c_selected, row_stride, ids.size, logprobs.size,
-                                       selected.size, selected_is_logprobs, self._max_row,
+                                       selected.size, selected_is_logprobs, self._max_tokens,
                                        self._bad_row)
             if done == batch:
                 return
@@ -344,6 +397,9 @@ class Writer:
                 raise_for(int(done), where)
             self._grow_queue(int(handles[int(done)]) & _SLOT_MASK)
 
+    # Waits for the last step's kernel only: nothing is published before
+    # the GPU's writes into these buffers completed.
+    @_device_quiesced
     def take_batch(self, queues: Sequence[RowQueue] | np.ndarray,
                    final: bool = False) -> RefBatch:
         """Take every queue (one emission): one RefBatch, entry i for queues[i].
@@ -351,16 +407,10 @@ class Writer:
         Ring buffers are published in place and each queue gets its next
         buffer, all in one native call; `final` drops the buffers instead
         (the requests ended)."""
-        if self.closed:  # before the GPU's quiesce: a forked child has no GPU of ours
+        if self.closed:
             raise self._closed_error()
         if type(final) is not bool and not isinstance(final, np.bool_):
             raise TypeError(f"take_batch: final must be True or False, got {final!r}")
-        direct = self._direct
-        if direct is not None and not direct.quiet:
-            # Waits for the last step's kernel only: nothing is published
-            # before the GPU's writes into these buffers completed.
-            with direct.quiesced():
-                return self.take_batch(queues, final)
         self._begin_call()
         entries, inline_chunks = self._take_into_entries(self._handles(queues), final)
         segments = [(self.segment_name, self.epoch, host_id())] if self.segment else []
@@ -378,10 +428,16 @@ class Writer:
             raise self._closed_error()
         if self.segment is None:
             return
-        direct = self._direct
-        if move_staging and direct is not None and not direct.quiet:
-            with direct.quiesced():  # relocation moves buffers the GPU may be writing
-                return self.reclaim(move_staging)
+        if move_staging:
+            self._reclaim_moving_staging()
+        else:
+            self._reclaim(False)
+
+    @_device_quiesced  # relocation moves buffers the GPU may be writing
+    def _reclaim_moving_staging(self) -> None:
+        self._reclaim(True)
+
+    def _reclaim(self, move_staging: bool) -> None:
         moved: set[int] = set()
         while True:
             lib.shm_reclaim(self._ring, time.monotonic_ns(), self._lease_ns, self._reclaim_result)
@@ -658,16 +714,12 @@ class Writer:
             raise_for(rc, f"take_batch: packing queue slot {slot}")
         return self._inline_ref(mode, rows, nnz, words, vocab, bytes(payload), reason)
 
+    @_device_quiesced  # no kernel in flight may write a buffer dropped here
     def _close_queue(self, queue: RowQueue, abort: bool) -> int:
         if self.closed:
             if self._pid != os.getpid():
                 raise self._closed_error()  # the slot and its chunks are the parent's
             return 0
-        direct = self._direct
-        if direct is not None and not direct.quiet:
-            # No kernel still in flight may write a buffer that is dropped here.
-            with direct.quiesced():
-                return self._close_queue(queue, abort)
         self._queues.pop(queue.slot, None)
         if abort:
             rc = lib.shm_queue_abort(self._ring, queue.handle, self._given_back)
@@ -797,7 +849,8 @@ def _row_ids(ids: np.ndarray, lengths: np.ndarray, c_flags: Any, vocab: int,
         return ids[row, :lengths[row]]
     flags = (np.zeros(lengths.size, np.uint8) if c_flags == ffi.NULL
              else np.frombuffer(ffi.buffer(c_flags), np.uint8))
-    words = np.where(flags == 0, lengths, np.where(flags == lib.SHM_ROW_BITMASK, (vocab + 31) // 32, 0))
+    words = np.where(flags == ROW_OK, lengths,
+                     np.where(flags == ROW_BITMASK, (vocab + 31) // 32, 0))
     start = int(words[:row].sum())
     return ids[start:start + int(lengths[row])]
 
@@ -824,14 +877,14 @@ def _vocab(value: object) -> int:
 
 
 def _row_flags(status: object, forms: object, batch: int) -> np.ndarray:
-    """Per-row flags of the layout (native/shmask_layout.h): status in bits
-    0-1, bitmask form in bit 2. Ranges are checked here because packing a bad
+    """Per-row flags byte (shmask/layout.py): the status in the low bits,
+    the form above them. Ranges are checked here because packing a bad
     status into bits would turn it into another, valid, flag."""
     flags = np.zeros(batch, np.uint8)
     # status holds codes (0, 1, 2): a bool array is not one; forms says per
     # row whether it is a bitmask, which a bool array says as well as 0 / 1.
-    for name, value, limit, shift, kinds in (("status", status, 2, 0, "iu"),
-                                             ("forms", forms, 1, 2, "iub")):
+    for name, value, limit, shift, kinds in (("status", status, ROW_INVALID, 0, "iu"),
+                                             ("forms", forms, 1, ROW_FORM_SHIFT, "iub")):
         if value is None:
             continue
         array = np.asarray(value)

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 import shmask
-from shmask import _native, refs, writer
+from shmask import _native, chunk, layout, refs, writer
 from shmask._native import ffi, lib
 from shmask._native_errors import _MESSAGES
 from shmask.cli import HEADER_BYTES_FALLBACK
@@ -112,3 +112,72 @@ def test_ref_entry_struct_is_the_wire_entry():
     for name, (dtype, offset) in refs.ENTRY_DTYPE.fields.items():
         assert fields[name].offset == offset, name
         assert ffi.sizeof(fields[name].type) == dtype.itemsize, name
+
+
+def test_row_flags_byte():
+    """shmask/layout.py's row flags are native/shmask_core.h's, and the
+    kernels' row codes (kernels/rows.py) write the same bits."""
+    from shmask.kernels.rows import Form, Status
+
+    assert (layout.ROW_OK, layout.ROW_OVERFLOW, layout.ROW_INVALID) == (
+        lib.SHM_ROW_OK, lib.SHM_ROW_OVERFLOW, lib.SHM_ROW_INVALID)
+    assert layout.ROW_STATUS_MASK == lib.SHM_ROW_STATUS_MASK
+    assert layout.ROW_FORM_SHIFT == lib.SHM_ROW_FORM_SHIFT
+    assert layout.ROW_BITMASK == lib.SHM_ROW_BITMASK == 1 << lib.SHM_ROW_FORM_SHIFT
+    assert (Status.OK, Status.OVERFLOW, Status.INVALID) == (
+        lib.SHM_ROW_OK, lib.SHM_ROW_OVERFLOW, lib.SHM_ROW_INVALID)
+    assert Form.BITMASK << layout.ROW_FORM_SHIFT == lib.SHM_ROW_BITMASK
+    # SKIPPED never reaches a flags byte: the status bits cannot say it.
+    assert Status.SKIPPED & ~lib.SHM_ROW_STATUS_MASK == 0 and Status.SKIPPED not in (
+        lib.SHM_ROW_OK, lib.SHM_ROW_OVERFLOW, lib.SHM_ROW_INVALID)
+    assert (chunk.ROW_OK, chunk.ROW_OVERFLOW, chunk.ROW_INVALID, chunk.ROW_BITMASK,
+            chunk.ROW_STATUS_BITS) == (lib.SHM_ROW_OK, lib.SHM_ROW_OVERFLOW, lib.SHM_ROW_INVALID,
+                                       lib.SHM_ROW_BITMASK, lib.SHM_ROW_STATUS_MASK)
+
+
+def test_ref_kinds():
+    assert (layout.REF_KIND_EMPTY, layout.REF_KIND_RING, layout.REF_KIND_INLINE,
+            layout.REF_KIND_LOST) == (lib.SHM_REF_KIND_EMPTY, lib.SHM_REF_KIND_RING,
+                                      lib.SHM_REF_KIND_INLINE, lib.SHM_REF_KIND_LOST)
+    assert (refs.KIND_EMPTY, refs.KIND_SHM, refs.KIND_INLINE, refs.KIND_LOST) == (
+        lib.SHM_REF_KIND_EMPTY, lib.SHM_REF_KIND_RING, lib.SHM_REF_KIND_INLINE,
+        lib.SHM_REF_KIND_LOST)
+
+
+def test_direct_table_layout():
+    """Every word the Triton kernels read or write in the GPU-direct table
+    (kernels/ring.py, kernels/direct.py) is where native/shmask_direct.h
+    puts it."""
+    u64, u32 = 8, 4
+    assert layout.DIRECT_DIVERTED_WORD == lib.SHM_DIRECT_DIVERTED_WORD
+    assert layout.DIRECT_DONE_WORD == lib.SHM_DIRECT_DONE_WORD
+    assert layout.DIRECT_DESC_BYTES_AT == lib.SHM_DIRECT_DESC_OFFSET
+    assert layout.DIRECT_DESC_WORD * u64 == lib.SHM_DIRECT_DESC_OFFSET
+    assert layout.DIRECT_HEADER_BYTES == lib.SHM_DIRECT_HEADER_BYTES
+    assert (layout.DIRECT_ENTRY_BYTES == lib.SHM_DIRECT_ENTRY_BYTES
+            == ffi.sizeof("shm_direct_entry"))
+    assert (lib.SHM_DIRECT_DESC_OFFSET + ffi.sizeof("shm_direct_step_desc")
+            <= lib.SHM_DIRECT_HEADER_BYTES)
+    desc = {"status": layout.DESC_STATUS, "forms": layout.DESC_FORMS,
+            "lengths": layout.DESC_LENGTHS, "id_offsets": layout.DESC_ID_OFFSETS,
+            "offsets": layout.DESC_OFFSETS, "ids": layout.DESC_IDS,
+            "values": layout.DESC_VALUES, "selected": layout.DESC_SELECTED,
+            "target": layout.DESC_TARGET, "slots": layout.DESC_SLOTS,
+            "vocab": layout.DESC_VOCAB}
+    for field, word in desc.items():
+        assert ffi.offsetof("shm_direct_step_desc", field) == u64 * word, field
+    assert ffi.sizeof(dict(ffi.typeof("shm_direct_step_desc").fields)["vocab"].type) == u32
+    assert (layout.DIRECT_TARGET_WORD * u64
+            == lib.SHM_DIRECT_DESC_OFFSET + ffi.offsetof("shm_direct_step_desc", "target"))
+    addresses = {"lengths": layout.ENTRY_LENGTHS, "flags": layout.ENTRY_FLAGS,
+                 "ids": layout.ENTRY_IDS, "logprobs": layout.ENTRY_LOGPROBS}
+    counts = {"rows": layout.ENTRY_ROWS, "rows_capacity": layout.ENTRY_ROWS_CAPACITY,
+              "words": layout.ENTRY_WORDS, "words_capacity": layout.ENTRY_WORDS_CAPACITY,
+              "nnz": layout.ENTRY_NNZ, "nnz_capacity": layout.ENTRY_NNZ_CAPACITY,
+              "vocab": layout.ENTRY_VOCAB, "diverted": layout.ENTRY_DIVERTED}
+    fields = dict(ffi.typeof("shm_direct_entry").fields)
+    for group, size in ((addresses, u64), (counts, u32)):
+        for field, word in group.items():
+            assert fields[field].offset == size * word, field
+            assert ffi.sizeof(fields[field].type) == size, field
+    assert set(fields) == set(addresses) | set(counts)

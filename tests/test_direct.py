@@ -241,7 +241,7 @@ def test_direct_rows_equal_cpu_path_over_a_long_random_run(prefix: str, mode: st
         assert stats["direct_steps"] == steps
         assert (stats["diverted_rows"] > 0) == (mode == "support")
         if mode == "support":  # selected rows are too small to fill the ring in this run
-            ring = twins.gpu.writer._ring
+            ring = twins.gpu.writer.ring_handle
             assert ring.head > 2 * ring.capacity, "the ring wrapped"
             assert twins.gpu.writer.stats.inline_ring_full > 0
         assert twins.compared > steps
@@ -350,7 +350,7 @@ def test_close_waits_and_unregisters_and_the_writer_hook_is_removed(prefix: str)
     with pytest.raises(ValueError, match="already has a DirectPublisher"):
         DirectPublisher(writer)
     writer.close()
-    assert writer._direct is None and not publisher.active and not publisher._registered
+    assert writer.attached is None and not publisher.active and not publisher._registered
 
 
 def test_no_ring_means_the_cpu_path_with_one_warning(prefix: str, caplog) -> None:
@@ -412,7 +412,7 @@ def test_reused_slots_never_receive_rows_into_a_closed_queues_buffer(prefix: str
             reused += queues[b].slot != old_slot and queues[b].slot < 64
             pending[b] = []
         assert publisher.stats["direct_steps"] == 600
-        assert writer._ring.n_queues == 64 and reused > 100  # slots came back
+        assert writer.ring_handle.n_queues == 64 and reused > 100  # slots came back
 
 
 def test_kernels_publish_of_device_rows_is_gpu_direct_unless_switched_off(prefix: str) -> None:
@@ -517,7 +517,7 @@ def test_a_failed_launch_sends_the_step_by_the_cpu_path_and_turns_direct_off(
         with caplog.at_level(logging.WARNING, logger="shmask"):
             publisher.publish(handles, pool[1])
         assert not publisher.active and "launch" in publisher.reason
-        assert writer._direct is None and not publisher._registered
+        assert writer.attached is None and not publisher._registered
         publisher.publish(handles, pool[2])
         assert publisher.stats["direct_steps"] == 1 and publisher.stats["cpu_steps"] == 2
         for b, ref in enumerate(writer.take_batch(queues)):
@@ -557,7 +557,7 @@ def test_a_failed_expand_launch_after_the_scan_cancels_the_step(
             with pytest.raises(RuntimeError, match="too many resources"):
                 compact(pool[1]["x"], MAX_TOKENS, rows=pool[1]["rows"], into=(writer, handles))
         assert not publisher.active and "compaction" in publisher.reason
-        assert writer._direct is None and not publisher._registered
+        assert writer.attached is None and not publisher._registered
         last = compact(pool[2]["x"], MAX_TOKENS, rows=pool[2]["rows"], into=(writer, handles))
         assert publisher.stats["cpu_steps"] == 1
         for b, ref in enumerate(writer.take_batch(queues)):
@@ -723,7 +723,7 @@ def test_gpu_direct_writer_close_always_closes(prefix: str) -> None:
         with pytest.raises(InvalidRowsError, match="diverted"):
             writer.close()
         assert writer.closed and not os.path.exists(segment)
-        assert writer._direct is None and not publisher.active and not publisher._registered
+        assert writer.attached is None and not publisher.active and not publisher._registered
         writer.close()  # closed: nothing more to do
     finally:
         if not writer.closed:

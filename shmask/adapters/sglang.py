@@ -173,7 +173,7 @@ def default_reader() -> Reader:
 _NOT_PROCESS_LABELS = ("priority",)
 
 
-def check_max_tokens(config: Config, server_args: Any) -> None:
+def check_server_max_tokens(config: Config, server_args: Any) -> None:
     """SHMASK_MAX_TOKENS must hold the widest row SGLang sends:
     ``--sampling-mask-max-tokens`` ids (wider supports abort the request in
     SGLang). Below it, the scheduler's ``rows.append`` would refuse rows."""
@@ -216,7 +216,7 @@ def start_scheduler(server_args: Any = None, *, metrics_labels: Mapping[str, Any
     on every series. Returns the Writer (``default_writer()`` from then on)."""
     writer = _ends["writer"]
     config = writer.config if writer is not None and not writer.closed else Config.from_env()
-    check_max_tokens(config, server_args)
+    check_server_max_tokens(config, server_args)
     on = _enable_metrics(server_args, enable_metrics, metrics_labels)
     writer = default_writer()
     if on:
@@ -233,7 +233,7 @@ def start_tokenizer(server_args: Any = None, *, metrics_labels: Mapping[str, Any
     shmask.metrics when ``server_args.enable_metrics`` is true. Returns the
     Reader."""
     reader = _ends["reader"]
-    check_max_tokens(reader.config if reader is not None else Config.from_env(), server_args)
+    check_server_max_tokens(reader.config if reader is not None else Config.from_env(), server_args)
     _enable_metrics(server_args, enable_metrics, metrics_labels)
     return default_reader()
 
