@@ -367,7 +367,7 @@ def breakdown(base: dict[str, Any]) -> None:
             t.data_ptr() for t in (rows.status, rows.forms, rows.lengths, rows.id_offsets,
                                    rows.offsets, rows.ids, rows.values, rows.values)])
         c_handles = ffi.from_buffer("int64_t[]", handles)
-        step_args = (writer._ring, publisher._direct, c_handles, handles.size,
+        step_args = (writer.ring_handle, publisher._direct, c_handles, handles.size,
                      lib.SHM_MODE_SUPPORT, 4748, spec["max_tokens"], publisher._addresses,
                      rows.vocab, publisher._bad_row)
 

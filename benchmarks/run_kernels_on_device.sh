@@ -4,14 +4,16 @@
 # BENCH=capture_bf16 runs benchmarks/capture_bf16.py (issue 20's table) instead of
 # benchmarks/kernels.py; SKIP_TESTS=1 skips the tests.
 # shmask itself is not installed there (its transport needs a compiled module),
-# so a shim package exposes only kernels/ (and shmask.errors, which
-# kernels/host.py imports) as shmask.kernels.
+# so a shim package exposes only kernels/ (and the modules of shmask it
+# imports: errors, layout, device_port) as shmask.kernels.
 set -uo pipefail
 OUT=${OUT:-/tmp/kernels_out}
 mkdir -p "$OUT" /tmp/shim/shmask
 : > /tmp/shim/shmask/__init__.py
 ln -sfn "$PWD/kernels" /tmp/shim/shmask/kernels
-ln -sfn "$PWD/shmask/errors.py" /tmp/shim/shmask/errors.py
+for module in errors layout device_port; do  # what kernels/ imports of shmask
+  ln -sfn "$PWD/shmask/$module.py" /tmp/shim/shmask/$module.py
+done
 export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1 SHMASK_TEST_GPU=1
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
