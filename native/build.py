@@ -55,8 +55,8 @@ ffibuilder = FFI()
 ffibuilder.cdef(LAYOUT_CDEF + "".join(_declarations(header) for header in HEADERS))
 ffibuilder.set_source(
     "shmask._native",
-    '#include "shmask_core.h"\n#include "shmask_exit.h"\n#include "shmask_layout.h"\n'
-    '#include "shmask_cpu.h"\n#include "response_json.h"\n#include "binary_rows.h"',
+    # The one place that includes every header (the C files include what they use).
+    "".join(f'#include "{header}"\n' for header in ("shmask_layout.h", *HEADERS)),
     sources=[str(Path("native") / name) for name in SOURCES],
     include_dirs=["native"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],

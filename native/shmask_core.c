@@ -14,6 +14,7 @@
  */
 
 /* What every concern shares: a record's array arithmetic (shmask_core.h). */
+#include "shmask_core.h"
 #include "shmask_internal.h"
 
 static inline uint64_t align64(uint64_t n) { return (n + 63u) & ~(uint64_t)63u; }

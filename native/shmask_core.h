@@ -2,8 +2,9 @@
  * shmask native core: the only code that touches a flag, a position or a
  * record header in shared memory, plus the per-step copy loop. One file
  * pair per concern; this header holds what they all share (return codes,
- * row flags, a record's array arithmetic: shmask_core.c) and includes the
- * others, so "shmask_core.h" declares the whole core:
+ * row flags, a record's array arithmetic: shmask_core.c). Each concern has
+ * its own header, which a .c file includes when it calls into it (only
+ * native/build.py's cffi source includes them all):
  *
  *   shmask_ring.h       the producer's ring: reserve, publish, reclaim
  *   shmask_reader.h     the reader's checks: info, open, check, release
@@ -72,12 +73,5 @@ int shm_record_layout(uint32_t mode, uint64_t rows_capacity, uint64_t words_capa
                       uint64_t nnz_capacity, shm_layout *out);
 /* int32 words of one bitmask row of a vocabulary of `vocab` ids. */
 uint64_t shm_bitmask_words(uint32_t vocab);
-
-#include "shmask_ring.h"
-#include "shmask_reader.h"
-#include "shmask_queue.h"
-#include "shmask_decode.h"
-#include "shmask_guard.h"
-#include "shmask_direct.h"
 
 #endif

@@ -1,4 +1,5 @@
 /* Row decoding (shmask_decode.h). */
+#include "shmask_decode.h"
 #include "shmask_internal.h"
 
 #include <string.h>

@@ -1,5 +1,7 @@
 /* GPU-direct publishing (shmask_direct.h). */
 #define _GNU_SOURCE /* RTLD_NOLOAD */
+#include "shmask_direct.h"
+#include "shmask_queue.h" /* shm_queue_grow */
 #include "shmask_internal.h"
 
 #include <dlfcn.h>

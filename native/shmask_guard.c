@@ -1,5 +1,6 @@
 /* Guarded mappings (shmask_guard.h). */
 #define _GNU_SOURCE /* MAP_POPULATE, MAP_ANONYMOUS, SA_ONSTACK */
+#include "shmask_guard.h"
 #include "shmask_internal.h"
 
 #include <errno.h>

@@ -10,6 +10,7 @@
 
 #include "shmask_core.h"
 #include "shmask_layout.h"
+#include "shmask_queue.h" /* shm_ring, shm_queue, the handle bits: the producer's helpers */
 
 #include <stdatomic.h>
 #include <stdlib.h>

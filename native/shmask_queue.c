@@ -1,4 +1,6 @@
 /* RowQueue buffers (shmask_queue.h); ordering: shmask_core.c. */
+#include "shmask_queue.h"
+#include "shmask_guard.h" /* shm_mapping_truncated */
 #include "shmask_internal.h"
 
 #include <stdlib.h>

@@ -1,5 +1,6 @@
 /* The reader's checks (shmask_reader.h); ordering: shmask_core.c. Every
  * argument is untrusted and bounds-checked. */
+#include "shmask_reader.h"
 #include "shmask_internal.h"
 
 #include <string.h>
@@ -60,7 +61,7 @@ static int wrong_record(const void *base, uint64_t position) {
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
                     uint64_t position, uint64_t seal, uint64_t record_bytes, uint64_t rows,
                     uint64_t words, uint64_t nnz, uint32_t vocab, uint32_t mode,
-                    uint64_t max_row_length, uint8_t *geometry, shm_view *out) {
+                    uint64_t max_tokens, uint8_t *geometry, shm_view *out) {
     uint64_t offset;
     int rc = locate(base, mapped_bytes, capacity, position, &offset);
     if (rc) return rc;
@@ -106,7 +107,7 @@ int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
      * negative one. Reading every id at open cost 1.36x the instructions of
      * open + release at support 1000 (issue 33). */
     rc = shm_validate_rows(lengths, flags, (const int32_t *)(at + out->ids_offset), rows, words,
-                           nnz, vocab, max_row_length, 0, &out->any_flags);
+                           nnz, vocab, max_tokens, 0, &out->any_flags);
     /* Reclaimed while we read (the copies or the bitmask words may be a
      * newer record's): stale, whatever the validation said. */
     if (shm_check_record(base, capacity, position, seal)) return SHM_E_STALE;
@@ -171,7 +172,7 @@ void shm_release_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
 SHM_AVX2_CLONES
 int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
                       uint64_t rows, uint64_t words, uint64_t nnz, uint32_t vocab,
-                      uint64_t max_row_length, int check_ids, uint32_t *any_flags) {
+                      uint64_t max_tokens, int check_ids, uint32_t *any_flags) {
     uint64_t total = 0, cursor = 0, mask_words = shm_bitmask_words(vocab);
     uint32_t any = 0;
     shm_words8 seen = {0};
@@ -180,7 +181,7 @@ int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_
         uint8_t f = flags ? flags[i] : 0;
         if (n < 0) return SHM_E_BAD_LENGTHS;
         if (f == 0) {
-            if ((uint64_t)n > max_row_length || (uint64_t)n > words - cursor)
+            if ((uint64_t)n > max_tokens || (uint64_t)n > words - cursor)
                 return SHM_E_BAD_LENGTHS;
             if (flags && check_ids) or_ids(&seen, ids + cursor, (uint64_t)n); /* else: below */
             cursor += (uint64_t)n;

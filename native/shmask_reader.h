@@ -47,7 +47,7 @@ int shm_read_info(const void *base, uint64_t segment_bytes, shm_info *out);
 int shm_open_record(const void *base, uint64_t mapped_bytes, uint64_t capacity,
                     uint64_t position, uint64_t seal, uint64_t record_bytes, uint64_t rows,
                     uint64_t words, uint64_t nnz, uint32_t vocab, uint32_t mode,
-                    uint64_t max_row_length, uint8_t *geometry, shm_view *out);
+                    uint64_t max_tokens, uint8_t *geometry, shm_view *out);
 /* SHM_OK when the record at `position` carries this seal and holds `rows`
  * rows: asked before a reader sizes a large geometry copy by a ref's rows,
  * so a forged ref cannot make it allocate more than a real record needs. */
@@ -59,14 +59,14 @@ int shm_check_record(const void *base, uint64_t capacity, uint64_t position, uin
 int shm_release(void *base, uint64_t mapped_bytes, uint64_t capacity, uint64_t position,
                 uint64_t seal);
 /* Checks rows read from a ref or shared memory: flags valid, non-OK rows
- * empty, ids rows at most max_row_length long, bitmask rows with exactly L
+ * empty, ids rows at most max_tokens long, bitmask rows with exactly L
  * bits set and none at ids >= vocab, lengths summing to nnz and id data to
  * words; with check_ids, every id of an ids row in [0, 2^31). flags may be
  * NULL (every row an OK ids row). *any_flags is set when some row is not an
  * OK ids row. */
 int shm_validate_rows(const int32_t *lengths, const uint8_t *flags, const int32_t *ids,
                       uint64_t rows, uint64_t words, uint64_t nnz, uint32_t vocab,
-                      uint64_t max_row_length, int check_ids, uint32_t *any_flags);
+                      uint64_t max_tokens, int check_ids, uint32_t *any_flags);
 
 /* Releases many records of one segment (a tokenizer dropping an aborted
  * request's chunks without opening them): results[i] is shm_release's code. */

@@ -1,4 +1,5 @@
 /* The producer's ring (shmask_ring.h); ordering: shmask_core.c. */
+#include "shmask_ring.h"
 #include "shmask_internal.h"
 
 #include <stdlib.h>

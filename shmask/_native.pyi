@@ -212,7 +212,7 @@ class _Lib:
     def shm_open_record(
         self, base: CData, mapped_bytes: int, capacity: int, position: int, seal: int,
         record_bytes: int, rows: int, words: int, nnz: int, vocab: int, mode: int,
-        max_row_length: int, geometry: CData, out: ShmView, /,
+        max_tokens: int, geometry: CData, out: ShmView, /,
     ) -> int: ...
     def shm_record_has_rows(
         self, base: CData, mapped_bytes: int, capacity: int, position: int, seal: int,
@@ -224,7 +224,7 @@ class _Lib:
     ) -> int: ...
     def shm_validate_rows(
         self, lengths: CData, flags: CData, ids: CData, rows: int, words: int, nnz: int,
-        vocab: int, max_row_length: int, check_ids: int, any_flags: IntPointer, /,
+        vocab: int, max_tokens: int, check_ids: int, any_flags: IntPointer, /,
     ) -> int: ...
     def shm_ring_init(
         self, ring: CData, base: CData, mapped_bytes: int, capacity: int, epoch: int, pid: int,
@@ -240,7 +240,7 @@ class _Lib:
         self, ring: CData, handles: CData, batch: int, lengths: CData, flags: CData, vocab: int,
         ids: CData, logprobs: CData,
         selected: CData, row_stride: int, ids_len: int, logprobs_len: int, selected_len: int,
-        selected_is_logprobs: int, max_row_length: int, bad_row: IntPointer, /,
+        selected_is_logprobs: int, max_tokens: int, bad_row: IntPointer, /,
     ) -> int: ...
     def shm_queue_grow(self, ring: CData, slot: int, allow_ring: int, /) -> int: ...
     def shm_staging_owner(self, ring: CData, position: int, /) -> int: ...

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import metrics
+from . import layout, metrics
 from ._native import ffi, lib
 from ._native_errors import raise_for
 from .chunk import Chunk
@@ -391,12 +391,12 @@ def _raise_if_negative_id(lengths: np.ndarray, flags: np.ndarray, ids: np.ndarra
     row is why (the error path only: rows that passed were checked natively).
     Ids are non-negative int32 wherever rows enter; a chunk holding one is
     corrupt (written past the producer's checks), never shown."""
-    words = np.where(flags == 0, lengths, np.where(flags == lib.SHM_ROW_BITMASK,
+    words = np.where(flags == layout.ROW_OK, lengths, np.where(flags == layout.ROW_BITMASK,
                                                    (vocab + 31) // 32, 0)).astype(np.int64)
     ends = np.cumsum(words)
     if words.size == 0 or ends[-1] > ids.size or np.any(lengths < 0):
         return  # the lengths themselves are wrong: the core's message says so
-    for row in np.flatnonzero((flags == 0) & (lengths > 0)).tolist():
+    for row in np.flatnonzero((flags == layout.ROW_OK) & (lengths > 0)).tolist():
         values = ids[ends[row] - words[row]:ends[row]]
         negative = np.flatnonzero(values < 0)
         if negative.size:
@@ -413,7 +413,7 @@ def _open_inline(ref: ChunkRef, max_tokens: int) -> Chunk:
     if not all(type(v) is int and v >= 0 for v in (rows, nnz, words, vocab)) or vocab >= 1 << 31:
         raise InvalidRefError(f"inline {ref!r}: rows, nnz, words and vocab must be "
                               "non-negative integers")
-    size = int(payload_bytes(ref.mode, rows, nnz, words))
+    size = int(payload_bytes(ref.mode, rows, words, nnz))
     if payload is None or len(payload) != size:
         raise InvalidRefError(f"inline {ref!r} carries {0 if payload is None else len(payload)} "
                               f"bytes; its rows, nnz and words need {size}")

@@ -96,12 +96,11 @@ def is_index(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def payload_bytes(mode, rows, nnz, words=None):  # type: ignore[no-untyped-def]
+def payload_bytes(mode, rows, words, nnz):  # type: ignore[no-untyped-def]
     """Bytes of a chunk's row arrays (lengths, flags padded to 4, id data,
-    logprobs): the size of an inline payload. `words` defaults to nnz (every
-    row an OK ids row). Works on ints and, element-wise, on numpy arrays."""
-    if words is None:
-        words = nnz
+    logprobs): the size of an inline payload; the native core's
+    shm_payload_bytes, arguments in its order (tests/test_constants.py holds
+    them equal), element-wise on numpy arrays too."""
     return 4 * rows + (rows + 3) // 4 * 4 + 4 * words + 4 * np.where(mode == MODE_SUPPORT, nnz,
                                                                      rows)
 
@@ -522,7 +521,7 @@ def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> N
             start > inline_bytes - size
         ):
             raise InvalidRefError("inline reference points outside its batch")
-        if np.any(size != payload_bytes(mode[inline], rows, nnz, words)):
+        if np.any(size != payload_bytes(mode[inline], rows, words, nnz)):
             raise InvalidRefError("inline reference size disagrees with its rows, nnz and words")
 
 

@@ -53,7 +53,7 @@ def response_arrays(support: bool, lengths: np.ndarray, flags: np.ndarray | None
 
     `ids` holds the rows' ids back to back (decoded: sum of lengths),
     `logprobs` as many values (support mode) or one per row (selected). A
-    row whose status (flags & 3) is not OK is null in all three and must
+    row whose status (flags & ROW_STATUS_MASK, shmask.layout) is not OK is null in all three and must
     have length 0. Ids are non-negative int32 (0 <= id < 2**31), as
     everywhere rows enter: a negative one raises InvalidRowsError. `threads`
     (default SHMASK_JSON_THREADS): at most this many threads share the

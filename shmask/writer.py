@@ -639,7 +639,7 @@ class Writer:
     def _count(self, rows: int, nnz: int, words: int, mode: int) -> None:
         self.stats.chunks += 1
         self.stats.rows += rows
-        self.stats.payload_bytes += int(payload_bytes(mode, rows, nnz, words))
+        self.stats.payload_bytes += int(payload_bytes(mode, rows, words, nnz))
 
     def _inline_reason(self, mode: int, rows_capacity: int, words_capacity: int,
                        nnz_capacity: int) -> str:
@@ -698,8 +698,8 @@ class Writer:
             rows = taken["rows"].astype(np.uint64)
             self.stats.chunks += n_shm
             self.stats.rows += int(rows.sum())
-            self.stats.payload_bytes += int(payload_bytes(taken["mode"], rows, taken["nnz"],
-                                                          taken["words"]).sum())
+            self.stats.payload_bytes += int(payload_bytes(taken["mode"], rows, taken["words"],
+                                                          taken["nnz"]).sum())
         return entries, inline_chunks
 
     def _take_private(self, slot: int) -> ChunkRef:

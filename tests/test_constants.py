@@ -49,7 +49,7 @@ def test_record_layout_matches_python_payload_size():
         for rows, words, nnz in ((1, 1, 1), (3, 17, 17), (64, 1000, 1000), (5, 4748, 90000),
                                  (7, 0, 0)):
             assert lib.shm_record_layout(mode, rows, words, nnz, layout) == lib.SHM_OK
-            payload = int(refs.payload_bytes(mode, rows, nnz, words))
+            payload = int(refs.payload_bytes(mode, rows, words, nnz))
             assert payload == lib.shm_payload_bytes(mode, rows, words, nnz)
             align = lib.SHM_RECORD_ALIGN
             assert layout.lengths_offset == lib.SHM_RECORD_HEADER_BYTES

@@ -35,10 +35,7 @@ LITERAL_OFFSETS = {
 
 # Not issue 34's to change (another engineer's file): strict xfail, so the
 # day it is fixed this list must shrink.
-NOT_YET = {
-    "shmask/reader.py": "flags == 0 in _row_words and its check: should be layout.ROW_OK",
-    "shmask/response_json.py": "a docstring says (flags & 3): should name ROW_STATUS_MASK",
-}
+NOT_YET: dict[str, str] = {}  # paths known to break a rule, each with why (none now)
 
 
 def _sources() -> list[str]:
@@ -114,3 +111,30 @@ def test_the_private_pattern_catches_private_fields(line: str) -> None:
 def test_the_patterns_let_named_offsets_pass(line: str) -> None:
     assert not literal_offsets("kernels/example.py", line)
     assert not writer_private_uses("kernels/example.py", line)
+
+
+# ------------------------------------------------------------ C includes
+
+NATIVE = ROOT / "native"
+CONCERNS = ("ring", "reader", "queue", "decode", "guard", "direct")
+
+
+def includes(text: str) -> list[str]:
+    return re.findall(r'^#include "([^"]+)"', text, re.M)
+
+
+@pytest.mark.parametrize("concern", ("core", *CONCERNS))
+def test_each_core_file_includes_its_own_header_first(concern: str) -> None:
+    """A concern's .c file includes its own header first (so the header
+    stands alone) and never an umbrella that declares every concern."""
+    found = includes((NATIVE / f"shmask_{concern}.c").read_text())
+    assert found and found[0] == f"shmask_{concern}.h", found
+
+
+def test_the_shared_header_includes_no_concern() -> None:
+    """shmask_core.h holds what every concern shares; it includes none of
+    them (the tree before included all six there: every file saw every
+    concern). Only native/build.py's cffi source includes them all."""
+    found = includes((NATIVE / "shmask_core.h").read_text())
+    assert not [name for name in found if name.removeprefix("shmask_").removesuffix(".h")
+                in CONCERNS], found
