@@ -13,7 +13,7 @@ the truth, or a tree left other than the action promises (all patched after
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import itertools
 import json
 import os
@@ -33,9 +33,15 @@ SAMPLE = 4  # mixed trees per engine in `make test` (every one under `make fault
 
 
 def installed_site(name: str) -> Path | None:
-    """The directory holding the installed engine's package, or None (not imported)."""
-    spec = importlib.util.find_spec(name)
-    return None if spec is None or spec.origin is None else Path(spec.origin).resolve().parents[1]
+    """The site-packages holding the installed engine's package, or None.
+    From the distribution's metadata, not from the imported module: a test
+    of the same session may have imported the engine from a copy of its
+    own (tests/compat/test_sglang_adapter.py), since removed."""
+    try:
+        site = Path(importlib.metadata.distribution(name).locate_file("")).resolve()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return site if (site / name / "__init__.py").is_file() else None
 
 
 def _cli(*args: str) -> tuple[int, dict]:
