@@ -21,9 +21,7 @@ producer's ring goes with it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +34,7 @@ import zmq
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
-from workload import request_lengths
+from workload import describe_exit, request_lengths
 
 import shmask
 from shmask.segment import collect_garbage
@@ -181,16 +179,6 @@ def stop(processes: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def describe_exit(status: int) -> str:
-    """A Popen returncode in words: "exited with status 1", "was killed by
-    signal 9 (SIGKILL)"."""
-    if status >= 0:
-        return f"exited with status {status}"
-    with contextlib.suppress(ValueError):  # a real-time signal has no name
-        return f"was killed by signal {-status} ({signal.Signals(-status).name})"
-    return f"was killed by signal {-status}"
 
 
 def _report(console: Console, args, stats, wall: float, total_rows: int) -> int:  # type: ignore[no-untyped-def]

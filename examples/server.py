@@ -136,7 +136,7 @@ import zmq.asyncio
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from workload import configure, request_for_prompt, request_lengths, sampled_tokens
+from workload import configure, describe_exit, request_for_prompt, request_lengths, sampled_tokens
 
 import shmask
 from shmask import response_json
@@ -777,16 +777,6 @@ def start_engine(args: argparse.Namespace, endpoints: dict[str, str]) -> list[su
     ]
     return [subprocess.Popen([sys.executable, *command], env=dict(os.environ))
             for command in commands]
-
-
-def describe_exit(status: int) -> str:
-    """A Popen returncode in words: "exited with status 1", "was killed by
-    signal 9 (SIGKILL)"."""
-    if status >= 0:
-        return f"exited with status {status}"
-    with contextlib.suppress(ValueError):  # a real-time signal has no name
-        return f"was killed by signal {-status} ({signal.Signals(-status).name})"
-    return f"was killed by signal {-status}"
 
 
 def stop_engine(processes: list[subprocess.Popen], finished: bool) -> None:

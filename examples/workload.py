@@ -9,6 +9,7 @@ row, and negative float32 logprobs (or one logprob per row, selected mode).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
@@ -133,3 +134,13 @@ def exit_with(parent_pid: int | None) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:  # it died before the call above: no signal will come
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def describe_exit(status: int) -> str:
+    """A Popen returncode in words: "exited with status 1", "was killed by
+    signal 9 (SIGKILL)"."""
+    if status >= 0:
+        return f"exited with status {status}"
+    with contextlib.suppress(ValueError):  # a real-time signal has no name
+        return f"was killed by signal {-status} ({signal.Signals(-status).name})"
+    return f"was killed by signal {-status}"

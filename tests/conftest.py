@@ -111,6 +111,15 @@ def descendants() -> dict[int, tuple[int, str]]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` runs (not exited, nor a zombie that its reaper has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
 def kill_new_processes(before: dict[int, tuple[int, str]]) -> list[int]:
     """Kill every descendant not in `before`, with its process group when it
     has one of its own (never ours). Repeated, since a dying parent's

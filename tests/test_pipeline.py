@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SESSION_PREFIX
+from conftest import SESSION_PREFIX, running
 
 PIPELINE = Path(__file__).resolve().parents[1] / "examples" / "pipeline.py"
 
@@ -121,15 +121,6 @@ def test_a_dead_process_ends_the_pipeline_naming_it(prefix, victim):
     with pytest.raises(ProcessLookupError):  # the other processes are gone too
         os.killpg(process.pid, 0)
     assert leftover_segments(prefix) == []  # the producer's ring, however it died
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` runs (not exited, nor a zombie that its reaper has yet to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
 
 
 def test_children_go_with_a_killed_pipeline(prefix):

@@ -783,21 +783,12 @@ def test_engine_death_fails_pending_requests_at_once(victim, prefix):
     assert leftover_segments(prefix) == []
 
 
-def running(pid: int) -> bool:
-    """Whether `pid` runs (not exited, nor a zombie that its reaper has yet to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
-
-
 def test_engine_goes_with_a_killed_server(prefix):
     """The server itself SIGKILLed (the OOM killer, a launcher's kill -9):
     its engine processes do not outlive it, waiting forever on sockets no
     one serves (they asked the kernel for SIGTERM when it dies), and the
     producer's ring goes with them."""
-    from conftest import leftover_segments
+    from conftest import leftover_segments, running
 
     with tempfile.TemporaryFile() as log:
         process, url = start_server(20_000, log, name_prefix=prefix)
