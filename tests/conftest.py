@@ -23,6 +23,7 @@ import subprocess
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 # Kernels run under Triton's interpreter on machines without a GPU; set it
 # before anything imports triton. SHMASK_TEST_GPU=1 runs them on CUDA.
@@ -108,6 +109,22 @@ def descendants() -> dict[int, tuple[int, str]]:
         except OSError:
             continue
         found[pid] = (group, started)
+    return found
+
+
+def children_of(pid: int) -> dict[str, list[int]]:
+    """script name -> the pids of the children of `pid` running examples/<script>."""
+    found: dict[str, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue  # not a process, or gone meanwhile
+        if ppid == pid and len(argv) > 1 and argv[1].endswith(b".py"):
+            found.setdefault(Path(argv[1].decode()).name, []).append(int(entry))
     return found
 
 

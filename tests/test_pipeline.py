@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SESSION_PREFIX, running
+from conftest import SESSION_PREFIX, children_of, running
 
 PIPELINE = Path(__file__).resolve().parents[1] / "examples" / "pipeline.py"
 
@@ -68,22 +68,6 @@ def test_the_check_catches_wrong_rows(tmp_path):
 # A workload of minutes, so every process is mid-way when one is killed.
 LONG = ["--requests", "64", "--tokens", "20000", "--top-k", "100", "--tokenizers", "2"]
 DEATH_EXIT_S = 5.0  # generous for a busy 2-core machine: the pipeline hears a death at once
-
-
-def children_of(pid: int) -> dict[str, list[int]]:
-    """script name -> the pids of the children of `pid` running examples/<script>."""
-    found: dict[str, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError):
-            continue  # not a process, or gone meanwhile
-        if ppid == pid and len(argv) > 1 and argv[1].endswith(b".py"):
-            found.setdefault(Path(argv[1].decode()).name, []).append(int(entry))
-    return found
 
 
 @pytest.mark.parametrize("victim", ["producer.py", "detokenizer.py", "consumer.py"])

@@ -667,17 +667,12 @@ DEATH_WAIT_S = 10.0  # today's server never answers: wait this long, then fail
 
 def engine_pid(server: subprocess.Popen, script: str) -> int:
     """The pid of the server's child that runs examples/<script>."""
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, ValueError):
-            continue  # not a process, or gone meanwhile
-        if ppid == server.pid and any(arg.endswith(script.encode()) for arg in argv):
-            return int(entry)
-    raise AssertionError(f"the server has no {script} child")
+    from conftest import children_of
+
+    pids = children_of(server.pid).get(script)
+    if not pids:
+        raise AssertionError(f"the server has no {script} child")
+    return pids[0]
 
 
 async def kill_engine_under_load(process: subprocess.Popen, url: str, victim: str,
