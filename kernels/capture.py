@@ -108,6 +108,7 @@ from .direct import claim_step, launching, publish_into
 from .host import check_into
 from .launch import pdl_default
 from .rows import Rows, Status, bitmask_words, pack_rows, values_capacity
+from .sample_draw import launch_window_draw
 
 __all__ = ["ORDERS", "capture", "reference_capture", "top_p_within_rounding"]
 
@@ -146,10 +147,7 @@ def run_capture(
     target = check_into(into, True, max_tokens, vocab)  # refused before any kernel runs
     settings = CaptureSettings.of(
         batch, vocab, device, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy, rows=rows,
-        sequential=order == "sequential",
-        # window rows only in capture without into=: the sampler's draw and
-        # the ring stores need every support id among the candidates
-        window_allowed=seeds is None and target is None)
+        sequential=order == "sequential")
     tokens, seed_rows = _tokens_and_seeds(sampled, seeds, batch, device)
     ws = CaptureWorkspace.allocate(batch, vocab, device, settings.window)
     # resolve writes the rows' statuses, sizes, lengths and forms into the
@@ -174,12 +172,18 @@ def run_capture(
     launch_expand_local(probs, ws.bits, ws.counts, ws.n_chunks, ws.cand_ids, ws.cand_vals,
                         pdl=pdl)
     launch_resolve(probs, settings, ws, tokens, seed_rows, max_tokens, overflow, pdl)
+    drawn = settings.window and seed_rows is not None
+    if settings.window and seed_rows is not None:
+        launch_window_draw(probs, ws, seed_rows, pdl)
     # into= on the GPU-direct path: the table is prepared for this step now
-    # and the write kernel stores each row into the ring as it computes it.
-    direct = claim_step(target, batch, vocab)
+    # and the write kernel stores each row into the ring as it computes it;
+    # a call that may have window rows (their data are the window write's)
+    # publishes its rows once they are all written, so that every path
+    # gives a row the same bits.
+    direct = None if settings.window else claim_step(target, batch, vocab)
     with launching(direct, "capture's write kernel"):
-        launch_write(settings, ws, tokens, result, direct,
-                     support=target is None or target[2] == "support", pdl=pdl)
+        launch_write(probs, settings, ws, tokens, result, direct,
+                     support=target is None or target[2] == "support", drawn=drawn, pdl=pdl)
     if settings.window:
         launch_window_write(probs, ws, result, pdl)
     if direct is not None:

@@ -89,13 +89,17 @@ def _bound_kernel(
     may_be_window = False
     if WINDOW:
         may_be_window = p_on & ~k_on & (top_p > P_MARGIN)
+    # The floor's share: top_p + P_MARGIN, or half the way to 1 where that
+    # reaches 1 (top_p 0.99): a share of 1 is the sample's whole mass, whose
+    # floor, its smallest key, keeps nearly every id of the row
+    above = tl.minimum(top_p + P_MARGIN, (1.0 + top_p) * 0.5)
     if p_on:
         if may_be_window:
             floor_p, hi, center = _sample_keys_reaching3(
-                key, w, (top_p + P_MARGIN) * total, (top_p - P_MARGIN) * total, top_p * total)
+                key, w, above * total, (top_p - P_MARGIN) * total, top_p * total)
             hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
         else:
-            floor_p = _sample_key_reaching(key, w, (top_p + P_MARGIN) * total, True)
+            floor_p = _sample_key_reaching(key, w, above * total, True)
     min_p = tl.load(min_p_ptr + row)
     floor_m = tl.where(min_p > 0.0, (min_p * top.to(tl.float32, bitcast=True))
                        .to(tl.int32, bitcast=True), 0)

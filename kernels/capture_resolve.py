@@ -34,11 +34,14 @@ def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWo
         tokens if seeds is None else seeds,  # not read in capture
         max_tokens, ws.cutoff, ws.logz, ws.sizes, ws.lengths, ws.status, ws.forms, ws.selected,
         ws.n_cand, ws.window_ok, ws.above_mass, ws.above_count, ws.bracket, ws.before,
+        ws.draw, ws.best,
         SEQUENTIAL=settings.sequential, SAMPLE=seeds is not None,
         STATUS_ON_OVERFLOW=overflow == "status", BLOCK=tuning.RESOLVE_BLOCK,
         CHUNKS_PAD=triton.next_power_of_2(ws.n_chunks), ROW_BLOCK=tuning.ROW_BLOCK,
         DRAW_BLOCK=tuning.DRAW_BLOCK, WINDOW=settings.window, CHUNK=tuning.CHUNK,
         BINS=triton.next_power_of_2(ws.n_chunks + 1), SEARCH_WAYS=tuning.WINDOW_SEARCH_WAYS,
+        FLOOR_FIT=tuning.RESOLVE_BLOCK, FLOOR_WAYS=tuning.FLOOR_WAYS,
+        FLOOR_BLOCK=tuning.FLOOR_BLOCK,
         PDL=pdl, num_warps=tuning.RESOLVE_WARPS, **launch_options(pdl),
     )
 
@@ -52,10 +55,13 @@ def _resolve_kernel(
     max_tokens,
     cutoff_ptr, logz_ptr, sizes_ptr, lengths_ptr, status_ptr, forms_ptr, selected_ptr,
     n_cand_ptr, window_ok_ptr, above_mass_ptr, above_count_ptr, bracket_ptr, before_ptr,
+    draw_ptr, best_ptr,
     SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
     DRAW_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
-    SEARCH_WAYS: tl.constexpr, PDL: tl.constexpr,
+    SEARCH_WAYS: tl.constexpr, FLOOR_FIT: tl.constexpr, FLOOR_WAYS: tl.constexpr,
+    FLOOR_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program per row: the row's exact cutoff over its candidates (or,
     where the bound's floor did not hold it, over its whole row), its
@@ -118,6 +124,7 @@ def _resolve_kernel(
             above_mass = tl.sum(tl.load(above_mass_ptr + slots, mask=in_row, other=0.0), axis=0)
             b_lo = tl.load(bracket_ptr + row * BRACKET + B_FINAL_LO)
             b_hi = tl.load(bracket_ptr + row * BRACKET + B_FINAL_HI)
+    target = tl.zeros([], dtype=tl.float32)
     if p_on:
         mass = total
         if SEQUENTIAL & k_on:
@@ -152,26 +159,47 @@ def _resolve_kernel(
         # top-p's target is a share of the top-k mass: only right once t_k was found
         ok = ok & (~k_on | (cut_k >= lo) | (lo <= 1))
     if (~ok) & (~bad) & (~greedy):
-        # The sampled bound was wrong for this row: its exact cutoffs from the
-        # whole row, then its candidates rewritten as every w >= cutoff.
+        # The sampled bound was wrong for this row: a cutoff (k or p) the
+        # candidates did not hold lies below lo. A few passes over the whole
+        # row narrow each such cutoff to a floor under it with few ids above
+        # (_row_floor), one pass rewrites the candidates as every id at or
+        # above the floors, and the searches over them are exact again.
         row_ptr = probs_ptr + row.to(tl.int64) * stride_row
-        cut_k = tl.zeros([], dtype=tl.int32)
-        if k_on:
+        need_k = k_on & (cut_k < lo)
+        need_p = p_on & (cut_p < lo)
+        floor = tl.maximum(cut_m, 1)
+        if SEQUENTIAL & need_k:
+            # top-p's target is a share of the exact top-k mass: that row's
+            # cutoffs one bit at a time from the whole row (rare: top-k's
+            # count estimate holds but for a sample that is far off)
             cut_k = _row_key_reaching(row_ptr, vocab, top_k.to(tl.float32), False, ROW_BLOCK)
-        cut_p = tl.zeros([], dtype=tl.int32)
-        if p_on:
-            mass = total
-            if SEQUENTIAL & k_on:
+            cut_p = tl.zeros([], dtype=tl.int32)
+            if p_on:
                 mass = _row_reach(row_ptr, vocab, tl.maximum(cut_k, 1), True, ROW_BLOCK)
-            cut_p = _row_key_reaching(row_ptr, vocab, _top_p_target(top_p, mass), True,
-                                      ROW_BLOCK)
-        cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
+                cut_p = _row_key_reaching(row_ptr, vocab, _top_p_target(top_p, mass), True,
+                                          ROW_BLOCK)
+            floor = tl.maximum(tl.maximum(cut_k, cut_p), floor)
+        else:
+            # every id under eps = (mass - target) / V together holds less
+            # than mass - target: top-p's cutoff lies at or above eps (a
+            # quarter of it, for the rounding of the sums)
+            eps = (total - target) / vocab.to(tl.float32) * 0.25
+            eps_key = tl.maximum(tl.where(eps > 0.0, eps.to(tl.int32, bitcast=True), 1), 1)
+            # one loop over the two searches (top-k's count, then top-p's
+            # mass), so the search's code is in the kernel once
+            for which in range(2):
+                on_p = which == 1
+                if tl.where(on_p, need_p, need_k):
+                    start = tl.where(on_p, tl.minimum(eps_key, lo), 1)
+                    goal = tl.where(on_p, target, top_k.to(tl.float32))
+                    floor = tl.maximum(floor, _row_floor(row_ptr, vocab, goal, start, lo, on_p,
+                                                         FLOOR_FIT, FLOOR_BLOCK, FLOOR_WAYS))
         n = tl.zeros([], dtype=tl.int32)
         for start in range(0, vocab, ROW_BLOCK):
             cols = start + tl.arange(0, ROW_BLOCK)
             w = tl.load(row_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)
             keep = ((w > 0.0) & (w < float("inf"))
-                    & (w.to(tl.int32, bitcast=True) >= tl.maximum(cutoff, 1)))
+                    & (w.to(tl.int32, bitcast=True) >= floor))
             keep_i = keep.to(tl.int32)
             rank = n + tl.cumsum(keep_i, axis=0) - 1
             tl.store(cand_ids_ptr + base + rank, cols, mask=keep)
@@ -181,6 +209,13 @@ def _resolve_kernel(
         live0 = idx0 < n
         v0 = tl.load(cand_vals_ptr + base + idx0, mask=live0, other=0.0)
         key0 = v0.to(tl.int32, bitcast=True)
+        if need_k & ~SEQUENTIAL:
+            cut_k = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
+                                          top_k.to(tl.float32), False, BLOCK)
+        if need_p & ~(SEQUENTIAL & need_k):
+            cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, True,
+                                          BLOCK)
+        cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
     cutoff = tl.maximum(cutoff, 1)  # zeros are never in the support
 
     # Support size and mass (the candidates past the first BLOCK: in the
@@ -189,14 +224,15 @@ def _resolve_kernel(
     hit0 = live0 & (key0 >= cutoff)
     size = above_count + tl.sum(hit0.to(tl.int32), axis=0)
     z = above_mass + tl.sum(tl.where(hit0, v0, 0.0), axis=0)
-    if not SAMPLE:  # the sampler's draw sums the candidates past the first BLOCK itself
-        for start in range(BLOCK, n, BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            live = idx < n
-            v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
-            hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
-            size += tl.sum(hit.to(tl.int32), axis=0)
-            z += tl.sum(tl.where(hit, v, 0.0), axis=0)
+    # (the same blocks and sums in capture and sample: a row's Z, so its
+    # logprobs, are the same bits whichever call made it)
+    for start in range(BLOCK, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        live = idx < n
+        v = tl.load(cand_vals_ptr + base + idx, mask=live, other=0.0)
+        hit = live & (v.to(tl.int32, bitcast=True) >= cutoff)
+        size += tl.sum(hit.to(tl.int32), axis=0)
+        z += tl.sum(tl.where(hit, v, 0.0), axis=0)
     if WINDOW:
         if window & ~bad:
             # the support's ids in each chunk (above the bracket, then the
@@ -216,30 +252,20 @@ def _resolve_kernel(
     if SAMPLE:
         # The exponential race (kernels/sample_draw.py) over the candidates
         # again (L2-hot), DRAW_BLOCK at a time: a Philox state for each of
-        # BLOCK lanes at once would double the program's registers. The
-        # candidates past the first BLOCK are summed here too (one read).
+        # BLOCK lanes at once would double the program's registers. A window
+        # row's support reaches past its candidates: its draw is the window
+        # draw's (_window_draw_kernel, one read of each chunk), and the
+        # write kernel finishes its token and selected logprob.
         seed = tl.load(seed_ptr + row)
         best_score = tl.full([], float("-inf"), tl.float32)
         best_id = tl.zeros([], dtype=tl.int32) + vocab
         first_id = tl.zeros([], dtype=tl.int32) + vocab
-        for start in range(0, tl.minimum(n, BLOCK), DRAW_BLOCK):  # summed from registers
-            v, ids, live, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n, cutoff,
-                                            DRAW_BLOCK)
-            best_score, best_id, first_id = _draw(v, ids, live, hit, seed, rowmax, vocab,
-                                                  best_score, best_id, first_id)
-        # the size and mass past the first BLOCK, a lane at a time, reduced
-        # once after the loop (not two block-wide reductions a step)
-        lane_size = tl.zeros([DRAW_BLOCK], dtype=tl.int32)
-        lane_mass = tl.zeros([DRAW_BLOCK], dtype=tl.float32)
-        for start in range(BLOCK, n, DRAW_BLOCK):
-            v, ids, live, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n, cutoff,
-                                            DRAW_BLOCK)
-            lane_size += hit.to(tl.int32)
-            lane_mass += tl.where(hit, v, 0.0)
-            best_score, best_id, first_id = _draw(v, ids, live, hit, seed, rowmax, vocab,
-                                                  best_score, best_id, first_id)
-        size += tl.sum(lane_size, axis=0)
-        z += tl.sum(lane_mass, axis=0)
+        if ~window:
+            for start in range(0, n, DRAW_BLOCK):
+                v, ids, live, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n,
+                                                cutoff, DRAW_BLOCK)
+                best_score, best_id, first_id = _draw(v, ids, live, hit, seed, rowmax, vocab,
+                                                      best_score, best_id, first_id)
         token = tl.where(greedy, first_id, best_id)
     else:
         token = tl.load(token_ptr + row).to(tl.int32)
@@ -248,6 +274,11 @@ def _resolve_kernel(
                   mask=token_ok, other=0.0).to(tl.float32)
     in_support = token_ok & (w_y > 0.0) & (w_y.to(tl.int32, bitcast=True) >= cutoff)
     selected = log_any(w_y) - log_any(z)
+    if SAMPLE:
+        # a window row's token, drawn later, lies in its support: only its
+        # Z can make it INVALID here
+        in_support = in_support | window
+        selected = tl.where(window, -log_any(z), selected)
     invalid = bad | ~in_support | ~(z > 0.0) | ~(tl.abs(selected) < float("inf"))
     # Greedy: the support is the token itself, logprob 0.
     invalid = tl.where(greedy, bad | ~token_ok, invalid)
@@ -273,6 +304,10 @@ def _resolve_kernel(
     tl.store(window_ok_ptr + row, window_ok.to(tl.int32))
     if SAMPLE:
         tl.store(token_ptr + row, tl.where(invalid, -1, token))
+        if WINDOW:
+            # the window draw's rows and their race's best, cleared
+            tl.store(draw_ptr + row, (window & ~invalid).to(tl.int32))
+            tl.store(best_ptr + row, tl.zeros([], dtype=tl.int64))
 
 
 @triton.jit
@@ -396,3 +431,58 @@ def _row_key_reaching(row_ptr, vocab, target, USE_MASS: tl.constexpr, BLOCK: tl.
         reach = _row_reach(row_ptr, vocab, probe, USE_MASS, BLOCK)
         found = tl.where(reach >= target, probe, found)
     return found
+
+
+@triton.jit
+def _row_floor(row_ptr, vocab, target, lo, hi, use_mass, FIT: tl.constexpr,
+               BLOCK: tl.constexpr, WAYS: tl.constexpr):
+    """A key f at or under the largest key t reaching target (count, or
+    mass with use_mass, of the row's finite w > 0 with key >= t), with at
+    most FIT ids at or above it where four passes allow. ``lo`` reaches
+    (or is the floor of the search), ``hi`` does not: each pass over the
+    whole row counts and sums the ids above WAYS - 1 probes spread evenly
+    over [lo, hi) and keeps the interval between the last probe reaching
+    and the first one not; it stops once the ids at or above lo fit. Four
+    passes of 8 ways narrow 24 binades to a fiftieth of one."""
+    j = tl.arange(0, WAYS)
+    fits = tl.zeros([], dtype=tl.int1)
+    for _pass in range(4):
+        if (hi - lo > 1) & ~fits:
+            span = (hi - lo).to(tl.int64)
+            probes = (lo + (span * j) // WAYS).to(tl.int32)  # probes[0] = lo
+            # lane sums over the row, reduced once after the loop (a block
+            # reduction a step would cost a barrier each); four blocks
+            # loaded a step, so that one program has 16 KiB in flight
+            lane_reach = tl.zeros([BLOCK, WAYS], dtype=tl.float32)
+            lane_count = tl.zeros([BLOCK, WAYS], dtype=tl.int32)
+            for start in range(0, vocab, 4 * BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                w0 = tl.load(row_ptr + cols, mask=cols < vocab, other=0.0)
+                w1 = tl.load(row_ptr + BLOCK + cols, mask=cols + BLOCK < vocab, other=0.0)
+                w2 = tl.load(row_ptr + 2 * BLOCK + cols, mask=cols + 2 * BLOCK < vocab, other=0.0)
+                w3 = tl.load(row_ptr + 3 * BLOCK + cols, mask=cols + 3 * BLOCK < vocab, other=0.0)
+                lane_reach, lane_count = _lane_sums(w0, probes, lane_reach, lane_count)
+                lane_reach, lane_count = _lane_sums(w1, probes, lane_reach, lane_count)
+                lane_reach, lane_count = _lane_sums(w2, probes, lane_reach, lane_count)
+                lane_reach, lane_count = _lane_sums(w3, probes, lane_reach, lane_count)
+            count = tl.sum(lane_count, axis=0)
+            reach = tl.where(use_mass, tl.sum(lane_reach, axis=0), count.to(tl.float32))
+            reaching = (reach >= target) | (j == 0)
+            last = tl.max(tl.where(reaching, j, 0), axis=0)  # reach falls as the probe rises
+            new_lo = tl.sum(tl.where(j == last, probes, 0), axis=0)
+            hi = tl.min(tl.where(reaching, hi, probes), axis=0)
+            fits = tl.sum(tl.where(j == last, count, 0), axis=0) <= FIT
+            lo = new_lo
+    return lo
+
+
+@triton.jit
+def _lane_sums(w, probes, lane_reach, lane_count):
+    """_row_floor's lane sums plus one block: per lane and probe, the count
+    and mass of the block's finite w > 0 at or above the probe."""
+    w = w.to(tl.float32)
+    good = (w > 0.0) & (w < float("inf"))
+    hit = good[:, None] & (w.to(tl.int32, bitcast=True)[:, None] >= probes[None, :])
+    lane_count += hit.to(tl.int32)
+    lane_reach += tl.where(hit, w[:, None], 0.0)
+    return lane_reach, lane_count

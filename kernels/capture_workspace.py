@@ -62,16 +62,14 @@ class CaptureSettings:
     need_mass: bool  # some row may have top-p on
     need_max: bool  # some row may have min-p on or be greedy
     # window rows (a top-p support of thousands of ids, bracketed by pivot
-    # masses, written by the window write) only in capture without into=:
-    # the sampler's draw and the ring stores need every support id among
-    # the candidates
+    # masses, written by the window write; sample's drawn by the window draw)
     window: bool
 
     @classmethod
     def of(cls, batch: int, vocab: int, device: torch.device, *,
            top_k: torch.Tensor | int | None, top_p: torch.Tensor | float | None,
            min_p: torch.Tensor | float | None, greedy: torch.Tensor | bool | None,
-           rows: torch.Tensor | None, sequential: bool, window_allowed: bool) -> CaptureSettings:
+           rows: torch.Tensor | None, sequential: bool) -> CaptureSettings:
         """Checked per-row settings (scalars broadcast once and kept)."""
         return cls(
             top_k=per_row(top_k, batch, torch.int32, device, "top_k", 0),
@@ -82,7 +80,7 @@ class CaptureSettings:
             sequential=sequential,
             need_mass=may_be_on(top_p, lambda p: p < 1.0),
             need_max=may_be_on(min_p, lambda m: m > 0.0) or may_be_on(greedy, bool),
-            window=window_allowed and may_be_window(top_k, top_p, vocab),
+            window=may_be_window(top_k, top_p, vocab),
         )
 
 
@@ -127,6 +125,10 @@ class CaptureWorkspace:
     cand_vals: torch.Tensor  # float32[B * V]
     # resolve: per chunk, a window row's support ids in the chunks before
     before: torch.Tensor  # int32[B * n_chunks]
+    # resolve (sample, window rows): which rows the window draw races over,
+    # and the race's best (score bits << 32 | 2^31 - 1 - id), cleared
+    draw: torch.Tensor  # int32[B]
+    best: torch.Tensor  # int64[B]
     # resolve (per row): cutoff key, log Z, size, length, status, form,
     # candidates kept (the whole-row fallback rewrites them), whether the
     # window write writes the row, selected logprob
@@ -151,9 +153,9 @@ class CaptureWorkspace:
         rows_w = batch if window else 0  # a window array's rows
         cells_w = cells if window else 0
         per_row = _carve(
-            torch.int32, device, lo=batch, window=batch, bracket=BRACKET.value * rows_w,
-            pivots=tuning.WINDOW_PIVOTS * rows_w, refine_keys=tuning.WINDOW_REFINE * rows_w,
-            wide_rows=rows_w, wide_count=1)
+            torch.int32, device, best=2 * rows_w, draw=rows_w, lo=batch, window=batch,
+            bracket=BRACKET.value * rows_w, pivots=tuning.WINDOW_PIVOTS * rows_w,
+            refine_keys=tuning.WINDOW_REFINE * rows_w, wide_rows=rows_w, wide_count=1)
         per_chunk = _carve(
             torch.int32, device, counts=cells, sums=cells, maxes=cells, before=cells_w,
             above_count=cells_w, above_mass=cells_w, pivot_mass=tuning.WINDOW_PIVOTS * cells_w,
@@ -164,6 +166,7 @@ class CaptureWorkspace:
         floats = ("sums", "maxes", "above_mass", "pivot_mass", "refine_mass", "logz", "selected")
         arrays = {name: array.view(torch.float32) if name in floats else array
                   for name, array in {**per_row, **per_chunk, **resolved}.items()}
+        arrays["best"] = arrays["best"].view(torch.int64)  # first: 8-byte aligned
         return cls(
             n_chunks=n_chunks,
             bits=torch.empty(cells * (tuning.CHUNK // 32), dtype=torch.int32, device=device),

@@ -1,5 +1,7 @@
 """Sample's device code: the draw that resolve makes for :func:`.sample.sample`
-(the resolve kernel compiled with SAMPLE, kernels/capture_resolve.py).
+(the resolve kernel compiled with SAMPLE, kernels/capture_resolve.py), and
+the window draw, the same race over a window row's support (its
+candidates are only the ids around its cutoff) from one read of the row.
 
 An exponential race (equivalent to Gumbel-max): over the row's support,
 token = argmax ``w_i / E_i`` with ``E_i = -log(u_i)`` and ``u_i`` the Philox
@@ -11,8 +13,14 @@ resolve can import it without an import cycle.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from . import tuning
+from .capture_workspace import CaptureWorkspace
+from .float_bits import INF_KEY
+from .launch import after_previous, launch_options
 
 
 @triton.jit
@@ -29,3 +37,49 @@ def _draw(v, ids, live, hit, seed, rowmax, vocab, best_score, best_id, first_id)
     # greedy: the smallest id among the maxima (all of them are candidates)
     first_id = tl.minimum(first_id, tl.min(tl.where(live & (v == rowmax), ids, vocab), axis=0))
     return best_score, best_id, first_id
+
+
+def launch_window_draw(probs: torch.Tensor, ws: CaptureWorkspace, seeds: torch.Tensor,
+                       pdl: bool) -> None:
+    """_window_draw_kernel over every (row, chunk), after resolve: ws.best
+    of each row resolve marked in ws.draw (sample's window rows)."""
+    batch, vocab = probs.shape
+    _window_draw_kernel[(batch, ws.n_chunks)](
+        probs, probs.stride(0), vocab, ws.draw, ws.cutoff, seeds, ws.best, CHUNK=tuning.CHUNK,
+        SUB=tuning.WINDOW_WRITE_SUB, PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
+        **launch_options(pdl),
+    )
+
+
+@triton.jit
+def _window_draw_kernel(
+    probs_ptr, stride_row, vocab, draw_ptr, cutoff_ptr, seed_ptr, best_ptr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (b, c), sample's window rows only (their support reaches past
+    their candidates): the exponential race of _draw over the support in
+    columns [c*CHUNK, (c+1)*CHUNK) of row b, from one read, the same score
+    a column as _draw's; the chunk's best (score, then the smallest id) is
+    folded into the row's by one atomic max of ``score bits << 32 |
+    2^31 - 1 - id`` (scores are >= 0, so their bits order as they do). The
+    write kernel turns the row's best into its token."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    after_previous(PDL)
+    if tl.load(draw_ptr + row) != 0:
+        cutoff = tl.load(cutoff_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        best = tl.zeros([], dtype=tl.int64)
+        for part in range(0, CHUNK // SUB):
+            cols = chunk * CHUNK + part * SUB + tl.arange(0, SUB)
+            w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                        other=0.0).to(tl.float32)
+            key = w.to(tl.int32, bitcast=True)
+            # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+            hit = (key >= cutoff) & (key < INF_KEY)
+            score = w / -tl.log(tl.rand(seed, cols))
+            packed = ((score.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                      | (2147483647 - cols).to(tl.int64))
+            best = tl.maximum(best, tl.max(tl.where(hit, packed, 0), axis=0))
+        if best != 0:
+            tl.atomic_max(best_ptr + row, best)

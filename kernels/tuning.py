@@ -84,6 +84,11 @@ ROW_BLOCK = 4096  # columns a step of a resolve program that reads its whole row
 # resolve's search over a window row's bracket: 4 ways (three probes a pass
 # over the candidates, a quarter of the interval kept) or 2 (a bisection)
 WINDOW_SEARCH_WAYS = 4
+# A row whose sampled floor missed a cutoff: passes over its whole row, each
+# counting and summing the ids above FLOOR_WAYS - 1 probes, narrow the
+# cutoff until the ids above the floor fit in RESOLVE_BLOCK (or four passes)
+FLOOR_WAYS = 8
+FLOOR_BLOCK = 512  # columns a block of those passes (four a step; lane sums of each probe)
 
 # ----------------------------------------------------------- capture: write
 # A write program walks its row's candidates a block at a time, so a row of

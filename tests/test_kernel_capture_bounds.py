@@ -456,6 +456,43 @@ def test_full_vocab_top_p_only_rows_in_the_interpreter() -> None:
     assert assert_top_p_rows(got, probs, 0.9) <= 1
 
 
+def heavy_token_rows(gen: torch.Generator) -> torch.Tensor:
+    """Peaked rows at V = 151936 whose heaviest token sits in the bound's
+    first sampled block (column 5): the sample weighs it ~18 times its
+    share, so its top-p floor lies far above the row's cutoff. A tail of
+    scale 3, 5 and 8 under a token of 40%, 30% and 50% of the mass (top_p
+    0.9 supports from a few to thousands of ids), and a plain scale-5 row."""
+    rows = []
+    for scale, heavy in ((3.0, 0.4), (5.0, 0.3), (8.0, 0.5), (5.0, None)):
+        w = torch.softmax(torch.randn(FULL_VOCAB, generator=gen) * scale, -1)
+        top = int(w.argmax())
+        w[[5, top]] = w[[top, 5]]
+        if heavy is not None:
+            w[5] = 0.0
+            w = w / w.sum() * (1 - heavy)
+            w[5] = heavy
+        rows.append(w)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("top_p", [0.6, 0.9])
+def test_peaked_rows_whose_sample_holds_the_heavy_token(top_p: float) -> None:
+    """The sampled floor lies above the cutoff (the sample over-weights the
+    heavy token): resolve narrows the cutoff over the whole row in a few
+    passes and rewrites the candidates; capture's and sample()'s rows equal
+    the reference (top-k 50 on the last row: both cutoffs missed)."""
+    probs = heavy_token_rows(torch.Generator().manual_seed(16))
+    top_k = torch.tensor([0, 0, 0, 50], dtype=torch.int32)
+    got = capture(probs.to(DEVICE), probs.argmax(1).to(DEVICE), top_p=top_p,
+                  max_tokens=FULL_VOCAB)
+    assert assert_top_p_rows(got, probs, top_p) == 0
+    drawn = sample(probs.to(DEVICE), torch.arange(4, device=DEVICE), top_k=top_k.to(DEVICE),
+                   top_p=top_p, max_tokens=FULL_VOCAB)
+    assert_same(drawn, reference_capture(probs, drawn.tokens.cpu().long(), top_k=top_k,
+                                         top_p=top_p, max_tokens=FULL_VOCAB))
+    assert int(drawn.sizes.cpu()[0]) > 50  # a support of many ids under the heavy token
+
+
 def test_top_p_of_a_subnormal_mass() -> None:
     """Rows whose whole mass is subnormal (below float32's smallest normal,
     1.2e-38): the top-p target is top_p x mass, met by the row's own largest

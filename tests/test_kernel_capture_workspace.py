@@ -37,7 +37,7 @@ def test_arrays_have_their_sizes_and_never_overlap(batch: int, window: bool) -> 
         "above_mass": w * cells, "cand_ids": batch * vocab, "cand_vals": batch * vocab,
         "before": w * cells, "cutoff": batch, "sizes": batch, "lengths": batch,
         "status": batch, "forms": batch, "n_cand": batch, "window_ok": batch, "logz": batch,
-        "selected": batch,
+        "selected": batch, "draw": w * batch, "best": w * batch,
     }
     floats = {"sums", "maxes", "pivot_mass", "refine_mass", "above_mass", "cand_vals", "logz",
               "selected"}
@@ -46,8 +46,10 @@ def test_arrays_have_their_sizes_and_never_overlap(batch: int, window: bool) -> 
     for name, size in sizes.items():
         array = getattr(ws, name)
         assert array.shape == (size,), name
-        assert array.dtype == (torch.float32 if name in floats else torch.int32), name
+        want = torch.float32 if name in floats else torch.int64 if name == "best" else torch.int32
+        assert array.dtype == want, name
         assert array.is_contiguous(), name
+        assert array.data_ptr() % array.element_size() == 0, name
     filled = sorted(span for name, span in spans.items() if sizes[name])
     for (alloc_a, _, end_a), (alloc_b, start_b, _) in zip(filled, filled[1:], strict=False):
         assert alloc_a != alloc_b or end_a <= start_b, "two arrays share bytes"
@@ -62,7 +64,7 @@ def test_settings_say_what_the_arguments_allow() -> None:
     alone: a [B] tensor may turn anything on, a scalar says."""
     def settings(**kwargs) -> CaptureSettings:
         args = {"top_k": None, "top_p": None, "min_p": None, "greedy": None, "rows": None,
-                "sequential": False, "window_allowed": True, **kwargs}
+                "sequential": False, **kwargs}
         return CaptureSettings.of(4, 1000, torch.device("cpu"), **args)
 
     plain = settings(top_k=50)
@@ -70,7 +72,6 @@ def test_settings_say_what_the_arguments_allow() -> None:
     assert settings(top_p=0.9).window and settings(top_p=0.9).need_mass
     assert not settings(top_p=0.9, top_k=50).window  # top-k on in every row
     assert settings(top_p=0.9, top_k=torch.full((4,), 50)).window  # maybe off in some row
-    assert not settings(top_p=0.9, window_allowed=False).window  # sample(), into=
     assert settings(min_p=0.1).need_max and settings(greedy=True).need_max
     assert not settings(greedy=False).need_max
     assert settings(top_k=7).top_k.tolist() == [7] * 4

@@ -136,3 +136,32 @@ def test_invalid_rows_get_token_minus_one() -> None:
     assert got.tokens.cpu().tolist()[:2] == [-1, -1]
     ref = reference_sample(probs, 9, max_tokens=3)
     assert ref.status.tolist() == got.status.cpu().tolist() and ref.tokens.tolist()[:2] == [-1, -1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_rows_draw_the_token_the_candidates_draw(monkeypatch: pytest.MonkeyPatch,
+                                                        dtype: torch.dtype) -> None:
+    """Top-p-only rows of thousands of ids: as window rows (their candidates
+    only the ids around the cutoff) the window draw races over the whole
+    support, one chunk a program, and the write kernel finishes the token
+    and selected logprob; as candidate rows resolve draws. Same seeds, same
+    tokens, the same selected logprob, and the support is capture's for
+    the token (a row under 20,000 ids spans three chunks)."""
+    gen = torch.Generator().manual_seed(21)
+    batch, vocab = 5, 20000
+    probs = torch.softmax(torch.randn(batch, vocab, generator=gen) * 1.5, -1).to(dtype)
+    top_p = torch.tensor([0.9, 0.6, 0.95, 0.8, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.3])  # min-p's floor holds the last row's support
+    seeds = torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE)
+    kwargs = {"top_p": top_p.to(DEVICE), "min_p": min_p.to(DEVICE), "max_tokens": 64}
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    windowed = sample(probs.to(DEVICE), seeds, **kwargs)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 1 << 30)
+    candidates = sample(probs.to(DEVICE), seeds, **kwargs)
+    assert windowed.tokens.tolist() == candidates.tokens.tolist()
+    assert torch.equal(windowed.selected_logprob.cpu(), candidates.selected_logprob.cpu())
+    assert (windowed.status.cpu() == Status.OK).all() and (windowed.sizes.cpu()[:4] > 1000).all()
+    want = reference_capture(probs, windowed.tokens.cpu().long(), top_p=top_p, min_p=min_p,
+                             max_tokens=64)
+    for b in range(batch):
+        assert windowed.row(b)[0].cpu().tolist() == want.row(b)[0].tolist()

@@ -1,0 +1,133 @@
+"""One result on every path (issue 35): a row's bits (ids or bitmask
+words, logprob bits, status, form, selected logprob) do not depend on how
+it was made or sent. capture(), capture(into=), kernels.publish of device
+Rows (GPU-direct), the CPU path (HostStaging + publish) and sample(into=)
+(against capture() of the tokens it drew) over one step that holds every
+row kind: window rows (top-p only, a support past WINDOW_MIN: bracketed,
+written by the window write; sample's drawn by the window draw), narrow
+rows (ids form), bitmask rows (past max_tokens, and dense), INVALID (a
+NaN row; a token outside its support), SKIPPED (not opted in) and greedy
+rows.
+
+Without a GPU the kernels run in Triton's interpreter (WINDOW_MIN lowered
+so that a small vocabulary has window rows); with SHMASK_TEST_GPU=1 on
+CUDA at the full vocabulary, where the window write's values come from its
+own fast log and a path that skipped it would differ in the last bits."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from shmask.kernels import HostStaging, Status, capture, publish, sample, tuning
+from shmask.kernels.direct import reference_direct
+
+import shmask
+
+GPU = os.environ.get("SHMASK_TEST_GPU") == "1"
+DEVICE = "cuda" if GPU else "cpu"
+VOCAB = 151936 if GPU else 3000
+BATCH = 12
+MAX_TOKENS = 64
+
+
+def step_inputs(seed: int) -> dict:
+    """One step's probabilities and per-row settings, a row of each kind:
+    rows 0-3 top-p only (0 and 1 flat: window rows; 2 peaked; 3 with
+    min-p), 4 top-k 5, 5 top-k past max_tokens (bitmask), 6 a NaN row, 7 a
+    token outside its support, 8 not opted in, 9 greedy, 10 top-k 300
+    (bitmask), 11 top-k 50 + top-p 0.8."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.5, 1.0, 6.0, 1.5] + [3.0] * 8)
+    probs = torch.softmax(torch.randn(BATCH, VOCAB, generator=gen) * scales[:, None], -1)
+    probs[6, 17] = float("nan")
+    inf = VOCAB  # top-k off
+    top_k = torch.tensor([inf, inf, inf, inf, 5, 200, inf, 5, 40, inf, 300, 50], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 0.6, 0.9, 0.95, 1, 1, 0.9, 1, 1, 1, 1, 0.8])
+    min_p = torch.tensor([0, 0, 0, 0.02, 0, 0, 0, 0, 0, 0, 0, 0])
+    sampled = torch.nan_to_num(probs, nan=0.0).argmax(1)
+    sampled[7] = torch.nan_to_num(probs[7], nan=1.0).argmin()  # outside top-5
+    rows = torch.ones(BATCH, dtype=torch.bool)
+    rows[8] = False
+    greedy = torch.zeros(BATCH, dtype=torch.bool)
+    greedy[9] = True
+    on = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "rows": rows, "greedy": greedy}
+    return {"probs": probs.to(DEVICE), "sampled": sampled.to(DEVICE),
+            **{name: value.to(DEVICE) for name, value in on.items()}}
+
+
+def bits(rows) -> dict:
+    """Everything a row is, as exact bits (floats as their uint32 patterns)."""
+    def raw(t):
+        t = t.cpu()
+        return t.view(torch.int32).tolist() if t.dtype == torch.float32 else t.tolist()
+    return {"status": raw(rows.status), "lengths": raw(rows.lengths), "forms": raw(rows.forms),
+            "sizes": raw(rows.sizes), "offsets": raw(rows.offsets),
+            "id_offsets": raw(rows.id_offsets),
+            "ids": raw(rows.ids[:int(rows.id_offsets[-1])]),
+            "values": raw(rows.values[:int(rows.offsets[-1])]),
+            "selected": raw(rows.selected_logprob)}
+
+
+def ring_rows(reader: shmask.Reader, writer: shmask.Writer, queues: list) -> list:
+    """Each queue's one row as stored: (flags, length, id data, logprob bits)."""
+    out = []
+    for ref in writer.take_batch(queues):
+        chunk = reader.open(ref)
+        if chunk.rows == 0:
+            out.append(None)
+        else:
+            flags = int(chunk.flags[0]) if chunk.flags is not None else 0
+            out.append((flags, int(chunk.lengths[0]), chunk.ids.tolist(),
+                        np.asarray(chunk.logprobs, np.float32).view(np.uint32).tolist()))
+        chunk.release()
+    return out
+
+
+def expected(rows, mode: str) -> list:
+    """What ring_rows reads for `rows` (SKIPPED rows: nothing stored)."""
+    return [None if row is None else
+            (row[0], row[1], row[2], np.asarray(row[3], np.float32).view(np.uint32).tolist())
+            for row in reference_direct(rows, mode)]
+
+
+@pytest.mark.parametrize("mode", ["support", "selected"])
+def test_rows_identical_on_every_path(prefix: str, mode: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if not GPU:
+        monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    inputs = step_inputs(seed=3)
+    probs, sampled = inputs.pop("probs"), inputs.pop("sampled")
+    kw = {**inputs, "max_tokens": MAX_TOKENS}
+    own = capture(probs, sampled, **kw)
+    want = bits(own)
+    status = want["status"]
+    # every row kind is here
+    assert status[6] == status[7] == Status.INVALID and status[8] == Status.SKIPPED
+    assert status[10] == Status.OK and want["forms"][10] == 1 and want["forms"][4] == 0
+    assert want["lengths"][0] > MAX_TOKENS and want["lengths"][2] < MAX_TOKENS
+    config = shmask.Config(ring_mb=4, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue(mode) for _ in range(BATCH)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        into = (writer, handles, mode)
+
+        # capture(into=): the rows it returns and the rows it stored
+        fused = capture(probs, sampled, **kw, into=into)
+        assert bits(fused) == want
+        assert ring_rows(reader, writer, queues) == expected(own, mode)
+        # publish of the device rows (GPU-direct where CUDA is), then the CPU path
+        publish(writer, handles, own, mode)
+        assert ring_rows(reader, writer, queues) == expected(own, mode)
+        publish(writer, handles, HostStaging().fetch(own, values=mode == "support"), mode)
+        assert ring_rows(reader, writer, queues) == expected(own, mode)
+
+        # sample(into=): the rows of the tokens it drew are capture()'s rows of them
+        drawn = sample(probs, torch.arange(BATCH, device=DEVICE) * 7 + 1, **kw, into=into)
+        tokens = drawn.tokens.long()
+        again = capture(probs, torch.where(tokens < 0, sampled, tokens), **kw)
+        assert tokens[6] == -1 and (tokens[:6] >= 0).all() and (tokens[7:] >= 0).all()
+        assert bits(drawn) == bits(again)
+        assert ring_rows(reader, writer, queues) == expected(drawn, mode)
