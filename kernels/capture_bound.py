@@ -28,7 +28,8 @@ def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
         SEQUENTIAL=settings.sequential, WINDOW=settings.window, BLOCKS=tuning.SAMPLE_BLOCKS,
         COLS=tuning.SAMPLE_COLS, K_SLACK=tuning.K_SLACK, P_MARGIN=tuning.P_MARGIN,
         WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS, INNER=tuning.WINDOW_INNER,
-        BELOW=tuning.WINDOW_BELOW, ABOVE=tuning.WINDOW_ABOVE, PDL=pdl,
+        BELOW=tuning.WINDOW_BELOW, ABOVE=tuning.WINDOW_ABOVE, K_FLOOR_ONLY=tuning.K_FLOOR_ONLY,
+        P_KEEP=tuning.P_KEEP, PDL=pdl,
         num_warps=tuning.BOUND_WINDOW_WARPS if settings.window else tuning.BOUND_WARPS,
         **launch_options(pdl),
     )
@@ -41,7 +42,7 @@ def _bound_kernel(
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
     PIVOTS: tl.constexpr, INNER: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
-    PDL: tl.constexpr,
+    K_FLOOR_ONLY: tl.constexpr, P_KEEP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
     the candidates' floor lo and whether the row is a window row.
@@ -100,13 +101,26 @@ def _bound_kernel(
             hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
         else:
             floor_p = _sample_key_reaching(key, w, above * total, True)
+        if ~k_on:
+            # and low enough to keep P_KEEP ids by the sample's count: a
+            # heavy token in the sample, weighed ~1/share times its share,
+            # puts the mass floor above a peaked row's cutoff (the
+            # whole-row search); P_KEEP candidates are in resolve's registers
+            floor_p = tl.minimum(floor_p, _sample_key_reaching(key, w, P_KEEP * share, False))
     min_p = tl.load(min_p_ptr + row)
     floor_m = tl.where(min_p > 0.0, (min_p * top.to(tl.float32, bitcast=True))
                        .to(tl.int32, bitcast=True), 0)
     lo = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
+    # A top-k of at most K_FLOOR_ONLY ids: its floor alone, whose candidates
+    # (the support plus a little, whatever top-p keeps) fit in resolve's
+    # registers; a top-p floor above it would come from a sample that can
+    # over-weigh a heavy token, and a floor above the cutoff costs the
+    # whole-row search. In sequential order top-p's target is a share of
+    # the top-k mass: every w >= t_k is needed whatever k.
+    only_k = k_on & (top_k <= K_FLOOR_ONLY)
     if SEQUENTIAL:
-        # top-p's target is a share of the top-k mass: every w >= t_k is needed
-        lo = tl.where(k_on, tl.maximum(floor_k, 1), lo)
+        only_k = k_on
+    lo = tl.where(only_k, tl.maximum(tl.maximum(floor_k, floor_m), 1), lo)
     greedy = tl.load(greedy_ptr + row) != 0
     lo = tl.where(greedy, tl.maximum(top, 1), lo)
     window = tl.zeros([], dtype=tl.int32)

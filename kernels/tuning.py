@@ -34,9 +34,15 @@ SAMPLE_COLS = 1024
 # top-k: the floor keeps >= K_SLACK * k / scale + 3 sqrt(k / scale) + 4
 # sampled ids above it (scale: the sample's share of the row)
 K_SLACK = 1.25
+# A row with top-k at most K_FLOOR_ONLY takes top-k's floor alone (not a
+# higher top-p floor): K_SLACK x k ids and their slack fit in RESOLVE_BLOCK
+K_FLOOR_ONLY = 2048
 # top-p: the floor is where the sampled mass share reaches top_p + P_MARGIN;
 # a window row's range is [top_p - P_MARGIN, top_p + P_MARGIN]
 P_MARGIN = 0.05
+# a top-p-only row's floor also keeps P_KEEP ids by the sample's count (a
+# sample that holds a heavy token over-weighs it; resolve holds RESOLVE_BLOCK)
+P_KEEP = 2048
 # The bound's bisection settles the first BOUND_BITS of bits 30..0 of a key
 # (the exponent and 8 mantissa bits: within 0.4% of the value, all an
 # estimate with margins needs); BOUND_STEP is one unit of the last.

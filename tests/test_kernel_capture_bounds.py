@@ -700,3 +700,58 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         got_mass = pivot_mass.cpu().view(batch, n_chunks, pivots).double().sum(1)
         torch.testing.assert_close(got_mass, want_mass, rtol=1e-5, atol=1e-30)
         assert (want_mass[:, 0] > want_mass[:, -1]).any()  # pivots that split the values
+
+
+def test_top_k_with_top_p_keeps_top_k_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """top_k 1000 with top_p 0.9 on rows whose sample holds the heavy token:
+    the candidates are top-k's floor's (about 1.25 k ids, in resolve's
+    registers), never a top-p floor the sample put above the row's cutoff,
+    so no row takes the whole-row search (cutoff >= lo in every row); the
+    rows equal the reference."""
+    kept = {}
+    allocate = capture_workspace.CaptureWorkspace.allocate.__func__
+
+    def keep(cls, *args, **kwargs):
+        kept["ws"] = allocate(cls, *args, **kwargs)
+        return kept["ws"]
+
+    monkeypatch.setattr(capture_module.CaptureWorkspace, "allocate", classmethod(keep))
+    probs = heavy_token_rows(torch.Generator().manual_seed(17))
+    got = capture(probs.to(DEVICE), probs.argmax(1).to(DEVICE), top_k=1000, top_p=0.9,
+                  max_tokens=FULL_VOCAB)
+    ws = kept["ws"]
+    assert (ws.cutoff.cpu() >= ws.lo.cpu()).all(), (ws.cutoff.tolist(), ws.lo.tolist())
+    assert (ws.n_cand.cpu() <= tuning.RESOLVE_BLOCK).all()
+    want = reference_capture(probs, probs.argmax(1), top_k=1000, top_p=0.9,
+                             max_tokens=FULL_VOCAB)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("top_p", [0.6, 0.9, 0.99])
+def test_peaked_top_p_rows_keep_enough_candidates(monkeypatch: pytest.MonkeyPatch,
+                                                   top_p: float) -> None:
+    """Peaked top-p-only rows (supports of a few to a few hundred ids) whose
+    sample holds the heaviest token: the floor keeps P_KEEP ids by the
+    sample's count, so none of them needs the whole-row search (cutoff >= lo)
+    and their candidates fit in resolve's registers; rows as the reference."""
+    kept = {}
+    allocate = capture_workspace.CaptureWorkspace.allocate.__func__
+
+    def keep(cls, *args, **kwargs):
+        kept["ws"] = allocate(cls, *args, **kwargs)
+        return kept["ws"]
+
+    monkeypatch.setattr(capture_module.CaptureWorkspace, "allocate", classmethod(keep))
+    gen = torch.Generator().manual_seed(18)
+    probs = torch.softmax(torch.randn(4, FULL_VOCAB, generator=gen)
+                          * torch.tensor([5.0, 6.0, 8.0, 14.0])[:, None], -1)
+    for row in probs:  # the heaviest token into the first sampled block
+        top = int(row.argmax())
+        row[[5, top]] = row[[top, 5]]
+    got = capture(probs.to(DEVICE), probs.argmax(1).to(DEVICE), top_p=top_p,
+                  max_tokens=FULL_VOCAB)
+    ws = kept["ws"]
+    assert (got.sizes.cpu() < tuning.P_KEEP).all()
+    assert (ws.cutoff.cpu() >= ws.lo.cpu()).all(), (ws.cutoff.tolist(), ws.lo.tolist())
+    assert (ws.n_cand.cpu() <= tuning.RESOLVE_BLOCK).all()
+    assert assert_top_p_rows(got, probs, top_p) == 0
