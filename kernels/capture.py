@@ -40,9 +40,11 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    blocks of 1024 columns spread over it; the whole row when V <= 8192) and
    sets the candidates' floor lo, under every cutoff (top-k: the sampled
    key with 1.25x its share of k above it, plus slack; top-p: the key whose
-   sampled mass share reaches top_p + P_MARGIN; min-p: min_p x the sampled
-   max). A window row (top-k off, top-p on, a support the sample puts past
-   WINDOW_MIN ids, capture without ``into=``) gets 8 pivots instead, around
+   sampled mass share reaches min(top_p + P_MARGIN, (1 + top_p) / 2), and
+   for a top-p-only row no higher than the key keeping P_KEEP sampled ids'
+   share; min-p: min_p x the sampled max; top-k <= K_FLOOR_ONLY: top-k's
+   and min-p's floors alone). A window row (top-k off, top-p on, a support
+   the sample puts past WINDOW_MIN ids) gets 8 pivots instead, around
    the key whose sampled share reaches top_p, spread by the width of [lo, hi)
    (hi: the key whose sampled share reaches top_p - P_MARGIN;
    _window_pivots).
@@ -68,12 +70,22 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
 4. resolve (capture_resolve.py; program per row): exact cutoffs by bisection
    over the float bits of the candidates (held in registers when they fit),
    then a check that the sampled range held them (a cutoff at or above lo).
-   A row that fails the check is resolved from its whole row (31 passes over
-   it, one program: slow, exact) and its candidates rewritten as its
-   support. A window row's candidates are the ids of its bracket (2d), so
+   A row that fails the check narrows each missed cutoff over its whole row
+   (_row_floor: passes counting and summing the ids above 7 probes, until
+   the ids above the floor fit in RESOLVE_BLOCK or four passes), one pass
+   rewrites its candidates as every id at or above the floor, and the
+   searches run again over them (a sequential row whose top-k missed: 31
+   passes a cutoff, exact). A window row's candidates are the ids of its
+   bracket (2d), so
    its cutoff is exact, never a fallback; resolve also counts its support in
-   each chunk. Then ``Z``, the selected logprob or, for :mod:`.sample`, the
-   Gumbel-max draw (sample_draw.py); status, length, form.
+   each chunk. Then ``Z`` (past the first RESOLVE_BLOCK candidates, block
+   by block, the same in capture and sample), the selected logprob or, for
+   :mod:`.sample`, the Gumbel-max draw (sample_draw.py); status, length,
+   form. A window row's draw is not resolve's:
+4b. window draw (sample only, launched when some row may be top-p only;
+   program per chunk): the race over a window row's support in the chunk
+   from one read, folded into the row's best by an atomic max; the write
+   kernel makes it the row's token and selected logprob.
 5. write (capture_write.py, as 6; program per row): the support's logprobs
    at offsets[b] and its ids or bitmask words at id_offsets[b], both
    computed from the lengths and forms of the rows before (a bitmask row is
@@ -88,6 +100,11 @@ On sm90+ GPUs every kernel is launched as a programmatic dependent of the
 one before (after_previous): it starts while that one ends and waits for it
 before reading what it wrote; reads of ``probs``, and from L2 of what a
 kernel two or more launches back wrote, may come first.
+
+``into=``: a call that cannot have window rows stores each row into the
+ring from the write kernel as it computes it (GPU-direct); one that may
+publishes its rows after the window write (the store kernel), so a row's
+bits are the same on every path (tests/test_rows_every_path.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 same thresholds in the same kernel, so the two can never disagree.
 
 The draw is an exponential race (equivalent to Gumbel-max; its device code
-in kernels/sample_draw.py, run by capture's resolve stage): over the support
+in kernels/sample_draw.py, run by capture's resolve stage, or for a window
+row, whose candidates are only the ids around its cutoff, by the window
+draw over the row's chunks, the same score an id): over the support
 of :func:`.capture.capture`'s semantics, token = argmax ``w_i / E_i`` with
 ``E_i = -log(u_i)`` and ``u_i`` the Philox uniform of (``seeds[b]``, ``i``).
 So the token has probability ``w_i / Z`` and depends only on the row's seed,
