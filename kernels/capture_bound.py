@@ -117,10 +117,13 @@ def _bound_kernel(
     # over-weigh a heavy token, and a floor above the cutoff costs the
     # whole-row search. In sequential order top-p's target is a share of
     # the top-k mass: every w >= t_k is needed whatever k.
+    # (min-p's floor may lie above t_k: in sequential order it is left out)
     only_k = k_on & (top_k <= K_FLOOR_ONLY)
+    floor_km = tl.maximum(tl.maximum(floor_k, floor_m), 1)
     if SEQUENTIAL:
         only_k = k_on
-    lo = tl.where(only_k, tl.maximum(tl.maximum(floor_k, floor_m), 1), lo)
+        floor_km = tl.maximum(floor_k, 1)
+    lo = tl.where(only_k, floor_km, lo)
     greedy = tl.load(greedy_ptr + row) != 0
     lo = tl.where(greedy, tl.maximum(top, 1), lo)
     window = tl.zeros([], dtype=tl.int32)
@@ -129,9 +132,8 @@ def _bound_kernel(
         window = (may_be_window & ~greedy & many & (hi > lo)).to(tl.int32)
         if window != 0:
             # The pivots' spread: the width of [lo, hi), or twice that of
-            # [center, hi) when top_p + P_MARGIN leaves no lower end (the
-            # floor's target is then the sample's whole mass: lo falls to
-            # its smallest key, and [lo, hi) spans binades)
+            # [center, hi) when top_p + P_MARGIN reaches 1 (lo's share is
+            # then half the way to 1, and [lo, hi) can span binades)
             span = tl.where(top_p + P_MARGIN < 1.0, hi.to(tl.int64) - lo,
                             2 * (hi.to(tl.int64) - center))
             j = tl.arange(0, PIVOTS)

@@ -209,17 +209,21 @@ def _resolve_kernel(
         live0 = idx0 < n
         v0 = tl.load(cand_vals_ptr + base + idx0, mask=live0, other=0.0)
         key0 = v0.to(tl.int32, bitcast=True)
-        if need_k & ~SEQUENTIAL:
+        if need_k & (not SEQUENTIAL):
             cut_k = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
                                           top_k.to(tl.float32), False, BLOCK)
         if need_p & ~(SEQUENTIAL & need_k):
             cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, True,
                                           BLOCK)
+            # the floor reached the target by _row_floor's sums; the
+            # candidates' own sums may put it a rounding short (then no
+            # candidate key reaches): the support is every id at or above it
+            cut_p = tl.maximum(cut_p, floor)
         cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
     cutoff = tl.maximum(cutoff, 1)  # zeros are never in the support
 
     # Support size and mass (the candidates past the first BLOCK: in the
-    # sampler's draw, which reads them anyway); a window row adds the ids
+    # same blocks in capture and sample, below); a window row adds the ids
     # above its bracket.
     hit0 = live0 & (key0 >= cutoff)
     size = above_count + tl.sum(hit0.to(tl.int32), axis=0)

@@ -95,7 +95,10 @@ def _write_kernel(
     if DRAWN:
         if tl.load(draw_ptr + row) != 0:
             token = (2147483647 - (tl.load(best_ptr + row) & 0xFFFFFFFF)).to(tl.int32)
-            w_y = tl.load(probs_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
+            # (a drawn row has an id at or above its cutoff: the race's best
+            # is one; the mask only keeps a load in the row whatever it holds)
+            w_y = tl.load(probs_ptr + row.to(tl.int64) * stride_row + token,
+                          mask=(token >= 0) & (token < vocab), other=0.0).to(tl.float32)
             tl.store(token_ptr + row, token)
             tl.store(selected_ptr + row, log_any(w_y) - tl.load(logz_ptr + row))
     n_words = (vocab + 31) // 32

@@ -702,12 +702,15 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         assert (want_mass[:, 0] > want_mass[:, -1]).any()  # pivots that split the values
 
 
-def test_top_k_with_top_p_keeps_top_k_floor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """top_k 1000 with top_p 0.9 on rows whose sample holds the heavy token:
-    the candidates are top-k's floor's (about 1.25 k ids, in resolve's
-    registers), never a top-p floor the sample put above the row's cutoff,
-    so no row takes the whole-row search (cutoff >= lo in every row); the
-    rows equal the reference."""
+@pytest.mark.parametrize("order", ["joint", "sequential"])
+def test_top_k_with_top_p_keeps_top_k_floor(monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """top_k 1000 with top_p 0.9 (and min_p 0.3 on the last row) on rows
+    whose sample holds the heavy token: the candidates are top-k's floor's
+    (about 1.25 k ids, in resolve's registers), never a top-p floor the
+    sample put above the row's cutoff (nor, in sequential order, whose
+    top-p target is a share of the top-k mass, min-p's), so no row takes
+    the whole-row search (cutoff >= lo in every row); the rows equal the
+    reference."""
     kept = {}
     allocate = capture_workspace.CaptureWorkspace.allocate.__func__
 
@@ -717,13 +720,20 @@ def test_top_k_with_top_p_keeps_top_k_floor(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(capture_module.CaptureWorkspace, "allocate", classmethod(keep))
     probs = heavy_token_rows(torch.Generator().manual_seed(17))
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.3])
     got = capture(probs.to(DEVICE), probs.argmax(1).to(DEVICE), top_k=1000, top_p=0.9,
-                  max_tokens=FULL_VOCAB)
+                  min_p=min_p.to(DEVICE), max_tokens=FULL_VOCAB, order=order)
     ws = kept["ws"]
     assert (ws.cutoff.cpu() >= ws.lo.cpu()).all(), (ws.cutoff.tolist(), ws.lo.tolist())
     assert (ws.n_cand.cpu() <= tuning.RESOLVE_BLOCK).all()
-    want = reference_capture(probs, probs.argmax(1), top_k=1000, top_p=0.9,
-                             max_tokens=FULL_VOCAB)
+    # the candidates are still top-k's floor's, more than the support (the
+    # whole-row search would have rewritten them as the support itself);
+    # in joint order min-p's floor may bound the last row's exactly
+    more = ws.n_cand.cpu() > got.sizes.cpu()
+    assert (more if order == "sequential" else more[:3]).all(), (ws.n_cand.tolist(),
+                                                                 got.sizes.tolist())
+    want = reference_capture(probs, probs.argmax(1), top_k=1000, top_p=0.9, min_p=min_p,
+                             max_tokens=FULL_VOCAB, order=order)
     assert_same(got, want)
 
 
