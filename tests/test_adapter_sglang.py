@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging
 import os
 import pickle
 import subprocess
@@ -667,21 +668,89 @@ def _server_args(**fields):
                                     | fields))
 
 
-def test_start_scheduler_creates_the_ring_before_any_request(monkeypatch, prefix):
-    monkeypatch.setitem(adapter._ends, "writer", None)
-    monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix)
-    monkeypatch.setenv("SHMASK_RING_MB", "2")
-    writer = adapter.start_scheduler(_server_args())
+def _fresh_ends(monkeypatch, prefix: str, ring_mb: int) -> str:
+    """The adapter as a new scheduler process has it: no Writer yet, and a
+    name prefix of its own (the test's fixtures hold a ring under the
+    test's prefix); returns it."""
+    for name in ("writer", "inline", "making", "ring_error"):
+        monkeypatch.setitem(adapter._ends, name, None)
+    monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix + "lazy")
+    monkeypatch.setenv("SHMASK_RING_MB", str(ring_mb))
+    return prefix + "lazy"
+
+
+def _segments(prefix: str) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
+def _close_ends() -> None:
+    adapter.ring_ready(30)
+    for name in ("inline", "writer"):
+        if adapter._ends[name] is not None:
+            adapter._ends[name].close()
+
+
+def test_start_scheduler_makes_no_ring_until_a_request_asks_for_masks(monkeypatch, prefix,
+                                                                      reader):
+    """A scheduler that never sees a request for masks reserves no /dev/shm.
+    The first request's rows go inline while the ring is made on another
+    thread; requests after it use the ring; one take over both kinds gives
+    each request its rows, and the Reader opens both kinds of reference."""
+    prefix = _fresh_ends(monkeypatch, prefix, 2)
     try:
-        assert adapter._ends["writer"] is writer and not writer.closed
-        assert prefix in writer.segment_name
-        assert writer.config.ring_capacity_bytes == 2 << 20
-        # The first request's rows use that ring: no Writer is made for it.
-        rows = adapter.SamplingMaskRows("selected")
-        assert rows.writer is writer
-        assert adapter.start_scheduler(_server_args()) is writer  # idempotent
+        assert adapter.start_scheduler(_server_args()) is None
+        assert adapter._ends["writer"] is None and adapter._ends["inline"] is None
+        assert _segments(prefix) == [] and adapter.ring_ready(0) is None
+        first = adapter.SamplingMaskRows("support")
+        assert first.writer.segment is None  # inline, made at once
+        ring = adapter.ring_ready(30)
+        assert ring is not None and prefix in ring.segment_name
+        assert ring.config.ring_capacity_bytes == 2 << 20 and len(_segments(prefix)) == 1
+        second = adapter.SamplingMaskRows("support")
+        assert second.writer is ring and first.writer is not ring
+        ids = np.arange(5, dtype=np.int32)
+        first.append(ids, np.full(5, -1.5, np.float32))
+        second.append(ids[:3] + 7, np.full(3, -0.5, np.float32))
+        # one step across both Writers, as SGLang's output streamer calls it
+        adapter.append_step([second, first], np.array([2, 1], np.int32),
+                            np.array([[1, 2, 0], [9, 0, 0]], np.int32),
+                            np.array([-0.1, -0.2], np.float32),
+                            np.array([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0]], np.float32))
+        chunks = adapter.take_all([first, None, second])
+        assert chunks[1] is None
+        assert chunks[0].to_lists(True) == ([[0, 1, 2, 3, 4], [9]], [[-1.5] * 5, [-3.0]])
+        assert chunks[2].to_lists(True) == ([[7, 8, 9], [1, 2]], [[-0.5] * 3, [-1.0, -2.0]])
+        first.close()
+        second.close()
     finally:
-        writer.close()
+        _close_ends()
+
+
+def test_a_ring_that_cannot_be_made_leaves_masks_inline_with_one_warning(monkeypatch, prefix,
+                                                                         reader, caplog):
+    """SHMASK_RING_MB past what /dev/shm holds (a Docker default of 64 MiB,
+    or ENOSPC): the server keeps serving masks inline, and says why once,
+    naming --shm-size and SHMASK_RING_MB."""
+    free_mib = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize >> 20
+    # a power of two past what /dev/shm has free
+    prefix = _fresh_ends(monkeypatch, prefix, 1 << (free_mib + 1).bit_length())
+    try:
+        with caplog.at_level(logging.WARNING, logger="shmask"):
+            rows = [adapter.SamplingMaskRows("selected")]
+            assert adapter.ring_ready(30) is None
+            rows += [adapter.SamplingMaskRows("selected") for _ in range(3)]
+        warnings = [r.getMessage() for r in caplog.records if "no shared-memory ring" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "--shm-size" in warnings[0] and "SHMASK_RING_MB" in warnings[0]
+        assert all(r.writer is adapter._ends["inline"] for r in rows) and _segments(prefix) == []
+        for i, r in enumerate(rows):
+            r.append(np.array([i, i + 1], np.int32), np.float32(-0.25 * i))
+        for i, chunk in enumerate(adapter.take_all(rows)):
+            assert chunk.to_lists(False) == ([[i, i + 1]], [-0.25 * i])
+        for r in rows:
+            r.close()
+    finally:
+        _close_ends()
 
 
 @pytest.mark.parametrize("start", [adapter.start_scheduler, adapter.start_tokenizer])
@@ -698,24 +767,26 @@ def test_start_refuses_max_tokens_below_sglangs_and_names_both(start, monkeypatc
     assert adapter._ends["writer"] is None and adapter._ends["reader"] is None  # nothing made
     monkeypatch.setenv("SHMASK_MAX_TOKENS", "4096")  # equal is enough
     made = start(_server_args(sampling_mask_max_tokens=4096))
-    made.close()
+    if made is not None:  # the tokenizer's Reader (the scheduler makes its ring later)
+        made.close()
 
 
 def test_start_scheduler_turns_metrics_on_with_sglangs_rank_labels(prefix):
     """In a child (metrics are process-wide): SGLang's --enable-metrics on,
-    its collector's labels on shmask's series, the ring shown at start."""
+    its collector's labels on shmask's series, the ring shown once made."""
     child = textwrap.dedent("""
         import types
         from prometheus_client import REGISTRY, generate_latest
         from shmask import metrics
         from shmask.adapters import sglang
         args = types.SimpleNamespace(sampling_mask_max_tokens=4096, enable_metrics=False)
-        sglang.start_scheduler(args).close()
+        assert sglang.start_scheduler(args) is None
         assert not metrics.enabled()
-        sglang._ends["writer"] = None
         args.enable_metrics = True
-        writer = sglang.start_scheduler(args, metrics_labels={
+        sglang.start_scheduler(args, metrics_labels={
             "model_name": "m", "tp_rank": 1, "pp_rank": 0, "dp_rank": None, "priority": ""})
+        sglang.SamplingMaskRows("selected")  # the first request for masks
+        writer = sglang.ring_ready(30)
         print(writer.segment_name)
         print(generate_latest(REGISTRY).decode())
         writer.close()

@@ -72,7 +72,9 @@ was deleted); a chunk never released is reclaimed by the producer after
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -89,7 +91,7 @@ import orjson
 from .. import metrics
 from ..chunk import ROW_OK, Chunk
 from ..config import MASK_FORMATS, Config
-from ..errors import ConfigError, InvalidRefError, InvalidRowsError, ShmaskError
+from ..errors import ConfigError, InvalidRefError, InvalidRowsError, SegmentError, ShmaskError
 from ..reader import Reader
 from ..refs import ChunkRef, RefBatch
 from ..response_json import RawJSON
@@ -124,7 +126,10 @@ LENGTH_FIELD = "output_token_sampling_mask_length"
 STATUS_OK = 0  # sglang.srt.layers.logits_processor.SamplingMaskStatus.OK
 
 # -------------------------------------------------------- process-wide ends
-_ends: dict[str, Any] = {"writer": None, "reader": None, "mask_format": None}
+_ends: dict[str, Any] = {"writer": None, "reader": None, "mask_format": None,
+                         # until the ring is made (or for good, if it cannot
+                         # be): the Writer whose chunks ride in their refs
+                         "inline": None, "making": None, "ring_error": None}
 
 
 def configure(writer: Writer | None = None, reader: Reader | None = None,
@@ -152,11 +157,61 @@ def mask_format() -> str:
 
 
 def default_writer() -> Writer:
-    """The scheduler process's Writer (one ring per process, i.e. per rank)."""
+    """The Writer for a new request's rows in the scheduler process: the
+    rank's ring Writer once it is made. No ring is made before the first
+    request that asks for masks: that request starts making it on another
+    thread (SHMASK_RING_MB of /dev/shm: seconds for a GiB on a busy host)
+    and, until it is ready, requests get an inline Writer (no /dev/shm; each
+    chunk rides in its reference). A ring that cannot be made (a small
+    /dev/shm, ENOSPC) leaves every request on the inline Writer, with one
+    warning. A request keeps the Writer it started with."""
     writer = _ends["writer"]
-    if writer is None or writer.closed:
-        writer = _ends["writer"] = Writer()
-    return writer
+    if writer is not None and not writer.closed:
+        return writer
+    inline = _ends["inline"]
+    if inline is not None and not inline.closed:
+        return inline
+    config = Config.from_env()
+    if config.transport == "inline":  # no ring asked for
+        writer = _ends["writer"] = Writer(config)
+        return writer
+    inline = _ends["inline"] = Writer(dataclasses.replace(config, transport="inline"))
+    making = threading.Thread(target=_make_ring, args=(config,), name="shmask-ring",
+                              daemon=True)
+    _ends["making"] = making
+    making.start()
+    return inline
+
+
+def _make_ring(config: Config) -> None:
+    """The rank's ring Writer, made off the scheduler's thread; new requests
+    take it from their next default_writer()."""
+    try:
+        writer = Writer(config)
+    except (SegmentError, OSError) as exc:
+        _ends["ring_error"] = exc
+        log.warning(
+            "shmask: no shared-memory ring for sampling masks (%s); their chunks travel "
+            "inline in their references instead (more bytes on the sockets, nothing lost). "
+            "Give the container a larger /dev/shm (docker run --shm-size) or lower "
+            "SHMASK_RING_MB (now %d)", exc, config.ring_mb)
+        return
+    if metrics.enabled():
+        writer.sync_metrics()  # the ring's gauges from its start
+    log.info("shmask ring %s ready: %d MiB", writer.segment_name,
+             writer.config.ring_capacity_bytes >> 20)
+    _ends["writer"] = writer
+
+
+def ring_ready(timeout: float | None = None) -> Writer | None:
+    """Wait (up to ``timeout`` s) for the ring that the first request for
+    masks started making; the ring Writer, or None (not asked for yet, not
+    ready in time, or it could not be made: see the warning)."""
+    making = _ends["making"]
+    if making is not None:
+        making.join(timeout)
+    writer = _ends["writer"]
+    return writer if writer is not None and not writer.closed else None
 
 
 def default_reader() -> Reader:
@@ -205,25 +260,24 @@ def _enable_metrics(server_args: Any, enable: bool | None,
 
 
 def start_scheduler(server_args: Any = None, *, metrics_labels: Mapping[str, Any] | None = None,
-                    enable_metrics: bool | None = None) -> Writer:
+                    enable_metrics: bool | None = None) -> Writer | None:
     """Scheduler start-up, once per scheduler process (one per TP/PP/DP
     rank): check SHMASK_MAX_TOKENS against ``server_args``'s
-    ``sampling_mask_max_tokens`` (ConfigError naming both), create the
-    rank's Writer now (its ring: SHMASK_RING_MB of /dev/shm per rank), and
-    enable shmask.metrics when ``server_args.enable_metrics`` (or
+    ``sampling_mask_max_tokens`` (ConfigError naming both) and enable
+    shmask.metrics when ``server_args.enable_metrics`` (or
     ``enable_metrics``) is true, with ``metrics_labels`` (SGLang's
     ``self.metrics_collector.labels``: model_name, tp_rank, pp_rank, ...)
-    on every series. Returns the Writer (``default_writer()`` from then on)."""
+    on every series. No ring is made here: a server that never sees a
+    request for masks reserves no /dev/shm (default_writer() makes it at
+    the first one). Returns the Writer given to ``configure``, if any."""
     writer = _ends["writer"]
     config = writer.config if writer is not None and not writer.closed else Config.from_env()
     check_server_max_tokens(config, server_args)
-    on = _enable_metrics(server_args, enable_metrics, metrics_labels)
-    writer = default_writer()
-    if on:
-        writer.sync_metrics()  # the ring's gauges from the start
-    log.info("shmask ring %s ready: %d MiB", writer.segment_name or "(inline)",
-             writer.config.ring_capacity_bytes >> 20)
-    return writer
+    if _enable_metrics(server_args, enable_metrics, metrics_labels) and writer is not None:
+        writer.sync_metrics()
+    log.info("shmask: the sampling-mask ring (%d MiB) is made at the first request for masks",
+             config.ring_capacity_bytes >> 20)
+    return writer if writer is not None and not writer.closed else None
 
 
 def start_tokenizer(server_args: Any = None, *, metrics_labels: Mapping[str, Any] | None = None,
@@ -953,17 +1007,20 @@ def take_all(items: Sequence[SamplingMaskRows | None] | None, final: bool = Fals
     per emission instead of one take() per request."""
     if items is None:
         return None
-    writer = writer or (next((r.writer for r in items if r is not None), None)
-                        or default_writer())
-    flush(writer)
-    present = [i for i, r in enumerate(items) if r is not None]
     out: list[SamplingMaskChunk | None] = [None] * len(items)
-    if not present:
-        return out
-    queues = [items[i].queue for i in present]  # type: ignore[union-attr]
-    refs = split_refs(writer.take_batch(queues, final))
-    for i, ref in zip(present, refs, strict=True):
-        out[i] = SamplingMaskChunk(ref)
+    # one take a Writer: requests that began before the ring was ready keep
+    # the inline Writer they started with
+    by_writer: dict[int, tuple[Writer, list[int]]] = {}
+    for i, r in enumerate(items):
+        if r is not None:
+            owner = writer or r.writer
+            by_writer.setdefault(id(owner), (owner, []))[1].append(i)
+    for owner, present in by_writer.values():
+        flush(owner)
+        queues = [items[i].queue for i in present]  # type: ignore[union-attr]
+        refs = split_refs(owner.take_batch(queues, final))
+        for i, ref in zip(present, refs, strict=True):
+            out[i] = SamplingMaskChunk(ref)
     return out
 
 
@@ -995,6 +1052,12 @@ def append_step(rows: Sequence[SamplingMaskRows] | np.ndarray, lengths: np.ndarr
                       else np.asarray(support, bool))
         writer = writer or default_writer()
     else:
+        owners = {id(r.writer) for r in rows}
+        if writer is None and len(owners) > 1:
+            # requests on the inline Writer and on the ring's: a step each
+            _append_step_by_writer(rows, lengths, token_ids, selected_logprobs,
+                                   support_logprobs, statuses)
+            return
         handles = np.fromiter((r.handle for r in rows), np.int64, len(rows))
         is_support = np.fromiter((r.support for r in rows), bool, len(rows))
         writer = writer or (rows[0].writer if len(rows) else default_writer())
@@ -1023,6 +1086,29 @@ def append_step(rows: Sequence[SamplingMaskRows] | np.ndarray, lengths: np.ndarr
             if not handles.size:
                 return
     writer.append_step(handles, lengths, token_ids, logprobs, selected)
+
+
+def _append_step_by_writer(rows: Sequence[SamplingMaskRows], lengths: np.ndarray,
+                           token_ids: np.ndarray, selected_logprobs: np.ndarray,
+                           support_logprobs: np.ndarray | None,
+                           statuses: np.ndarray | None) -> None:
+    """append_step of a step whose rows belong to more than one Writer: the
+    step's arrays cut by Writer (support_logprobs holds the support-mode
+    rows only, in order: cut by their rank among those)."""
+    is_support = np.fromiter((r.support for r in rows), bool, len(rows))
+    support_rank = np.cumsum(is_support) - 1
+    by_writer: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_writer.setdefault(id(r.writer), []).append(i)
+    for picked in by_writer.values():
+        index = np.asarray(picked)
+        support_part = None
+        if support_logprobs is not None and is_support[index].any():
+            support_part = np.asarray(support_logprobs)[support_rank[index][is_support[index]]]
+        append_step([rows[i] for i in picked], np.asarray(lengths)[index],
+                    np.asarray(token_ids)[index], np.asarray(selected_logprobs).reshape(-1)[index],
+                    support_part, None if statuses is None else np.asarray(statuses)[index],
+                    writer=rows[picked[0]].writer)
 
 
 # --------------------------------------------------------- tokenizer: JSON
