@@ -303,3 +303,44 @@ def fmt(value: Any) -> str:
             return f"{value:.2f}"
         return f"{value:.3f}"
     return str(value)
+
+
+def gpu_and_host_us(calls, reps: int, per_rep: int) -> tuple[float, float]:
+    """(GPU us, host us) per call of ``calls`` (run in turn), medians of
+    ``reps``: the GPU is kept busy by a sleep kernel long enough to cover
+    the enqueue of ``per_rep`` calls, so the events between the first and
+    the last call see device time only, and the host timer sees the Python
+    call only (capture_bf16.py and sweep.py)."""
+    import torch  # the GPU benchmarks' alone: _common stays importable without it
+
+    n = len(calls)
+    for i in range(3 * n):  # warm up (compiles, allocator pools)
+        calls[i % n]()
+    torch.cuda.synchronize()
+    host_samples, gpu_samples = [], []
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    cycles = 2_000_000  # grown until the sleep outlasts the enqueue
+    attempts = 0
+    while len(gpu_samples) < reps and attempts < reps + 6:
+        attempts += 1
+        torch.cuda._sleep(cycles)
+        start.record()
+        began = time.perf_counter()
+        for i in range(per_rep):
+            calls[i % n]()
+        host = (time.perf_counter() - began) / per_rep
+        end.record()
+        end.synchronize()
+        gpu = start.elapsed_time(end) * 1e3 / per_rep
+        # If the GPU finished the sleep before the host had queued the
+        # calls (1.98e3 cycles per us: the H200's clock), the events
+        # measured the host too: grow the sleep, retry.
+        if host * per_rep * 1e6 > cycles / 1.98e3 * 0.8:
+            cycles = int(host * per_rep * 1e6 * 1.98e3 * 2)
+            continue
+        host_samples.append(host * 1e6)
+        gpu_samples.append(gpu)
+    if not gpu_samples:
+        return float("nan"), float("nan")
+    return statistics.median(gpu_samples), statistics.median(host_samples)

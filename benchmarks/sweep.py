@@ -60,7 +60,6 @@ import io
 import json
 import math
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -99,6 +98,7 @@ def import_kernels():
 
 kernels = import_kernels()  # first: it picks Triton's interpreter when there is no GPU
 import triton  # noqa: E402
+from _common import gpu_and_host_us  # noqa: E402
 from kernel_baselines import read_once  # noqa: E402
 from shmask.kernels.capture import reference_support  # noqa: E402
 
@@ -329,44 +329,6 @@ def check(path: SweepPath, got, s: InputSet, max_tokens: int) -> tuple[int, int]
 
 
 # ------------------------------------------------------------------ timing
-
-
-def gpu_and_host_us(calls, reps: int, per_rep: int) -> tuple[float, float]:
-    """(GPU us, host us) per call, as capture_bf16.py measures them: the GPU
-    is kept busy by a sleep kernel long enough to cover the enqueue of
-    `per_rep` calls, so the events between the first and the last call see
-    device time only, and the host timer sees the Python call only."""
-    n = len(calls)
-    for i in range(3 * n):  # warm up (compiles, allocator pools)
-        calls[i % n]()
-    torch.cuda.synchronize()
-    host_samples, gpu_samples = [], []
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    cycles = 2_000_000  # grown until the sleep outlasts the enqueue
-    attempts = 0
-    while len(gpu_samples) < reps and attempts < reps + 6:
-        attempts += 1
-        torch.cuda._sleep(cycles)
-        start.record()
-        began = time.perf_counter()
-        for i in range(per_rep):
-            calls[i % n]()
-        host = (time.perf_counter() - began) / per_rep
-        end.record()
-        end.synchronize()
-        gpu = start.elapsed_time(end) * 1e3 / per_rep
-        # If the GPU finished the sleep before the host had queued the
-        # calls (1.98e3 cycles per us: the H200's clock), the events
-        # measured the host too: grow the sleep, retry.
-        if host * per_rep * 1e6 > cycles / 1.98e3 * 0.8:
-            cycles = int(host * per_rep * 1e6 * 1.98e3 * 2)
-            continue
-        host_samples.append(host * 1e6)
-        gpu_samples.append(gpu)
-    if not gpu_samples:
-        return float("nan"), float("nan")
-    return statistics.median(gpu_samples), statistics.median(host_samples)
 
 
 def measure(path: SweepPath, dist: str, sets: list[InputSet], fi, args) -> dict:
