@@ -702,16 +702,11 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         assert (want_mass[:, 0] > want_mass[:, -1]).any()  # pivots that split the values
 
 
-@pytest.mark.parametrize("order", ["joint", "sequential"])
-def test_top_k_with_top_p_keeps_top_k_floor(monkeypatch: pytest.MonkeyPatch, order: str) -> None:
-    """top_k 1000 with top_p 0.9 (and min_p 0.3 on the last row) on rows
-    whose sample holds the heavy token: the candidates are top-k's floor's
-    (about 1.25 k ids, in resolve's registers), never a top-p floor the
-    sample put above the row's cutoff (nor, in sequential order, whose
-    top-p target is a share of the top-k mass, min-p's), so no row takes
-    the whole-row search (cutoff >= lo in every row); the rows equal the
-    reference."""
-    kept = {}
+@pytest.fixture
+def kept(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """{"ws": the workspace of the test's last capture call}: the stages'
+    per-row results (lo, cutoff, n_cand) the rows alone do not show."""
+    kept: dict = {}
     allocate = capture_workspace.CaptureWorkspace.allocate.__func__
 
     def keep(cls, *args, **kwargs):
@@ -719,13 +714,31 @@ def test_top_k_with_top_p_keeps_top_k_floor(monkeypatch: pytest.MonkeyPatch, ord
         return kept["ws"]
 
     monkeypatch.setattr(capture_module.CaptureWorkspace, "allocate", classmethod(keep))
+    return kept
+
+
+def assert_no_whole_row_search(ws) -> None:
+    """Every row's cutoff at or above its sampled floor (none needed the
+    whole-row search) and its candidates within resolve's registers."""
+    assert (ws.cutoff.cpu() >= ws.lo.cpu()).all(), (ws.cutoff.tolist(), ws.lo.tolist())
+    assert (ws.n_cand.cpu() <= tuning.RESOLVE_BLOCK).all()
+
+
+@pytest.mark.parametrize("order", ["joint", "sequential"])
+def test_top_k_with_top_p_keeps_top_k_floor(kept: dict, order: str) -> None:
+    """top_k 1000 with top_p 0.9 (and min_p 0.3 on the last row) on rows
+    whose sample holds the heavy token: the candidates are top-k's floor's
+    (about 1.25 k ids, in resolve's registers), never a top-p floor the
+    sample put above the row's cutoff (nor, in sequential order, whose
+    top-p target is a share of the top-k mass, min-p's), so no row takes
+    the whole-row search (cutoff >= lo in every row); the rows equal the
+    reference."""
     probs = heavy_token_rows(torch.Generator().manual_seed(17))
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.3])
     got = capture(probs.to(DEVICE), probs.argmax(1).to(DEVICE), top_k=1000, top_p=0.9,
                   min_p=min_p.to(DEVICE), max_tokens=FULL_VOCAB, order=order)
     ws = kept["ws"]
-    assert (ws.cutoff.cpu() >= ws.lo.cpu()).all(), (ws.cutoff.tolist(), ws.lo.tolist())
-    assert (ws.n_cand.cpu() <= tuning.RESOLVE_BLOCK).all()
+    assert_no_whole_row_search(ws)
     # the candidates are still top-k's floor's, more than the support (the
     # whole-row search would have rewritten them as the support itself);
     # in joint order min-p's floor may bound the last row's exactly
@@ -738,20 +751,11 @@ def test_top_k_with_top_p_keeps_top_k_floor(monkeypatch: pytest.MonkeyPatch, ord
 
 
 @pytest.mark.parametrize("top_p", [0.6, 0.9, 0.99])
-def test_peaked_top_p_rows_keep_enough_candidates(monkeypatch: pytest.MonkeyPatch,
-                                                   top_p: float) -> None:
+def test_peaked_top_p_rows_keep_enough_candidates(kept: dict, top_p: float) -> None:
     """Peaked top-p-only rows (supports of a few to a few hundred ids) whose
     sample holds the heaviest token: the floor keeps P_KEEP ids by the
     sample's count, so none of them needs the whole-row search (cutoff >= lo)
     and their candidates fit in resolve's registers; rows as the reference."""
-    kept = {}
-    allocate = capture_workspace.CaptureWorkspace.allocate.__func__
-
-    def keep(cls, *args, **kwargs):
-        kept["ws"] = allocate(cls, *args, **kwargs)
-        return kept["ws"]
-
-    monkeypatch.setattr(capture_module.CaptureWorkspace, "allocate", classmethod(keep))
     gen = torch.Generator().manual_seed(18)
     probs = torch.softmax(torch.randn(4, FULL_VOCAB, generator=gen)
                           * torch.tensor([5.0, 6.0, 8.0, 14.0])[:, None], -1)
@@ -762,6 +766,5 @@ def test_peaked_top_p_rows_keep_enough_candidates(monkeypatch: pytest.MonkeyPatc
                   max_tokens=FULL_VOCAB)
     ws = kept["ws"]
     assert (got.sizes.cpu() < tuning.P_KEEP).all()
-    assert (ws.cutoff.cpu() >= ws.lo.cpu()).all(), (ws.cutoff.tolist(), ws.lo.tolist())
-    assert (ws.n_cand.cpu() <= tuning.RESOLVE_BLOCK).all()
+    assert_no_whole_row_search(ws)
     assert assert_top_p_rows(got, probs, top_p) == 0
