@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import os
 import subprocess
 import sys
 import tempfile
@@ -410,6 +411,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30,
                         help="timed batches of 20 calls each (the fastest counts)")
     args = parser.parse_args()
+    # launches are recorded here, never replayed from a plan (kernels/launch_plan.py)
+    os.environ["SHMASK_KERNEL_PLANS"] = "0"
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sass_compare import import_tree, kernel_modules

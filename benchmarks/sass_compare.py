@@ -275,6 +275,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON file for the launches' SASS summary")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
+    # launches are recorded here, never replayed from a plan (kernels/launch_plan.py)
+    os.environ["SHMASK_KERNEL_PLANS"] = "0"
     if args.compare:
         sys.exit(compare(*args.compare))
     if args.tree is None or args.out is None:

@@ -113,18 +113,19 @@ from typing import Any
 
 import torch
 
+from . import launch_plan
 from .capture_bound import launch_bound
 from .capture_mark import launch_candidate_mark
 from .capture_resolve import launch_resolve
 from .capture_window import launch_window
-from .capture_workspace import CaptureSettings, CaptureWorkspace
+from .capture_workspace import CaptureSettings, CaptureWorkspace, on_scratch_grown
 from .capture_write import launch_window_write, launch_write
 from .checks import check_matrix, check_max_tokens, per_row
 from .compact import launch_expand_local
 from .direct import claim_step, launching, publish_into
 from .host import check_into
 from .launch import pdl_default
-from .rows import Rows, Status, bitmask_words, pack_rows, values_capacity
+from .rows import Rows, Status, empty_rows, pack_rows
 from .sample_draw import launch_window_draw
 
 __all__ = ["ORDERS", "capture", "reference_capture", "top_p_within_rounding"]
@@ -162,33 +163,68 @@ def run_capture(
     device = probs.device
     check_max_tokens(max_tokens, batch, vocab, overflow)
     target = check_into(into, True, max_tokens, vocab)  # refused before any kernel runs
+    # A call shape's launches replay from a plan after two calls
+    # (kernels/launch_plan.py); a call whose write kernel stores into a
+    # claimed GPU-direct step (into=, no window rows) always takes Triton's.
+    where = launch_plan.call_stream(probs)
+    stream = None if where is None else where[1]
     settings = CaptureSettings.of(
         batch, vocab, device, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy, rows=rows,
-        sequential=order == "sequential")
+        sequential=order == "sequential", stream=stream)
     tokens, seed_rows = _tokens_and_seeds(sampled, seeds, batch, device)
-    ws = CaptureWorkspace.allocate(batch, vocab, device, settings.window)
-    # resolve writes the rows' statuses, sizes, lengths and forms into the
-    # workspace; the write stages fill the offsets, ids and values
-    result = Rows(
-        offsets=torch.empty(batch + 1, dtype=torch.int32, device=device),
-        lengths=ws.lengths, status=ws.status, sizes=ws.sizes, forms=ws.forms,
-        id_offsets=torch.empty(batch + 1, dtype=torch.int32, device=device),
-        ids=torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=device),
-        values=torch.empty(values_capacity(batch, vocab, max_tokens, overflow),
-                           dtype=torch.float32, device=device),
-        vocab=vocab, selected_logprob=ws.selected,
-        tokens=None if seed_rows is None else tokens, max_tokens=max_tokens)
+    result, buffer = empty_rows(batch, vocab, max_tokens, overflow, device, selected=True,
+                                tokens=seed_rows is not None)
+    if tokens is None:
+        tokens = result.tokens
+    assert tokens is not None
+    ws = CaptureWorkspace.allocate(batch, vocab, device, settings.window, stream=stream)
+    support = target is None or target[2] == "support"
     # Every kernel of the call is a programmatic dependent of the one
     # before (sm90+, compiled): it launches while that one ends, issues its
     # reads of probs, then waits for it (after_previous).
     pdl = pdl_default(device)
+    if where is None or not (target is None or settings.window):
+        _launch_stages(probs, settings, ws, tokens, seed_rows, max_tokens, overflow, result,
+                       target, support, pdl)
+        return publish_into(target, result) if target is not None and settings.window else result
+    slots = (probs, tokens, seed_rows, settings.top_k, settings.top_p, settings.min_p,
+             settings.greedy, settings.opt_in, buffer)
+    addresses = launch_plan.pointers(slots)
+    key = (*where, id(ws), probs.dtype, batch, vocab, probs.stride(0), tokens.dtype,
+           seed_rows is None, settings.sequential, settings.need_mass, settings.need_max,
+           settings.window, max_tokens, overflow, support, pdl,
+           tuple(address % 16 for address in addresses), launch_plan.tuning_state())
+    plan = _PLANS.ready(key)
+    if plan is not None:
+        plan.replay(addresses, where[1])
+    else:
+        with launch_plan.recording() as launches:
+            _launch_stages(probs, settings, ws, tokens, seed_rows, max_tokens, overflow, result,
+                           None, support, pdl)
+        _PLANS.recorded(key, launches, slots, keep=ws)
+    return publish_into(target, result)
+
+
+_PLANS = launch_plan.Plans("capture")
+on_scratch_grown(_PLANS.clear)
+
+
+def _launch_stages(
+    probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace, tokens: torch.Tensor,
+    seed_rows: torch.Tensor | None, max_tokens: int, overflow: str, result: Rows,
+    target: tuple[Any, Any, str] | None, support: bool, pdl: bool,
+) -> None:
+    """The stages' launches in order; ``target`` with no window rows: the
+    write kernel stores each row into the claimed GPU-direct step (then
+    published: the caller returns ``result`` as it is)."""
+    batch, vocab = probs.shape
     launch_bound(probs, settings, ws, pdl)
     launch_candidate_mark(probs, settings, ws, pdl)
     if settings.window:
         launch_window(probs, settings, ws, pdl)
     launch_expand_local(probs, ws.bits, ws.counts, ws.n_chunks, ws.cand_ids, ws.cand_vals,
                         pdl=pdl)
-    launch_resolve(probs, settings, ws, tokens, seed_rows, max_tokens, overflow, pdl)
+    launch_resolve(probs, settings, ws, tokens, seed_rows, result, max_tokens, overflow, pdl)
     drawn = settings.window and seed_rows is not None
     if settings.window and seed_rows is not None:
         launch_window_draw(probs, ws, seed_rows, pdl)
@@ -199,26 +235,25 @@ def run_capture(
     # gives a row the same bits.
     direct = None if settings.window else claim_step(target, batch, vocab)
     with launching(direct, "capture's write kernel"):
-        launch_write(probs, settings, ws, tokens, result, direct,
-                     support=target is None or target[2] == "support", drawn=drawn, pdl=pdl)
+        launch_write(probs, settings, ws, tokens, result, direct, support=support, drawn=drawn,
+                     pdl=pdl)
     if settings.window:
         launch_window_write(probs, ws, result, pdl)
     if direct is not None:
         direct.launched(result)
-        return result
-    return publish_into(target, result)
+    elif target is not None and not settings.window:
+        publish_into(target, result)
 
 
 def _tokens_and_seeds(
     sampled: torch.Tensor | None, seeds: torch.Tensor | int | None, batch: int,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The tokens resolve reads or writes, and the per-row seeds: sample()
-    (seeds given): room for the drawn int32 tokens; capture(): the sampled
-    tokens as int64, no seeds."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """capture() (no seeds): the sampled tokens as int64 and no seeds;
+    sample(): no tokens yet (the result holds room for them) and the
+    per-row seeds."""
     if seeds is not None:
-        seed_rows = per_row(seeds, batch, torch.int64, device, "seeds", 0)
-        return torch.empty(batch, dtype=torch.int32, device=device), seed_rows
+        return None, per_row(seeds, batch, torch.int64, device, "seeds", 0)
     if not isinstance(sampled, torch.Tensor) or sampled.shape != (batch,):
         raise ValueError(f"sampled must be an integer tensor of shape ({batch},)")
     if sampled.dtype.is_floating_point or sampled.dtype == torch.bool:

@@ -13,7 +13,7 @@ import triton.language as tl
 from . import tuning
 from .capture_workspace import CaptureSettings, CaptureWorkspace
 from .float_bits import INF_KEY
-from .launch import after_previous, launch_options
+from .launch import after_previous, launch, launch_options
 from .tuning import BOUND_BITS, BOUND_STEP
 
 
@@ -22,7 +22,7 @@ def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
     """_bound_kernel over the rows: ws.lo, ws.window, a window row's
     ws.pivots, and ws.wide_count cleared for the window bracket."""
     batch = probs.shape[0]
-    _bound_kernel[(batch,)](
+    launch(_bound_kernel, (batch,),
         probs, probs.stride(0), probs.shape[1], settings.top_k, settings.top_p, settings.min_p,
         settings.greedy, ws.lo, ws.window, ws.pivots, ws.wide_count,
         SEQUENTIAL=settings.sequential, WINDOW=settings.window, BLOCKS=tuning.SAMPLE_BLOCKS,

@@ -15,14 +15,14 @@ import triton.language as tl
 from . import tuning
 from .capture_workspace import CaptureSettings, CaptureWorkspace
 from .float_bits import INF_KEY, NEG_ZERO_KEY, popcount
-from .launch import after_previous, launch_options
+from .launch import after_previous, launch, launch_options
 
 
 def launch_candidate_mark(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
                           pdl: bool) -> None:
     """_cand_mark_kernel over every (row, chunk): ws.bits and ws.counts
     (not for window rows), ws.sums, ws.maxes, ws.pivot_mass."""
-    _cand_mark_kernel[(probs.shape[0], ws.n_chunks)](
+    launch(_cand_mark_kernel, (probs.shape[0], ws.n_chunks),
         probs, probs.stride(0), probs.shape[1], ws.lo, ws.window, ws.pivots, settings.top_p,
         settings.min_p, settings.greedy, ws.bits, ws.counts, ws.sums, ws.maxes, ws.pivot_mass,
         ws.n_chunks, CHUNK=tuning.CHUNK, MASS=settings.need_mass, TOP=settings.need_max,

@@ -15,24 +15,26 @@ from . import tuning
 from .capture_window import _top_p_target
 from .capture_workspace import B_FINAL_HI, B_FINAL_LO, B_TARGET, BRACKET, CaptureSettings, CaptureWorkspace
 from .float_bits import INF_KEY, log_any
-from .launch import after_previous, launch_options
-from .rows import is_bitmask
+from .launch import after_previous, launch, launch_options
+from .rows import Rows, is_bitmask
 from .sample_draw import _draw
 
 
 def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
-                   tokens: torch.Tensor, seeds: torch.Tensor | None, max_tokens: int,
-                   overflow: str, pdl: bool) -> None:
-    """_resolve_kernel over the rows, after expand: ws.cutoff .. ws.selected
-    (and ws.before for window rows); ``seeds`` (sample) draws each row's
-    token into ``tokens``, else ``tokens`` holds the sampled ones."""
+                   tokens: torch.Tensor, seeds: torch.Tensor | None, rows: Rows,
+                   max_tokens: int, overflow: str, pdl: bool) -> None:
+    """_resolve_kernel over the rows, after expand: ws.cutoff, ws.logz,
+    rows.sizes .. rows.selected_logprob (and ws.before for window rows);
+    ``seeds`` (sample) draws each row's token into ``tokens``, else
+    ``tokens`` holds the sampled ones."""
     batch, vocab = probs.shape
-    _resolve_kernel[(batch,)](
+    launch(_resolve_kernel, (batch,),
         probs, probs.stride(0), vocab, ws.cand_ids, ws.cand_vals, ws.counts, ws.n_chunks,
         ws.sums, ws.maxes, ws.lo, ws.window,
         settings.top_k, settings.top_p, settings.min_p, settings.greedy, settings.opt_in, tokens,
         tokens if seeds is None else seeds,  # not read in capture
-        max_tokens, ws.cutoff, ws.logz, ws.sizes, ws.lengths, ws.status, ws.forms, ws.selected,
+        max_tokens, ws.cutoff, ws.logz, rows.sizes, rows.lengths, rows.status, rows.forms,
+        rows.selected_logprob,
         ws.n_cand, ws.window_ok, ws.above_mass, ws.above_count, ws.bracket, ws.before,
         ws.draw, ws.best,
         SEQUENTIAL=settings.sequential, SAMPLE=seeds is not None,

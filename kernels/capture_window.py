@@ -27,7 +27,7 @@ from .capture_workspace import (
     CaptureWorkspace,
 )
 from .float_bits import INF_KEY, NEG_ZERO_KEY, SMALLEST_POSITIVE, popcount
-from .launch import after_previous, launch_options, launches_interpreted, multiprocessors
+from .launch import after_previous, launch, launch_options, launches_interpreted, multiprocessors
 
 
 def launch_window(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
@@ -38,18 +38,18 @@ def launch_window(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWor
     and ws.above_mass."""
     batch, vocab = probs.shape
     chunks_pad = triton.next_power_of_2(ws.n_chunks)
-    _window_bracket_kernel[(batch,)](
+    launch(_window_bracket_kernel, (batch,),
         ws.window, ws.pivots, settings.top_p, settings.min_p, ws.sums, ws.maxes, ws.pivot_mass,
         ws.bracket, ws.refine_keys, ws.wide_count, ws.wide_rows, ws.n_chunks,
         CHUNKS_PAD=chunks_pad, PIVOTS=tuning.WINDOW_PIVOTS, REFINE=tuning.WINDOW_REFINE, PDL=pdl,
         num_warps=tuning.BRACKET_WARPS, **launch_options(pdl),
     )
-    _window_refine_kernel[(min(batch * ws.n_chunks, refine_programs(probs.device)),)](
+    launch(_window_refine_kernel, (min(batch * ws.n_chunks, refine_programs(probs.device)),),
         probs, probs.stride(0), vocab, ws.wide_count, ws.wide_rows, ws.refine_keys,
         ws.refine_mass, ws.n_chunks, CHUNK=tuning.CHUNK, REFINE=tuning.WINDOW_REFINE, PDL=pdl,
         num_warps=tuning.WINDOW_MARK_WARPS, **launch_options(pdl),
     )
-    _window_mark_kernel[(batch, ws.n_chunks)](
+    launch(_window_mark_kernel, (batch, ws.n_chunks),
         probs, probs.stride(0), vocab, ws.window, ws.bracket, ws.refine_keys, ws.refine_mass,
         ws.bits, ws.counts, ws.above_mass, ws.above_count, ws.n_chunks, CHUNK=tuning.CHUNK,
         CHUNKS_PAD=chunks_pad, REFINE=tuning.WINDOW_REFINE, PDL=pdl,

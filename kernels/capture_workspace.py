@@ -3,14 +3,19 @@ per-row tensors (:class:`CaptureSettings`) and its scratch memory
 (:class:`CaptureWorkspace`, named arrays carved from a few allocations),
 and the layout of a window row's bracket record.
 
-The workspace is allocated once a call, before the first kernel: every
-array is written by one stage and read by later ones (each field says
-which). A call without window rows (:func:`may_be_window`) gets empty
-window arrays: no kernel of such a call reads them.
+A call's workspace is views of scratch kept per thread, stream and V
+(:meth:`CaptureWorkspace.allocate`; an eager call allocates nothing for
+it, and its addresses repeat, which plans rely on: kernels/launch_plan.py):
+every array is written by one stage and read by later ones (each field
+says which), and every array a stage accumulates into is cleared by an
+earlier stage of the same call. A call without window rows
+(:func:`may_be_window`) gets empty window arrays: no kernel of such a call
+reads them.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,9 +74,26 @@ class CaptureSettings:
     def of(cls, batch: int, vocab: int, device: torch.device, *,
            top_k: torch.Tensor | int | None, top_p: torch.Tensor | float | None,
            min_p: torch.Tensor | float | None, greedy: torch.Tensor | bool | None,
-           rows: torch.Tensor | None, sequential: bool) -> CaptureSettings:
-        """Checked per-row settings (scalars broadcast once and kept)."""
-        return cls(
+           rows: torch.Tensor | None, sequential: bool,
+           stream: int | None = None) -> CaptureSettings:
+        """Checked per-row settings (scalars broadcast once and kept; a call
+        whose settings are all scalars gets the same object again, for its
+        stream, without a check or lookup per setting). ``stream``: the
+        current stream where the caller knows it (not capturing a graph)."""
+        key: tuple[Any, ...] | None = None
+        if rows is None and not any(isinstance(v, torch.Tensor)
+                                    for v in (top_k, top_p, min_p, greedy)):
+            stream = _stream_of(device) if stream is None else stream
+            if stream is not None:
+                key = (batch, vocab, device, stream, sequential, top_k, type(top_k), top_p,
+                       type(top_p), min_p, type(min_p), greedy, type(greedy))
+                try:
+                    kept = _SETTINGS.get(key)
+                except TypeError:  # an unhashable setting: per_row names it below
+                    kept = key = None
+                if kept is not None:
+                    return kept
+        made = cls(
             top_k=per_row(top_k, batch, torch.int32, device, "top_k", 0),
             top_p=per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0),
             min_p=per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0),
@@ -82,16 +104,43 @@ class CaptureSettings:
             need_max=may_be_on(min_p, lambda m: m > 0.0) or may_be_on(greedy, bool),
             window=may_be_window(top_k, top_p, vocab),
         )
+        if key is not None:
+            if len(_SETTINGS) >= _SETTINGS_KEPT:
+                _SETTINGS.clear()
+            _SETTINGS[key] = made
+        return made
 
 
-def _carve(dtype: torch.dtype, device: torch.device, **sizes: int) -> dict[str, torch.Tensor]:
-    """One allocation cut into consecutive arrays of the sizes given, in order."""
-    buffer = torch.empty(sum(sizes.values()), dtype=dtype, device=device)
+# All-scalar settings by (batch, V, device, stream, order, values): their
+# tensors are constant_rows', which the kernels only read
+_SETTINGS: dict[tuple[Any, ...], CaptureSettings] = {}
+_SETTINGS_KEPT = 64
+
+
+def _stream_of(device: torch.device | str) -> int | None:
+    """The current stream of a CUDA device (0 for another device); None
+    while a CUDA graph is being captured (nothing is kept then)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _carve(buffer: torch.Tensor, **sizes: int) -> dict[str, torch.Tensor]:
+    """Consecutive arrays of the sizes given, in order, from the start of
+    ``buffer`` (int32), each at a multiple of 16 bytes from it (the
+    alignment Triton specializes pointers on)."""
     arrays, start = {}, 0
     for name, size in sizes.items():
         arrays[name] = buffer[start:start + size]
-        start += size
+        start += -(-size // 4) * 4
     return arrays
+
+
+def _carved_size(**sizes: int) -> int:
+    return sum(-(-size // 4) * 4 for size in sizes.values())
 
 
 @dataclass
@@ -129,47 +178,112 @@ class CaptureWorkspace:
     # and the race's best (score bits << 32 | 2^31 - 1 - id), cleared
     draw: torch.Tensor  # int32[B]
     best: torch.Tensor  # int64[B]
-    # resolve (per row): cutoff key, log Z, size, length, status, form,
-    # candidates kept (the whole-row fallback rewrites them), whether the
-    # window write writes the row, selected logprob
+    # resolve (per row): cutoff key, log Z, candidates kept (the whole-row
+    # fallback rewrites them), whether the window write writes the row; the
+    # rows' sizes, lengths, statuses, forms and selected logprobs are the
+    # call's result (Rows), not scratch
     cutoff: torch.Tensor  # int32[B]
-    sizes: torch.Tensor  # int32[B]
-    lengths: torch.Tensor  # int32[B]
-    status: torch.Tensor  # int32[B]
-    forms: torch.Tensor  # int32[B]
     n_cand: torch.Tensor  # int32[B]
     window_ok: torch.Tensor  # int32[B]
     logz: torch.Tensor  # float32[B]
-    selected: torch.Tensor  # float32[B]
 
     @classmethod
-    def allocate(cls, batch: int, vocab: int, device: torch.device,
-                 window: bool) -> CaptureWorkspace:
-        """Three int32 allocations carved by name (float32 arrays as views),
-        plus the bitmask and the candidates; ``window`` False: the window
-        rows' arrays empty."""
+    def allocate(cls, batch: int, vocab: int, device: torch.device, window: bool,
+                 stream: int | None = None) -> CaptureWorkspace:
+        """The workspace of a call: views of scratch kept per thread, device,
+        stream and V (grown to the largest batch seen, a power
+        of two), so an eager call allocates nothing for it; fresh arrays
+        while a CUDA graph is being captured (its replays must own them).
+        The calls of one thread on one stream run in order on the GPU, so
+        they can share scratch; another thread or stream gets its own.
+        ``window`` False: the window rows' arrays empty. ``stream``: the
+        current stream where the caller knows it (not capturing a graph)."""
+        stream = _stream_of(device) if stream is None else stream
+        if stream is None:
+            return cls.carve(batch, vocab, device, window, cls.scratch(batch, vocab, device))
+        key = (threading.get_ident(), device, stream, vocab)
+        kept = _KEPT.get(key)
+        if kept is None or kept.capacity < batch:
+            if kept is not None:
+                del _KEPT[key]
+                on_scratch_grown()  # plans drop their workspaces: the old scratch is freed
+            capacity = max(16, triton.next_power_of_2(batch))
+            kept = _KEPT[key] = _Kept(capacity, cls.scratch(capacity, vocab, device), {})
+        ws = kept.views.get((batch, window))
+        if ws is None:
+            ws = kept.views[(batch, window)] = cls.carve(batch, vocab, device, window,
+                                                         kept.buffers)
+        return ws
+
+    @staticmethod
+    def scratch(batch: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Allocations that hold a workspace of up to ``batch`` rows (window
+        arrays included): the small arrays, the bitmask, the candidates."""
         n_chunks = triton.cdiv(vocab, tuning.CHUNK)
         cells = batch * n_chunks
-        rows_w = batch if window else 0  # a window array's rows
-        cells_w = cells if window else 0
-        per_row = _carve(
-            torch.int32, device, best=2 * rows_w, draw=rows_w, lo=batch, window=batch,
-            bracket=BRACKET.value * rows_w, pivots=tuning.WINDOW_PIVOTS * rows_w,
-            refine_keys=tuning.WINDOW_REFINE * rows_w, wide_rows=rows_w, wide_count=1)
-        per_chunk = _carve(
-            torch.int32, device, counts=cells, sums=cells, maxes=cells, before=cells_w,
-            above_count=cells_w, above_mass=cells_w, pivot_mass=tuning.WINDOW_PIVOTS * cells_w,
-            refine_mass=tuning.WINDOW_REFINE * cells_w)
-        resolved = _carve(
-            torch.int32, device, cutoff=batch, sizes=batch, lengths=batch, status=batch,
-            forms=batch, n_cand=batch, window_ok=batch, logz=batch, selected=batch)
-        floats = ("sums", "maxes", "above_mass", "pivot_mass", "refine_mass", "logz", "selected")
+        return (torch.empty(_carved_size(**_small_sizes(batch, cells, True)), dtype=torch.int32,
+                            device=device),
+                torch.empty(cells * (tuning.CHUNK // 32), dtype=torch.int32, device=device),
+                torch.empty(batch * vocab, dtype=torch.int32, device=device),
+                torch.empty(batch * vocab, dtype=torch.float32, device=device))
+
+    @classmethod
+    def carve(cls, batch: int, vocab: int, device: torch.device, window: bool,
+              buffers: tuple[torch.Tensor, ...]) -> CaptureWorkspace:
+        """The named arrays of a ``batch``-row workspace, from ``buffers``
+        (scratch() of at least ``batch`` rows)."""
+        n_chunks = triton.cdiv(vocab, tuning.CHUNK)
+        cells = batch * n_chunks
+        small, bits, cand_ids, cand_vals = buffers
+        floats = ("sums", "maxes", "above_mass", "pivot_mass", "refine_mass", "logz")
         arrays = {name: array.view(torch.float32) if name in floats else array
-                  for name, array in {**per_row, **per_chunk, **resolved}.items()}
+                  for name, array in _carve(small, **_small_sizes(batch, cells, window)).items()}
         arrays["best"] = arrays["best"].view(torch.int64)  # first: 8-byte aligned
-        return cls(
-            n_chunks=n_chunks,
-            bits=torch.empty(cells * (tuning.CHUNK // 32), dtype=torch.int32, device=device),
-            cand_ids=torch.empty(batch * vocab, dtype=torch.int32, device=device),
-            cand_vals=torch.empty(batch * vocab, dtype=torch.float32, device=device),
-            **arrays)
+        return cls(n_chunks=n_chunks, bits=bits[:cells * (tuning.CHUNK // 32)],
+                   cand_ids=cand_ids[:batch * vocab], cand_vals=cand_vals[:batch * vocab],
+                   **arrays)
+
+
+def _small_sizes(batch: int, cells: int, window: bool) -> dict[str, int]:
+    """The workspace's small arrays in carving order (int32 elements);
+    ``window`` False: the window rows' arrays empty."""
+    rows_w = batch if window else 0  # a window array's rows
+    cells_w = cells if window else 0
+    return dict(
+        best=2 * rows_w, draw=rows_w, lo=batch, window=batch, bracket=BRACKET.value * rows_w,
+        pivots=tuning.WINDOW_PIVOTS * rows_w, refine_keys=tuning.WINDOW_REFINE * rows_w,
+        wide_rows=rows_w, wide_count=1,
+        counts=cells, sums=cells, maxes=cells, before=cells_w, above_count=cells_w,
+        above_mass=cells_w, pivot_mass=tuning.WINDOW_PIVOTS * cells_w,
+        refine_mass=tuning.WINDOW_REFINE * cells_w,
+        cutoff=batch, n_cand=batch, window_ok=batch, logz=batch)
+
+
+@dataclass
+class _Kept:
+    """A thread's scratch on one stream: its capacity in rows, its
+    allocations, and the workspaces carved from them by (batch, window)."""
+
+    capacity: int
+    buffers: tuple[torch.Tensor, ...]
+    views: dict[tuple[int, bool], CaptureWorkspace]
+
+
+_KEPT: dict[tuple[Any, ...], _Kept] = {}
+_GROWN: list[Callable[[], None]] = []
+
+
+def on_scratch_grown(callback: Callable[[], None] | None = None) -> None:
+    """Register ``callback`` (plans holding workspaces drop them when the
+    scratch they view is replaced), or, without one, call every callback."""
+    if callback is not None:
+        _GROWN.append(callback)
+        return
+    for call in _GROWN:
+        call()
+
+
+def release_scratch() -> None:
+    """Drop every kept workspace (tests; a process that wants the memory back)."""
+    _KEPT.clear()
+    on_scratch_grown()

@@ -16,7 +16,7 @@ from .capture_mark import _chunk_tile
 from .capture_workspace import CaptureSettings, CaptureWorkspace
 from .direct import Claim
 from .float_bits import INF_KEY, log_any, popcount
-from .launch import after_previous, compiled_for_nvidia, launch_options, register_cap
+from .launch import after_previous, compiled_for_nvidia, launch, launch_options, register_cap
 from .ring import ring_arrive, ring_claim, ring_commit
 from .rows import Rows
 
@@ -30,14 +30,14 @@ def launch_write(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
     ring too, its values (``support``) or its selected logprob; ``drawn``
     (sample, after the window draw) a window row's token and selected
     logprob from the race's best."""
-    batch = ws.lo.shape[0]
+    batch = probs.shape[0]
     # without PDL on the GPU-direct path (its ring stores and arrival have
     # not been measured chained)
     chained = pdl and direct is None
-    _write_kernel[(batch,)](
+    launch(_write_kernel, (batch,),
         ws.cand_ids, ws.cand_vals, ws.n_cand, ws.window_ok, rows.vocab, batch,
-        ws.cutoff, ws.logz, ws.lengths, ws.status, ws.forms, settings.greedy, tokens,
-        rows.offsets, rows.id_offsets, rows.ids, rows.values, ws.selected,
+        ws.cutoff, ws.logz, rows.lengths, rows.status, rows.forms, settings.greedy, tokens,
+        rows.offsets, rows.id_offsets, rows.ids, rows.values, rows.selected_logprob,
         probs, probs.stride(0), ws.draw, ws.best,
         0 if direct is None else direct.publisher.table,
         ws.counts if direct is None else direct.publisher.arrivals,  # (not read without direct)
@@ -58,8 +58,8 @@ def launch_window_write(probs: torch.Tensor, ws: CaptureWorkspace, rows: Rows,
     batch, vocab = probs.shape
     # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
     nvidia = compiled_for_nvidia(probs)
-    _window_write_kernel[(batch, ws.n_chunks)](
-        probs, probs.stride(0), vocab, ws.window_ok, ws.cutoff, ws.logz, ws.forms, ws.before,
+    launch(_window_write_kernel, (batch, ws.n_chunks),
+        probs, probs.stride(0), vocab, ws.window_ok, ws.cutoff, ws.logz, rows.forms, ws.before,
         ws.n_chunks, rows.offsets, rows.id_offsets, rows.ids, rows.values, CHUNK=tuning.CHUNK,
         SUB=tuning.WINDOW_WRITE_SUB, FAST=nvidia, PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
         **register_cap(nvidia, tuning.WINDOW_WRITE_REGISTERS), **launch_options(pdl),

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import launch_plan
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``, reported to a plan's recording
+    (kernels/launch_plan.py) when one is on. Runtime arguments go by
+    position, constexprs and launch options by keyword."""
+    compiled = kernel[grid](*args, **kwargs)
+    launch_plan.record(launch_plan.Launch(kernel, grid, args, kwargs, compiled))
 
 
 def launches_interpreted() -> bool:
@@ -34,7 +45,12 @@ def pdl_default(device: torch.device) -> bool:
     ROCm, whose gfx9 parts report major 9 too) and the kernels are compiled
     (Triton's interpreter has no grid dependencies)."""
     return (device.type == "cuda" and torch.version.hip is None and not launches_interpreted()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and _capability(device)[0] >= 9)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def launch_options(pdl: bool) -> dict[str, bool]:

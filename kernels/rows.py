@@ -102,6 +102,33 @@ def values_capacity(batch: int, vocab: int, max_tokens: int, overflow: str) -> i
     return batch * (vocab if overflow == "exact" else min(max_tokens, vocab))
 
 
+def empty_rows(batch: int, vocab: int, max_tokens: int, overflow: str, device: torch.device,
+               *, selected: bool, tokens: bool) -> tuple[Rows, torch.Tensor]:
+    """A result for kernels to fill, and the one int32 allocation its arrays
+    view (a plan's slot, kernels/launch_plan.py): offsets, id offsets, the
+    per-row arrays (``selected``: selected logprobs, ``tokens``: sample's
+    tokens), ids and values at their capacities, each at a multiple of 16
+    bytes (what Triton specializes pointers on), cut by one split."""
+    words = {"offsets": batch + 1, "id_offsets": batch + 1, "lengths": batch, "status": batch,
+             "sizes": batch, "forms": batch, "selected": batch if selected else 0,
+             "tokens": batch if tokens else 0, "ids": batch * bitmask_words(vocab),
+             "values": values_capacity(batch, vocab, max_tokens, overflow)}
+    pieces: list[int] = []
+    index: list[int] = []  # where each array is among the pieces (its padding after it)
+    for n in words.values():
+        index.append(len(pieces))
+        pieces += [n, -n % 4] if n % 4 else [n]
+    buffer = torch.empty(sum(pieces), dtype=torch.int32, device=device)
+    parts = buffer.split(pieces)
+    arrays = {name: parts[i] for name, i in zip(words, index, strict=True)}
+    rows = Rows(arrays["offsets"], arrays["lengths"], arrays["status"], arrays["sizes"],
+                arrays["forms"], arrays["id_offsets"], arrays["ids"],
+                arrays["values"].view(torch.float32), vocab,
+                arrays["selected"].view(torch.float32) if selected else None,
+                arrays["tokens"] if tokens else None, max_tokens=max_tokens)
+    return rows, buffer
+
+
 def pack_rows(
     kept: torch.Tensor, values: torch.Tensor, status: torch.Tensor, sizes: torch.Tensor,
     max_tokens: int, selected_logprob: torch.Tensor | None = None,

@@ -6,7 +6,8 @@ in kernels/sample_draw.py, run by capture's resolve stage, or for a window
 row, whose candidates are only the ids around its cutoff, by the window
 draw over the row's chunks, the same score an id): over the support
 of :func:`.capture.capture`'s semantics, token = argmax ``w_i / E_i`` with
-``E_i = -log(u_i)`` and ``u_i`` the Philox uniform of (``seeds[b]``, ``i``).
+``E_i = -log(u_i)`` and ``u_i`` component ``i mod 4`` of Philox4x32-10 at
+(``seeds[b]``, ``i div 4``).
 So the token has probability ``w_i / Z`` and depends only on the row's seed,
 its probabilities and its settings, not on the batch around it. Use a new seed
 per step (for example a hash of request seed and step). Greedy rows take the

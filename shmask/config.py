@@ -31,9 +31,11 @@ _LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 # SHMASK_* variables that are not Config settings but are read elsewhere
-# (the test suite, the Makefile, benchmarks): never reported as unknown.
-# Names under these prefixes are free for such uses too.
-OTHER_VARIABLES = frozenset({"SHMASK_FAULTS_FULL", "SHMASK_TEST_GPU", "SHMASK_PACKAGE_CHECK"})
+# (the kernels at each call, the test suite, the Makefile, benchmarks):
+# never reported as unknown. Names under these prefixes are free for such
+# uses too.
+OTHER_VARIABLES = frozenset({"SHMASK_FAULTS_FULL", "SHMASK_TEST_GPU", "SHMASK_PACKAGE_CHECK",
+                             "SHMASK_KERNEL_PLANS"})
 OTHER_PREFIXES = ("SHMASK_TEST_", "SHMASK_BENCH_", "SHMASK_FAULTS_")
 MASK_FORMATS = ("lists", "arrays")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")

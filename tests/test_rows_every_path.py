@@ -16,15 +16,20 @@ own fast log and a path that skipped it would differ in the last bits."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
 import pytest
 import torch
-from shmask.kernels import HostStaging, Status, capture, publish, sample, tuning
+from shmask.kernels import HostStaging, Status, capture, compact, publish, sample, tuning
+from shmask.kernels.capture_workspace import release_scratch
 from shmask.kernels.direct import reference_direct
 
 import shmask
+
+capture_module = importlib.import_module("shmask.kernels.capture")
+compact_module = importlib.import_module("shmask.kernels.compact")
 
 GPU = os.environ.get("SHMASK_TEST_GPU") == "1"
 DEVICE = "cuda" if GPU else "cpu"
@@ -68,7 +73,7 @@ def bits(rows) -> dict:
             "id_offsets": raw(rows.id_offsets),
             "ids": raw(rows.ids[:int(rows.id_offsets[-1])]),
             "values": raw(rows.values[:int(rows.offsets[-1])]),
-            "selected": raw(rows.selected_logprob)}
+            "selected": None if rows.selected_logprob is None else raw(rows.selected_logprob)}
 
 
 def ring_rows(reader: shmask.Reader, writer: shmask.Writer, queues: list) -> list:
@@ -131,3 +136,36 @@ def test_rows_identical_on_every_path(prefix: str, mode: str,
         assert tokens[6] == -1 and (tokens[:6] >= 0).all() and (tokens[7:] >= 0).all()
         assert bits(drawn) == bits(again)
         assert ring_rows(reader, writer, queues) == expected(drawn, mode)
+
+
+def test_planned_calls_match_tritons_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of one shape, each on new inputs: the rows are the bits of
+    Triton's path with a fresh workspace every call, when the workspace is
+    kept from call to call and (compiled, on the GPU) from the third call
+    on the launches replay from a plan (kernels/launch_plan.py)."""
+    if not GPU:
+        monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    steps = [step_inputs(seed) for seed in (3, 4, 5, 6)]
+    seeds = torch.arange(BATCH, device=DEVICE) * 5 + 2
+
+    def calls(step: dict) -> dict:
+        kw = {k: v for k, v in step.items() if k not in ("probs", "sampled")}
+        probs = step["probs"]
+        return {"capture": bits(capture(probs, step["sampled"], **kw, max_tokens=MAX_TOKENS)),
+                "sample": bits(sample(probs, seeds, **kw, max_tokens=MAX_TOKENS)),
+                "compact": bits(compact(torch.log(probs), MAX_TOKENS))}
+
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
+    want = []
+    for step in steps:
+        release_scratch()
+        want.append(calls(step))
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "1")
+    replayed = capture_module._PLANS.replayed, compact_module._PLANS.replayed
+    got = [calls(step) for step in steps]
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name in w:
+            assert g[name] == w[name], f"call {n}: {name}"
+    if GPU:  # capture and sample: 2 replays each; compact: 2
+        assert capture_module._PLANS.replayed - replayed[0] == 4
+        assert compact_module._PLANS.replayed - replayed[1] == 2

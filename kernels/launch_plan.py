@@ -1,0 +1,331 @@
+"""Eager calls in microseconds of host time (issue 35): a call's launches,
+recorded once per call shape and then replayed through the compiled
+kernels' own launchers.
+
+Why: a launch through Triton's ``JITFunction.run`` binds and specializes
+every argument and computes a cache key, 10-31 us a launch
+(benchmarks/launch_overhead.py); a capture makes 5-10 launches, and with
+the Python around them an eager call took 450-1,200 us of host time on the
+H200's host. Engines call the sampler eagerly, on the scheduler's thread,
+after the CUDA-graphed forward: that time is the step's.
+
+How. An entry point (capture and sample: kernels/capture.py; compact:
+kernels/compact.py) computes a *shape key*: every argument that decides its
+launches' grids, integers, constexprs and Triton's specializations (dtypes,
+shapes, strides, the settings' kinds, the 16-byte alignment of each
+per-call tensor, the device, the stream, the thread, the values of
+kernels/tuning.py). The tensors a call brings or allocates (inputs,
+settings, the result) are its *slots*; anything else a launch gets (the
+thread's workspace, kernels/capture_workspace.py) must be the same object
+from call to call, and the plan holds it.
+
+- The first call of a key takes Triton's path with its launches recorded
+  (:func:`.launch.launch` reports each to the recording).
+- The second does too; the plan built from the first recording is kept
+  only if, fed the second call's slots, it makes exactly the second call's
+  launches: the same compiled kernels, grids and options, every argument
+  equal, or the same byte offset into the same slot. Otherwise the key is
+  never planned (a call whose launches carry something per call that the
+  key does not name stays on Triton's path).
+- Later calls replay: per launch, the compiled kernel's launcher with the
+  recorded arguments and this call's slot pointers.
+
+Triton's path is taken whenever a replay could differ from it: the
+interpreter or no NVIDIA GPU (no compiled launcher), launch hooks installed
+(a profiler wants to see launches), a CUDA graph being captured,
+``SHMASK_KERNEL_PLANS=0``, or a Triton whose internals a plan does not know
+(any error while building one: the key is not planned, logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.driver import driver
+
+from . import tuning
+
+log = logging.getLogger(__name__)
+
+PLANS_KEPT = 256  # call shapes kept per entry point: an engine's batch sizes
+_NOT_PLANNED = object()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch as Triton's path made it: the kernel, its grid, its
+    positional and keyword arguments, and the compiled kernel Triton ran."""
+
+    kernel: Any  # triton JITFunction
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    compiled: Any  # triton CompiledKernel
+
+
+_recording = threading.local()
+
+
+def record(launch: Launch) -> None:
+    """Called by launch.launch after each launch: kept if a recording is on."""
+    launches = getattr(_recording, "launches", None)
+    if launches is not None:
+        launches.append(launch)
+
+
+@contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """The launches made inside the block, on this thread."""
+    launches: list[Launch] = []
+    outer = getattr(_recording, "launches", None)
+    _recording.launches = launches
+    try:
+        yield launches
+    finally:
+        _recording.launches = outer
+
+
+def plans_enabled() -> bool:
+    """SHMASK_KERNEL_PLANS off (0, false, no, off, any case) sends every
+    launch through Triton's path; read at each call."""
+    return os.environ.get("SHMASK_KERNEL_PLANS", "").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
+def hooks_active() -> bool:
+    """Whether Triton would call launch hooks (a profiler): a replay would
+    skip them. A Triton whose hooks are not HookChains counts as hooked."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return True
+    for hook in (getattr(runtime, "launch_enter_hook", None),
+                 getattr(runtime, "launch_exit_hook", None)):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def call_stream(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(current device, current stream, thread) for a call on ``tensor``'s
+    device that a plan may serve (the device and stream as Triton's
+    launches take them; a plan is filled in place, so it serves one
+    thread); None where the call must take Triton's path (see the module
+    docstring)."""
+    from .launch import compiled_for_nvidia  # (launch.py imports this module)
+
+    if not compiled_for_nvidia(tensor) or not plans_enabled() or hooks_active():
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    active = driver.active
+    device = active.get_current_device()
+    return device, active.get_current_stream(device), threading.get_ident()
+
+
+def tuning_state() -> tuple[Any, ...]:
+    """The values of kernels/tuning.py's constants: launches pass them as
+    constexprs, so a plan belongs to one set of them (tests and benchmarks
+    change them at run time)."""
+    return _TUNING_VALUES(vars(tuning))
+
+
+_TUNING_VALUES = operator.itemgetter(*(name for name in vars(tuning) if name.isupper()))
+
+
+def _bound_values(launch: Launch) -> list[Any]:
+    """The kernel's arguments in signature order, as JITFunction.run hands
+    them to the launcher (positional, then keywords and defaults)."""
+    params = launch.kernel.params
+    values = list(launch.args)
+    for param in params[len(values):]:
+        values.append(launch.kwargs.get(param.name, param.default))
+    return values
+
+
+def _slot_of(value: Any, slots: Sequence[torch.Tensor | None]) -> tuple[int, int] | None:
+    """(slot index, byte offset) of a tensor argument inside one of the
+    call's slots, or None when it lies in none."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    address = value.data_ptr()
+    for index, slot in enumerate(slots):
+        if slot is None:
+            continue
+        start = slot.data_ptr()
+        if start <= address < start + max(slot.untyped_storage().nbytes(), 1) and (
+                value.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()):
+            return index, address - start
+    return None
+
+
+class _Step:
+    """One launch of a plan: the compiled kernel's launcher, its grid and
+    function, the arguments with per-call pointers left as slot positions.
+
+    Triton 3.6's launcher is a Python ``__call__`` (it allocates the global
+    and profile scratch a kernel asks for) around a C function taking
+    ``(grid, stream, function, cooperative, pdl, global scratch, profile
+    scratch, metadata, launch metadata, enter hook, exit hook, *args)``;
+    a kernel that asks for no scratch is launched through that C function
+    directly (about 1.5 us a launch less), any other kernel or Triton
+    through the launcher."""
+
+    __slots__ = ("run", "grid", "head", "values", "holes")
+
+    def __init__(self, launch: Launch, slots: Sequence[torch.Tensor | None]) -> None:
+        compiled = launch.compiled
+        grid = (*launch.grid, 1, 1)
+        self.grid = (grid[0], grid[1], grid[2])
+        launcher = compiled.run
+        direct = _direct_launch(launcher)
+        self.head: tuple[Any, ...]
+        if direct is not None:
+            self.run = direct
+            self.head = (*self.grid, 0, compiled.function, bool(launcher.launch_cooperative_grid),
+                         bool(launcher.launch_pdl), None, None, compiled.packed_metadata, None,
+                         None, None)
+        else:
+            self.run = launcher
+            self.head = (*self.grid, 0, compiled.function, compiled.packed_metadata, None, None,
+                         None)
+        self.values: list[Any] = []
+        self.holes: list[tuple[int, int, int]] = []  # (position, slot, byte offset)
+        for position, value in enumerate(_bound_values(launch)):
+            where = _slot_of(value, slots)
+            if where is not None:
+                self.holes.append((position, *where))
+                value = 0
+            elif isinstance(value, torch.Tensor):
+                value = value.data_ptr()  # a tensor the plan holds (the workspace)
+            self.values.append(value)
+
+    @property
+    def function(self) -> Any:
+        return self.head[4]
+
+    def arguments(self, pointers: Sequence[int]) -> list[Any]:
+        """The launch's arguments with the slots at ``pointers``: the
+        step's own list, filled in place (a plan serves one thread: its key
+        names the thread's workspace)."""
+        values = self.values
+        for position, slot, offset in self.holes:
+            values[position] = pointers[slot] + offset
+        return values
+
+    def launch(self, pointers: Sequence[int], stream: int) -> None:
+        g0, g1, g2, _, *rest = self.head
+        self.run(g0, g1, g2, stream, *rest, *self.arguments(pointers))
+
+
+def _direct_launch(launcher: Any) -> Any:
+    """The C launch function under Triton 3.6's CudaLauncher, where a call
+    to it is exactly what the launcher's ``__call__`` makes: no scratch
+    memory asked for (its allocations are the only work it adds) and the
+    attributes of that version; None otherwise (the launcher is called)."""
+    if not triton.__version__.startswith("3.6."):
+        return None
+    needed = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
+              "profile_scratch_size")
+    if not all(hasattr(launcher, name) for name in needed):
+        return None
+    if launcher.global_scratch_size or launcher.profile_scratch_size:
+        return None
+    return launcher.launch
+
+
+def pointers(slots: Sequence[torch.Tensor | None]) -> list[int]:
+    """The slots' addresses (0 for an absent slot)."""
+    return [0 if slot is None else slot.data_ptr() for slot in slots]
+
+
+class Plan:
+    """A call shape's launches, replayable with another call's slots."""
+
+    def __init__(self, launches: Sequence[Launch], slots: Sequence[torch.Tensor | None],
+                 keep: Any) -> None:
+        self.steps = [_Step(launch, slots) for launch in launches]
+        self.keep = keep  # what the constant pointers point into (workspace, settings)
+
+    def matches(self, launches: Sequence[Launch], slots: Sequence[torch.Tensor | None]) -> bool:
+        """Whether replaying with ``slots`` makes exactly ``launches``."""
+        if len(launches) != len(self.steps):
+            return False
+        addresses = pointers(slots)
+        for step, launch in zip(self.steps, launches, strict=True):
+            if launch.compiled.function != step.function or (*launch.grid, 1, 1)[:3] != step.grid:
+                return False
+            actual = [v.data_ptr() if isinstance(v, torch.Tensor) else v
+                      for v in _bound_values(launch)]
+            expected = list(step.arguments(addresses))
+            if len(actual) != len(expected) or any(
+                    type(a) is not type(e) or a != e for a, e in zip(actual, expected, strict=True)):
+                return False
+        return True
+
+    def replay(self, pointers: Sequence[int], stream: int) -> None:
+        """The launches, with the slots at ``pointers`` (pointers(slots))."""
+        for step in self.steps:
+            step.launch(pointers, stream)
+
+
+class Plans:
+    """An entry point's plans by shape key (at most PLANS_KEPT, least
+    recently used dropped), each key's state: one recording awaiting its
+    check, a Plan, or not planned."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._states: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._warned = False
+        self.replayed = 0  # calls served by a plan (tests, benchmarks)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._states.clear()
+
+    def ready(self, key: Hashable) -> Plan | None:
+        state = self._states.get(key)
+        if isinstance(state, Plan):
+            self._states.move_to_end(key)
+            self.replayed += 1
+            return state
+        return None
+
+    def wants_recording(self, key: Hashable) -> bool:
+        return self._states.get(key) is not _NOT_PLANNED
+
+    def recorded(self, key: Hashable, launches: Sequence[Launch],
+                 slots: Sequence[torch.Tensor | None], keep: Any) -> None:
+        """A call of ``key`` took Triton's path with these launches: the
+        first becomes a candidate plan, the second confirms or refuses it."""
+        with self._lock:
+            state = self._states.get(key)
+            try:
+                if state is None:
+                    self._states[key] = (Plan(launches, slots, keep), None)
+                elif isinstance(state, tuple):
+                    plan = state[0]
+                    self._states[key] = plan if plan.matches(launches, slots) else _NOT_PLANNED
+                    if self._states[key] is _NOT_PLANNED:
+                        log.debug("shmask %s: call shape not planned (launches differ): %r",
+                                  self.name, key)
+            except Exception as exc:  # a Triton whose internals differ: never planned
+                self._states[key] = _NOT_PLANNED
+                if not self._warned:
+                    self._warned = True
+                    log.warning("shmask %s: eager launches stay on Triton's path (%s: %s)",
+                                self.name, type(exc).__name__, exc)
+            self._states.move_to_end(key)
+            while len(self._states) > PLANS_KEPT:
+                self._states.popitem(last=False)
