@@ -204,9 +204,11 @@ class CaptureWorkspace:
         key = (threading.get_ident(), device, stream, vocab)
         kept = _KEPT.get(key)
         if kept is None or kept.capacity < batch:
-            if kept is not None:
-                del _KEPT[key]
-                on_scratch_grown()  # plans drop their workspaces: the old scratch is freed
+            if kept is not None or len(_KEPT) >= SCRATCH_KEPT:
+                # the oldest scratch (or this one, outgrown) goes; plans drop
+                # the workspaces they hold, so its memory is freed
+                del _KEPT[key if kept is not None else next(iter(_KEPT))]
+                on_scratch_grown()
             capacity = max(16, triton.next_power_of_2(batch))
             kept = _KEPT[key] = _Kept(capacity, cls.scratch(capacity, vocab, device), {})
         ws = kept.views.get((batch, window))
@@ -270,6 +272,7 @@ class _Kept:
 
 
 _KEPT: dict[tuple[Any, ...], _Kept] = {}
+SCRATCH_KEPT = 8  # (thread, device, stream, V) scratches kept at once, oldest dropped
 _GROWN: list[Callable[[], None]] = []
 
 

@@ -86,6 +86,12 @@ def test_workspaces_are_kept_per_thread_and_grow() -> None:
         thread.start()
         thread.join()
         assert other[0].lo.untyped_storage().data_ptr() != larger.lo.untyped_storage().data_ptr()
+        # at most SCRATCH_KEPT scratches: the oldest goes (and what viewed it)
+        grown.clear()
+        for extra in range(capture_workspace.SCRATCH_KEPT):
+            CaptureWorkspace.allocate(2, vocab + 1 + extra, cpu, False)
+        assert len(capture_workspace._KEPT) == capture_workspace.SCRATCH_KEPT and grown
+        assert CaptureWorkspace.allocate(40, vocab, cpu, True) is not larger  # it was dropped
     finally:
         capture_workspace._GROWN.pop()
         capture_workspace.release_scratch()
