@@ -153,19 +153,31 @@ def _bound_values(launch: Launch) -> list[Any]:
 
 
 def _slot_of(value: Any, slots: Sequence[torch.Tensor | None]) -> tuple[int, int] | None:
-    """(slot index, byte offset) of a tensor argument inside one of the
-    call's slots, or None when it lies in none."""
+    """(slot index, byte offset) of a tensor argument: the slot that starts
+    where it starts, else the slot whose elements' bytes hold its start (a
+    view into a result's allocation); None when it lies in none. Only the
+    bytes a slot's own elements span count, not the rest of its storage:
+    two settings cut from one user buffer are two slots, not one slot and
+    an offset that a later call's tensors need not keep."""
     if not isinstance(value, torch.Tensor):
         return None
     address = value.data_ptr()
-    for index, slot in enumerate(slots):
-        if slot is None:
-            continue
-        start = slot.data_ptr()
-        if start <= address < start + max(slot.untyped_storage().nbytes(), 1) and (
-                value.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()):
+    starts = [None if slot is None else slot.data_ptr() for slot in slots]
+    if address in starts:
+        return starts.index(address), 0
+    for index, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+        if slot is not None and start is not None and start < address < start + _span(slot):
             return index, address - start
     return None
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(),
+                                                            strict=True))
+    return (last + 1) * tensor.element_size()
 
 
 class _Step:

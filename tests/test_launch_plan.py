@@ -148,6 +148,28 @@ def test_a_call_whose_launches_differ_is_never_planned() -> None:
         assert not plans.wants_recording("k")
 
 
+def test_slots_cut_from_one_buffer_stay_separate_slots() -> None:
+    """Two slots that share a storage (settings cut from one user buffer)
+    are matched by their own start, not as an offset into the first: a
+    later call whose tensors are separate gets each pointer right."""
+    kernel, held = Kernel(["x", "y", "n", "N"]), torch.zeros(16)
+    plans = launch_plan.Plans("test")
+
+    def shared() -> list[torch.Tensor]:
+        both = torch.zeros(128, dtype=torch.int32)
+        return [both[:64].view(torch.float32), both[64:]]
+
+    made(plans, "k", kernel, shared(), held)
+    made(plans, "k", kernel, shared(), held)
+    plan = plans.ready("k")
+    assert plan is not None
+    slots = fresh()  # separate allocations now
+    kernel.compiled.calls.clear()
+    plan.replay(launch_plan.pointers(slots), stream=1)
+    assert kernel.compiled.calls[1][9] == slots[1].data_ptr() + 8 * 4
+    assert kernel.compiled.calls[1][10] == slots[0].data_ptr()
+
+
 def test_another_compiled_kernel_or_grid_is_not_the_plan() -> None:
     kernel, held = Kernel(["x", "y", "n", "N"]), torch.zeros(16)
     plans = launch_plan.Plans("test")
