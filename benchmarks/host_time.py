@@ -1,0 +1,82 @@
+"""Host time of an eager capture / sample / compact call, plans on and off
+(issue 35; kernels/launch_plan.py), with the GPU busy, on a CUDA device.
+
+    python3 benchmarks/host_time.py            # from the repository root, shmask installed
+
+Per call: 20 calls enqueued behind a ``torch.cuda._sleep`` (so the GPU is
+busy and the host is ahead), host time by ``time.perf_counter`` around
+them and GPU time by CUDA events; the median of 7 such batches, the
+better of 2 rounds; plans off = ``SHMASK_KERNEL_PLANS=0`` in the same
+process, interleaved with plans on. B = 256, V = 151936, softmax of
+randn x 2 (fp32). Needs CUDA: without it the kernels run in Triton's
+interpreter, whose time says nothing of an engine's host.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def measure(fn, n: int = 20) -> tuple[float, float]:
+    """(GPU us, host us) per call: medians over 7 batches of n calls."""
+    for _ in range(4):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(7):
+        torch.cuda._sleep(80_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        began = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - began) / n * 1e6
+        end.record()
+        end.synchronize()
+        out.append((start.elapsed_time(end) * 1e3 / n, host))
+    return statistics.median(o[0] for o in out), statistics.median(o[1] for o in out)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("host_time.py needs a CUDA device (plans replay compiled launches only)")
+    from shmask import kernels
+
+    batch, vocab = 256, 151936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    probs = torch.softmax(torch.randn(batch, vocab, device="cuda", generator=gen) * 2, -1)
+    tokens = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    logp = torch.log(probs)
+    top_k = torch.full((batch,), 1000, dtype=torch.int32, device="cuda")
+    top_p = torch.full((batch,), 0.9, device="cuda")
+    calls = {
+        "capture top_p 0.9": lambda: kernels.capture(probs, tokens, top_p=0.9, max_tokens=8192),
+        "capture top_k 1000": lambda: kernels.capture(probs, tokens, top_k=1000, max_tokens=8192),
+        "capture [B] top_k+top_p": lambda: kernels.capture(probs, tokens, top_k=top_k,
+                                                           top_p=top_p, max_tokens=8192),
+        "sample top_p 0.9": lambda: kernels.sample(probs, 7, top_p=0.9, max_tokens=8192),
+        "sample top_k 1000": lambda: kernels.sample(probs, 7, top_k=1000, max_tokens=8192),
+        "compact": lambda: kernels.compact(logp, 8192),
+    }
+    print(f"host_time: {torch.cuda.get_device_name()}, B={batch} V={vocab}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'call':28} | plans off: GPU us, host us | plans on: GPU us, host us")
+    for name, fn in calls.items():
+        runs: dict[str, list[tuple[float, float]]] = {"0": [], "1": []}
+        for _ in range(2):
+            for mode in ("0", "1"):
+                os.environ["SHMASK_KERNEL_PLANS"] = mode
+                runs[mode].append(measure(fn))
+        off = min(runs["0"], key=lambda r: r[1])
+        on = min(runs["1"], key=lambda r: r[1])
+        print(f"{name:28} | {off[0]:8.1f} {off[1]:8.1f} | {on[0]:8.1f} {on[1]:8.1f}", flush=True)
+    os.environ.pop("SHMASK_KERNEL_PLANS", None)
+
+
+if __name__ == "__main__":
+    main()
