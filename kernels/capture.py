@@ -172,7 +172,7 @@ def run_capture(
         batch, vocab, device, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy, rows=rows,
         sequential=order == "sequential", stream=stream)
     tokens, seed_rows = _tokens_and_seeds(sampled, seeds, batch, device)
-    result, buffer = empty_rows(batch, vocab, max_tokens, overflow, device, selected=True,
+    result, buffers = empty_rows(batch, vocab, max_tokens, overflow, device, selected=True,
                                 tokens=seed_rows is not None)
     if tokens is None:
         tokens = result.tokens
@@ -188,20 +188,20 @@ def run_capture(
                        target, support, pdl)
         return publish_into(target, result) if target is not None and settings.window else result
     slots = (probs, tokens, seed_rows, settings.top_k, settings.top_p, settings.min_p,
-             settings.greedy, settings.opt_in, buffer)
+             settings.greedy, settings.opt_in, *buffers)
     addresses = launch_plan.pointers(slots)
     key = (*where, id(ws), probs.dtype, batch, vocab, probs.stride(0), tokens.dtype,
            seed_rows is None, settings.sequential, settings.need_mass, settings.need_max,
            settings.window, max_tokens, overflow, support, pdl,
-           tuple(address % 16 for address in addresses), launch_plan.tuning_state())
+           launch_plan.slots_key(addresses), launch_plan.tuning_state())
     plan = _PLANS.ready(key)
     if plan is not None:
-        plan.replay(addresses, where[1])
+        _PLANS.replay(key, plan, addresses, where[1])
     else:
         with launch_plan.recording() as launches:
             _launch_stages(probs, settings, ws, tokens, seed_rows, max_tokens, overflow, result,
                            None, support, pdl)
-        _PLANS.recorded(key, launches, slots, keep=ws)
+        _PLANS.recorded(key, launches, slots)
     return publish_into(target, result)
 
 

@@ -204,13 +204,14 @@ class CaptureWorkspace:
         key = (threading.get_ident(), device, stream, vocab)
         kept = _KEPT.get(key)
         if kept is None or kept.capacity < batch:
-            if kept is not None or len(_KEPT) >= SCRATCH_KEPT:
-                # the oldest scratch (or this one, outgrown) goes; plans drop
-                # the workspaces they hold, so its memory is freed
-                del _KEPT[key if kept is not None else next(iter(_KEPT))]
-                on_scratch_grown()
-            capacity = max(16, triton.next_power_of_2(batch))
-            kept = _KEPT[key] = _Kept(capacity, cls.scratch(capacity, vocab, device), {})
+            with _KEPT_LOCK:  # (other threads grow and drop theirs)
+                if kept is not None or len(_KEPT) >= SCRATCH_KEPT:
+                    # the oldest scratch (or this one, outgrown) goes; plans
+                    # drop the workspaces they hold, so its memory is freed
+                    _KEPT.pop(key if kept is not None else next(iter(_KEPT)), None)
+                    on_scratch_grown()
+                capacity = max(16, triton.next_power_of_2(batch))
+                kept = _KEPT[key] = _Kept(capacity, cls.scratch(capacity, vocab, device), {})
         ws = kept.views.get((batch, window))
         if ws is None:
             ws = kept.views[(batch, window)] = cls.carve(batch, vocab, device, window,
@@ -273,6 +274,7 @@ class _Kept:
 
 _KEPT: dict[tuple[Any, ...], _Kept] = {}
 SCRATCH_KEPT = 8  # (thread, device, stream, V) scratches kept at once, oldest dropped
+_KEPT_LOCK = threading.Lock()
 _GROWN: list[Callable[[], None]] = []
 
 

@@ -104,7 +104,7 @@ def compact(
     opt_in = None if rows is None else row_mask(rows, batch, x.device)
     pdl = pdl_default(x.device) if pdl is None else pdl
     n_chunks = triton.cdiv(vocab, chunk)
-    result, buffer = empty_rows(batch, vocab, max_tokens, overflow, x.device, selected=False,
+    result, buffers = empty_rows(batch, vocab, max_tokens, overflow, x.device, selected=False,
                                 tokens=False)
     marks = torch.empty(batch * n_chunks * (chunk // WORD_BITS + 1), dtype=torch.int32,
                         device=x.device)  # the mark's bitmask, then its counts
@@ -118,18 +118,17 @@ def compact(
     if where is None:
         return _compact_rows(x, opt_in, max_tokens, overflow, result, marks, target=target,
                              **launches)
-    slots = (x, opt_in, buffer, marks)
+    slots = (x, opt_in, marks, *buffers)
     addresses = launch_plan.pointers(slots)
     key = (*where, x.dtype, batch, vocab, x.stride(0), opt_in is None, max_tokens, overflow,
-           *launches.values(), tuple(address % 16 for address in addresses),
-           launch_plan.tuning_state())
+           *launches.values(), launch_plan.slots_key(addresses), launch_plan.tuning_state())
     plan = _PLANS.ready(key)
     if plan is not None:
-        plan.replay(addresses, where[1])
+        _PLANS.replay(key, plan, addresses, where[1])
         return result
     with launch_plan.recording() as made:
         _compact_rows(x, opt_in, max_tokens, overflow, result, marks, target=None, **launches)
-    _PLANS.recorded(key, made, slots, keep=None)
+    _PLANS.recorded(key, made, slots)
     return result
 
 

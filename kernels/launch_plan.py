@@ -30,6 +30,11 @@ from call to call, and the plan holds it.
 - Later calls replay: per launch, the compiled kernel's launcher with the
   recorded arguments and this call's slot pointers.
 
+So every launch of an entry point's stages must go through
+:func:`.launch.launch` (a torch op or a launch made otherwise would be
+missing from the replay, and no recording shows it), and anything a stage
+computes on the host from the call's values must be in the key.
+
 Triton's path is taken whenever a replay could differ from it: the
 interpreter or no NVIDIA GPU (no compiled launcher), launch hooks installed
 (a profiler wants to see launches), a CUDA graph being captured,
@@ -125,6 +130,8 @@ def call_stream(tensor: torch.Tensor) -> tuple[int, int, int] | None:
 
     if not compiled_for_nvidia(tensor) or not plans_enabled() or hooks_active():
         return None
+    if getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "debug", False):
+        return None  # Triton's debug mode recompiles kernels with checks: its own path
     if torch.cuda.is_current_stream_capturing():
         return None
     active = driver.active
@@ -192,7 +199,7 @@ class _Step:
     directly (about 1.5 us a launch less), any other kernel or Triton
     through the launcher."""
 
-    __slots__ = ("run", "grid", "head", "values", "holes")
+    __slots__ = ("run", "grid", "head", "values", "holes", "held")
 
     def __init__(self, launch: Launch, slots: Sequence[torch.Tensor | None]) -> None:
         compiled = launch.compiled
@@ -212,13 +219,17 @@ class _Step:
                          None)
         self.values: list[Any] = []
         self.holes: list[tuple[int, int, int]] = []  # (position, slot, byte offset)
+        # tensors passed by address that are no slot (the thread's
+        # workspace): held here, so no address the plan keeps is ever freed
+        self.held: list[torch.Tensor] = []
         for position, value in enumerate(_bound_values(launch)):
             where = _slot_of(value, slots)
             if where is not None:
                 self.holes.append((position, *where))
                 value = 0
             elif isinstance(value, torch.Tensor):
-                value = value.data_ptr()  # a tensor the plan holds (the workspace)
+                self.held.append(value)
+                value = value.data_ptr()
             self.values.append(value)
 
     @property
@@ -260,13 +271,26 @@ def pointers(slots: Sequence[torch.Tensor | None]) -> list[int]:
     return [0 if slot is None else slot.data_ptr() for slot in slots]
 
 
+def slots_key(addresses: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What a call shape's key says of its slots: each one's address modulo
+    16 (Triton specializes pointers on 16-byte alignment) and which slots
+    are one tensor (two settings equal as scalars share one constant
+    tensor: a plan made so would hand the first's pointer to both)."""
+    return (tuple(address % 16 for address in addresses),
+            tuple(addresses.index(address) for address in addresses))
+
+
+class _Unplanned(Exception):
+    """A recording that a plan must not replay (said at debug level)."""
+
+
 class Plan:
     """A call shape's launches, replayable with another call's slots."""
 
-    def __init__(self, launches: Sequence[Launch], slots: Sequence[torch.Tensor | None],
-                 keep: Any) -> None:
+    def __init__(self, launches: Sequence[Launch], slots: Sequence[torch.Tensor | None]) -> None:
+        if any(getattr(launch.kernel, "pre_run_hooks", None) for launch in launches):
+            raise _Unplanned("a kernel has pre-run hooks, which only Triton's path runs")
         self.steps = [_Step(launch, slots) for launch in launches]
-        self.keep = keep  # what the constant pointers point into (workspace, settings)
 
     def matches(self, launches: Sequence[Launch], slots: Sequence[torch.Tensor | None]) -> bool:
         """Whether replaying with ``slots`` makes exactly ``launches``."""
@@ -307,33 +331,48 @@ class Plans:
             self._states.clear()
 
     def ready(self, key: Hashable) -> Plan | None:
-        state = self._states.get(key)
-        if isinstance(state, Plan):
+        with self._lock:
+            state = self._states.get(key)
+            if not isinstance(state, Plan):
+                return None
             self._states.move_to_end(key)
             self.replayed += 1
             return state
-        return None
+
+    def replay(self, key: Hashable, plan: Plan, addresses: Sequence[int], stream: int) -> None:
+        """plan.replay; a launch that raises leaves the key to Triton's path
+        from then on (the error goes to the caller)."""
+        try:
+            plan.replay(addresses, stream)
+        except BaseException:
+            with self._lock:
+                self._states[key] = _NOT_PLANNED
+            raise
 
     def wants_recording(self, key: Hashable) -> bool:
         return self._states.get(key) is not _NOT_PLANNED
 
     def recorded(self, key: Hashable, launches: Sequence[Launch],
-                 slots: Sequence[torch.Tensor | None], keep: Any) -> None:
+                 slots: Sequence[torch.Tensor | None]) -> None:
         """A call of ``key`` took Triton's path with these launches: the
         first becomes a candidate plan, the second confirms or refuses it."""
         with self._lock:
             state = self._states.get(key)
             try:
                 if state is None:
-                    self._states[key] = (Plan(launches, slots, keep), None)
+                    self._states[key] = (Plan(launches, slots), None)
                 elif isinstance(state, tuple):
                     plan = state[0]
                     self._states[key] = plan if plan.matches(launches, slots) else _NOT_PLANNED
                     if self._states[key] is _NOT_PLANNED:
                         log.debug("shmask %s: call shape not planned (launches differ): %r",
                                   self.name, key)
+            except _Unplanned as why:
+                self._states[key] = _NOT_PLANNED
+                log.debug("shmask %s: call shape not planned (%s): %r", self.name, why, key)
             except Exception as exc:  # a Triton whose internals differ: never planned
                 self._states[key] = _NOT_PLANNED
+                log.debug("shmask %s: call shape not planned", self.name, exc_info=True)
                 if not self._warned:
                     self._warned = True
                     log.warning("shmask %s: eager launches stay on Triton's path (%s: %s)",

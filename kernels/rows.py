@@ -103,30 +103,33 @@ def values_capacity(batch: int, vocab: int, max_tokens: int, overflow: str) -> i
 
 
 def empty_rows(batch: int, vocab: int, max_tokens: int, overflow: str, device: torch.device,
-               *, selected: bool, tokens: bool) -> tuple[Rows, torch.Tensor]:
-    """A result for kernels to fill, and the one int32 allocation its arrays
-    view (a plan's slot, kernels/launch_plan.py): offsets, id offsets, the
-    per-row arrays (``selected``: selected logprobs, ``tokens``: sample's
-    tokens), ids and values at their capacities, each at a multiple of 16
-    bytes (what Triton specializes pointers on), cut by one split."""
+               *, selected: bool, tokens: bool) -> tuple[Rows, tuple[torch.Tensor, ...]]:
+    """A result for kernels to fill, and its three allocations (a plan's
+    slots, kernels/launch_plan.py): the per-row arrays (offsets, id
+    offsets, lengths, statuses, sizes, forms; ``selected``: selected
+    logprobs; ``tokens``: sample's tokens), each at a multiple of 16 bytes
+    (what Triton specializes pointers on) and cut by one split; the ids;
+    the values. Three, not one: a caller that keeps only the small arrays
+    (the tokens) does not keep the values' B x V entries alive."""
     words = {"offsets": batch + 1, "id_offsets": batch + 1, "lengths": batch, "status": batch,
              "sizes": batch, "forms": batch, "selected": batch if selected else 0,
-             "tokens": batch if tokens else 0, "ids": batch * bitmask_words(vocab),
-             "values": values_capacity(batch, vocab, max_tokens, overflow)}
+             "tokens": batch if tokens else 0}
     pieces: list[int] = []
     index: list[int] = []  # where each array is among the pieces (its padding after it)
     for n in words.values():
         index.append(len(pieces))
         pieces += [n, -n % 4] if n % 4 else [n]
-    buffer = torch.empty(sum(pieces), dtype=torch.int32, device=device)
-    parts = buffer.split(pieces)
+    small = torch.empty(sum(pieces), dtype=torch.int32, device=device)
+    parts = small.split(pieces)
     arrays = {name: parts[i] for name, i in zip(words, index, strict=True)}
+    ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=device)
+    values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow), dtype=torch.float32,
+                         device=device)
     rows = Rows(arrays["offsets"], arrays["lengths"], arrays["status"], arrays["sizes"],
-                arrays["forms"], arrays["id_offsets"], arrays["ids"],
-                arrays["values"].view(torch.float32), vocab,
+                arrays["forms"], arrays["id_offsets"], ids, values, vocab,
                 arrays["selected"].view(torch.float32) if selected else None,
                 arrays["tokens"] if tokens else None, max_tokens=max_tokens)
-    return rows, buffer
+    return rows, (small, ids, values)
 
 
 def pack_rows(

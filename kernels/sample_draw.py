@@ -76,6 +76,9 @@ def _window_draw_kernel(
     folded into the row's by one atomic max of ``score bits << 32 |
     2^31 - 1 - id`` (scores are >= 0, so their bits order as they do). The
     write kernel turns the row's best into its token."""
+    # a tile row's four columns share one Philox evaluation only while
+    # they are the four of one i div 4 (_uniforms): chunks and steps whole
+    tl.static_assert(SUB % 4 == 0 and CHUNK % SUB == 0)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     after_previous(PDL)

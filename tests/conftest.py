@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -191,6 +192,17 @@ def _no_leftovers(request: pytest.FixtureRequest):
             f"{request.node.nodeid} left processes running; killed with their groups: {killed}"),
             stacklevel=1)
     report_segments(own, request.node.nodeid, "the test")
+
+
+@pytest.fixture(autouse=True)
+def _no_kernel_plans_from_other_tests() -> None:
+    """Each test starts with no replayable launches (kernels/launch_plan.py):
+    a GPU test then runs Triton's path for its first two calls of a shape,
+    whatever ran before it. Only where the kernels are already imported."""
+    for name in ("shmask.kernels.capture", "shmask.kernels.compact"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module._PLANS.clear()
 
 
 @pytest.fixture(autouse=True, scope="module")

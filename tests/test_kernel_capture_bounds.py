@@ -66,6 +66,8 @@ class LauncherSpy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, record) -> None:
         self.calls: list = []
         real = getattr(capture_module, name)
+        # a replayed plan calls no launcher (kernels/launch_plan.py)
+        monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
 
         def spy(*args, **kwargs):
             self.calls.append(record(*args))
@@ -708,6 +710,7 @@ def kept(monkeypatch: pytest.MonkeyPatch) -> dict:
     per-row results (lo, cutoff, n_cand) the rows alone do not show."""
     kept: dict = {}
     allocate = capture_workspace.CaptureWorkspace.allocate.__func__
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")  # each call's own launches, never a replay
 
     def keep(cls, *args, **kwargs):
         kept["ws"] = allocate(cls, *args, **kwargs)

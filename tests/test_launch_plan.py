@@ -62,7 +62,7 @@ def made(plans: launch_plan.Plans, key: Any, kernel: Kernel, slots: list[torch.T
          held: torch.Tensor, **kwargs: Any) -> None:
     with launch_plan.recording() as launches:
         call(kernel, slots, held, **kwargs)
-    plans.recorded(key, launches, slots, keep=held)
+    plans.recorded(key, launches, slots)
 
 
 def fresh() -> list[torch.Tensor]:
@@ -241,3 +241,59 @@ def test_no_plans_without_a_compiled_gpu_or_when_turned_off(monkeypatch) -> None
     assert not launch_plan.plans_enabled()
     monkeypatch.setenv("SHMASK_KERNEL_PLANS", "1")
     assert launch_plan.plans_enabled()
+
+
+def test_a_key_says_which_slots_are_one_tensor() -> None:
+    """Two settings equal as scalars share one constant tensor: a plan
+    made from such calls must not serve a call whose settings are two
+    tensors (it would hand the first's pointer to both)."""
+    one, other = torch.zeros(4), torch.zeros(4)
+    shared = launch_plan.slots_key(launch_plan.pointers([one, one, None]))
+    apart = launch_plan.slots_key(launch_plan.pointers([one, other, None]))
+    assert shared != apart
+    assert apart == launch_plan.slots_key(launch_plan.pointers([other, one, None]))
+
+
+def test_a_replay_that_raises_leaves_the_key_to_tritons_path() -> None:
+    kernel, held = Kernel(["x", "y", "n", "N"]), torch.zeros(16)
+    plans = launch_plan.Plans("test")
+    made(plans, "k", kernel, fresh(), held)
+    made(plans, "k", kernel, fresh(), held)
+    plan = plans.ready("k")
+    assert plan is not None
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("launch failed")
+
+    plan.steps[1].run = broken
+    with pytest.raises(RuntimeError, match="launch failed"):
+        plans.replay("k", plan, launch_plan.pointers(fresh()), stream=0)
+    assert plans.ready("k") is None and not plans.wants_recording("k")
+
+
+def test_a_plan_holds_what_it_keeps_by_address() -> None:
+    """A tensor a launch gets that is no slot (the workspace) is held by
+    the plan: its address can never be freed and reused under it."""
+    import gc
+    import weakref
+
+    kernel, held = Kernel(["x", "y", "n", "N"]), torch.zeros(16)
+    watch = weakref.ref(held)
+    plans = launch_plan.Plans("test")
+    made(plans, "k", kernel, fresh(), held)
+    made(plans, "k", kernel, fresh(), held)
+    del held
+    kernel.direct.clear()  # (the stand-in kernel's own record of its calls)
+    gc.collect()
+    assert watch() is not None and plans.ready("k") is not None
+    plans.clear()
+    gc.collect()
+    assert watch() is None
+
+
+def test_kernels_with_pre_run_hooks_are_not_planned() -> None:
+    kernel, held = Kernel(["x", "y", "n", "N"]), torch.zeros(16)
+    kernel.pre_run_hooks = [lambda *a, **k: None]
+    plans = launch_plan.Plans("test")
+    made(plans, "k", kernel, fresh(), held)
+    assert not plans.wants_recording("k")
