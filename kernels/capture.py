@@ -194,14 +194,8 @@ def run_capture(
            seed_rows is None, settings.sequential, settings.need_mass, settings.need_max,
            settings.window, max_tokens, overflow, support, pdl,
            launch_plan.slots_key(addresses), launch_plan.tuning_state())
-    plan = _PLANS.ready(key)
-    if plan is not None:
-        _PLANS.replay(key, plan, addresses, where[1])
-    else:
-        with launch_plan.recording() as launches:
-            _launch_stages(probs, settings, ws, tokens, seed_rows, max_tokens, overflow, result,
-                           None, support, pdl)
-        _PLANS.recorded(key, launches, slots)
+    _PLANS.launch(key, slots, addresses, where[1], lambda: _launch_stages(
+        probs, settings, ws, tokens, seed_rows, max_tokens, overflow, result, None, support, pdl))
     return publish_into(target, result)
 
 

@@ -122,13 +122,8 @@ def compact(
     addresses = launch_plan.pointers(slots)
     key = (*where, x.dtype, batch, vocab, x.stride(0), opt_in is None, max_tokens, overflow,
            *launches.values(), launch_plan.slots_key(addresses), launch_plan.tuning_state())
-    plan = _PLANS.ready(key)
-    if plan is not None:
-        _PLANS.replay(key, plan, addresses, where[1])
-        return result
-    with launch_plan.recording() as made:
-        _compact_rows(x, opt_in, max_tokens, overflow, result, marks, target=None, **launches)
-    _PLANS.recorded(key, made, slots)
+    _PLANS.launch(key, slots, addresses, where[1], lambda: _compact_rows(
+        x, opt_in, max_tokens, overflow, result, marks, target=None, **launches))
     return result
 
 

@@ -49,7 +49,7 @@ import operator
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -348,6 +348,21 @@ class Plans:
             with self._lock:
                 self._states[key] = _NOT_PLANNED
             raise
+
+    def launch(self, key: Hashable, slots: Sequence[torch.Tensor | None],
+               addresses: Sequence[int], stream: int, launches: Callable[[], Any]) -> None:
+        """A call of ``key``: its plan replayed with ``addresses`` (the
+        slots'), or ``launches()`` on Triton's path, recorded only while the
+        key may still become a plan (a key never planned costs no record)."""
+        plan = self.ready(key)
+        if plan is not None:
+            self.replay(key, plan, addresses, stream)
+        elif not self.wants_recording(key):
+            launches()
+        else:
+            with recording() as made:
+                launches()
+            self.recorded(key, made, slots)
 
     def wants_recording(self, key: Hashable) -> bool:
         return self._states.get(key) is not _NOT_PLANNED

@@ -297,3 +297,23 @@ def test_kernels_with_pre_run_hooks_are_not_planned() -> None:
     plans = launch_plan.Plans("test")
     made(plans, "k", kernel, fresh(), held)
     assert not plans.wants_recording("k")
+
+
+def test_a_key_never_planned_is_not_recorded_again() -> None:
+    """Plans.launch: Triton's path for a refused key runs its launches
+    without a recording (a key never planned costs no record a call)."""
+    kernel, held = Kernel(["x", "y", "n", "N"]), torch.zeros(16)
+    plans = launch_plan.Plans("test")
+    made(plans, "k", kernel, fresh(), held)
+    made(plans, "k", kernel, fresh(), held, n=6)  # differs: never planned
+    recorded: list = []
+    real = plans.recorded
+    plans.recorded = lambda *a: (recorded.append(a), real(*a))  # type: ignore[method-assign]
+    slots = fresh()
+    kernel.direct.clear()
+    plans.launch("k", slots, launch_plan.pointers(slots), 0,
+                 lambda: call(kernel, slots, held))
+    assert len(kernel.direct) == 2 and not recorded  # launched, not recorded
+    plans.launch("j", slots, launch_plan.pointers(slots), 0,
+                 lambda: call(kernel, slots, held))
+    assert len(recorded) == 1  # a new key is recorded
