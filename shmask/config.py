@@ -38,6 +38,8 @@ OTHER_VARIABLES = frozenset({"SHMASK_FAULTS_FULL", "SHMASK_TEST_GPU", "SHMASK_PA
                              "SHMASK_KERNEL_PLANS"})
 OTHER_PREFIXES = ("SHMASK_TEST_", "SHMASK_BENCH_", "SHMASK_FAULTS_")
 MASK_FORMATS = ("lists", "arrays")
+CAPTURES = ("shmask", "engine")
+ROW_ORDERS = ("engine", "ascending")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 _PREFIX_RULE = "1 to 32 letters, digits or underscores"
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
@@ -54,7 +56,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "offload_threads": (1, 256),
 }
 _CHOICES = {"transport": TRANSPORTS, "gpu_direct": GPU_DIRECT, "log_level": LOG_LEVELS,
-            "mask_format": MASK_FORMATS}
+            "mask_format": MASK_FORMATS, "capture": CAPTURES, "row_order": ROW_ORDERS}
 
 
 def _usable_cpus(at_most: int) -> int:
@@ -133,6 +135,15 @@ class Config:
     Python lists exactly; "arrays", numpy arrays copied once out of the ring
     (for RL frameworks that run the engine in their own process; an HTTP
     server cannot JSON-encode them)."""
+    capture: str = "shmask"
+    """Who captures a patched engine's sampling masks on the GPU: "shmask",
+    shmask.kernels.capture on the opted-in rows after the draw (SGLang:
+    shmask.adapters.sglang_sampler); "engine", the engine's own capture,
+    as released."""
+    row_order: str = "engine"
+    """Order of a row's ids where the engine's own responses have one
+    (SGLang: by descending weight, ties by ascending id): "engine", that
+    order; "ascending", by id (shmask's own rows)."""
 
     def __post_init__(self) -> None:
         # Every field's type before its range: a dataclass checks none, and

@@ -1,0 +1,107 @@
+"""fixed_rows (Rows -> an engine's fixed-capacity matrices) against its
+row-by-row reference, in both orders and both row forms."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shmask.kernels import Status, capture  # noqa: E402
+from shmask.kernels.fixed_rows import SORT_LIMIT, fixed_rows, reference_fixed_rows  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rows(vocab: int, gen: torch.Generator, *, ties: bool = False):
+    """Captured rows of every kind: ids rows, a bitmask row (top_p close to
+    1 at a small vocabulary), an INVALID row (sampled outside its support),
+    an OVERFLOW row and a row not opted in."""
+    batch = 6
+    logits = torch.randn(batch, vocab, generator=gen) * 2
+    probs = torch.softmax(logits, -1)
+    if ties:  # pairs of equal weights: the order among them is by id
+        probs[:, 1::2] = probs[:, 0::2][:, : probs[:, 1::2].shape[1]]
+        probs = probs / probs.sum(-1, keepdim=True)
+    top_k = torch.tensor([20, 0, 5, 4, 100, 7], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.8, 1.0, 1.0, 1.0, 1.0])
+    sampled = probs.argmax(-1).to(torch.int32)
+    sampled[2] = int(probs[2].argmin())  # outside its top-5: INVALID
+    opted = torch.tensor([True, True, True, True, True, False])
+    rows = capture(probs.to(DEVICE), sampled.to(DEVICE), top_k=top_k.to(DEVICE),
+                   top_p=top_p.to(DEVICE), max_tokens=64, overflow="status",
+                   rows=opted.to(DEVICE))
+    # rows 0 and 1 travel as bitmasks (32 L >= V), row 3 as ids
+    assert rows.forms.tolist()[:2] == [1, 1] and rows.forms.tolist()[3] == 0
+    return probs.to(DEVICE), rows
+
+
+@pytest.mark.parametrize("order", ["engine", "ascending"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_fixed_rows_match_reference(order: str, ties: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    probs, rows = _rows(320, gen, ties=ties)
+    status = rows.status.cpu().tolist()
+    assert status == [Status.OK, Status.OK, Status.INVALID, Status.OK, Status.OVERFLOW,
+                      Status.SKIPPED], status
+    batch_rows = torch.tensor([4, 0, 1, 2, 3], device=DEVICE)
+    cap = 64
+    ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap, order)
+    want_ids, want_values, want_lengths = reference_fixed_rows(rows, probs, batch_rows, cap,
+                                                               order)
+    assert torch.equal(lengths.cpu(), want_lengths)
+    assert torch.equal(ids.cpu(), want_ids)
+    assert torch.equal(values.cpu(), want_values)
+    assert lengths.tolist()[0] == 0 and lengths.tolist()[3] == 0  # OVERFLOW, INVALID
+    for r, b in enumerate(batch_rows.tolist()):
+        n = int(lengths[r])
+        if not n:
+            continue
+        row_ids = ids[r, :n].long().cpu()
+        weight = probs[b].cpu()[row_ids]
+        if order == "engine":
+            assert bool((weight[:-1] >= weight[1:]).all())
+        else:
+            assert bool((row_ids[:-1] < row_ids[1:]).all())
+        assert torch.equal(ids[r, n:].cpu(), torch.zeros(cap - n, dtype=torch.int32))
+
+
+def test_engine_order_breaks_ties_by_id() -> None:
+    gen = torch.Generator().manual_seed(3)
+    probs, rows = _rows(320, gen, ties=True)
+    ids, _, lengths = fixed_rows(rows, probs, torch.tensor([0], device=DEVICE), 64)
+    row = ids[0, : int(lengths[0])].cpu().tolist()
+    weight = probs[0].cpu()
+    tied = [(a, b) for a, b in zip(row[:-1], row[1:], strict=True) if weight[a] == weight[b]]
+    assert tied, "the row has tied weights"
+    assert all(a < b for a, b in tied)
+
+
+def test_wide_capacity_sorts_with_torch() -> None:
+    """Past SORT_LIMIT the sort runs in torch, with the kernel's keys."""
+    gen = torch.Generator().manual_seed(11)
+    probs, rows = _rows(320, gen)
+    batch_rows = torch.tensor([0, 1, 3], device=DEVICE)
+    wide = SORT_LIMIT + 1
+    ids, values, lengths = fixed_rows(rows, probs, batch_rows, wide)
+    narrow_ids, narrow_values, narrow_lengths = fixed_rows(rows, probs, batch_rows, 64)
+    assert torch.equal(lengths, narrow_lengths)
+    assert torch.equal(ids[:, :64], narrow_ids) and not ids[:, 64:].any()
+    assert torch.equal(values[:, :64], narrow_values)
+
+
+def test_bad_arguments_are_named() -> None:
+    gen = torch.Generator().manual_seed(1)
+    probs, rows = _rows(320, gen)
+    with pytest.raises(ValueError, match="order"):
+        fixed_rows(rows, probs, torch.tensor([0], device=DEVICE), 8, "descending")
+    with pytest.raises(ValueError, match="cap"):
+        fixed_rows(rows, probs, torch.tensor([0], device=DEVICE), 0)
+    with pytest.raises(ValueError, match="weights"):
+        fixed_rows(rows, probs[:, :50], torch.tensor([0], device=DEVICE), 8)
+    with pytest.raises(ValueError, match="batch_rows"):
+        fixed_rows(rows, probs, torch.tensor([0.0], device=DEVICE), 8)
