@@ -12,7 +12,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shmask.kernels import Status, capture  # noqa: E402
-from shmask.kernels.fixed_rows import SORT_LIMIT, fixed_rows, reference_fixed_rows  # noqa: E402
+from shmask.kernels.fixed_rows import (  # noqa: E402
+    SMALL_SORT,
+    SORT_LIMIT,
+    fixed_rows,
+    reference_fixed_rows,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,3 +110,19 @@ def test_bad_arguments_are_named() -> None:
         fixed_rows(rows, probs[:, :50], torch.tensor([0], device=DEVICE), 8)
     with pytest.raises(ValueError, match="batch_rows"):
         fixed_rows(rows, probs, torch.tensor([0.0], device=DEVICE), 8)
+
+
+def test_long_rows_sort_in_the_capacity_block() -> None:
+    """A row longer than SMALL_SORT takes the capacity's block; a short one
+    in the same launch the small block; both in the engine's order."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4096
+    probs = torch.softmax(torch.randn(2, vocab, generator=gen), -1).to(DEVICE)
+    top_k = torch.tensor([SMALL_SORT + 300, 50], dtype=torch.int32, device=DEVICE)
+    rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=2048,
+                   overflow="status")
+    batch_rows = torch.tensor([0, 1], device=DEVICE)
+    ids, values, lengths = fixed_rows(rows, probs, batch_rows, 2048)
+    want = reference_fixed_rows(rows, probs, batch_rows, 2048)
+    assert lengths.tolist() == [SMALL_SORT + 300, 50]
+    assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
