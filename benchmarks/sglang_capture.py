@@ -24,7 +24,11 @@ pinned host memory as SGLang's `_async_d2h` does):
               which the device cannot install (the CPU comparison of the
               real modules is tests/compat/test_sglang_sampler_patched.py).
   patched     shmask.adapters.sglang_sampler.fixed_capture: capture +
-              fixed_rows (engine order) + the same support logprobs.
+              fixed_rows (engine order) + the same support logprobs; for
+              top-p-only rows (top_k above the cap) also the rows past the
+              cap whole (SHMASK_PAST_CAP=exact: spill_rows' bitmasks, and
+              values in support mode); "past cap status": those rows
+              OVERFLOW instead (what released SGLang would abort).
 
 Goal (issue 36): patched <= 1/5 of released for top_k rows (GPU), host time
 no more than released's; top-p-only rows no more than released's top_k 4096.
@@ -51,15 +55,20 @@ from shmask.adapters.sglang_sampler import fixed_capture  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAP = 4096  # SGLang's --sampling-mask-max-tokens default
-SETTINGS = {"top_k 1000": (1000, 1.0), "top_p 0.9": (1 << 30, 0.9), "top_k 4096": (4096, 1.0)}
+# name: (top_k, top_p, support mode); every row opted in
+SETTINGS = {"top_k 1000": (1000, 1.0, True), "top_p 0.9": (1 << 30, 0.9, True),
+            "top_p 0.9 selected": (1 << 30, 0.9, False), "top_k 4096": (4096, 1.0, True)}
 # --smoke (the interpreter): a small cap and small supports
 SMOKE_CAP = 32
-SMOKE_SETTINGS = {"top_k 16": (16, 1.0), "top_p 0.9": (1 << 30, 0.9)}
+SMOKE_SETTINGS = {"top_k 16": (16, 1.0, True), "top_p 0.9": (1 << 30, 0.9, True),
+                  "top_p 0.9 selected": (1 << 30, 0.9, False)}
 
 
-def info_for(batch: int, top_k: int, top_p: float) -> Any:
+def info_for(batch: int, top_k: int, top_p: float, support: bool) -> Any:
     """The fields of SGLang's SamplingBatchInfo the capture reads."""
     return SimpleNamespace(
+        return_sampling_masks=[True] * batch, sampling_mask_top_ks=[top_k] * batch,
+        return_sampling_support_logprobs=[support] * batch,
         sampling_mask_batch_indices=torch.arange(batch, device=DEVICE),
         top_ks=torch.full((batch,), top_k, dtype=torch.int32, device=DEVICE),
         top_ps=torch.full((batch,), top_p, dtype=torch.float32, device=DEVICE),
@@ -94,16 +103,24 @@ def released_capture(fi: Any, probs: torch.Tensor, tokens: torch.Tensor, info: A
     statuses = torch.where(invalid, 2, torch.where(lengths > cap, 1, 0)).to(torch.int32)
     packed_weights, positions = torch.topk(filtered, k=min(cap, probs.shape[1]), dim=-1,
                                            largest=True, sorted=True)
-    support_logprobs = torch.log(packed_weights.float() / support_mass.unsqueeze(-1))
-    return (positions.to(torch.int32), lengths.clamp(max=cap), selected_logprobs,
-            support_logprobs, statuses)
+    outputs = (positions.to(torch.int32), lengths.clamp(max=cap), selected_logprobs, statuses)
+    if info.return_sampling_support_logprobs[0]:
+        outputs += (torch.log(packed_weights.float() / support_mass.unsqueeze(-1)),)
+    return outputs
 
 
 def patched_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any,
-                    cap: int = CAP) -> tuple:
-    fixed = fixed_capture(probs, tokens, info, order="joint", max_tokens=cap, row_order="engine")
-    return (fixed.token_ids, fixed.lengths, fixed.selected_logprobs, fixed.support_logprobs,
-            fixed.statuses)
+                    cap: int = CAP, past_cap: str = "exact") -> tuple:
+    """What the patched sampler hands SGLang: the fixed fields (support
+    logprobs for support-mode rows only) and, past_cap "exact", the spilled
+    rows of a batch whose top_k exceeds the cap (SHMASK_PAST_CAP)."""
+    fixed = fixed_capture(probs, tokens, info, order="joint", max_tokens=cap, row_order="engine",
+                          past_cap=past_cap)
+    support = fixed.support_logprobs if info.return_sampling_support_logprobs[0] else None
+    outputs = (fixed.token_ids, fixed.lengths, fixed.selected_logprobs, support, fixed.statuses)
+    if fixed.spill is not None:
+        outputs += (fixed.spill.lengths, fixed.spill.bits, fixed.spill.values)
+    return tuple(t for t in outputs if t is not None)
 
 
 def with_copy(outputs: tuple) -> tuple:
@@ -142,9 +159,12 @@ def main() -> int:
     for dist_name, make in dists.items():
         probs = torch.softmax(make(0), -1)
         tokens = torch.multinomial(probs, 1)[:, 0].to(torch.int32)
-        for set_name, (top_k, top_p) in settings.items():
-            info = info_for(batch, top_k, top_p)
+        for set_name, (top_k, top_p, support) in settings.items():
+            info = info_for(batch, top_k, top_p, support)
             paths = {"patched": lambda i=info, p=probs, t=tokens: patched_capture(p, t, i, cap)}
+            if top_k > cap:  # rows past the cap: OVERFLOW instead of whole
+                paths["patched, past cap status"] = (
+                    lambda i=info, p=probs, t=tokens: patched_capture(p, t, i, cap, "status"))
             if fi is not None:
                 paths["released"] = lambda i=info, p=probs, t=tokens: released_capture(
                     fi, p, t, i, cap)

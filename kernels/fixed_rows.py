@@ -34,9 +34,10 @@ import triton.language as tl
 
 from .float_bits import popcount
 from .launch import launch
-from .rows import WORD_BITS, Rows, Status
+from .rows import WORD_BITS, Rows, Status, bitmask_words
 
-__all__ = ["ORDERS", "SORT_LIMIT", "fixed_rows", "reference_fixed_rows"]
+__all__ = ["ORDERS", "SORT_LIMIT", "fixed_rows", "reference_fixed_rows", "reference_spill_rows",
+           "spill_rows"]
 
 ORDERS = ("engine", "ascending")
 # The widest row one program sorts in registers (int64 keys); a wider
@@ -117,6 +118,84 @@ def _sort_row(out_ids_ptr, out_values_ptr, weights_row_ptr, row, length, BLOCK: 
     tl.debug_barrier()  # every thread has read before any overwrites
     tl.store(out_ids_ptr + row + j, sorted_ids, mask=inside)
     tl.store(out_values_ptr + row + j, sorted_values, mask=inside)
+
+
+@triton.jit
+def _spill_kernel(status_ptr, lengths_ptr, id_offsets_ptr, offsets_ptr, ids_ptr, values_ptr,
+                  batch_rows_ptr, value_slots_ptr, out_bits_ptr, out_lengths_ptr, out_values_ptr,
+                  cap, vocab, BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    first = tl.program_id(1).to(tl.int64) * BLOCK
+    b = tl.load(batch_rows_ptr + c).to(tl.int64)
+    length = tl.load(lengths_ptr + b)
+    spilled = (tl.load(status_ptr + b) == 0) & (length > cap)
+    length = tl.where(spilled, length, 0)
+    if first == 0:
+        tl.store(out_lengths_ptr + c, length)
+    n_words = (vocab + 31) // 32
+    j = first + tl.arange(0, BLOCK)
+    if first < n_words:  # a spilled row is a bitmask row: its words as they are
+        id_start = tl.load(id_offsets_ptr + b).to(tl.int64)
+        words = tl.load(ids_ptr + id_start + j, mask=j < tl.where(spilled, n_words, 0), other=0)
+        tl.store(out_bits_ptr + c.to(tl.int64) * n_words + j, words, mask=j < n_words)
+    slot = tl.load(value_slots_ptr + c).to(tl.int64)
+    if slot >= 0:  # a support-mode row: its values, ascending by id, zeros after
+        start = tl.load(offsets_ptr + b).to(tl.int64)
+        values = tl.load(values_ptr + start + j, mask=j < length, other=0.0)
+        tl.store(out_values_ptr + slot * vocab + j, values, mask=j < vocab)
+
+
+def spill_rows(rows: Rows, batch_rows: torch.Tensor, cap: int, value_slots: torch.Tensor,
+               value_count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows too long for an engine's fixed capacity, in fixed-size form
+    (so copying them to the host needs no sync to size the copy):
+    ``(bits int32[C, ceil(V / 32)], lengths int32[C], values float32[S, V] or
+    None)``. Entry c is ``rows``' row ``batch_rows[c]``: if it is OK and
+    longer than ``cap`` (so a bitmask row, when ``max_tokens <= cap``), its
+    bitmask words and its length; else zeros and length 0. ``value_slots[c]``
+    >= 0 puts that row's values (ascending by id, zeros past its length) in
+    row ``value_slots[c]`` of ``values`` (``value_count`` rows; None when 0)."""
+    if type(cap) is not int or cap < 1:
+        raise ValueError(f"cap (entries per row) must be an int >= 1, got {cap!r}")
+    if rows.max_tokens is None or rows.max_tokens > cap:
+        raise ValueError(f"the rows' max_tokens ({rows.max_tokens}) must be at most cap ({cap}): "
+                         "an ids row longer than cap would not be a bitmask")
+    count, vocab = batch_rows.numel(), rows.vocab
+    if value_slots.shape != batch_rows.shape:
+        raise ValueError(f"value_slots {tuple(value_slots.shape)} must match batch_rows "
+                         f"{tuple(batch_rows.shape)}")
+    device = rows.ids.device
+    bits = torch.empty((count, bitmask_words(vocab)), dtype=torch.int32, device=device)
+    lengths = torch.empty(count, dtype=torch.int32, device=device)
+    values = (torch.empty((value_count, vocab), dtype=torch.float32, device=device)
+              if value_count else None)
+    if count:
+        launch(_spill_kernel, (count, triton.cdiv(vocab, _BLOCK)), rows.status, rows.lengths,
+               rows.id_offsets, rows.offsets, rows.ids, rows.values, batch_rows, value_slots,
+               bits, lengths, bits if values is None else values, cap, vocab, BLOCK=_BLOCK)
+    return bits, lengths, values
+
+
+def reference_spill_rows(rows: Rows, batch_rows: torch.Tensor, cap: int,
+                         value_slots: torch.Tensor, value_count: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`spill_rows` row by row on the host (``Rows.row`` decodes)."""
+    words = bitmask_words(rows.vocab)
+    bits = torch.zeros((batch_rows.numel(), words), dtype=torch.int32)
+    lengths = torch.zeros(batch_rows.numel(), dtype=torch.int32)
+    values = torch.zeros((value_count, rows.vocab)) if value_count else None
+    for c, (b, slot) in enumerate(zip(batch_rows.tolist(), value_slots.tolist(), strict=True)):
+        if int(rows.status[b]) != Status.OK or int(rows.lengths[b]) <= cap:
+            continue
+        ids, row_values = (t.cpu() for t in rows.row(b))
+        lengths[c] = ids.numel()
+        word = torch.zeros(words * WORD_BITS, dtype=torch.int64)
+        word[ids.long()] = 1
+        packed = (word.view(words, WORD_BITS) << torch.arange(WORD_BITS)).sum(1)
+        bits[c] = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+        if slot >= 0 and values is not None:
+            values[slot, :ids.numel()] = row_values
+    return bits, lengths, values
 
 
 def _check(rows: Rows, weights: torch.Tensor, batch_rows: torch.Tensor, cap: int,

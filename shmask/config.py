@@ -40,6 +40,7 @@ OTHER_PREFIXES = ("SHMASK_TEST_", "SHMASK_BENCH_", "SHMASK_FAULTS_")
 MASK_FORMATS = ("lists", "arrays")
 CAPTURES = ("shmask", "engine")
 ROW_ORDERS = ("engine", "ascending")
+PAST_CAPS = ("exact", "status")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 _PREFIX_RULE = "1 to 32 letters, digits or underscores"
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
@@ -56,7 +57,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "offload_threads": (1, 256),
 }
 _CHOICES = {"transport": TRANSPORTS, "gpu_direct": GPU_DIRECT, "log_level": LOG_LEVELS,
-            "mask_format": MASK_FORMATS, "capture": CAPTURES, "row_order": ROW_ORDERS}
+            "mask_format": MASK_FORMATS, "capture": CAPTURES, "row_order": ROW_ORDERS,
+            "past_cap": PAST_CAPS}
 
 
 def _usable_cpus(at_most: int) -> int:
@@ -144,6 +146,13 @@ class Config:
     """Order of a row's ids where the engine's own responses have one
     (SGLang: by descending weight, ties by ascending id): "engine", that
     order; "ascending", by id (shmask's own rows)."""
+    past_cap: str = "exact"
+    """A patched engine's rows longer than its own per-row capacity (SGLang:
+    --sampling-mask-max-tokens), top-p-only rows above all: "exact", they
+    reach the response whole (a V-bit bitmask on the GPU-to-host copy,
+    listed by ascending id); "status", the engine's OVERFLOW status (SGLang
+    aborts that request with its 400; the other rows of the batch are
+    untouched)."""
 
     def __post_init__(self) -> None:
         # Every field's type before its range: a dataclass checks none, and

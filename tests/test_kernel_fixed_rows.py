@@ -17,6 +17,8 @@ from shmask.kernels.fixed_rows import (  # noqa: E402
     SORT_LIMIT,
     fixed_rows,
     reference_fixed_rows,
+    reference_spill_rows,
+    spill_rows,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,3 +128,39 @@ def test_long_rows_sort_in_the_capacity_block() -> None:
     want = reference_fixed_rows(rows, probs, batch_rows, 2048)
     assert lengths.tolist() == [SMALL_SORT + 300, 50]
     assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
+
+
+def test_spill_rows_carry_rows_past_the_cap_whole() -> None:
+    """Rows longer than an engine's capacity (capture with overflow="exact"
+    and max_tokens = the capacity makes them bitmask rows) in fixed-size
+    form: their words, lengths and, for support-mode slots, their values;
+    every other candidate zeros and length 0."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, cap = 300, 24
+    logits = torch.randn(5, vocab, generator=gen) * torch.tensor([[0.3], [3.0], [0.2], [1.0], [0.5]])
+    probs = torch.softmax(logits, -1)
+    sampled = probs.argmax(-1).to(torch.int32)
+    sampled[4] = int(probs[4].argmin())  # outside its top-p: INVALID, never spilled
+    top_p = torch.tensor([0.9, 0.9, 0.95, 0.5, 0.3])
+    rows = capture(probs.to(DEVICE), sampled.to(DEVICE), top_p=top_p.to(DEVICE), max_tokens=cap,
+                   overflow="exact")
+    lengths = rows.lengths.cpu().tolist()
+    assert lengths[0] > cap and lengths[2] > cap and lengths[1] <= cap, lengths
+    assert int(rows.status[4]) == Status.INVALID
+    batch_rows = torch.tensor([2, 1, 0, 4], device=DEVICE)
+    slots = torch.tensor([0, -1, -1, 1], dtype=torch.int32, device=DEVICE)
+    bits, spilled, values = spill_rows(rows, batch_rows, cap, slots, 2)
+    want_bits, want_lengths, want_values = reference_spill_rows(rows, batch_rows, cap, slots, 2)
+    assert spilled.cpu().tolist() == [lengths[2], 0, lengths[0], 0]
+    assert torch.equal(spilled.cpu(), want_lengths)
+    assert torch.equal(bits.cpu(), want_bits)
+    assert values is not None and want_values is not None
+    assert torch.equal(values.cpu(), want_values)
+    # the bits are the row's support exactly, and the values its logprobs
+    decoded = ((bits[0].cpu().long()[:, None] >> torch.arange(32)) & 1).reshape(-1).nonzero()[:, 0]
+    ids, row_values = rows.row(2)
+    assert torch.equal(decoded, ids.cpu().long())
+    assert torch.equal(values[0, :lengths[2]].cpu(), row_values.cpu())
+    assert not values[0, lengths[2]:].any() and not values[1].any()
+    with pytest.raises(ValueError, match="max_tokens"):
+        spill_rows(rows, batch_rows, cap - 1, slots, 2)

@@ -13,8 +13,9 @@ in sglang/srt/layers/sampler.py). The patched sampler skips all of that:
   backend no longer asks its sampler for the filtered, fully sorted rows);
 - ``sampling_mask_output`` (called by ``_build_sampling_mask_output``, after
   the draw and the TP token sync) runs ``shmask.kernels.capture`` on the
-  opted-in rows with the drawn tokens (``overflow="status"``,
-  ``max_tokens`` = ``--sampling-mask-max-tokens``) and
+  opted-in rows with the drawn tokens (``overflow="status"``, or
+  ``"exact"`` when rows may pass the cap: below; ``max_tokens`` =
+  ``--sampling-mask-max-tokens``) and
   ``shmask.kernels.fixed_rows`` to lay the rows out as the released
   ``SamplingMaskOutput``: ids by descending weight, ties by ascending id
   (``SHMASK_ROW_ORDER=engine``, the default; ``ascending``: by id). Its
@@ -34,6 +35,14 @@ boundary is ``mass(w >= t) >= top_p * M`` in float32, and its logprobs are
 difference from SGLang's own sum is possible). Lengths of rows that are not
 OK are 0 (released SGLang fills them; nothing reads them).
 
+Top-p-only masks (issue 36, item 2): ``sampling_mask_refusal`` is the
+patched scheduler's admission rule (bounded supports admitted, the full
+vocabulary refused with what to set); rows longer than the cap reach their
+requests whole with ``SHMASK_PAST_CAP=exact`` (``Spill``: fixed-size
+bitmasks beside the released fields, which keep those rows OVERFLOW;
+``materialize_spilled`` is the patched start of SGLang's
+``materialize_sampling_mask_output``; shmask/adapters/sglang_spill.py).
+
 ``SHMASK_CAPTURE=engine`` keeps SGLang's own capture (``pending_capture``
 returns None). Greedy batches keep SGLang's own builder (one id per row, no
 capture to do), and so do devices the kernels do not run on.
@@ -41,15 +50,17 @@ capture to do), and so do devices the kernels do not run on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..config import Config
 
-__all__ = ["FixedRows", "ShmaskCapture", "fixed_capture", "pending_capture",
-           "sampling_mask_output"]
+__all__ = ["FixedRows", "ShmaskCapture", "Spill", "fixed_capture", "materialize_spilled",
+           "pending_capture", "sampling_mask_output", "sampling_mask_refusal"]
 
 
 class ShmaskCapture(NamedTuple):
@@ -88,6 +99,18 @@ def pending_capture(probs: torch.Tensor, sampling_info: Any,
     return ShmaskCapture(probs, sampling_info, "sequential" if sequential else "joint")
 
 
+class Spill(NamedTuple):
+    """The opted-in rows that may be longer than the capacity (their
+    ``top_k`` exceeds it: top-p-only rows above all), in fixed-size form
+    (``shmask.kernels.fixed_rows.spill_rows``)."""
+
+    rows: tuple[int, ...]  # positions among the opted-in rows
+    value_rows: tuple[int, ...]  # each one's row of ``values``, or -1 (selected mode)
+    lengths: torch.Tensor  # int32 [C]; 0 unless OK and past the capacity
+    bits: torch.Tensor  # int32 [C, ceil(V / 32)]
+    values: torch.Tensor | None  # float32 [S, V], ascending by id, zeros past the length
+
+
 class FixedRows(NamedTuple):
     """The opted-in rows as SGLang's fixed-capacity tensors (R rows)."""
 
@@ -96,19 +119,51 @@ class FixedRows(NamedTuple):
     selected_logprobs: torch.Tensor  # float32 [R]
     support_logprobs: torch.Tensor  # float32 [R, cap]
     statuses: torch.Tensor  # int32 [R]: 0 OK, 1 OVERFLOW, 2 INVALID
+    spill: Spill | None = None  # rows past the capacity (SHMASK_PAST_CAP=exact)
+
+
+def _spill_candidates(info: Any, cap: int, vocab: int,
+                      past_cap: str) -> tuple[list[int], list[int], list[int]]:
+    """(positions among the opted-in rows, their batch rows, their rows of
+    spilled values or -1) of the opted-in rows whose top_k exceeds ``cap``:
+    host lists SGLang keeps per request, so no sync. Rows with a finite
+    top_k <= cap cannot pass it except by ties, which stay OVERFLOW as
+    released (a bitmask per row of every batch would cost V / 8 bytes of
+    copy a row a step)."""
+    if cap >= vocab or past_cap != "exact":
+        return [], [], []
+    positions: list[int] = []
+    batch_rows: list[int] = []
+    value_rows: list[int] = []
+    opted = (b for b, wanted in enumerate(info.return_sampling_masks) if wanted)
+    for position, b in enumerate(opted):
+        if info.sampling_mask_top_ks[b] > cap:
+            positions.append(position)
+            batch_rows.append(b)
+            support = info.return_sampling_support_logprobs[b]
+            value_rows.append(sum(v >= 0 for v in value_rows) if support else -1)
+    return positions, batch_rows, value_rows
 
 
 def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order: str,
-                  max_tokens: int, row_order: str) -> FixedRows:
+                  max_tokens: int, row_order: str, past_cap: str | None = None) -> FixedRows:
     """shmask's capture of the rows ``info.sampling_mask_batch_indices`` of
     ``probs`` (with the drawn ``tokens``), laid out as SGLang lays out its
     own: the kernels' part of :func:`sampling_mask_output`, which needs
-    nothing of SGLang (benchmarks/sglang_capture.py runs it on the H200)."""
-    from shmask.kernels import capture
-    from shmask.kernels.fixed_rows import fixed_rows
+    nothing of SGLang (benchmarks/sglang_capture.py runs it on the H200).
+
+    Rows longer than the capacity are OVERFLOW in the fixed fields; those
+    of the spill candidates (:func:`_spill_candidates`) also come whole in
+    ``spill`` (``past_cap``: SHMASK_PAST_CAP's value, from the settings
+    when None)."""
+    from shmask.kernels import Status, capture
+    from shmask.kernels.fixed_rows import fixed_rows, spill_rows
 
     batch_rows = info.sampling_mask_batch_indices
     batch, vocab = probs.shape
+    cap = min(max_tokens, vocab)
+    positions, candidates, value_rows = _spill_candidates(
+        info, cap, vocab, _settings().past_cap if past_cap is None else past_cap)
     opted = None
     if batch_rows.numel() != batch:
         opted = torch.zeros(batch, dtype=torch.bool, device=probs.device)
@@ -118,31 +173,152 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
         top_k=info.top_ks if info.need_top_k_sampling else None,
         top_p=info.top_ps if info.need_top_p_sampling else None,
         min_p=info.min_ps if info.need_min_p_sampling else None,
-        max_tokens=max_tokens, order=order, rows=opted, overflow="status")
-    ids, values, lengths = fixed_rows(rows, probs, batch_rows, min(max_tokens, vocab), row_order)
+        max_tokens=cap, order=order, rows=opted, overflow="exact" if positions else "status")
+    spill = None
+    if positions:
+        device = probs.device
+        lengths, bits, values = _spill(rows, candidates, value_rows, cap, device, spill_rows)
+        spill = Spill(tuple(positions), tuple(value_rows), lengths, bits, values)
+        # past the capacity: OVERFLOW in the fixed fields (spill has them whole)
+        past = (rows.status == Status.OK) & (rows.lengths > cap)
+        rows = dataclasses.replace(rows, status=torch.where(past, Status.OVERFLOW, rows.status))
+    ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap, row_order)
     assert rows.selected_logprob is not None  # capture() always sets it
     return FixedRows(ids, lengths, rows.selected_logprob.index_select(0, batch_rows), values,
-                     rows.status.index_select(0, batch_rows))
+                     rows.status.index_select(0, batch_rows), spill)
+
+
+def _spill(rows: Any, candidates: list[int], value_rows: list[int], cap: int,
+           device: torch.device, spill_rows: Any) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor | None]:
+    batch_rows = torch.tensor(candidates, dtype=torch.int32).to(device, non_blocking=True)
+    slots = torch.tensor(value_rows, dtype=torch.int32).to(device, non_blocking=True)
+    bits, lengths, values = spill_rows(rows, batch_rows, cap, slots,
+                                       sum(v >= 0 for v in value_rows))
+    return lengths, bits, values
 
 
 def sampling_mask_output(sampler: Any, batch_next_token_ids: torch.Tensor,
                          pending: ShmaskCapture, support_capture_indices: Any) -> Any:
     """The released ``SamplingMaskOutput`` of the opted-in rows, from
-    shmask's capture of ``pending`` with the final drawn tokens."""
+    shmask's capture of ``pending`` with the final drawn tokens (a
+    ``SpilledSamplingMaskOutput`` when rows may pass the capacity)."""
     from sglang.srt.layers.logits_processor import SamplingMaskOutput
 
     fixed = fixed_capture(pending.probs, batch_next_token_ids, pending.sampling_info,
                           order=pending.order, max_tokens=int(sampler.sampling_mask_max_tokens),
                           row_order=_settings().row_order)
     _agree_on_statuses(sampler, fixed.statuses)
-    return SamplingMaskOutput(
-        token_ids=fixed.token_ids,
-        lengths=fixed.lengths,
-        selected_logprobs=fixed.selected_logprobs,
-        support_logprobs=(None if support_capture_indices is None
-                          else fixed.support_logprobs.index_select(0, support_capture_indices)),
-        statuses=fixed.statuses,
-    )
+    released = {
+        "token_ids": fixed.token_ids,
+        "lengths": fixed.lengths,
+        "selected_logprobs": fixed.selected_logprobs,
+        "support_logprobs": (None if support_capture_indices is None
+                             else fixed.support_logprobs.index_select(0, support_capture_indices)),
+        "statuses": fixed.statuses,
+    }
+    if fixed.spill is None:
+        return SamplingMaskOutput(**released)
+    from .sglang_spill import SpilledSamplingMaskOutput
+
+    spill = fixed.spill
+    return SpilledSamplingMaskOutput(**released, spill_rows=spill.rows,
+                                     spill_value_rows=spill.value_rows,
+                                     spill_lengths=spill.lengths, spill_bits=spill.bits,
+                                     spill_values=spill.values)
+
+
+def materialize_spilled(reqs: Any, output: Any) -> bool:
+    """SGLang's ``materialize_sampling_mask_output`` for an output with rows
+    past the capacity (False, doing nothing, for any other output): the
+    same per-request host rows, statuses and support-row counting as
+    released, and each spilled row whole, its ids ascending (decoded from
+    its bitmask), OK. A spilled row whose status the TP/CP all-reduce made
+    INVALID stays INVALID; a bitmask whose popcount is not the row's length
+    makes the row INVALID (its request aborts) rather than return a wrong row."""
+    from .sglang_spill import SpilledSamplingMaskOutput
+
+    out = output.sampling_mask_output
+    if not isinstance(out, SpilledSamplingMaskOutput) or out.num_accept_tokens is not None:
+        return False
+    overflow, invalid = 1, 2  # SamplingMaskStatus
+    batch_indices = [i for i, req in enumerate(reqs) if req.return_sampling_mask]
+    lengths = out.lengths.tolist()
+    statuses = out.statuses.tolist()
+    if len(batch_indices) != len(lengths):
+        raise ValueError(f"{len(lengths)} sampling-mask rows for {len(batch_indices)} "
+                         "requests that asked for one")
+    token_ids = out.token_ids.cpu().numpy()
+    selected = out.selected_logprobs.cpu().numpy()
+    support = None if out.support_logprobs is None else out.support_logprobs.cpu().numpy()
+    spilled = {row: c for c, row in enumerate(out.spill_rows)}
+    assert out.spill_lengths is not None and out.spill_bits is not None
+    spill_lengths = out.spill_lengths.tolist()
+    spill_bits = out.spill_bits.cpu().numpy()
+    spill_values = None if out.spill_values is None else out.spill_values.cpu().numpy()
+    masks: list[Any] = [None] * len(reqs)
+    logprobs: list[Any] = [None] * len(reqs)
+    status_by_batch: list[Any] = [None] * len(reqs)
+    support_row = 0
+    for row, b in enumerate(batch_indices):
+        wants_support = reqs[b].sampling_logprobs_mode == "support"
+        status, length = int(statuses[row]), int(lengths[row])
+        c = spilled.get(row)
+        if c is not None and status == overflow and spill_lengths[c] > 0:
+            ids = np.flatnonzero(np.unpackbits(spill_bits[c].view(np.uint8), bitorder="little"))
+            value_row = out.spill_value_rows[c]
+            if len(ids) != spill_lengths[c] or (wants_support and (value_row < 0 or spill_values is None)):
+                status = invalid
+            else:
+                status = 0
+                masks[b] = ids.astype(np.int32)
+                logprobs[b] = (spill_values[value_row, :len(ids)]  # type: ignore[index]
+                               if wants_support else selected[row:row + 1])
+        elif status == 0:
+            masks[b] = token_ids[row, :length]
+            logprobs[b] = (support[support_row, :length]  # type: ignore[index]
+                           if wants_support else selected[row:row + 1])
+        status_by_batch[b] = status
+        support_row += wants_support
+    output.next_token_sampling_mask_idx = masks
+    output.next_token_sampling_logprobs = logprobs
+    output.next_token_sampling_mask_status = status_by_batch
+    output.sampling_mask_output = None
+    return True
+
+
+def sampling_mask_refusal(req: Any, cap: int) -> str | None:
+    """Why the scheduler refuses a request that asks for sampling masks,
+    given its normalised SamplingParams (top_k -1 is SGLang's TOP_K_ALL),
+    or None to admit it. ``cap`` is --sampling-mask-max-tokens.
+
+    Released SGLang admits greedy (top_k 1) and finite ``1 < top_k <= cap``
+    only. With shmask's capture it also admits any bounded support:
+    ``top_p < 1`` as a float32 (top-p-only, the RL rollout setting) or
+    ``min_p > 0`` (at most 1 / min_p ids) at any top_k, and, with
+    ``SHMASK_PAST_CAP=exact``, a finite top_k above ``cap`` (such rows
+    travel whole). The full vocabulary (no top_k below V, top_p rounding to
+    1, no min_p) is refused with a message that says what to set."""
+    params = req.sampling_params
+    top_k = params.top_k
+    if top_k == 1 or 1 < top_k <= cap:
+        return None
+    released = ("return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k "
+                f"<= {cap}; got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.")
+    if _settings().capture != "shmask":
+        return released
+    bounded_by_p = float(np.float32(params.top_p)) < 1.0 or params.min_p > 0
+    vocab = getattr(req, "vocab_size", None)
+    full_top_k = top_k < 1 or (vocab is not None and top_k >= vocab) or top_k >= 1 << 30
+    if bounded_by_p:
+        return None
+    if full_top_k:
+        shown = "-1 (all)" if top_k >= 1 << 30 else str(top_k)
+        rounds = ", which is 1.0 as a float32" if params.top_p < 1 else ""
+        return ("return_sampling_mask cannot return the full vocabulary: set top_p < 1 (got "
+                f"top_p={params.top_p!r}{rounds}), min_p > 0, or a finite top_k below the "
+                f"vocabulary size (got top_k={shown}).")
+    return None if _settings().past_cap == "exact" else released
 
 
 def _agree_on_statuses(sampler: Any, statuses: torch.Tensor) -> None:

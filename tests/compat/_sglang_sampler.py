@@ -8,6 +8,9 @@ for the compat tests; it holds no tests).
     load_sampler_module(patched, patch=PATCH) -> module
         the released sampler.py (patched=False) or that file with only its own
         section of `patch` applied, each under a name of its own; cached.
+    load_module(file, patched, patch=PATCH) -> module
+        the same for any file of the package (the scheduler's
+        batch_result_processor.py, for materialize_sampling_mask_output).
     sampling_info(logits, *, temperatures, top_ks, top_ps, min_ps,
                   mask_rows, support_rows, seeds=None) -> SamplingBatchInfo
         built by SGLang's own SamplingBatchInfo.from_schedule_batch from
@@ -58,7 +61,7 @@ SAMPLER_FILE = "sglang/srt/layers/sampler.py"
 # package, and that copy's sampler.py is the patched one once the patch has a
 # section for it.
 INSTALLED_SAMPLER = Path(str(importlib.metadata.distribution("sglang").locate_file(SAMPLER_FILE)))
-# load_sampler_module's cache: (patched, digest of the sampler.py section) -> module
+# load_module's cache: (patched, file and digest of its section) -> module
 _MODULES: dict[tuple[bool, str], ModuleType] = {}
 
 
@@ -69,12 +72,15 @@ def _importable_sglang() -> None:
     deletes that copy when its tests end; SGLang imports many of its modules
     lazily (ServerArgs resolution, the sampler's softmax), and those would no
     longer be found. The cached sampler modules go too: they were bound to
-    the dropped modules."""
+    the dropped modules (and so does shmask.adapters.sglang_spill, whose
+    class derives from SGLang's SamplingMaskOutput)."""
     package = sys.modules.get("sglang")
     if package is None or Path(package.__file__ or "").is_file():
         return
     for name in [name for name in sys.modules if name == "sglang" or name.startswith("sglang.")]:
         del sys.modules[name]
+    # shmask's one module that subclasses an SGLang type, bound to the dropped tree
+    sys.modules.pop("shmask.adapters.sglang_spill", None)
     _MODULES.clear()
 
 
@@ -121,34 +127,44 @@ def load_sampler_module(patched: bool, patch: Path = PATCH) -> ModuleType:
     --fuzz=0`, nothing else of the patch). Each is imported from its file
     under a name of its own, so both live in one process; cached per process
     (and per patch text)."""
+    return load_module(SAMPLER_FILE, patched, patch)
+
+
+def load_module(file: str, patched: bool, patch: Path = PATCH) -> ModuleType:
+    """`load_sampler_module` for any file of the package (`file` as the
+    patch names it, e.g. sglang/srt/managers/scheduler_components/
+    batch_result_processor.py)."""
     _importable_sglang()
+    installed = Path(str(importlib.metadata.distribution("sglang").locate_file(file)))
+    stem = "_" + Path(file).stem
+    package = file.removesuffix(".py").replace("/", ".").rsplit(".", 1)[0]
     if not patched:
-        key = (False, "")
+        key = (False, file)
         if key not in _MODULES:
-            _MODULES[key] = _import_file("sglang.srt.layers._sampler_released", INSTALLED_SAMPLER)
+            _MODULES[key] = _import_file(f"{package}.{stem}_released", installed)
         return _MODULES[key]
     patch = Path(patch)
-    sections = [file for file in split_patch(patch) if file.path == SAMPLER_FILE]
+    sections = [section for section in split_patch(patch) if section.path == file]
     if len(sections) != 1:
         count = f"{len(sections)} sections" if sections else "no section"
-        raise SamplerPatchError(f"{patch} has {count} for {SAMPLER_FILE}")
+        raise SamplerPatchError(f"{patch} has {count} for {file}")
     text = sections[0].text
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    key = (True, digest)
+    key = (True, f"{file}:{digest}")
     if key not in _MODULES:
         if shutil.which("patch") is None:
             raise SamplerPatchError("GNU patch is not installed (Debian/Ubuntu: apt-get install patch)")
         root = Path(tempfile.mkdtemp(prefix="shmask-sampler-"))
         atexit.register(shutil.rmtree, root, True)  # the module's __file__ lives there until exit
-        target = root / SAMPLER_FILE
+        target = root / file
         target.parent.mkdir(parents=True)
-        shutil.copy(INSTALLED_SAMPLER, target)
+        shutil.copy(installed, target)
         applied = subprocess.run(["patch", "-p1", "--forward", "--fuzz=0", "-d", str(root)],
                                  input=text, capture_output=True, text=True, timeout=60)
         if applied.returncode != 0:
-            raise SamplerPatchError(f"{patch}: its {SAMPLER_FILE} section does not apply to "
-                                    f"{INSTALLED_SAMPLER}:\n{(applied.stdout + applied.stderr).strip()}")
-        name = "sglang.srt.layers._sampler_shmask_patched"
+            raise SamplerPatchError(f"{patch}: its {file} section does not apply to "
+                                    f"{installed}:\n{(applied.stdout + applied.stderr).strip()}")
+        name = f"{package}.{stem}_shmask_patched"
         if Path(patch).resolve() != PATCH.resolve():
             name += f"_{digest}"  # a test's own patch never takes the shipped one's name
         _MODULES[key] = _import_file(name, target)

@@ -12,6 +12,8 @@ order). Unseeded draws, made equal by seeding torch's generator.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import _sglang_sampler as harness
 import numpy as np
 import pytest
@@ -46,15 +48,15 @@ def _batch() -> tuple[torch.Tensor, object]:
     return logits, info
 
 
-def _forward(patched: bool, monkeypatch: pytest.MonkeyPatch | None = None,
-             **env: str) -> tuple[torch.Tensor, object, object]:
+def _forward(patched: bool, monkeypatch: pytest.MonkeyPatch | None = None, *,
+             max_tokens: int = MAX_TOKENS, **env: str) -> tuple[torch.Tensor, object, object]:
     if monkeypatch is not None:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
     sglang_sampler._settings.cache_clear()  # SHMASK_* are read once a process
     try:
         module = harness.load_sampler_module(patched=patched)
-        with harness.sampler_context(MAX_TOKENS):
+        with harness.sampler_context(max_tokens):
             logits, info = _batch()
             ids, output = harness.run_forward(module, module.Sampler(), logits, info)
     finally:
@@ -121,7 +123,9 @@ def test_output_has_the_released_shapes_and_types(released, patched):
     for field in ("token_ids", "lengths", "selected_logprobs", "support_logprobs", "statuses"):
         mine, theirs = getattr(patched_out, field), getattr(released_out, field)
         assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, field
-    assert type(patched_out) is type(released_out)
+    # released SGLang's type, or its subclass with the rows past the cap
+    # (the top-p-only rows may pass it: test_rows_past_the_cap_come_whole)
+    assert isinstance(patched_out, type(released_out))
     # past a row's length the patched rows are zeros (deterministic bytes)
     ids = patched_out.token_ids
     for row, length in enumerate(patched_out.lengths.tolist()):
@@ -149,3 +153,94 @@ def test_pending_capture_declines_without_opted_in_rows():
         sampling_mask_batch_indices = None
 
     assert sglang_sampler.pending_capture(torch.zeros(2, 4), Info(), True) is None
+
+
+SMALL_CAP = 40  # below every top-p-only row's support here, and below top_k 300
+
+
+def _materialized(output, info):
+    """The rows as the patched scheduler's materialize_sampling_mask_output
+    (SGLang's real method, its file patched) hands them to the requests:
+    per opted-in row (status, ids, logprobs)."""
+    processor = harness.load_module(
+        "sglang/srt/managers/scheduler_components/batch_result_processor.py", patched=True)
+    reqs = [SimpleNamespace(return_sampling_mask=opted, sampling_logprobs_mode=(
+        "support" if support else "selected")) for opted, support in zip(
+        info.return_sampling_masks, info.return_sampling_support_logprobs, strict=True)]
+    holder = SimpleNamespace(sampling_mask_output=output)
+    processor.SchedulerBatchResultProcessor.materialize_sampling_mask_output(reqs, holder)
+    assert holder.sampling_mask_output is None
+    return {b: (holder.next_token_sampling_mask_status[b], holder.next_token_sampling_mask_idx[b],
+                holder.next_token_sampling_logprobs[b]) for b in MASK_ROWS}
+
+
+def test_rows_past_the_cap_come_whole(monkeypatch):
+    """SHMASK_PAST_CAP=exact (the default): at a cap of 40 the top-p-only
+    rows and the top_k 300 row are longer than the cap; they reach the
+    requests whole, ids ascending, the same ids and logprobs as the released
+    sampler's rows at a cap of the whole vocabulary (where nothing is cut).
+    The rows within the cap are the released rows, in the released order."""
+    released_ids, released_out, info = _forward(False, max_tokens=VOCAB)
+    patched_ids, patched_out, _ = _forward(True, monkeypatch, max_tokens=SMALL_CAP,
+                                           SHMASK_PAST_CAP="exact")
+    assert torch.equal(patched_ids, released_ids)
+    assert type(patched_out).__name__ == "SpilledSamplingMaskOutput"
+    # any path that rebuilds the released fields alone sees OVERFLOW, never a cut row
+    fixed_status = dict(zip(MASK_ROWS, patched_out.statuses.tolist(), strict=True))
+    got = _materialized(patched_out, info)
+    want = dict(zip(MASK_ROWS, harness.ok_rows(released_out, info), strict=True))
+    past = [b for b in MASK_ROWS if want[b].status == 0 and len(want[b].ids) > SMALL_CAP]
+    assert set(past) >= {0, 6}, past  # a top-p-only row and the top_k 300 row
+    for b in MASK_ROWS:
+        status, ids, logprobs = got[b]
+        assert status == want[b].status, f"row {b}"
+        if status != 0:
+            continue
+        if b in past:
+            assert fixed_status[b] == 1, f"row {b}: OVERFLOW in the released fields"
+            assert np.all(np.diff(ids) > 0), f"row {b}: ascending"
+            order = np.argsort(want[b].ids)
+            np.testing.assert_array_equal(ids, want[b].ids[order], err_msg=f"row {b}")
+            want_values = None if want[b].support_logprobs is None else want[b].support_logprobs[order]
+        else:
+            np.testing.assert_array_equal(ids, want[b].ids, err_msg=f"row {b}")
+            want_values = want[b].support_logprobs
+        if want_values is None:
+            np.testing.assert_allclose(logprobs, [want[b].selected_logprob], rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_allclose(logprobs, want_values, rtol=1e-6, atol=1e-6,
+                                       err_msg=f"row {b}")
+
+
+def test_rows_past_the_cap_overflow_when_configured(monkeypatch):
+    """SHMASK_PAST_CAP=status: released SGLang's output type and OVERFLOW for
+    every row past the cap (SGLang aborts those requests with its 400)."""
+    _, released_out, info = _forward(False, max_tokens=VOCAB)
+    _, patched_out, _ = _forward(True, monkeypatch, max_tokens=SMALL_CAP, SHMASK_PAST_CAP="status")
+    assert type(patched_out) is type(released_out)
+    want = dict(zip(MASK_ROWS, harness.ok_rows(released_out, info), strict=True))
+    statuses = dict(zip(MASK_ROWS, patched_out.statuses.tolist(), strict=True))
+    for b in MASK_ROWS:
+        longer = want[b].status == 0 and len(want[b].ids) > SMALL_CAP
+        assert statuses[b] == (1 if longer else want[b].status), f"row {b}"
+
+
+def test_a_spilled_row_that_disagrees_with_its_length_is_invalid(monkeypatch):
+    """A bitmask whose popcount is not the row's length (never made by the
+    kernels: here forged) fails that request (INVALID), never returns a
+    wrong row; the other rows are as before."""
+    _, patched_out, info = _forward(True, monkeypatch, max_tokens=SMALL_CAP,
+                                    SHMASK_PAST_CAP="exact")
+    spilled = [c for c, n in enumerate(patched_out.spill_lengths.tolist()) if n > 0]
+    assert len(spilled) >= 2
+    honest = _materialized(patched_out, info)
+    _, patched_out, _ = _forward(True, monkeypatch, max_tokens=SMALL_CAP, SHMASK_PAST_CAP="exact")
+    patched_out.spill_lengths[spilled[0]] += 1
+    forged = _materialized(patched_out, info)
+    forged_row = MASK_ROWS[patched_out.spill_rows[spilled[0]]]
+    assert forged[forged_row][0] == 2 and forged[forged_row][1] is None
+    for b in MASK_ROWS:
+        if b != forged_row:
+            assert forged[b][0] == honest[b][0], f"row {b}"
+            if honest[b][0] == 0:
+                np.testing.assert_array_equal(forged[b][1], honest[b][1])
