@@ -132,16 +132,18 @@ def _spill_candidates(info: Any, cap: int, vocab: int,
     copy a row a step)."""
     if cap >= vocab or past_cap != "exact":
         return [], [], []
-    positions: list[int] = []
-    batch_rows: list[int] = []
+    top_ks = info.sampling_mask_top_ks
+    opted = [b for b, wanted in enumerate(info.return_sampling_masks) if wanted]
+    positions = [p for p, b in enumerate(opted) if top_ks[b] > cap]
+    if not positions:
+        return [], [], []
+    batch_rows = [opted[p] for p in positions]
+    support = info.return_sampling_support_logprobs
     value_rows: list[int] = []
-    opted = (b for b, wanted in enumerate(info.return_sampling_masks) if wanted)
-    for position, b in enumerate(opted):
-        if info.sampling_mask_top_ks[b] > cap:
-            positions.append(position)
-            batch_rows.append(b)
-            support = info.return_sampling_support_logprobs[b]
-            value_rows.append(sum(v >= 0 for v in value_rows) if support else -1)
+    count = 0
+    for b in batch_rows:
+        value_rows.append(count if support[b] else -1)
+        count += bool(support[b])
     return positions, batch_rows, value_rows
 
 
@@ -180,8 +182,9 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
         lengths, bits, values = _spill(rows, candidates, value_rows, cap, device, spill_rows)
         spill = Spill(tuple(positions), tuple(value_rows), lengths, bits, values)
         # past the capacity: OVERFLOW in the fixed fields (spill has them whole)
-        past = (rows.status == Status.OK) & (rows.lengths > cap)
-        rows = dataclasses.replace(rows, status=torch.where(past, Status.OVERFLOW, rows.status))
+        # (a row's length is 0 unless it is OK)
+        rows = dataclasses.replace(
+            rows, status=rows.status.masked_fill(rows.lengths > cap, Status.OVERFLOW))
     ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap, row_order)
     assert rows.selected_logprob is not None  # capture() always sets it
     return FixedRows(ids, lengths, rows.selected_logprob.index_select(0, batch_rows), values,
@@ -191,11 +194,21 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
 def _spill(rows: Any, candidates: list[int], value_rows: list[int], cap: int,
            device: torch.device, spill_rows: Any) -> tuple[torch.Tensor, torch.Tensor,
                                                            torch.Tensor | None]:
-    batch_rows = torch.tensor(candidates, dtype=torch.int32).to(device, non_blocking=True)
-    slots = torch.tensor(value_rows, dtype=torch.int32).to(device, non_blocking=True)
-    bits, lengths, values = spill_rows(rows, batch_rows, cap, slots,
+    both = _device_rows(tuple(candidates), tuple(value_rows), device)
+    bits, lengths, values = spill_rows(rows, both[0], cap, both[1],
                                        sum(v >= 0 for v in value_rows))
     return lengths, bits, values
+
+
+@functools.lru_cache(maxsize=8)
+def _device_rows(candidates: tuple[int, ...], value_rows: tuple[int, ...],
+                 device: torch.device) -> torch.Tensor:
+    """int32 [2, C] on the device: a decode batch keeps its requests step
+    after step, so one copy serves many steps (never written: read-only).
+    The copy is from pinned memory: a pageable one would make the host wait
+    for the GPU's queue (the sampler's host must stay ahead of the GPU)."""
+    return torch.tensor([candidates, value_rows], dtype=torch.int32,
+                        pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def sampling_mask_output(sampler: Any, batch_next_token_ids: torch.Tensor,
