@@ -93,7 +93,7 @@ from ..chunk import ROW_OK, Chunk
 from ..config import MASK_FORMATS, Config
 from ..errors import ConfigError, InvalidRefError, InvalidRowsError, SegmentError, ShmaskError
 from ..reader import Reader
-from ..refs import ChunkRef, RefBatch
+from ..refs import MODE_SELECTED, MODE_SUPPORT, ChunkRef, RefBatch
 from ..response_json import RawJSON
 from ..writer import RowQueue, Writer, _as_array
 
@@ -522,7 +522,7 @@ class SamplingMaskCSR:
     """
 
     __slots__ = ("support", "_lengths", "_status", "_ids", "_logprobs", "_rows", "_nnz",
-                 "_offsets")
+                 "_offsets", "_origin", "_json")
 
     def __init__(self, support_logprobs: bool) -> None:
         self.support = bool(support_logprobs)
@@ -532,6 +532,11 @@ class SamplingMaskCSR:
         self._logprobs = np.empty(0, np.float32)
         self._rows = self._nnz = 0
         self._offsets: np.ndarray | None = None
+        # A slice's rows [start, stop) of the CSR it was cut from (the
+        # request's), whose _json caches the last rows written as JSON:
+        # both faces of one response are written once (json_default).
+        self._origin: tuple[SamplingMaskCSR, int, int] | None = None
+        self._json: tuple[tuple[int, int], bytes, bytes] | None = None
 
     @classmethod
     def _of(cls, support: bool, lengths: np.ndarray, status: np.ndarray, ids: np.ndarray,
@@ -650,8 +655,11 @@ class SamplingMaskCSR:
             offsets = self.offsets
             lo, hi = int(offsets[start]), int(offsets[stop])
             logprobs = self._logprobs[lo:hi] if self.support else self._logprobs[start:stop]
-            return SamplingMaskCSR._of(self.support, self._lengths[start:stop],
+            part = SamplingMaskCSR._of(self.support, self._lengths[start:stop],
                                        self._status[start:stop], self._ids[lo:hi], logprobs)
+            root, base, _ = self._origin or (self, 0, self._rows)
+            part._origin = (root, base + start, base + stop)
+            return part
         index = range(self._rows)[key]
         if self._status[index] != ROW_OK:
             return None
@@ -737,6 +745,72 @@ def _grown(buffer: np.ndarray, used: int, needed: int) -> np.ndarray:
     grown = np.empty(max(needed, 2 * buffer.size), buffer.dtype)
     grown[:used] = buffer[:used]
     return grown
+
+
+def _csr_json(rows: SamplingMaskCSR) -> tuple[bytes, bytes]:
+    """(ids, logprobs) of ``rows`` as JSON arrays, byte for byte what orjson
+    writes for the lists form (``to_lists``), by the native response writer.
+    Rows are append-only, so the JSON of rows [start, stop) of a request
+    never changes: the request's CSR keeps the last one written until the
+    second face of the response has reused it (one entry per request)."""
+    root, start, stop = rows._origin or (rows, 0, rows._rows)
+    cached = root._json
+    if cached is not None and cached[0] == (start, stop):
+        root._json = None  # the second face: nothing keeps the text after the response
+        return cached[1], cached[2]
+    if not len(rows):
+        return b"[]", b"[]"
+    chunk = Chunk(MODE_SUPPORT if rows.support else MODE_SELECTED, rows.lengths,
+                  rows.token_ids, rows.logprobs, None, flags=rows.status)
+    ids, logprobs, _ = chunk.json_arrays()
+    root._json = ((start, stop), ids, logprobs)
+    return ids, logprobs
+
+
+def json_default(value: Any) -> Any:
+    """orjson's ``default`` for a response that holds arrays-mode rows
+    (``SHMASK_MASK_FORMAT=arrays``): a ``SamplingMaskCSR`` (the ids) or
+    ``SamplingLogprobsCSR`` (the logprobs) becomes an ``orjson.Fragment`` of
+    the JSON that orjson writes for the lists form, written by the native
+    writer, so ``orjson.dumps(out, default=json_default)`` is byte-identical
+    to the lists mode's ``orjson.dumps(out)`` (tests/compat). The patched
+    SGLang's ``dumps_json`` (its /generate responses and stream events)
+    passes it. Any other type raises TypeError, as orjson's own does."""
+    if isinstance(value, SamplingMaskCSR):
+        return orjson.Fragment(_csr_json(value)[0])
+    if isinstance(value, SamplingLogprobsCSR):
+        return orjson.Fragment(_csr_json(value.rows)[1])
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+def coalesced_rows(meta_infos: Sequence[dict[str, Any]], key: str) -> Any:
+    """SGLang's join of one incremental-streaming key over queued chunks
+    (``_coalesce_streaming_chunks``): arrays-mode rows are joined as rows (a
+    CSR, so the response is still written natively); anything else as SGLang
+    joins it, one list of every chunk's items."""
+    values = [m[key] for m in meta_infos if key in m]
+    if values and all(isinstance(v, SamplingMaskCSR) for v in values):
+        joined = SamplingMaskCSR(values[0].support)
+        for value in values:
+            joined.extend(value)
+        return joined
+    if values and all(isinstance(v, SamplingLogprobsCSR) for v in values):
+        return coalesced_rows([{key: v.rows} for v in values], key).logprob_rows
+    return [item for m in meta_infos for item in m.get(key, [])]
+
+
+def listed_meta_info(meta_info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``meta_info`` with arrays-mode rows as SGLang's lists (a copy; the
+    same dict when it holds none): for responses that pydantic writes
+    (/v1/chat/completions), which has no way to embed JSON text."""
+    if not meta_info or not isinstance(meta_info.get(MASK_FIELD), SamplingMaskCSR):
+        return meta_info
+    ids, logprobs = meta_info[MASK_FIELD].to_lists()
+    out = dict(meta_info)
+    out[MASK_FIELD] = ids
+    if isinstance(out.get(LOGPROBS_FIELD), SamplingLogprobsCSR):
+        out[LOGPROBS_FIELD] = logprobs
+    return out
 
 
 def _csr_of(state: Any, support_logprobs: bool) -> SamplingMaskCSR:

@@ -93,8 +93,9 @@ def test_patch_applies_to_the_installed_package_and_stays_small():
     assert "FAILED" not in done.stdout and "fuzz" not in done.stdout.lower(), done.stdout
     changed = [line for line in PATCH.read_text().splitlines()
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    # 47: seven files; the sampler (3 hunks), admission, rows past the cap
-    assert 0 < len(changed) < 50, len(changed)
+    # 60: nine files; the sampler (3 hunks), admission, rows past the cap,
+    # arrays-mode responses (dumps_json, coalescing, chat)
+    assert 0 < len(changed) < 65, len(changed)
 
 
 def test_patched_modules_are_the_ones_imported_and_use_the_adapter():
@@ -593,3 +594,88 @@ def test_arrays_mode_in_the_tokenizer_managers_outputs(writer, monkeypatch, kind
                                joined[0]["output_token_sampling_mask"],
                                joined[0]["output_token_sampling_logprobs"], mode == "support")
     assert dropped > 0
+
+
+# ---------------------------------------- arrays-mode responses as JSON
+MASK_KEYS = {"output_token_sampling_mask", "output_token_sampling_logprobs",
+             "output_token_sampling_mask_length"}
+
+
+def _same_clock(got: dict, want: dict) -> dict:
+    """``got`` with every meta_info value but the mask fields taken from
+    ``want`` (the two runs differ in their timings: e2e_latency and such),
+    in got's key order, which must be want's."""
+    assert list(got["meta_info"]) == list(want["meta_info"])
+    meta = {key: value if key in MASK_KEYS else want["meta_info"][key]
+            for key, value in got["meta_info"].items()}
+    return {**got, "meta_info": meta}
+
+
+@pytest.mark.parametrize("kind", ["non-streaming", "streaming", "incremental"])
+def test_arrays_mode_responses_are_the_released_json(writer, monkeypatch, kind):
+    """SHMASK_MASK_FORMAT=arrays through the patched tokenizer manager, then
+    the patched dumps_json (what /generate writes, whole or as each SSE
+    event): byte for byte the JSON of the lists the default (and released
+    SGLang) gives, every output, dropped rows included; so is SGLang's join
+    of queued incremental chunks. The rows' JSON comes from shmask's native
+    writer: no list is built (meta_info holds the CSR rows)."""
+    from sglang.srt.utils import json_response
+
+    assert str(PATCHED_ROOT) in json_response.__file__
+    modes = ["support", "selected", "support"]
+    stream, incremental = kind != "non-streaming", kind == "incremental"
+    rows_a, lists_emissions = _stream_with_drops(writer, 47, modes)
+    _, lists_outs = _tokenizer_outputs(monkeypatch, lists_emissions, modes, stream, incremental)
+    rows_b, arrays_emissions = _stream_with_drops(writer, 47, modes)
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    manager, arrays_outs = _tokenizer_outputs(monkeypatch, arrays_emissions, modes, stream,
+                                              incremental)
+    for r in rows_a + rows_b:
+        r.close()
+    compared = 0
+    for rid, want_outs in lists_outs.items():
+        got_outs = arrays_outs[rid]
+        for want, got in zip(want_outs, got_outs, strict=True):
+            assert isinstance(got["meta_info"]["output_token_sampling_mask"],
+                              adapter.SamplingMaskCSR)
+            got = _same_clock(got, want)
+            assert json_response.dumps_json(got) == json_response.dumps_json(want)
+            assert json_response.dumps_json(want) == orjson.dumps(
+                want, option=json_response.ORJSON_RESPONSE_OPTIONS)  # released bytes
+            compared += 1
+        if incremental:
+            joined = [manager._coalesce_streaming_chunks(outs, rid) for outs in (want_outs, got_outs)]
+            joined[1] = _same_clock(joined[1], joined[0])
+            assert isinstance(joined[1]["meta_info"]["output_token_sampling_mask"],
+                              adapter.SamplingMaskCSR)
+            assert json_response.dumps_json(joined[1]) == json_response.dumps_json(joined[0])
+    assert compared == len(modes) * (3 if stream else 1)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        adapter.json_default(object())
+
+
+def test_chat_meta_info_gets_lists_in_arrays_mode(writer, monkeypatch):
+    """/v1/chat/completions' choice is a pydantic model, which cannot embed
+    JSON text: the patched endpoint hands it the lists (listed_meta_info),
+    so its response is the lists mode's, byte for byte."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponseChoice
+
+    modes = ["support", "selected"]
+    rows_a, lists_emissions = _stream_with_drops(writer, 5, modes)
+    _, lists_outs = _tokenizer_outputs(monkeypatch, lists_emissions, modes, False, False)
+    rows_b, arrays_emissions = _stream_with_drops(writer, 5, modes)
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    _, arrays_outs = _tokenizer_outputs(monkeypatch, arrays_emissions, modes, False, False)
+    for r in rows_a + rows_b:
+        r.close()
+    for rid, (want,) in lists_outs.items():
+        (got,) = arrays_outs[rid]
+        listed = adapter.listed_meta_info(_same_clock(got, want)["meta_info"])
+        assert listed == want["meta_info"]
+        choices = [ChatCompletionResponseChoice(index=0, message={"role": "assistant",
+                                                                   "content": "x"},
+                                                meta_info=meta) for meta in (listed,
+                                                                             want["meta_info"])]
+        assert choices[0].model_dump_json() == choices[1].model_dump_json()
+    lists_only = {"id": "r", "output_token_sampling_mask": [[1]]}
+    assert adapter.listed_meta_info(lists_only) is lists_only
