@@ -159,7 +159,7 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
     ``spill`` (``past_cap``: SHMASK_PAST_CAP's value, from the settings
     when None)."""
     from shmask.kernels import Status, capture
-    from shmask.kernels.fixed_rows import fixed_rows, spill_rows
+    from shmask.kernels.fixed_rows import fixed_rows
 
     batch_rows = info.sampling_mask_batch_indices
     batch, vocab = probs.shape
@@ -179,7 +179,7 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
     spill = None
     if positions:
         device = probs.device
-        lengths, bits, values = _spill(rows, candidates, value_rows, cap, device, spill_rows)
+        lengths, bits, values = _spill(rows, candidates, value_rows, cap, device)
         spill = Spill(tuple(positions), tuple(value_rows), lengths, bits, values)
         # past the capacity: OVERFLOW in the fixed fields (spill has them whole)
         # (a row's length is 0 unless it is OK)
@@ -192,8 +192,9 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
 
 
 def _spill(rows: Any, candidates: list[int], value_rows: list[int], cap: int,
-           device: torch.device, spill_rows: Any) -> tuple[torch.Tensor, torch.Tensor,
-                                                           torch.Tensor | None]:
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    from shmask.kernels.fixed_rows import spill_rows
+
     both = _device_rows(tuple(candidates), tuple(value_rows), device)
     bits, lengths, values = spill_rows(rows, both[0], cap, both[1],
                                        sum(v >= 0 for v in value_rows))
@@ -220,7 +221,7 @@ def sampling_mask_output(sampler: Any, batch_next_token_ids: torch.Tensor,
 
     fixed = fixed_capture(pending.probs, batch_next_token_ids, pending.sampling_info,
                           order=pending.order, max_tokens=int(sampler.sampling_mask_max_tokens),
-                          row_order=_settings().row_order)
+                          row_order=_settings().row_order, past_cap=_past_cap())
     _agree_on_statuses(sampler, fixed.statuses)
     released = {
         "token_ids": fixed.token_ids,
@@ -239,6 +240,21 @@ def sampling_mask_output(sampler: Any, batch_next_token_ids: torch.Tensor,
                                      spill_value_rows=spill.value_rows,
                                      spill_lengths=spill.lengths, spill_bits=spill.bits,
                                      spill_values=spill.values)
+
+
+def _past_cap() -> str:
+    """SHMASK_PAST_CAP, except in a PD prefill server: there the first row
+    reaches the decode server through SGLang's metadata buffer, one row of
+    ``cap`` entries per request (sglang/srt/disaggregation/utils.py), so a
+    row past the cap is OVERFLOW (its request aborts, as released) rather
+    than a row the buffer cannot hold."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        prefill = get_disagg().disaggregation_mode == "prefill"
+    except ValueError:  # no published runtime context: not a server
+        prefill = False
+    return "status" if prefill else _settings().past_cap
 
 
 def materialize_spilled(reqs: Any, output: Any) -> bool:
@@ -309,9 +325,10 @@ def sampling_mask_refusal(req: Any, cap: int) -> str | None:
     only. With shmask's capture it also admits any bounded support:
     ``top_p < 1`` as a float32 (top-p-only, the RL rollout setting) or
     ``min_p > 0`` (at most 1 / min_p ids) at any top_k, and, with
-    ``SHMASK_PAST_CAP=exact``, a finite top_k above ``cap`` (such rows
-    travel whole). The full vocabulary (no top_k below V, top_p rounding to
-    1, no min_p) is refused with a message that says what to set."""
+    ``SHMASK_PAST_CAP=exact`` outside a PD prefill server (``_past_cap``),
+    a finite top_k above ``cap`` (such rows travel whole). The full
+    vocabulary (no top_k below V, top_p rounding to 1, no min_p) is refused
+    with a message that says what to set."""
     params = req.sampling_params
     top_k = params.top_k
     if top_k == 1 or 1 < top_k <= cap:
@@ -331,7 +348,7 @@ def sampling_mask_refusal(req: Any, cap: int) -> str | None:
         return ("return_sampling_mask cannot return the full vocabulary: set top_p < 1 (got "
                 f"top_p={params.top_p!r}{rounds}), min_p > 0, or a finite top_k below the "
                 f"vocabulary size (got top_k={shown}).")
-    return None if _settings().past_cap == "exact" else released
+    return None if _past_cap() == "exact" else released
 
 
 def _agree_on_statuses(sampler: Any, statuses: torch.Tensor) -> None:

@@ -88,10 +88,11 @@ def _importable_sglang() -> None:
 
 @contextmanager
 def sampler_context(max_tokens: int, backend: str = "pytorch",
-                    deterministic: bool = False) -> Iterator[Any]:
+                    deterministic: bool = False, disaggregation: str = "null") -> Iterator[Any]:
     """Publish a single-rank SGLang runtime context for the duration of the
     block, then put the previous one back (by identity: nothing of it is
-    touched). Yields the RuntimeContext.
+    touched). Yields the RuntimeContext. `disaggregation`: the server's
+    --disaggregation-mode ("null", "prefill", "decode").
 
     The config is a real ServerArgs resolved by SGLang's own `create_context`
     (as a launcher's `publish` does, rank 0 of 1), made current by
@@ -106,7 +107,8 @@ def sampler_context(max_tokens: int, backend: str = "pytorch",
 
     args = ServerArgs(model_path="dummy", sampling_backend=backend,
                       sampling_mask_max_tokens=max_tokens,
-                      enable_deterministic_inference=deterministic)
+                      enable_deterministic_inference=deterministic,
+                      disaggregation_mode=disaggregation)
     context = runtime_context.create_context(args, role="test",
                                              ranks=runtime_context.SpawnRanks(world_rank=0))
     group = SimpleNamespace(rank_in_group=0, world_size=1, device_group=None)

@@ -52,9 +52,12 @@ def sampling_params(vocab: int = VOCAB, **values: Any) -> Any:
 
 
 def admit(params: Any, *, patched: bool, cap: int, vocab: int = VOCAB,
-          return_sampling_mask: bool = True) -> Admission:
+          return_sampling_mask: bool = True, disaggregation: str = "null") -> Admission:
     """One request through `handle_generate_request` of a scheduler whose
-    --sampling-mask-max-tokens is `cap`."""
+    --sampling-mask-max-tokens is `cap`. `disaggregation` is the published
+    --disaggregation-mode (what the patched sampling-mask rule reads; the
+    scheduler's own disaggregation checks, which need a bootstrap server,
+    run as for "null")."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.server_args import ServerArgs
@@ -63,7 +66,7 @@ def admit(params: Any, *, patched: bool, cap: int, vocab: int = VOCAB,
     module = harness.load_module(SCHEDULER_FILE, patched)
     queued: list[Any] = []
     streamed: list[Any] = []
-    with harness.sampler_context(cap):
+    with harness.sampler_context(cap, disaggregation=disaggregation):
         scheduler = module.Scheduler.__new__(module.Scheduler)
         scheduler.__dict__.update(
             server_args=ServerArgs(model_path="dummy", sampling_mask_max_tokens=cap),

@@ -49,14 +49,15 @@ def _batch() -> tuple[torch.Tensor, object]:
 
 
 def _forward(patched: bool, monkeypatch: pytest.MonkeyPatch | None = None, *,
-             max_tokens: int = MAX_TOKENS, **env: str) -> tuple[torch.Tensor, object, object]:
+             max_tokens: int = MAX_TOKENS, disaggregation: str = "null",
+             **env: str) -> tuple[torch.Tensor, object, object]:
     if monkeypatch is not None:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
     sglang_sampler._settings.cache_clear()  # SHMASK_* are read once a process
     try:
         module = harness.load_sampler_module(patched=patched)
-        with harness.sampler_context(max_tokens):
+        with harness.sampler_context(max_tokens, disaggregation=disaggregation):
             logits, info = _batch()
             ids, output = harness.run_forward(module, module.Sampler(), logits, info)
     finally:
@@ -244,3 +245,17 @@ def test_a_spilled_row_that_disagrees_with_its_length_is_invalid(monkeypatch):
             assert forged[b][0] == honest[b][0], f"row {b}"
             if honest[b][0] == 0:
                 np.testing.assert_array_equal(forged[b][1], honest[b][1])
+
+
+def test_a_prefill_server_never_spills(monkeypatch):
+    """PD prefill (SGLang's metadata buffer holds cap entries a row): rows
+    past the cap are OVERFLOW in released SGLang's own output type, whatever
+    SHMASK_PAST_CAP says."""
+    _, released_out, info = _forward(False, max_tokens=VOCAB)
+    _, prefill_out, _ = _forward(True, monkeypatch, max_tokens=SMALL_CAP,
+                                 disaggregation="prefill", SHMASK_PAST_CAP="exact")
+    assert type(prefill_out) is type(released_out)
+    want = dict(zip(MASK_ROWS, harness.ok_rows(released_out, info), strict=True))
+    statuses = dict(zip(MASK_ROWS, prefill_out.statuses.tolist(), strict=True))
+    longer = [b for b in MASK_ROWS if want[b].status == 0 and len(want[b].ids) > SMALL_CAP]
+    assert longer and all(statuses[b] == 1 for b in longer)

@@ -131,3 +131,17 @@ def test_engine_capture_admits_as_released(monkeypatch, sampling):
     params = _generate_params(**sampling)
     assert (scheduler.admit(params, patched=True, cap=CAP)
             == scheduler.admit(params, patched=False, cap=CAP))
+
+
+def test_a_prefill_server_refuses_finite_top_k_past_the_cap():
+    """PD prefill: the first row reaches decode through SGLang's metadata
+    buffer of cap entries, so rows past the cap are OVERFLOW there and a
+    finite top_k above the cap is refused as released; top-p-only is
+    admitted (a row past the cap aborts its request with SGLang's 400)."""
+    params = _generate_params(top_k=200)
+    prefill = scheduler.admit(params, patched=True, cap=CAP, disaggregation="prefill")
+    assert prefill == scheduler.admit(params, patched=False, cap=CAP, disaggregation="prefill")
+    assert prefill.status_code == 400
+    assert scheduler.admit(params, patched=True, cap=CAP, disaggregation="decode").queued
+    assert scheduler.admit(_generate_params(top_k=-1, top_p=0.9), patched=True, cap=CAP,
+                           disaggregation="prefill").queued
