@@ -68,10 +68,10 @@ _MODULES: dict[tuple[bool, str], ModuleType] = {}
 def _importable_sglang() -> None:
     """Drop SGLang from sys.modules when the tree it was imported from is
     gone, so the next import finds the installed package. In one pytest
-    process test_sglang_adapter.py imports SGLang from a patched copy and
-    deletes that copy when its tests end; SGLang imports many of its modules
-    lazily (ServerArgs resolution, the sampler's softmax), and those would no
-    longer be found. The cached sampler modules go too: they were bound to
+    process test_sglang_adapter.py imports SGLang from a patched copy (kept
+    until the process ends; this guards any tree removed earlier); SGLang
+    imports many of its modules lazily (ServerArgs resolution, the sampler's
+    softmax), and those would no longer be found. The cached sampler modules go too: they were bound to
     the dropped modules (and so does shmask.adapters.sglang_spill, whose
     class derives from SGLang's SamplingMaskOutput)."""
     package = sys.modules.get("sglang")

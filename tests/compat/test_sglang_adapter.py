@@ -13,6 +13,7 @@ Rows go through a real shmask Writer/Reader over real shared memory.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import importlib.util
 import json
@@ -72,10 +73,10 @@ released = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(released)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _remove_patched_copy():
-    yield
-    shutil.rmtree(PATCHED_ROOT, ignore_errors=True)
+# Removed when the process ends, not when this module's tests do: SGLang
+# imports many of its modules lazily, and later tests in the same process
+# import them from the copy that sys.modules already points at.
+atexit.register(shutil.rmtree, PATCHED_ROOT, True)
 
 
 @pytest.fixture(autouse=True)
