@@ -273,6 +273,13 @@ def run_child(args: list[str], env: dict[str, str], timeout: float = 60) -> subp
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
+@pytest.fixture(name="run_child")
+def run_child_fixture() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_child`` for test modules that cannot import this conftest by
+    name (tests/compat has a conftest of its own)."""
+    return run_child
+
+
 def forked_answer(child: Callable[[], bytes], timeout: float = 60) -> bytes:
     """Fork; the child runs `child()` in its own process group and sends
     back what it returns (at most 64 bytes; the repr of what it raised if

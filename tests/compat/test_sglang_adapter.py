@@ -528,6 +528,21 @@ def _tokenizer_outputs(monkeypatch, emissions, modes, stream: bool, incremental:
     return manager, {rid: state.out_list for rid, state in states.items()}
 
 
+def _both_formats(writer, monkeypatch, seed: int, modes, stream: bool, incremental: bool):
+    """The same seeded emissions through the patched tokenizer manager twice,
+    lists mode (the default) and then arrays mode: (lists outputs, arrays
+    outputs, the arrays-mode manager). Every rows queue is closed after."""
+    rows_a, lists_emissions = _stream_with_drops(writer, seed, modes)
+    _, lists_outs = _tokenizer_outputs(monkeypatch, lists_emissions, modes, stream, incremental)
+    rows_b, arrays_emissions = _stream_with_drops(writer, seed, modes)
+    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
+    manager, arrays_outs = _tokenizer_outputs(monkeypatch, arrays_emissions, modes, stream,
+                                              incremental)
+    for r in rows_a + rows_b:
+        r.close()
+    return lists_outs, arrays_outs, manager
+
+
 def _assert_rows_equal(ids_field, logprobs_field, masks, values, support):
     """The arrays-mode fields hold the lists-mode fields' rows, row for row."""
     if isinstance(ids_field, list):  # SGLang coalesced queued chunks: one item per row
@@ -564,14 +579,8 @@ def test_arrays_mode_in_the_tokenizer_managers_outputs(writer, monkeypatch, kind
     default is SGLang's lists; every ring record is back after the copy."""
     modes = ["support", "selected", "support"]
     stream, incremental = kind != "non-streaming", kind == "incremental"
-    rows_a, lists_emissions = _stream_with_drops(writer, 31, modes)
-    _, lists_outs = _tokenizer_outputs(monkeypatch, lists_emissions, modes, stream, incremental)
-    rows_b, arrays_emissions = _stream_with_drops(writer, 31, modes)
-    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
-    manager, arrays_outs = _tokenizer_outputs(monkeypatch, arrays_emissions, modes, stream,
-                                              incremental)
-    for r in rows_a + rows_b:
-        r.close()
+    lists_outs, arrays_outs, manager = _both_formats(writer, monkeypatch, 31, modes, stream,
+                                                     incremental)
     writer.reclaim()
     assert writer.ring_usage()[0] == 0, "every record must be back once copied"
     dropped = 0
@@ -625,14 +634,8 @@ def test_arrays_mode_responses_are_the_released_json(writer, monkeypatch, kind):
     assert str(PATCHED_ROOT) in json_response.__file__
     modes = ["support", "selected", "support"]
     stream, incremental = kind != "non-streaming", kind == "incremental"
-    rows_a, lists_emissions = _stream_with_drops(writer, 47, modes)
-    _, lists_outs = _tokenizer_outputs(monkeypatch, lists_emissions, modes, stream, incremental)
-    rows_b, arrays_emissions = _stream_with_drops(writer, 47, modes)
-    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
-    manager, arrays_outs = _tokenizer_outputs(monkeypatch, arrays_emissions, modes, stream,
-                                              incremental)
-    for r in rows_a + rows_b:
-        r.close()
+    lists_outs, arrays_outs, manager = _both_formats(writer, monkeypatch, 47, modes, stream,
+                                                     incremental)
     compared = 0
     for rid, want_outs in lists_outs.items():
         got_outs = arrays_outs[rid]
@@ -662,13 +665,7 @@ def test_chat_meta_info_gets_lists_in_arrays_mode(writer, monkeypatch):
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponseChoice
 
     modes = ["support", "selected"]
-    rows_a, lists_emissions = _stream_with_drops(writer, 5, modes)
-    _, lists_outs = _tokenizer_outputs(monkeypatch, lists_emissions, modes, False, False)
-    rows_b, arrays_emissions = _stream_with_drops(writer, 5, modes)
-    monkeypatch.setitem(adapter._ends, "mask_format", "arrays")
-    _, arrays_outs = _tokenizer_outputs(monkeypatch, arrays_emissions, modes, False, False)
-    for r in rows_a + rows_b:
-        r.close()
+    lists_outs, arrays_outs, _ = _both_formats(writer, monkeypatch, 5, modes, False, False)
     for rid, (want,) in lists_outs.items():
         (got,) = arrays_outs[rid]
         listed = adapter.listed_meta_info(_same_clock(got, want)["meta_info"])

@@ -6,45 +6,26 @@ JSON; it exits 1 on any byte mismatch) and benchmarks/sglang_capture.py
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """In a process group of its own, killed whole on a timeout or an interrupt."""
-    proc = subprocess.Popen(command, cwd=REPO / "benchmarks", stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{command[1]} ran past {timeout} s:\n{(out + err)[-3000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.timeout(300)
-def test_sglang_responses_benchmark_runs_byte_identical():
-    done = _run([sys.executable, "sglang_responses.py", "--requests", "4", "--repeats", "1"], 280)
+def test_sglang_responses_benchmark_runs_byte_identical(run_child):
+    done = run_child([sys.executable, str(BENCHMARKS / "sglang_responses.py"), "--requests", "4",
+                      "--repeats", "1"], dict(os.environ), timeout=280)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "byte mismatches: 0" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.timeout(300)
-def test_sglang_capture_benchmark_smoke_runs_every_path():
-    done = _run([sys.executable, "sglang_capture.py", "--smoke"], 280)
+def test_sglang_capture_benchmark_smoke_runs_every_path(run_child):
+    done = run_child([sys.executable, str(BENCHMARKS / "sglang_capture.py"), "--smoke"],
+                     dict(os.environ), timeout=280)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for path in ("patched, past cap status", "top_p 0.9 selected"):
         assert path in done.stdout, done.stdout[-2000:]
