@@ -790,13 +790,26 @@ def coalesced_rows(meta_infos: Sequence[dict[str, Any]], key: str) -> Any:
     joins it, one list of every chunk's items."""
     values = [m[key] for m in meta_infos if key in m]
     if values and all(isinstance(v, SamplingMaskCSR) for v in values):
-        joined = SamplingMaskCSR(values[0].support)
-        for value in values:
-            joined.extend(value)
-        return joined
+        return _joined_rows(values)
     if values and all(isinstance(v, SamplingLogprobsCSR) for v in values):
-        return coalesced_rows([{key: v.rows} for v in values], key).logprob_rows
+        return _joined_rows([v.rows for v in values]).logprob_rows
     return [item for m in meta_infos for item in m.get(key, [])]
+
+
+def _joined_rows(parts: list[SamplingMaskCSR]) -> SamplingMaskCSR:
+    """Rows one after another. Queued incremental chunks are consecutive
+    slices of one request's rows: their join is one slice of them (no copy,
+    and the ids and logprobs faces share one JSON pass); anything else is
+    copied into a new CSR."""
+    spans = [part._origin or (part, 0, part._rows) for part in parts]
+    root = spans[0][0]
+    if all(span[0] is root for span in spans) and all(
+            before[2] == after[1] for before, after in zip(spans, spans[1:], strict=False)):
+        return root[spans[0][1]:spans[-1][2]]
+    joined = SamplingMaskCSR(parts[0].support)
+    for part in parts:
+        joined.extend(part)
+    return joined
 
 
 def listed_meta_info(meta_info: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -677,3 +677,27 @@ def test_chat_meta_info_gets_lists_in_arrays_mode(writer, monkeypatch):
         assert choices[0].model_dump_json() == choices[1].model_dump_json()
     lists_only = {"id": "r", "output_token_sampling_mask": [[1]]}
     assert adapter.listed_meta_info(lists_only) is lists_only
+
+
+def test_coalesced_rows_join_slices_without_a_copy_and_anything_else_by_copy():
+    """Consecutive slices of one request's rows (queued incremental chunks)
+    join as one slice of them; rows of different origins are copied; lists
+    join as SGLang joins them."""
+    def csr(rows):
+        out = adapter.SamplingMaskCSR(True)
+        lengths = np.array([len(r) for r in rows], np.int32)
+        ids = np.array([i for r in rows for i in r], np.int32)
+        out._append(lengths, np.zeros(len(rows), np.uint8), ids, -ids.astype(np.float32) / 8)
+        return out
+
+    root = csr([[1, 2], [3], [4, 5, 6], [7]])
+    parts = [{"m": root[0:1]}, {"m": root[1:3]}, {"m": root[3:4]}]
+    joined = adapter.coalesced_rows(parts, "m")
+    assert joined._origin == (root, 0, 4) and joined.to_lists() == root.to_lists()
+    faces = [{"m": part["m"].logprob_rows} for part in parts]
+    assert adapter.coalesced_rows(faces, "m").rows._origin == (root, 0, 4)
+    other = csr([[9]])
+    copied = adapter.coalesced_rows([{"m": root[0:2]}, {"m": other}], "m")
+    assert copied._origin is None
+    assert copied.to_lists()[0] == [[1, 2], [3], [9]]
+    assert adapter.coalesced_rows([{"m": [[1]]}, {}, {"m": [[2]]}], "m") == [[1], [2]]
