@@ -42,7 +42,7 @@ def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWo
         CHUNKS_PAD=triton.next_power_of_2(ws.n_chunks), ROW_BLOCK=tuning.ROW_BLOCK,
         DRAW_BLOCK=tuning.DRAW_BLOCK, WINDOW=settings.window, CHUNK=tuning.CHUNK,
         BINS=triton.next_power_of_2(ws.n_chunks + 1), SEARCH_WAYS=tuning.WINDOW_SEARCH_WAYS,
-        FLOOR_FIT=tuning.RESOLVE_BLOCK, FLOOR_WAYS=tuning.FLOOR_WAYS,
+        FLOOR_FIT=tuning.FLOOR_FIT, FLOOR_WAYS=tuning.FLOOR_WAYS,
         FLOOR_BLOCK=tuning.FLOOR_BLOCK,
         PDL=pdl, num_warps=tuning.RESOLVE_WARPS, **launch_options(pdl),
     )
@@ -142,8 +142,8 @@ def _resolve_kernel(
             cut_p = _largest_key_between(cand_vals_ptr, base, n, v0, key0, live0,
                                          target - above_mass, b_lo, b_hi, BLOCK, SEARCH_WAYS)
         else:
-            cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, True,
-                                          BLOCK)
+            cut_p = _mass_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, BLOCK,
+                                       SEARCH_WAYS)
     min_p = tl.load(min_p_ptr + row)
     cut_m = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 0)
     cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
@@ -215,8 +215,8 @@ def _resolve_kernel(
             cut_k = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0,
                                           top_k.to(tl.float32), False, BLOCK)
         if need_p & ~(SEQUENTIAL & need_k):
-            cut_p = _largest_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, True,
-                                          BLOCK)
+            cut_p = _mass_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, BLOCK,
+                                       SEARCH_WAYS)
             # the floor reached the target by _row_floor's sums; the
             # candidates' own sums may put it a rounding short (then no
             # candidate key reaches): the support is every id at or above it
@@ -359,6 +359,24 @@ def _largest_key_reaching(
         probe = found | (1 << (30 - step))
         reach = _reach(vals_ptr, base, n, v0, key0, live0, probe, USE_MASS, BLOCK)
         found = tl.where(reach >= target, probe, found)
+    return found
+
+
+@triton.jit
+def _mass_key_reaching(vals_ptr, base, n, v0, key0, live0, target, BLOCK: tl.constexpr,
+                       WAYS: tl.constexpr):
+    """_largest_key_reaching by mass. Past the BLOCK candidates in registers
+    (a row resolved from its whole row keeps up to FLOOR_FIT), every pass
+    reads the rest from memory: the search of [0, INF_KEY] by WAYS - 1
+    probes a pass takes half the bisection's 31 passes (4 ways: 16), the
+    same key (the same sums at each probe; the mass above a key falls as
+    the key rises)."""
+    if n > BLOCK:
+        found = _largest_key_between(vals_ptr, base, n, v0, key0, live0, target,
+                                     tl.zeros([], dtype=tl.int32), tl.full([], INF_KEY, tl.int32),
+                                     BLOCK, WAYS)
+    else:
+        found = _largest_key_reaching(vals_ptr, base, n, v0, key0, live0, target, True, BLOCK)
     return found
 
 

@@ -92,9 +92,13 @@ ROW_BLOCK = 4096  # columns a step of a resolve program that reads its whole row
 WINDOW_SEARCH_WAYS = 4
 # A row whose sampled floor missed a cutoff: passes over its whole row, each
 # counting and summing the ids above FLOOR_WAYS - 1 probes, narrow the
-# cutoff until the ids above the floor fit in RESOLVE_BLOCK (or four passes)
+# cutoff until the ids above the floor fit in FLOOR_FIT (or four passes)
 FLOOR_WAYS = 8
 FLOOR_BLOCK = 512  # columns a block of those passes (four a step; lane sums of each probe)
+# ids above the floor that end those passes: a row past RESOLVE_BLOCK
+# reads the rest of its candidates from memory in each search pass; a
+# pass over the whole row (~100 us in one program on the H200) costs more
+FLOOR_FIT = 16384
 
 # ----------------------------------------------------------- capture: write
 # A write program walks its row's candidates a block at a time, so a row of

@@ -363,13 +363,20 @@ def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
     assert got.forms[1].item() == 1  # the flat row: every id (ties), a bitmask
 
 
-@pytest.mark.parametrize("window_min", [64, 1 << 30])
+@pytest.mark.parametrize("window_min, block", [(64, None), (1 << 30, None), (1 << 30, 64)])
 def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.MonkeyPatch,
-                                                        window_min: int) -> None:
+                                                        kept: dict, window_min: int,
+                                                        block: int | None) -> None:
     """Bounds that are wrong on purpose (too few ids asked above the top-k
     floor, top-p margins of the wrong sign): resolve notices and reads the
-    whole row; every row still equals the reference."""
+    whole row; every row still equals the reference. With ``block``, the
+    rows resolved from the whole row keep more candidates (up to FLOOR_FIT)
+    than resolve holds in registers, and its searches read the rest from
+    memory."""
     monkeypatch.setattr(tuning, "WINDOW_MIN", window_min)
+    if block is not None:
+        monkeypatch.setattr(tuning, "RESOLVE_BLOCK", block)
+        monkeypatch.setattr(tuning, "FLOOR_FIT", 8 * block)
     monkeypatch.setattr(tuning, "K_SLACK", 0.2)
     monkeypatch.setattr(tuning, "P_MARGIN", -0.04)
     gen = torch.Generator().manual_seed(5)
@@ -385,6 +392,11 @@ def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.Monk
                  top_p=top_p.to(DEVICE), min_p=min_p.to(DEVICE), max_tokens=200)
     assert_same(got, reference_capture(probs, got.tokens.cpu().long(), top_k=top_k,
                                        top_p=top_p, min_p=min_p, max_tokens=200))
+    ws = kept["ws"]
+    from_the_row = ws.cutoff.cpu() < ws.lo.cpu()
+    assert from_the_row.any()
+    if block is not None:  # and some kept more candidates than the registers hold
+        assert (ws.n_cand.cpu()[from_the_row] > block).any(), ws.n_cand.tolist()
 
 
 def test_sampled_rows_spread_over_a_long_row() -> None:
