@@ -29,7 +29,7 @@ def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
         COLS=tuning.SAMPLE_COLS, K_SLACK=tuning.K_SLACK, P_MARGIN=tuning.P_MARGIN,
         WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS, INNER=tuning.WINDOW_INNER,
         BELOW=tuning.WINDOW_BELOW, ABOVE=tuning.WINDOW_ABOVE, K_FLOOR_ONLY=tuning.K_FLOOR_ONLY,
-        P_KEEP=tuning.P_KEEP, PDL=pdl,
+        P_KEEP=tuning.P_KEEP, HEAVY=tuning.SAMPLE_HEAVY, PDL=pdl,
         num_warps=tuning.BOUND_WINDOW_WARPS if settings.window else tuning.BOUND_WARPS,
         **launch_options(pdl),
     )
@@ -42,7 +42,7 @@ def _bound_kernel(
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
     PIVOTS: tl.constexpr, INNER: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
-    K_FLOOR_ONLY: tl.constexpr, P_KEEP: tl.constexpr, PDL: tl.constexpr,
+    K_FLOOR_ONLY: tl.constexpr, P_KEEP: tl.constexpr, HEAVY: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
     the candidates' floor lo and whether the row is a window row.
@@ -71,8 +71,18 @@ def _bound_kernel(
     key = tl.where(good, w.to(tl.int32, bitcast=True), 0)
     n = tl.sum(inside.to(tl.float32), axis=0)
     share = n / vocab  # the sample's share of the row
-    total = tl.sum(w, axis=0)
     top = tl.max(key, axis=0)
+    # The sample's largest value, when no other sampled id ties it, is taken
+    # as the only one of its size in the row (HEAVY): it weighs its own
+    # value in the mass estimates, not 1/share times it. A sample that holds
+    # one of a row's few heavy tokens otherwise puts top-p's floor above the
+    # cutoff (and a mid-size support under WINDOW_MIN): the whole-row
+    # search. A tied top value is common in the row: weighed as before.
+    w_mass = w
+    if HEAVY:
+        lone = (key == top) & (tl.sum((key == top).to(tl.int32), axis=0) == 1) & (top > 0)
+        w_mass = tl.where(lone, w * share, w)
+    total = tl.sum(w_mass, axis=0)
 
     top_k = tl.load(top_k_ptr + row)
     k_on = (top_k >= 1) & (top_k < vocab)
@@ -97,10 +107,10 @@ def _bound_kernel(
     if p_on:
         if may_be_window:
             floor_p, hi, center = _sample_keys_reaching3(
-                key, w, above * total, (top_p - P_MARGIN) * total, top_p * total)
+                key, w_mass, above * total, (top_p - P_MARGIN) * total, top_p * total)
             hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
         else:
-            floor_p = _sample_key_reaching(key, w, above * total, True)
+            floor_p = _sample_key_reaching(key, w_mass, above * total, True)
         if ~k_on:
             # and low enough to keep P_KEEP ids by the sample's count: a
             # heavy token in the sample, weighed ~1/share times its share,

@@ -31,6 +31,10 @@ SCAN_TILE = 16384
 # exactly, and a row whose estimate was wrong is resolved from its whole row.
 SAMPLE_BLOCKS = 8
 SAMPLE_COLS = 1024
+# the sample's largest value, untied, counts once in its mass estimates (as
+# the only one of its size in the row), not 1/share times. The H200 probe
+# of the top 1, 2 or 4 values: 1 best (more discount typical top values too)
+SAMPLE_HEAVY = True
 # top-k: the floor keeps >= K_SLACK * k / scale + 3 sqrt(k / scale) + 4
 # sampled ids above it (scale: the sample's share of the row)
 K_SLACK = 1.25

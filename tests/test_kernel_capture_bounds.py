@@ -490,11 +490,14 @@ def heavy_token_rows(gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("top_p", [0.6, 0.9])
-def test_peaked_rows_whose_sample_holds_the_heavy_token(top_p: float) -> None:
+def test_peaked_rows_whose_sample_holds_the_heavy_token(monkeypatch: pytest.MonkeyPatch,
+                                                       top_p: float) -> None:
     """The sampled floor lies above the cutoff (the sample over-weights the
-    heavy token): resolve narrows the cutoff over the whole row in a few
-    passes and rewrites the candidates; capture's and sample()'s rows equal
-    the reference (top-k 50 on the last row: both cutoffs missed)."""
+    heavy token: SAMPLE_HEAVY off here): resolve narrows the cutoff over the
+    whole row in a few passes and rewrites the candidates; capture's and
+    sample()'s rows equal the reference (top-k 50 on the last row: both
+    cutoffs missed)."""
+    monkeypatch.setattr(tuning, "SAMPLE_HEAVY", False)
     probs = heavy_token_rows(torch.Generator().manual_seed(16))
     top_k = torch.tensor([0, 0, 0, 50], dtype=torch.int32)
     got = capture(probs.to(DEVICE), probs.argmax(1).to(DEVICE), top_p=top_p,
@@ -505,6 +508,31 @@ def test_peaked_rows_whose_sample_holds_the_heavy_token(top_p: float) -> None:
     assert_same(drawn, reference_capture(probs, drawn.tokens.cpu().long(), top_k=top_k,
                                          top_p=top_p, max_tokens=FULL_VOCAB))
     assert int(drawn.sizes.cpu()[0]) > 50  # a support of many ids under the heavy token
+
+
+@pytest.mark.parametrize("heavy", [True, False], ids=["counted-once", "counted-1/share"])
+def test_a_lone_heavy_sampled_token_counts_once(monkeypatch: pytest.MonkeyPatch, kept: dict,
+                                               heavy: bool) -> None:
+    """The bound counts the sample's largest value, when no sampled id ties
+    it, once in its mass estimates (as the row's only one of its size), not
+    1/share times: a row whose first sampled block holds its heavy token
+    (3000 a, against 6000 ids of a: 33% of the mass, 56% of the sample's)
+    gets a top-p floor under its cutoff and no whole-row search; counted
+    1/share times (SAMPLE_HEAVY off), the same row's floor lies above the
+    cutoff. The mass floor alone decides (P_KEEP 1, no window rows); both
+    rows equal the reference."""
+    monkeypatch.setattr(tuning, "SAMPLE_HEAVY", heavy)
+    monkeypatch.setattr(tuning, "P_KEEP", 1)
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 1 << 30)
+    vocab, a = 20000, 2.0**-14
+    probs = torch.zeros(1, vocab)
+    probs[0, 1:18000:3] = a  # in and out of the sampled blocks
+    probs[0, 0] = 3000 * a
+    got = run_both(probs, probs.argmax(1), top_p=0.4, max_tokens=vocab)
+    assert int(got.sizes.cpu()[0]) == 6001  # the heavy token and every tie of a
+    ws = kept["ws"]
+    resolved_from_the_row = bool((ws.cutoff.cpu() < ws.lo.cpu()).any())
+    assert resolved_from_the_row != heavy
 
 
 def test_top_p_of_a_subnormal_mass() -> None:
