@@ -94,9 +94,9 @@ def test_patch_applies_to_the_installed_package_and_stays_small():
     assert "FAILED" not in done.stdout and "fuzz" not in done.stdout.lower(), done.stdout
     changed = [line for line in PATCH.read_text().splitlines()
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    # 60: nine files; the sampler (3 hunks), admission, rows past the cap,
-    # arrays-mode responses (dumps_json, coalescing, chat)
-    assert 0 < len(changed) < 65, len(changed)
+    # 68: ten files; the sampler (3 hunks), admission, rows past the cap,
+    # arrays-mode responses (dumps_json, coalescing, chat), the PD cap check
+    assert 0 < len(changed) < 75, len(changed)
 
 
 def test_patched_modules_are_the_ones_imported_and_use_the_adapter():
