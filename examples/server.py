@@ -7,9 +7,10 @@ RL client written for SGLang runs against it unchanged.
     python examples/server.py [--port 30000 --requests 32 --tokens 200 --top-k 100]
 
     curl -s localhost:30000/generate -d '{"text": "The capital of France is",
-        "sampling_params": {"max_new_tokens": 16}, "return_sampling_mask": true}'
-    curl -sN localhost:30000/generate -d '{"text": "Hi", "return_sampling_mask": true,
-        "stream": true}'
+        "sampling_params": {"max_new_tokens": 16, "top_k": 100},
+        "return_sampling_mask": true}'
+    curl -sN localhost:30000/generate -d '{"text": "Hi", "sampling_params": {"top_p": 0.9},
+        "return_sampling_mask": true, "stream": true}'
     curl -s localhost:30000/health
     curl -s localhost:30000/metrics
 
@@ -30,8 +31,14 @@ The request body, as SGLang 0.5.23's /generate reads it:
   ends (finish_reason `stop`). The other SGLang sampling parameters are
   accepted and ignored (the engine samples from its seed; `n` must be 1);
   a key SGLang does not know is refused with 400 naming it, as SGLang does.
+  `top_k`, `top_p` and `min_p` are checked as SGLang checks them (400).
 - `return_sampling_mask` (bool, default false): the three sampling-mask
-  fields in meta_info. `sampling_logprobs_mode` ("selected" | "support")
+  fields in meta_info, admitted as the patched SGLang admits them
+  (shmask.admission, --sampling-mask-max-tokens, SHMASK_CAPTURE and
+  SHMASK_PAST_CAP): a bounded support (top_k 1..cap, top_p < 1, min_p > 0,
+  or past the cap with SHMASK_PAST_CAP=exact); the full vocabulary (no
+  top_k, top_p 1) is a 400 that says what to set. The engine's rows are
+  its own (--top-k) whatever the request asks. `sampling_logprobs_mode` ("selected" | "support")
   must match the engine's --mode when given (the engine records one kind
   of row); left out, the engine's mode is used (SGLang would default to
   "selected"). Set without return_sampling_mask it is refused, as SGLang does.
@@ -139,7 +146,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from workload import configure, describe_exit, request_for_prompt, request_lengths, sampled_tokens
 
 import shmask
-from shmask import response_json
+from shmask import admission, response_json
 from shmask.adapters.sglang import LENGTH_FIELD, LOGPROBS_FIELD, MASK_FIELD, SamplingMaskCSR
 from shmask.binary_rows import encode_chunk
 from shmask.offload import Offload, fold_ref
@@ -263,7 +270,8 @@ class TokenizerManager:
         self.support = args.mode == "support"
         lengths = request_lengths(np.arange(args.requests), args.tokens)
         self.states = [ReqState(r, int(n), self.support) for r, n in enumerate(lengths)]
-        self.reader = shmask.Reader(configure())
+        self.config = configure()
+        self.reader = shmask.Reader(self.config)
         self.offload = Offload(args.threads)
         self.engine_done = False
         # The engine broke (an engine process died, or sent a malformed
@@ -446,6 +454,7 @@ class TokenizerManager:
         n = _optional_int(params, "n", 1, "sampling_params.")
         if n not in (None, 1):
             raise HTTPException(400, f"sampling_params.n must be 1 in this example, got {n}")
+        top_k, top_p, min_p = _support_settings(params)
         masks = _bool(body, "return_sampling_mask")
         mode = body.get("sampling_logprobs_mode")
         engine_mode = self.args.mode
@@ -460,6 +469,14 @@ class TokenizerManager:
                 raise HTTPException(400, f"sampling_logprobs_mode {mode!r} is not available: "
                                     f"this server's engine records {engine_mode}-mode rows "
                                     f"(--mode {engine_mode})")
+        if masks:
+            # the patched SGLang scheduler's rule (shmask.admission), word for
+            # word; SGLang checks the request's fields first
+            refusal = admission.sampling_mask_refusal(
+                top_k=top_k, top_p=top_p, min_p=min_p, cap=self.args.sampling_mask_max_tokens,
+                capture=self.config.capture, past_cap=self.config.past_cap)
+            if refusal is not None:
+                raise HTTPException(400, refusal)
         mask_format = body.get("sampling_mask_format", "json")
         if mask_format not in ("json", "base64"):
             raise HTTPException(400, f"sampling_mask_format must be 'json' or 'base64', "
@@ -532,6 +549,30 @@ def _optional_int(params: dict[str, Any], key: str, default: int | None,
     if value is not None and (type(value) is not int or not INT64[0] <= value <= INT64[1]):
         raise HTTPException(400, f"{where}{key} must be an integer, got {_describe(value)}")
     return value
+
+
+def _support_settings(params: dict[str, Any]) -> tuple[int, float, float]:
+    """top_k, top_p, min_p of sampling_params with SGLang's defaults (-1:
+    all, 1.0, 0.0), checked as SGLang's SamplingParams.verify checks them."""
+    top_k = _optional_int(params, "top_k", -1, "sampling_params.")
+    top_k = -1 if top_k is None else top_k
+    if top_k != -1 and top_k < 1:
+        raise HTTPException(400, f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    numbers = []
+    for key, default in (("top_p", 1.0), ("min_p", 0.0)):
+        value = params.get(key)
+        if value is None:
+            value = default
+        if type(value) not in (int, float):
+            raise HTTPException(400, f"sampling_params.{key} must be a number, got "
+                                f"{_describe(value)}")
+        numbers.append(float(value))
+    top_p, min_p = numbers
+    if not 0.0 < top_p <= 1.0:
+        raise HTTPException(400, f"top_p must be in (0, 1], got {top_p}.")
+    if not 0.0 <= min_p <= 1.0:
+        raise HTTPException(400, f"min_p must be in [0, 1], got {min_p}.")
+    return top_k, top_p, min_p
 
 
 def _nothing() -> None:
@@ -807,6 +848,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--top-k", type=int, default=100)
     parser.add_argument("--mode", choices=["support", "selected"], default="support")
+    parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
+                        help="SGLang's cap on a mask row, for admission (default 4096, SGLang's)")
     parser.add_argument("--emit-every", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,

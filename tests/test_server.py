@@ -49,8 +49,11 @@ def prompt_for(request: int, requests: int = REQUESTS) -> str:
 
 
 def request_body(request: int, requests: int = REQUESTS, **fields) -> dict:
-    """SGLang's /generate body for the whole of one planned request, masks on."""
-    return {"text": prompt_for(request, requests), "sampling_params": {"max_new_tokens": None},
+    """SGLang's /generate body for the whole of one planned request, masks on
+    (for a top-k support: the full vocabulary is refused, as by the patched
+    SGLang); `sampling_params` given are merged over those."""
+    params = {"max_new_tokens": None, "top_k": TOP_K, **fields.pop("sampling_params", {})}
+    return {"text": prompt_for(request, requests), "sampling_params": params,
             "return_sampling_mask": True, **fields}
 
 
@@ -245,6 +248,14 @@ def test_bad_request(server):
         (b'{"text": "a", "return_sampling_mask": true, "sampling_logprobs_mode": "%s"}'
          % other.encode(), f"--mode {mode}"),
         (b'{"text": "a", "sampling_mask_format": "msgpack"}', "'json' or 'base64'"),
+        (b'{"text": "a", "sampling_params": {"top_p": 0}}', "top_p must be in (0, 1]"),
+        (b'{"text": "a", "sampling_params": {"top_p": "0.9"}}', "top_p must be a number"),
+        (b'{"text": "a", "sampling_params": {"min_p": 1.5}}', "min_p must be in [0, 1]"),
+        (b'{"text": "a", "sampling_params": {"top_k": 0}}', "top_k must be -1 (disable)"),
+        # masks of the full vocabulary: the patched SGLang's refusal, word for word
+        (b'{"text": "a", "return_sampling_mask": true}', "cannot return the full vocabulary"),
+        (b'{"text": "a", "return_sampling_mask": true, "sampling_params": {"top_k": -1, '
+         b'"top_p": 0.99999999}}', "which is 1.0 as a float32"),
     ):
         reply = httpx.post(url + "/generate", content=raw)
         assert reply.status_code == 400, raw
@@ -255,6 +266,13 @@ def test_bad_request(server):
         "return_sampling_mask": True, "sampling_logprobs_mode": mode, "return_logprob": False,
         "unknown_top_level_key": 1})
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+    # Bounded supports with masks are admitted: top-p only, min-p only, and a
+    # top_k past --sampling-mask-max-tokens (SHMASK_PAST_CAP=exact, the default)
+    for params in ({"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 5000}):
+        admitted = httpx.post(url + "/generate", json={
+            "text": "a", "sampling_params": {"max_new_tokens": 1, **params},
+            "return_sampling_mask": True})
+        assert admitted.status_code == 200, (params, admitted.text)
 
 
 def test_body_too_large(server):

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .. import admission
 from ..config import Config
 
 __all__ = ["FixedRows", "ShmaskCapture", "Spill", "fixed_capture", "materialize_spilled",
@@ -319,36 +320,15 @@ def materialize_spilled(reqs: Any, output: Any) -> bool:
 def sampling_mask_refusal(req: Any, cap: int) -> str | None:
     """Why the scheduler refuses a request that asks for sampling masks,
     given its normalised SamplingParams (top_k -1 is SGLang's TOP_K_ALL),
-    or None to admit it. ``cap`` is --sampling-mask-max-tokens.
-
-    Released SGLang admits greedy (top_k 1) and finite ``1 < top_k <= cap``
-    only. With shmask's capture it also admits any bounded support:
-    ``top_p < 1`` as a float32 (top-p-only, the RL rollout setting) or
-    ``min_p > 0`` (at most 1 / min_p ids) at any top_k, and, with
-    ``SHMASK_PAST_CAP=exact`` outside a PD prefill server (``_past_cap``),
-    a finite top_k above ``cap`` (such rows travel whole). The full
-    vocabulary (no top_k below V, top_p rounding to 1, no min_p) is refused
-    with a message that says what to set."""
+    or None to admit it. ``cap`` is --sampling-mask-max-tokens. The rule
+    is ``shmask.admission.sampling_mask_refusal`` (the example server's
+    too), with this server's SHMASK_CAPTURE and SHMASK_PAST_CAP (a PD
+    prefill server: "status", ``_past_cap``)."""
     params = req.sampling_params
-    top_k = params.top_k
-    if top_k == 1 or 1 < top_k <= cap:
-        return None
-    released = ("return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k "
-                f"<= {cap}; got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.")
-    if _settings().capture != "shmask":
-        return released
-    bounded_by_p = float(np.float32(params.top_p)) < 1.0 or params.min_p > 0
-    vocab = getattr(req, "vocab_size", None)
-    full_top_k = top_k < 1 or (vocab is not None and top_k >= vocab) or top_k >= 1 << 30
-    if bounded_by_p:
-        return None
-    if full_top_k:
-        shown = "-1 (all)" if top_k >= 1 << 30 else str(top_k)
-        rounds = ", which is 1.0 as a float32" if params.top_p < 1 else ""
-        return ("return_sampling_mask cannot return the full vocabulary: set top_p < 1 (got "
-                f"top_p={params.top_p!r}{rounds}), min_p > 0, or a finite top_k below the "
-                f"vocabulary size (got top_k={shown}).")
-    return None if _past_cap() == "exact" else released
+    return admission.sampling_mask_refusal(
+        top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, cap=cap,
+        vocab=getattr(req, "vocab_size", None), capture=_settings().capture,
+        past_cap=_past_cap())
 
 
 def _agree_on_statuses(sampler: Any, statuses: torch.Tensor) -> None:
