@@ -43,7 +43,9 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    sampled mass share reaches min(top_p + P_MARGIN, (1 + top_p) / 2), and
    for a top-p-only row no higher than the key keeping P_KEEP sampled ids'
    share; min-p: min_p x the sampled max; top-k <= K_FLOOR_ONLY: top-k's
-   and min-p's floors alone). A window row (top-k off, top-p on, a support
+   and min-p's floors alone). The mass estimates count the sample's
+   largest value once, not 1/share times, when no other sampled id ties it
+   (SAMPLE_HEAVY: most likely the row's only one of its size). A window row (top-k off, top-p on, a support
    the sample puts past WINDOW_MIN ids) gets 8 pivots instead, around
    the key whose sampled share reaches top_p, spread by the width of [lo, hi)
    (hi: the key whose sampled share reaches top_p - P_MARGIN;
@@ -72,7 +74,7 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    then a check that the sampled range held them (a cutoff at or above lo).
    A row that fails the check narrows each missed cutoff over its whole row
    (_row_floor: passes counting and summing the ids above 7 probes, until
-   the ids above the floor fit in RESOLVE_BLOCK or four passes), one pass
+   the ids above the floor fit in FLOOR_FIT or four passes), one pass
    rewrites its candidates as every id at or above the floor, and the
    searches run again over them (a sequential row whose top-k missed: 31
    passes a cutoff, exact). A window row's candidates are the ids of its

@@ -113,8 +113,9 @@ def _bound_kernel(
             floor_p = _sample_key_reaching(key, w_mass, above * total, True)
         if ~k_on:
             # and low enough to keep P_KEEP ids by the sample's count: a
-            # heavy token in the sample, weighed ~1/share times its share,
-            # puts the mass floor above a peaked row's cutoff (the
+            # heavy token in the sample, weighed ~1/share times its share
+            # (HEAVY off, or a tied top value), puts the mass floor above a
+            # peaked row's cutoff (the
             # whole-row search); P_KEEP candidates are in resolve's registers
             floor_p = tl.minimum(floor_p, _sample_key_reaching(key, w, P_KEEP * share, False))
     min_p = tl.load(min_p_ptr + row)

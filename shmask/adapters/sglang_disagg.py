@@ -5,16 +5,19 @@ With ``SGLANG_ENABLE_DISAGG_SAMPLING_MASK`` each server's metadata buffer
 holds one row of ``--sampling-mask-max-tokens`` (``cap``) entries a request
 (sglang/srt/disaggregation/utils.py, ``MetadataBuffers``), and the transfer
 engines copy a request's row as the prefill's item length into the decode's
-slot (``send_aux``: ``dst_aux_ptrs[i] + length * dst_aux_index``). Released
-SGLang checks neither side's cap: a larger prefill cap writes past the
-decode's slot into the next request's row; a smaller one leaves the
-decode's tail stale. The patched prefill registers its cap with the
-bootstrap server next to its page size; the patched decode asks for it
-when it first fetches the prefill's settings (``try_ensure_parallel_info``,
-before any transfer) and refuses a mismatch there, naming both values, as
-SGLang refuses a page-size or KV-dtype mismatch. A released server on
-either side: the decode never asks (released) or the prefill never
-registers a cap (then nothing is checked, as released).
+slot (``send_aux``: ``dst_aux_ptrs[i] + length * dst_aux_index``, the
+prefill's length). Released SGLang checks neither side's cap: with a
+larger prefill cap the row lands in later requests' slots (past the
+buffer's end at the last ones), with a smaller one in earlier requests'.
+(With ``SGLANG_RUST_SERVER`` and attention DP, the rows register with the
+Rust router's /route registry, which keeps no cap: nothing is checked.)
+The patched prefill registers its cap with the bootstrap server next to its
+page size; the patched decode asks for it when it first fetches the
+prefill's settings (``try_ensure_parallel_info``, before any transfer) and
+refuses a mismatch there, naming both values, as SGLang refuses a page-size
+or KV-dtype mismatch. A released server on either side: the decode never
+asks (released) or the prefill never registers a cap (then nothing is
+checked, as released).
 
 This module imports SGLang; only the patched
 sglang/srt/disaggregation/common/conn.py calls it.
