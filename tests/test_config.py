@@ -11,10 +11,12 @@ import shmask
 import shmask.config as config_module
 
 
-def test_defaults_and_env_parsing():
-    config = shmask.Config.from_env({"SHMASK_RING_MB": "3", "SHMASK_TRANSPORT": "INLINE",
-                                     "SHMASK_LEASE_S": "2.5", "SHMASK_LOG_LEVEL": "debug",
-                                     "SHMASK_GPU_DIRECT": "OFF"})
+def test_defaults_and_env_parsing(monkeypatch):
+    monkeypatch.setattr(config_module, "_warned", set())
+    with pytest.warns(config_module.RingSizeWarning, match="SHMASK_RING_MB=3 is rounded up to 4"):
+        config = shmask.Config.from_env({"SHMASK_RING_MB": "3", "SHMASK_TRANSPORT": "INLINE",
+                                         "SHMASK_LEASE_S": "2.5", "SHMASK_LOG_LEVEL": "debug",
+                                         "SHMASK_GPU_DIRECT": "OFF"})
     assert config.transport == "inline" and config.lease_s == 2.5 and config.log_level == "DEBUG"
     assert config.gpu_direct == "off" and shmask.Config().gpu_direct == "auto"
     assert config.ring_capacity_bytes == 4 * 2**20  # rounded up to a power of two
