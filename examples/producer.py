@@ -2,7 +2,12 @@
 request, stages them in RowQueues, and every `--emit-every` tokens (and when
 a request finishes) publishes them and sends one RefBatch to the detokenizer.
 
-Run by examples/pipeline.py; shmask settings come from SHMASK_* variables.
+Two ways to run: with `--requests`/`--tokens`, a fixed set of requests from
+the start (examples/pipeline.py, `make demo`); with `--serve ENDPOINT`, an
+engine that serves (examples/server.py): requests arrive on that zmq
+endpoint whenever clients send them, each with its own workload key, top_k
+and length, join the running batch at the next step and leave it when
+done; idle, it waits for one. shmask settings come from SHMASK_* variables.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 import msgspec
 import numpy as np
 import zmq
-from workload import configure, exit_with, request_lengths, step_rows
+from workload import configure, exit_with, request_lengths, rows_at, step_rows
 
 import shmask
 
@@ -22,7 +27,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="zmq endpoint of the detokenizer")
     parser.add_argument("--results", required=True, help="zmq endpoint for the final stats")
-    parser.add_argument("--control", required=True, help="zmq endpoint that says when to exit")
+    parser.add_argument("--control", help="zmq endpoint that says when to exit (fixed requests)")
+    parser.add_argument("--serve", metavar="ENDPOINT",
+                        help="serve requests that arrive on this zmq endpoint (examples/server.py)")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="with --serve: the least time a decode step takes (0: as fast as it can)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--top-k", type=int, default=1000)
@@ -42,6 +51,11 @@ def main() -> None:
     encoder = msgspec.msgpack.Encoder()
 
     writer = shmask.Writer(configure())
+    if args.serve:
+        serve(args, writer, context, out)
+        return
+    if not args.control:
+        parser.error("--control is required without --serve")
     requests = np.arange(args.requests, dtype=np.int64)
     lengths_of_request = request_lengths(requests, args.tokens)
     queues = [writer.open_queue(args.mode) for _ in requests]
@@ -89,6 +103,59 @@ def main() -> None:
     for socket in (out, results, control):
         socket.close(linger=-1)  # see detokenizer.py
     context.term()
+
+
+class Running:
+    """A request in the serving engine's batch."""
+
+    __slots__ = ("slot", "key", "top_k", "tokens", "queue", "done", "emitted")
+
+    def __init__(self, slot: int, key: int, top_k: int, tokens: int, queue: shmask.RowQueue) -> None:
+        self.slot, self.key, self.top_k, self.tokens, self.queue = slot, key, top_k, tokens, queue
+        self.done = 0  # tokens generated
+        self.emitted = 0  # tokens sent to the detokenizer
+
+
+def serve(args: argparse.Namespace, writer: shmask.Writer, context: zmq.Context,
+          out: zmq.Socket) -> None:
+    """The serving loop: admit what arrived, one decode step of every
+    running request, an emission of those due. It runs until it is
+    terminated (the server stops it with SIGTERM, which takes the ring)."""
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(args.serve)
+    decoder, encoder = msgspec.msgpack.Decoder(), msgspec.msgpack.Encoder()
+    running: dict[int, Running] = {}
+    while True:
+        started = time.perf_counter()
+        # Idle, wait for a request; busy, take whatever arrived since the last step.
+        while inbox.poll(0 if running else None):
+            request = decoder.decode(inbox.recv())
+            running[request["slot"]] = Running(request["slot"], request["key"], request["top_k"],
+                                               request["tokens"], writer.open_queue(args.mode))
+        batch = list(running.values())
+        top_ks = np.array([r.top_k for r in batch], np.int64)
+        lengths, ids, logprobs = rows_at(
+            args.seed, top_ks, np.array([r.key for r in batch], np.int64),
+            np.array([r.done for r in batch], np.int64), args.mode, int(top_ks.max()))
+        writer.append_step(np.array([r.queue.handle for r in batch], np.int64), lengths, ids, logprobs)
+        due = []
+        for r in batch:
+            r.done += 1
+            if r.done == r.tokens or r.done - r.emitted >= args.emit_every:
+                due.append(r)
+        if due:
+            refs = writer.take_batch([r.queue for r in due])
+            header = encoder.encode({"requests": np.array([r.slot for r in due], np.int32).tobytes(),
+                                     "starts": np.array([r.emitted for r in due], np.int32).tobytes()})
+            out.send_multipart([header, refs.to_bytes()], copy=False)
+            for r in due:
+                r.emitted = r.done
+                if r.done == r.tokens:
+                    r.queue.close()
+                    del running[r.slot]
+        rest = args.step_ms / 1000 - (time.perf_counter() - started)
+        if rest > 0:
+            time.sleep(rest)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ SGLang's shape (whole responses, or SSE streams), the sampling masks in
 meta_info written straight from what the engine put in shared memory, so an
 RL client written for SGLang runs against it unchanged.
 
-    python examples/server.py [--port 30000 --requests 32 --tokens 200 --top-k 100]
+    python examples/server.py [--port 30000 --requests 32 --tokens 200 --top-k 100 --step-ms 0]
 
     curl -s localhost:30000/generate -d '{"text": "The capital of France is",
         "sampling_params": {"max_new_tokens": 16, "top_k": 100},
@@ -14,31 +14,38 @@ RL client written for SGLang runs against it unchanged.
     curl -s localhost:30000/health
     curl -s localhost:30000/metrics
 
-It starts the example producer (examples/producer.py, the "engine": a
-seeded decode loop over --requests pre-planned requests of up to --tokens
-tokens) and the example detokenizer (examples/detokenizer.py) as processes
-joined by zmq, exactly as examples/pipeline.py wires them, and plays the
-tokenizer manager itself.
+It starts the example producer (examples/producer.py --serve, the
+"engine": a seeded decode loop that serves) and the example detokenizer
+(examples/detokenizer.py) as processes joined by zmq, as
+examples/pipeline.py wires them, and plays the tokenizer manager itself:
+each /generate is sent to the engine as it arrives (a zmq message, as
+SGLang's tokenizer manager sends its scheduler a request), joins the
+engine's running batch at its next step and streams while it generates,
+at any time after start. The engine steps as fast as it can (--step-ms:
+the least time a step takes, to play a real model's pace).
 
 The request body, as SGLang 0.5.23's /generate reads it:
 - `text` (a string) or `input_ids` (a list of ints): the prompt. The
-  example engine does not read prompts: a prompt picks one of its planned
-  requests by a stable hash (workload.request_for_prompt), with
-  `sampling_params.sampling_seed` mixed in, so the same prompt and seed get
-  the same completion. Batches (a list of prompts) are refused.
+  example engine does not read prompts: a prompt picks one of its
+  --requests completions by a stable hash (workload.request_for_prompt),
+  with `sampling_params.sampling_seed` mixed in, so the same prompt, seed
+  and top_k get the same completion. Batches (a list of prompts) are
+  refused.
 - `sampling_params`: `max_new_tokens` (default 128, as SGLang's; null: no
-  limit) caps the output, which otherwise ends where the planned request
-  ends (finish_reason `stop`). The other SGLang sampling parameters are
-  accepted and ignored (the engine samples from its seed; `n` must be 1);
-  a key SGLang does not know is refused with 400 naming it, as SGLang does.
-  `top_k`, `top_p` and `min_p` are checked as SGLang checks them (400).
+  limit) caps the output, which otherwise ends where the completion ends
+  (finish_reason `stop`; completions run up to --tokens). `top_k` is
+  honoured: each row holds at most top_k ids (--top-k where the request
+  sets none or -1). The other SGLang sampling parameters are accepted and
+  do not change the rows (the engine samples from its seed; `n` must be
+  1); a key SGLang does not know is refused with 400 naming it, as SGLang
+  does. `top_k`, `top_p` and `min_p` are checked as SGLang checks them
+  (400).
 - `return_sampling_mask` (bool, default false): the three sampling-mask
   fields in meta_info, admitted as the patched SGLang admits them
   (shmask.admission, --sampling-mask-max-tokens, SHMASK_CAPTURE and
   SHMASK_PAST_CAP): a bounded support (top_k 1..cap, top_p < 1, min_p > 0,
   or past the cap with SHMASK_PAST_CAP=exact); the full vocabulary (no
-  top_k, top_p 1) is a 400 that says what to set. The engine's rows are
-  its own (--top-k) whatever the request asks. `sampling_logprobs_mode` ("selected" | "support")
+  top_k, top_p 1) is a 400 that says what to set. `sampling_logprobs_mode` ("selected" | "support")
   must match the engine's --mode when given (the engine records one kind
   of row); left out, the engine's mode is used (SGLang would default to
   "selected"). Set without return_sampling_mask it is refused, as SGLang does.
@@ -64,9 +71,9 @@ cached_tokens.
 
 Its event loop only routes: an asyncio task receives each emission's
 references and hands every chunk to a thread pool (shmask.offload.Offload,
---threads), where its rows are copied into the planned request's
+--threads), where its rows are copied into the request's
 SamplingMaskCSR and the ring record is released at once, so no record is
-held while a client is slow. Each planned request has a lane in the pool:
+held while a client is slow. Each request has a lane in the pool:
 its folds and response builds run in order, one at a time, while other
 requests' run beside them; responses are written by shmask's native JSON
 writer (or the binary-rows encoder) from those arrays and embedded as
@@ -121,6 +128,7 @@ import contextlib
 import functools
 import gc
 import importlib.util
+import itertools
 import os
 import signal
 import socket
@@ -176,8 +184,8 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class ReqState:
-    """One planned request of the engine: its rows as they arrive (copied
-    out of the ring), and the streams that wait on them.
+    """One request being served: its rows as they arrive (copied out of the
+    ring), and the streams that wait on them.
 
     `rows` and `streams` change only on the request's lane of the Offload
     pool (folds and event builds run there one at a time, in order); the
@@ -218,17 +226,19 @@ class ReqState:
 
 @dataclass(frozen=True)
 class Generation:
-    """One /generate request, served from a planned request's rows."""
+    """One /generate request, served from the engine's rows for it."""
 
     rid: str
     state: ReqState
-    stop: int  # rows it returns: max_new_tokens or the planned length, the smaller
+    stop: int  # rows it returns: max_new_tokens or the completion's length, the smaller
     finish_reason: dict[str, Any]
     output_ids: np.ndarray  # int32 [stop]: the engine's sampled tokens
     prompt_tokens: int
     masks: bool  # return_sampling_mask
     base64: bool  # sampling_mask_format "base64"
     incremental: bool
+    key: int  # the engine's workload for it (workload.request_for_prompt)
+    top_k: int  # its rows' top_k
 
     def ready(self) -> int:
         """Rows available to it now."""
@@ -260,7 +270,7 @@ class Stream:
 
 
 class TokenizerManager:
-    """Receives the detokenizer's emissions and keeps every planned
+    """Receives the detokenizer's emissions and keeps every served
     request's rows. The loop only routes: every chunk is opened, copied and
     released on the Offload pool, on its request's lane."""
 
@@ -268,12 +278,14 @@ class TokenizerManager:
         self.args = args
         self.endpoints = endpoints
         self.support = args.mode == "support"
-        lengths = request_lengths(np.arange(args.requests), args.tokens)
-        self.states = [ReqState(r, int(n), self.support) for r, n in enumerate(lengths)]
+        # The requests being served, by the engine's slot for them: one
+        # each, made by generation(), dropped by forget() when its response
+        # is done (the engine may still send rows of it: released unread).
+        self.states: dict[int, ReqState] = {}
+        self.slots = itertools.count()
         self.config = configure()
         self.reader = shmask.Reader(self.config)
         self.offload = Offload(args.threads)
-        self.engine_done = False
         # The engine broke (an engine process died, or sent a malformed
         # emission): every request fails with this status and message.
         self.error: tuple[int, str] | None = None
@@ -301,8 +313,10 @@ class TokenizerManager:
         # someone must take them, or their sockets linger forever.
         self.results = self.context.socket(zmq.PULL)
         self.results.bind(self.endpoints["results"])
-        self.control = self.context.socket(zmq.PUSH)
-        self.control.bind(self.endpoints["control"])
+        # New requests go to the engine here, as SGLang's tokenizer manager
+        # sends its scheduler a tokenized request.
+        self.requests = self.context.socket(zmq.PUSH)
+        self.requests.bind(self.endpoints["requests"])
         self._receiving = asyncio.create_task(self._handle_loop())
         self._tasks = [self._receiving, asyncio.create_task(self._drain_results())]
 
@@ -316,7 +330,7 @@ class TokenizerManager:
             self.stopped.set_result(None)
         for task in self._tasks:  # no more folds queued: the lanes drain
             task.cancel()
-        for state in self.states:
+        for state in self.states.values():
             state.notify()
 
     async def stop(self) -> None:
@@ -331,7 +345,7 @@ class TokenizerManager:
         # running ones (one fold each) finish; then nothing reads the ring.
         self.offload.close()
         self.reader.close()
-        for sock in (self.inp, self.results, self.control):
+        for sock in (self.inp, self.results, self.requests):
             sock.close(linger=0)
         self.context.term()
 
@@ -341,29 +355,22 @@ class TokenizerManager:
             while True:
                 header_bytes, batch_bytes = await self.inp.recv_multipart()
                 header = decoder.decode(header_bytes)
-                if header.get("stop"):
-                    # Every chunk is released once folded: the producer may
-                    # unlink its ring once every lane has done the folds
-                    # queued before (a no-op job on each lane runs after them).
-                    await asyncio.gather(*(self.offload.run(state.index, _nothing)
-                                           for state in self.states))
-                    self.engine_done = True
-                    await self.control.send(b"exit")
-                    continue
                 requests = np.frombuffer(header["requests"], np.int32).tolist()
                 starts = np.frombuffer(header["starts"], np.int32).tolist()
                 batch = shmask.RefBatch.from_bytes(batch_bytes)
-                if len(batch) != len(requests) or not all(0 <= r < len(self.states)
-                                                          for r in requests):
+                if len(batch) != len(requests) or len(starts) != len(requests):
                     raise RuntimeError(f"an emission names requests {requests} for "
                                        f"{len(batch)} refs")
-                for ref, index, start in zip(batch, requests, starts, strict=True):
-                    state = self.states[index]
+                for ref, slot, start in zip(batch, requests, starts, strict=True):
+                    state = self.states.get(slot)
                     # Waits (off the loop) while the pool has its fill of
                     # jobs: the socket then queues, and the engine behind it.
-                    folded = await self.offload.put(
-                        index, fold_ref, self.reader, ref, functools.partial(state.fold, start))
-                    folded.add_done_callback(functools.partial(self._folded, state))
+                    # Rows of a request whose client is gone are released
+                    # unread, on its lane all the same.
+                    fold = _nothing_of if state is None else functools.partial(state.fold, start)
+                    folded = await self.offload.put(slot, fold_ref, self.reader, ref, fold)
+                    if state is not None:
+                        folded.add_done_callback(functools.partial(self._folded, state))
                 await asyncio.sleep(0)  # a burst of queued emissions lets the loop in
         except asyncio.CancelledError:
             raise
@@ -398,7 +405,7 @@ class TokenizerManager:
         """Every request fails from now on; the first cause is the one told."""
         if self.error is None:
             self.error = (status, message)
-        for state in self.states:
+        for state in self.states.values():
             state.notify()
 
     @staticmethod
@@ -488,18 +495,36 @@ class TokenizerManager:
             raise HTTPException(400, f"rid must be a string, got {_describe(rid)}")
         incremental = _bool(body, "incremental", self.args.incremental_streaming_output)
 
-        state = self.states[request_for_prompt(prompt, len(self.states), seed)]
-        if max_new_tokens is not None and max_new_tokens <= state.length:
-            stop = max_new_tokens
-        else:
-            stop = state.length
-        output_ids = sampled_tokens(self.args.seed, self.args.top_k, state.index, 0, stop)
+        # The completion: one of the engine's --requests workloads, picked
+        # by the prompt and seed; its rows as wide as the request's top_k
+        # (the engine's --top-k where the request sets none).
+        key = request_for_prompt(prompt, self.args.requests, seed)
+        row_top_k = top_k if top_k >= 1 else self.args.top_k
+        length = int(request_lengths(np.array([key]), self.args.tokens)[0])
+        stop = max_new_tokens if max_new_tokens is not None and max_new_tokens <= length else length
+        output_ids = sampled_tokens(self.args.seed, row_top_k, key, 0, stop)
         if stop == max_new_tokens:
             finish_reason: dict[str, Any] = {"type": "length", "length": stop}
-        else:  # the planned request ended first: as if at its end-of-sequence token
+        else:  # the workload ended first: as if at its end-of-sequence token
             finish_reason = {"type": "stop", "matched": int(output_ids[-1])}
+        state = ReqState(next(self.slots), stop, self.support)
         return Generation(rid, state, stop, finish_reason, output_ids, prompt_tokens, masks,
-                          mask_format == "base64", incremental)
+                          mask_format == "base64", incremental, key, row_top_k)
+
+    async def submit(self, generation: Generation) -> None:
+        """The request to the engine, which generates its rows from the next
+        step on (none for max_new_tokens 0)."""
+        state = generation.state
+        self.states[state.index] = state
+        if generation.stop > 0:
+            await self.requests.send(msgspec.msgpack.encode({
+                "slot": state.index, "key": generation.key, "top_k": generation.top_k,
+                "tokens": generation.stop}))
+
+    def forget(self, generation: Generation) -> None:
+        """Its response is done (or its client left): rows the engine still
+        sends for it are released unread."""
+        self.states.pop(generation.state.index, None)
 
 
 def _describe(value: Any) -> str:
@@ -575,8 +600,8 @@ def _support_settings(params: dict[str, Any]) -> tuple[int, float, float]:
     return top_k, top_p, min_p
 
 
-def _nothing() -> None:
-    pass
+def _nothing_of(_: shmask.Chunk) -> None:
+    """A fold that keeps nothing: the chunk is only released."""
 
 
 def mask_fields(rows: SamplingMaskCSR, start: int, total: int,
@@ -599,7 +624,7 @@ def mask_fields(rows: SamplingMaskCSR, start: int, total: int,
 
 def response(generation: Generation, start: int = 0) -> bytes:
     """A response (or stream event) for rows [start, ready) of a
-    generation: built on its planned request's lane."""
+    generation: built on its request's lane."""
     total = generation.ready()
     start = min(start, total)
     output_ids = generation.output_ids[start:total].tolist()
@@ -704,14 +729,19 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
         generation = manager.generation(body)
         state = generation.state
         manager.check(state)
-        if _bool(body, "stream"):
+        streamed = _bool(body, "stream")
+        await manager.submit(generation)
+        if streamed:
             return StreamingResponse(stream(generation), media_type="text/event-stream")
-        while generation.ready() < generation.stop:
-            await state.updated.wait()
-            manager.check(state)
-        # Built on the request's lane: after its last fold, off the loop.
-        return Response(await manager.on_lane(state, response, generation),
-                        media_type="application/json")
+        try:
+            while generation.ready() < generation.stop:
+                await state.updated.wait()
+                manager.check(state)
+            # Built on the request's lane: after its last fold, off the loop.
+            return Response(await manager.on_lane(state, response, generation),
+                            media_type="application/json")
+        finally:
+            manager.forget(generation)
 
     async def stream(generation: Generation) -> AsyncIterator[bytes]:
         state = generation.state
@@ -736,6 +766,7 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
         except Exception as exc:  # building its response failed: this stream ends
             yield error_event(HTTPException(500, f"{type(exc).__name__}: {exc}"))
         finally:
+            manager.forget(generation)
             with contextlib.suppress(RuntimeError):  # the pool is closed: nothing folds any more
                 offload.submit(state.index, unsubscribe, state, subscriber)
 
@@ -812,22 +843,18 @@ def start_engine(args: argparse.Namespace, endpoints: dict[str, str]) -> list[su
     commands = [
         [str(HERE / "detokenizer.py"), "--inp", endpoints["detok"], "--out",
          endpoints["tokenizer"], *common],
-        [str(HERE / "producer.py"), "--out", endpoints["detok"], "--control", endpoints["control"],
-         *common, *workload, "--requests", str(args.requests), "--tokens", str(args.tokens),
-         "--emit-every", str(args.emit_every), "--seed", str(args.seed)],
+        [str(HERE / "producer.py"), "--out", endpoints["detok"], "--serve", endpoints["requests"],
+         *common, *workload, "--emit-every", str(args.emit_every), "--seed", str(args.seed),
+         "--step-ms", str(args.step_ms)],
     ]
     return [subprocess.Popen([sys.executable, *command], env=dict(os.environ))
             for command in commands]
 
 
-def stop_engine(processes: list[subprocess.Popen], finished: bool) -> None:
-    # A finished engine exits on its own once told (the producer unlinks its
-    # ring); one still running is terminated at once (death by SIGTERM
-    # unlinks the ring all the same), and killed if it does not go.
+def stop_engine(processes: list[subprocess.Popen]) -> None:
+    # The serving engine runs until it is told: terminated (death by SIGTERM
+    # unlinks the producer's ring), killed if it does not go, and reaped.
     for process in processes:
-        if finished:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=2)
         if process.poll() is None:
             process.terminate()
     for process in processes:
@@ -844,13 +871,16 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="SGLang's default port")
     parser.add_argument("--requests", type=int, default=32,
-                        help="the engine's planned requests, which prompts map onto")
-    parser.add_argument("--tokens", type=int, default=200)
+                        help="the engine's distinct completions, which prompts map onto")
+    parser.add_argument("--tokens", type=int, default=200,
+                        help="the longest completion (they end at different lengths)")
     parser.add_argument("--top-k", type=int, default=100)
     parser.add_argument("--mode", choices=["support", "selected"], default="support")
     parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
                         help="SGLang's cap on a mask row, for admission (default 4096, SGLang's)")
     parser.add_argument("--emit-every", type=int, default=16)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="the least time a decode step of the engine takes (0: as fast as it can)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="threads that fold chunks and build responses off the event loop "
@@ -874,7 +904,7 @@ def main() -> None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(tmp, "metrics")
             os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         endpoints = {name: f"ipc://{tmp}/{name}"
-                     for name in ("tokenizer", "detok", "results", "control")}
+                     for name in ("tokenizer", "detok", "results", "requests")}
         app, manager = build_app(args, endpoints)
         # The graceful-shutdown timeout is a backstop: streams end as soon as
         # the signal arrives (Server.handle_exit).
@@ -883,8 +913,8 @@ def main() -> None:
         processes = start_engine(args, endpoints)
         manager.engine = processes
         print(f"shmask example server: http://{args.host}:{args.port}/generate "
-              f"({args.requests} requests x {args.tokens} tokens, top_k {args.top_k}, "
-              f"{args.mode} mode, seed {args.seed})", flush=True)
+              f"({args.requests} completions of up to {args.tokens} tokens, default top_k "
+              f"{args.top_k}, {args.mode} mode, seed {args.seed})", flush=True)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the
         # signal; end normally instead, so the engine is stopped below (a
         # default SIGTERM would kill this process and orphan the children).
@@ -894,7 +924,7 @@ def main() -> None:
         except KeyboardInterrupt:
             pass
         finally:
-            stop_engine(processes, manager.engine_done)
+            stop_engine(processes)
             listener.close()
             # All this process started is stopped. The interpreter's teardown
             # would still run full garbage collections over every object of

@@ -42,10 +42,12 @@ def request_lengths(requests: np.ndarray, tokens: int) -> np.ndarray:
     return tokens - (requests % 7) * (tokens // 20)
 
 
-def row_params(seed: int, top_k: int, requests: np.ndarray, tokens: np.ndarray):
-    """Per row: length, first id, id step, logprob offset."""
+def row_params(seed: int, top_k, requests: np.ndarray, tokens: np.ndarray):
+    """Per row: length, first id, id step, logprob offset. top_k: one for
+    every row, or one per row (a serving engine's requests each ask)."""
     h = _hash(seed, requests, tokens)
-    lengths = (top_k - (h % np.uint64(top_k // 2 + 1))).astype(np.int32)
+    k = np.asarray(top_k, dtype=np.uint64)
+    lengths = (k - h % (k // np.uint64(2) + np.uint64(1))).astype(np.int32)
     steps = (1 + (h >> np.uint64(20)) % np.uint64(3)).astype(np.int64)
     span = np.maximum(VOCAB - lengths.astype(np.int64) * steps, 1)
     first = ((h >> np.uint64(24)).astype(np.int64) % span).astype(np.int64)
@@ -56,9 +58,15 @@ def row_params(seed: int, top_k: int, requests: np.ndarray, tokens: np.ndarray):
 def step_rows(seed: int, top_k: int, requests: np.ndarray, token: int, mode: str):
     """One decode step's host buffers, as an engine has them: lengths [B],
     ids [B, top_k] padded, logprobs [B, top_k] (support) or [B] (selected)."""
-    tokens = np.full(requests.shape, token, np.int64)
+    return rows_at(seed, top_k, requests, np.full(requests.shape, token, np.int64), mode, top_k)
+
+
+def rows_at(seed: int, top_k, requests: np.ndarray, tokens: np.ndarray, mode: str, width: int):
+    """Rows of requests each at its own token, top_k per row or one for
+    all, padded to `width` columns (at least every row's top_k): a serving
+    engine's step, whose requests arrived at different times."""
     lengths, first, steps, offset = row_params(seed, top_k, requests, tokens)
-    column = np.arange(top_k, dtype=np.int64)
+    column = np.arange(width, dtype=np.int64)
     ids = (first[:, None] + column[None, :] * steps[:, None]).astype(np.int32)
     ids[column[None, :] >= lengths[:, None]] = 0  # padding, never read
     if mode == "support":

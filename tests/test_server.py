@@ -48,13 +48,19 @@ def prompt_for(request: int, requests: int = REQUESTS) -> str:
     return f"prompt {i}"
 
 
-def request_body(request: int, requests: int = REQUESTS, **fields) -> dict:
-    """SGLang's /generate body for the whole of one planned request, masks on
-    (for a top-k support: the full vocabulary is refused, as by the patched
-    SGLang); `sampling_params` given are merged over those."""
-    params = {"max_new_tokens": None, "top_k": TOP_K, **fields.pop("sampling_params", {})}
+def request_body(request: int, requests: int = REQUESTS, top_k: int = TOP_K, **fields) -> dict:
+    """SGLang's /generate body for the whole of one of the engine's
+    completions, masks on, rows of top_k (the engine honours it; the full
+    vocabulary is refused, as by the patched SGLang); `sampling_params`
+    given are merged over those."""
+    params = {"max_new_tokens": None, "top_k": top_k, **fields.pop("sampling_params", {})}
     return {"text": prompt_for(request, requests), "sampling_params": params,
             "return_sampling_mask": True, **fields}
+
+
+def load_body(request: int, **fields) -> dict:
+    """request_body for the servers at load (start_server)."""
+    return request_body(request, LOAD_REQUESTS, LOAD_TOP_K, **fields)
 
 
 def free_port() -> int:
@@ -213,6 +219,36 @@ def test_streaming(server, incremental):
             assert meta["finish_reason"]["type"] == "stop"
 
 
+def test_a_request_at_any_time_streams_rows_of_its_own_top_k(server):
+    """The engine serves: a request sent long after start (the old example
+    engine had played its fixed requests in its first seconds, then sent
+    one event and [DONE]) is generated as it streams, one event per
+    emission, with rows of the request's top_k (20 here; the engine's
+    --top-k is 24) and the seeded rows of that top_k."""
+    url, mode = server
+    time.sleep(2.5)
+    rid, top_k, emit_every = 4, 20, 8
+    length = int(request_lengths(np.array([rid]), TOKENS)[0])
+    with httpx.Client(timeout=20) as client:
+        with client.stream("POST", url + "/generate", json=request_body(
+                rid, top_k=top_k, stream=True, incremental=True)) as reply:
+            body = b"".join(reply.iter_bytes())
+    events = [orjson.loads(line[6:]) for line in body.split(b"\n\n")[:-2]]
+    assert body.endswith(b"data: [DONE]\n\n") and len(events) >= 2
+    counts = [len(event["meta_info"]["output_token_sampling_mask"]) for event in events]
+    # whole emissions each (the first may hold those folded before it subscribed)
+    assert sum(counts) == length and all(n % emit_every == 0 for n in counts[:-1]), counts
+    assert all(n == emit_every for n in counts[1:-1]), counts
+    seen = 0
+    for event in events:
+        masks = event["meta_info"]["output_token_sampling_mask"]
+        assert all(1 <= len(row) <= top_k for row in masks)
+        seen += check_rows(event["meta_info"], rid, mode, start=seen, top_k=top_k)
+    assert events[-1]["output_ids"] == sampled_tokens(SEED, top_k, rid, length - counts[-1],
+                                                      counts[-1]).tolist()
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def test_stream_must_be_a_boolean(server):
     """"stream": false is a whole JSON response, true an SSE stream, and
     anything else (e.g. "no", which is truthy) a 400, not a stream."""
@@ -326,20 +362,24 @@ def test_sglang_style_client(server):
 
 def test_metrics(server):
     """/metrics has shmask's metrics of the server and its engine: the
-    producer's rows add up to every planned request's tokens."""
+    producer's rows grow by exactly the tokens of a request served."""
     url, _ = server
-    total = int(request_lengths(np.arange(REQUESTS), TOKENS).sum())
     names = ["shmask_producer_chunks_total", "shmask_producer_bytes_total",
              "shmask_producer_full_ring_waits_total", "shmask_reader_opens_total",
              "shmask_reader_stale_total", "shmask_ring_capacity_bytes", "shmask_ring_used_bytes"]
-    deadline = time.monotonic() + 20
-    while True:  # the engine runs ahead of the clients; its counts land per emission
+
+    def produced() -> float:
         reply = httpx.get(url + "/metrics", timeout=10)
         assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
-        if f"shmask_producer_rows_total {float(total)}" in reply.text:
-            break
-        assert time.monotonic() < deadline, reply.text
-        time.sleep(0.2)
+        found = re.search(r"^shmask_producer_rows_total (\S+)$", reply.text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = produced()
+    result = httpx.post(url + "/generate", json=request_body(3), timeout=20).json()
+    served = result["meta_info"]["completion_tokens"]
+    assert served == request_lengths(np.array([3]), TOKENS)[0]
+    assert produced() == before + served  # its rows were counted before its response was built
+    reply = httpx.get(url + "/metrics", timeout=10)
     for name in names:
         assert f"\n# TYPE {name} " in reply.text, name
     assert 'shmask_ring_capacity_bytes{segment="/' in reply.text  # the engine's ring, by name
@@ -445,7 +485,7 @@ def start_server(tokens: int, log, name_prefix: str | None = None) -> tuple[subp
 async def read_stream(client: httpx.AsyncClient, url: str, rid: int, events: list) -> None:
     """Appends (arrival time, event) per SSE event until the stream ends."""
     async with client.stream("POST", url + "/generate",
-                             json=request_body(rid, LOAD_REQUESTS, stream=True, incremental=True)) as reply:
+                             json=load_body(rid, stream=True, incremental=True)) as reply:
         assert reply.status_code == 200
         pending = b""
         async for data in reply.aiter_bytes():
@@ -473,7 +513,8 @@ def test_lagging_stream_coalesces_its_emissions(mode):
     length = emissions * rows_each
     state = ReqState(rid, length, mode == "support")
     generation = Generation(f"r{rid}", state, length, {"type": "length", "length": length},
-                            sampled_tokens(SEED, TOP_K, rid, 0, length), 3, True, False, True)
+                            sampled_tokens(SEED, TOP_K, rid, 0, length), 3, True, False, True,
+                            rid, TOP_K)
     stream = Stream(generation)
     state.streams.append(stream)
     for e in range(emissions):
@@ -562,7 +603,7 @@ def slow_client(url: str, rid: int) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
     sock.connect((host, int(port)))
-    body = orjson.dumps(request_body(rid, LOAD_REQUESTS, stream=True, incremental=False))
+    body = orjson.dumps(load_body(rid, stream=True, incremental=False))
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
     return sock
@@ -708,14 +749,14 @@ async def kill_engine_under_load(process: subprocess.Popen, url: str, victim: st
     limits = httpx.Limits(max_connections=pending)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         async def whole(rid: int) -> tuple[str, float | None, bytes]:
-            reply = await client.post(url + "/generate", json=request_body(rid, LOAD_REQUESTS))
+            reply = await client.post(url + "/generate", json=load_body(rid))
             assert killed.is_set(), "a whole request was answered before the kill"
             return "whole", time.monotonic() - killed_at[0], reply.content
 
         async def streamed(rid: int, started: asyncio.Event) -> tuple[str, float | None, bytes]:
             last = b""
-            async with client.stream("POST", url + "/generate", json=request_body(
-                    rid, LOAD_REQUESTS, stream=True, incremental=True)) as reply:
+            async with client.stream("POST", url + "/generate",
+                                     json=load_body(rid, stream=True, incremental=True)) as reply:
                 pending_bytes = b""
                 async for data in reply.aiter_bytes():
                     pending_bytes += data
@@ -773,7 +814,7 @@ def test_engine_death_fails_pending_requests_at_once(victim, prefix):
                     if took is None or took > DEATH_ANSWER_S]
             assert not late, f"pending requests not answered within {DEATH_ANSWER_S} s: {late}"
             health = httpx.get(url + "/health", timeout=10)
-            fresh = httpx.post(url + "/generate", json=request_body(0, LOAD_REQUESTS), timeout=10)
+            fresh = httpx.post(url + "/generate", json=load_body(0), timeout=10)
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
         finally:
@@ -808,7 +849,7 @@ def test_engine_goes_with_a_killed_server(prefix):
         try:
             engine = [engine_pid(process, script) for script in ("producer.py", "detokenizer.py")]
             # A first row answered: the producer's Writer (and its ring) is made.
-            first = httpx.post(url + "/generate", json=request_body(0, LOAD_REQUESTS, sampling_params={
+            first = httpx.post(url + "/generate", json=load_body(0, sampling_params={
                 "max_new_tokens": 1}), timeout=30)
             assert first.status_code == 200 and leftover_segments(prefix), first.text
             os.kill(process.pid, signal.SIGKILL)
