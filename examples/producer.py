@@ -108,10 +108,12 @@ def main() -> None:
 class Running:
     """A request in the serving engine's batch."""
 
-    __slots__ = ("slot", "key", "top_k", "tokens", "queue", "done", "emitted")
+    __slots__ = ("slot", "key", "top_k", "tokens", "mode", "queue", "done", "emitted")
 
-    def __init__(self, slot: int, key: int, top_k: int, tokens: int, queue: shmask.RowQueue) -> None:
-        self.slot, self.key, self.top_k, self.tokens, self.queue = slot, key, top_k, tokens, queue
+    def __init__(self, slot: int, key: int, top_k: int, tokens: int, mode: str,
+                 writer: shmask.Writer) -> None:
+        self.slot, self.key, self.top_k, self.tokens, self.mode = slot, key, top_k, tokens, mode
+        self.queue = writer.open_queue(mode)
         self.done = 0  # tokens generated
         self.emitted = 0  # tokens sent to the detokenizer
 
@@ -130,14 +132,21 @@ def serve(args: argparse.Namespace, writer: shmask.Writer, context: zmq.Context,
         # Idle, wait for a request; busy, take whatever arrived since the last step.
         while inbox.poll(0 if running else None):
             request = decoder.decode(inbox.recv())
-            running[request["slot"]] = Running(request["slot"], request["key"], request["top_k"],
-                                               request["tokens"], writer.open_queue(args.mode))
+            # each request's own rows: its workload key, top_k and mode
+            running[request["slot"]] = Running(
+                request["slot"], request["key"], request["top_k"], request["tokens"],
+                request.get("mode", args.mode), writer)
         batch = list(running.values())
-        top_ks = np.array([r.top_k for r in batch], np.int64)
-        lengths, ids, logprobs = rows_at(
-            args.seed, top_ks, np.array([r.key for r in batch], np.int64),
-            np.array([r.done for r in batch], np.int64), args.mode, int(top_ks.max()))
-        writer.append_step(np.array([r.queue.handle for r in batch], np.int64), lengths, ids, logprobs)
+        for mode in ("support", "selected"):  # one append a mode: its rows' logprobs differ in shape
+            group = [r for r in batch if r.mode == mode]
+            if not group:
+                continue
+            top_ks = np.array([r.top_k for r in group], np.int64)
+            lengths, ids, logprobs = rows_at(
+                args.seed, top_ks, np.array([r.key for r in group], np.int64),
+                np.array([r.done for r in group], np.int64), mode, int(top_ks.max()))
+            writer.append_step(np.array([r.queue.handle for r in group], np.int64), lengths, ids,
+                               logprobs)
         due = []
         for r in batch:
             r.done += 1

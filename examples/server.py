@@ -45,10 +45,15 @@ The request body, as SGLang 0.5.23's /generate reads it:
   (shmask.admission, --sampling-mask-max-tokens, SHMASK_CAPTURE and
   SHMASK_PAST_CAP): a bounded support (top_k 1..cap, top_p < 1, min_p > 0,
   or past the cap with SHMASK_PAST_CAP=exact); the full vocabulary (no
-  top_k, top_p 1) is a 400 that says what to set. `sampling_logprobs_mode` ("selected" | "support")
-  must match the engine's --mode when given (the engine records one kind
-  of row); left out, the engine's mode is used (SGLang would default to
-  "selected"). Set without return_sampling_mask it is refused, as SGLang does.
+  top_k, top_p 1) is a 400 that says what to set.
+- `sampling_logprobs_mode` ("selected" | "support"): the request's own
+  (the engine records each request's rows in its mode); left out, --mode's
+  (default "selected", SGLang's default). Set without
+  return_sampling_mask it is refused, as SGLang does.
+- `return_logprob` (bool): SGLang's `output_token_logprobs` in meta_info,
+  `[logprob, token id, null]` per generated token (the sampled token's
+  logprob: its row's first value), and `input_token_logprobs`
+  `[null, token id, null]` per prompt token (the example scores no prompt).
 - `sampling_mask_format`: "json" (default, SGLang's lists) or "base64"
   (shmask's binary rows: one object under output_token_sampling_mask,
   decoded by shmask.decode_rows; docs/architecture.md, "Binary rows").
@@ -61,6 +66,19 @@ The request body, as SGLang 0.5.23's /generate reads it:
 Other top-level keys are ignored, as SGLang ignores keys it does not use.
 Bodies above --max-body-bytes (1 MiB) get 413; errors are JSON
 `{"error": {"message": ..., "code": ...}}`.
+
+`/v1/chat/completions` and `/v1/completions` answer in SGLang 0.5.23's
+shape (one choice, whole: `"stream": true` there is a 400 here; /generate
+streams). Chat's `messages` become the prompt through the example's
+template (`<|role|>content` each, then `<|assistant|>`); `max_tokens` (or
+`max_completion_tokens`), `top_k`, `top_p`, `min_p`, `seed` (the sampling
+seed), `temperature`, `n` map onto /generate's sampling_params and are
+checked the same way. Chat's masks, as SGLang's: `return_sampling_mask`
+requires `return_meta_info` (400 "return_sampling_mask requires
+return_meta_info=true."), and the choice's `meta_info` holds the three
+fields (and `sampling_logprobs_mode` is the request's). SGLang 0.5.23's
+/v1/completions returns no masks; here asking for them there is a 400
+that names the endpoints that do.
 
 The answer: `text` (the output ids detokenized as "<id>" pieces),
 `output_ids` (the engine's sampled token per row: each row's first id,
@@ -135,6 +153,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -151,7 +170,14 @@ import zmq.asyncio
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from workload import configure, describe_exit, request_for_prompt, request_lengths, sampled_tokens
+from workload import (
+    configure,
+    describe_exit,
+    request_for_prompt,
+    request_lengths,
+    sampled_logprobs,
+    sampled_tokens,
+)
 
 import shmask
 from shmask import admission, response_json
@@ -239,6 +265,9 @@ class Generation:
     incremental: bool
     key: int  # the engine's workload for it (workload.request_for_prompt)
     top_k: int  # its rows' top_k
+    mode: str  # its rows' sampling_logprobs_mode
+    output_logprobs: np.ndarray | None  # float32 [stop] with return_logprob: each token's
+    prompt_ids: list[int]  # the prompt's tokens, with return_logprob (else empty)
 
     def ready(self) -> int:
         """Rows available to it now."""
@@ -277,7 +306,6 @@ class TokenizerManager:
     def __init__(self, args: argparse.Namespace, endpoints: dict[str, str]) -> None:
         self.args = args
         self.endpoints = endpoints
-        self.support = args.mode == "support"
         # The requests being served, by the engine's slot for them: one
         # each, made by generation(), dropped by forget() when its response
         # is done (the engine may still send rows of it: released unread).
@@ -464,7 +492,6 @@ class TokenizerManager:
         top_k, top_p, min_p = _support_settings(params)
         masks = _bool(body, "return_sampling_mask")
         mode = body.get("sampling_logprobs_mode")
-        engine_mode = self.args.mode
         if mode is not None:
             if not masks:
                 raise HTTPException(400, "sampling_logprobs_mode can only be set when "
@@ -472,10 +499,9 @@ class TokenizerManager:
             if mode not in ("selected", "support"):
                 raise HTTPException(400, f"sampling_logprobs_mode must be 'selected' or "
                                     f"'support', got {mode!r}")
-            if mode != engine_mode:
-                raise HTTPException(400, f"sampling_logprobs_mode {mode!r} is not available: "
-                                    f"this server's engine records {engine_mode}-mode rows "
-                                    f"(--mode {engine_mode})")
+        else:
+            mode = self.args.mode  # SGLang's default, "selected", unless --mode says otherwise
+        return_logprob = _bool(body, "return_logprob")
         if masks:
             # the patched SGLang scheduler's rule (shmask.admission), word for
             # word; SGLang checks the request's fields first
@@ -507,9 +533,12 @@ class TokenizerManager:
             finish_reason: dict[str, Any] = {"type": "length", "length": stop}
         else:  # the workload ended first: as if at its end-of-sequence token
             finish_reason = {"type": "stop", "matched": int(output_ids[-1])}
-        state = ReqState(next(self.slots), stop, self.support)
+        state = ReqState(next(self.slots), stop, mode == "support")
+        output_logprobs = sampled_logprobs(self.args.seed, row_top_k, key, 0, stop) \
+            if return_logprob else None
         return Generation(rid, state, stop, finish_reason, output_ids, prompt_tokens, masks,
-                          mask_format == "base64", incremental, key, row_top_k)
+                          mask_format == "base64", incremental, key, row_top_k, mode,
+                          output_logprobs, _prompt_ids(prompt) if return_logprob else [])
 
     async def submit(self, generation: Generation) -> None:
         """The request to the engine, which generates its rows from the next
@@ -519,7 +548,7 @@ class TokenizerManager:
         if generation.stop > 0:
             await self.requests.send(msgspec.msgpack.encode({
                 "slot": state.index, "key": generation.key, "top_k": generation.top_k,
-                "tokens": generation.stop}))
+                "tokens": generation.stop, "mode": generation.mode}))
 
     def forget(self, generation: Generation) -> None:
         """Its response is done (or its client left): rows the engine still
@@ -529,6 +558,60 @@ class TokenizerManager:
 
 def _describe(value: Any) -> str:
     return f"{type(value).__name__} {orjson.dumps(value).decode()[:40]}"
+
+
+# The OpenAI request fields that map onto /generate's sampling_params (the
+# others SGLang reads are accepted and change nothing here).
+OPENAI_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "min_p": "min_p", "seed": "sampling_seed", "n": "n", "stop": "stop",
+                   "frequency_penalty": "frequency_penalty",
+                   "presence_penalty": "presence_penalty", "ignore_eos": "ignore_eos"}
+
+
+def openai_request(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], str, bool]:
+    """An OpenAI body (/v1/chat/completions or /v1/completions) as the
+    /generate body it stands for, its model name, and whether its choice
+    carries meta_info; HTTPException 400 for what SGLang 0.5.23 refuses."""
+    model = body.get("model", "default")
+    if not isinstance(model, str):
+        raise HTTPException(400, f"model must be a string, got {_describe(model)}")
+    if _bool(body, "stream"):
+        raise HTTPException(400, "this example answers /v1/* whole (stream=false); "
+                            "/generate streams")
+    masks = _bool(body, "return_sampling_mask")
+    meta = _bool(body, "return_meta_info") if chat else False
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HTTPException(400, "Messages cannot be empty.")  # SGLang's words
+        if masks and not meta:
+            raise HTTPException(400, "return_sampling_mask requires return_meta_info=true.")
+        parts = []
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise HTTPException(400, "each message must be an object with a string content")
+            parts.append(f"<|{message.get('role', 'user')}|>{message['content']}")
+        prompt: Any = "".join(parts) + "<|assistant|>"  # the example's chat template
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        if masks:
+            raise HTTPException(400, "SGLang 0.5.23's /v1/completions returns no sampling masks: "
+                                "ask /v1/chat/completions (with return_meta_info) or /generate")
+        prompt = body.get("prompt")
+        limit = body.get("max_tokens", 16)  # SGLang's default for completions
+    params = {"max_new_tokens": limit}
+    params.update({ours: body[theirs] for theirs, ours in OPENAI_SAMPLING.items() if theirs in body})
+    generate_body = {"text" if isinstance(prompt, str) else "input_ids": prompt,
+                     "sampling_params": params, "return_sampling_mask": masks,
+                     "rid": body.get("rid")}
+    if "sampling_logprobs_mode" in body:
+        generate_body["sampling_logprobs_mode"] = body["sampling_logprobs_mode"]
+    return generate_body, model, meta
+
+
+def _prompt_ids(prompt: str | list[int]) -> list[int]:
+    """The example's tokenizer: a text prompt's bytes are its tokens."""
+    return list(prompt.encode()) if isinstance(prompt, str) else prompt
 
 
 def _prompt(body: dict[str, Any]) -> tuple[str | list[int], int]:
@@ -623,8 +706,15 @@ def mask_fields(rows: SamplingMaskCSR, start: int, total: int,
 
 
 def response(generation: Generation, start: int = 0) -> bytes:
-    """A response (or stream event) for rows [start, ready) of a
+    """A /generate response (or stream event) for rows [start, ready) of a
     generation: built on its request's lane."""
+    output_ids, meta_info = output_of(generation, start)
+    return response_json.dumps({"text": detokenize(output_ids), "output_ids": output_ids,
+                                "meta_info": meta_info})
+
+
+def output_of(generation: Generation, start: int = 0) -> tuple[list[int], dict[str, Any]]:
+    """The output ids and SGLang's meta_info of rows [start, ready)."""
     total = generation.ready()
     start = min(start, total)
     output_ids = generation.output_ids[start:total].tolist()
@@ -633,13 +723,48 @@ def response(generation: Generation, start: int = 0) -> bytes:
         "finish_reason": generation.finish_reason if total >= generation.stop else None,
         "prompt_tokens": generation.prompt_tokens,
     }
+    if generation.output_logprobs is not None:
+        # SGLang's [logprob, token id, text (null: return_text_in_logprobs
+        # is off)] per token; the example engine scores no prompt, so its
+        # input_token_logprobs carry null logprobs
+        meta_info["input_token_logprobs"] = [[None, token, None]
+                                             for token in generation.prompt_ids]
+        meta_info["output_token_logprobs"] = [
+            [logprob, token, None] for logprob, token
+            in zip(generation.output_logprobs[start:total].tolist(), output_ids, strict=True)]
     if generation.masks:
         meta_info.update(mask_fields(generation.state.rows[start:total], start, total,
                                      generation.base64))
     meta_info["completion_tokens"] = total
     meta_info["cached_tokens"] = 0
-    return response_json.dumps({"text": detokenize(output_ids), "output_ids": output_ids,
-                                "meta_info": meta_info})
+    return output_ids, meta_info
+
+
+def openai_response(generation: Generation, chat: bool, model: str, meta: bool) -> bytes:
+    """SGLang's /v1/chat/completions or /v1/completions answer (one choice,
+    non-streaming), with meta_info in the choice where `meta` (chat's
+    return_meta_info)."""
+    output_ids, meta_info = output_of(generation)
+    finish = meta_info["finish_reason"]
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": detokenize(output_ids),
+                             "reasoning_content": None, "tool_calls": None}
+    else:
+        choice["text"] = detokenize(output_ids)
+    choice.update({"logprobs": None, "finish_reason": finish["type"] if finish else None,
+                   "matched_stop": finish.get("matched") if finish else None})
+    if meta:
+        choice["meta_info"] = meta_info
+    total = len(output_ids)
+    return response_json.dumps({
+        "id": generation.rid, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": model, "choices": [choice],
+        "usage": {"prompt_tokens": generation.prompt_tokens,
+                  "total_tokens": generation.prompt_tokens + total, "completion_tokens": total,
+                  "prompt_tokens_details": None, "reasoning_tokens": 0,
+                  "completion_tokens_details": None},
+        "metadata": None})
 
 
 def detokenize(ids: list[int]) -> str:
@@ -718,30 +843,54 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
         data = await asyncio.to_thread(generate_latest, registry)  # reads every process's file
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request) -> Response:
+    async def json_body(request: Request) -> dict[str, Any]:
         try:
             body = orjson.loads(await read_body(request, args.max_body_bytes) or b"{}")
         except orjson.JSONDecodeError as exc:
             raise HTTPException(400, f"the body is not JSON: {exc}") from None
         if not isinstance(body, dict):
             raise HTTPException(400, "the body must be a JSON object")
-        generation = manager.generation(body)
+        return body
+
+    async def whole(generation: Generation, build: Callable[..., bytes], *args: Any) -> Response:
+        """The generation's answer once its last row is in, built by
+        `build(generation, *args)` on its lane (off the loop)."""
         state = generation.state
-        manager.check(state)
-        streamed = _bool(body, "stream")
         await manager.submit(generation)
-        if streamed:
-            return StreamingResponse(stream(generation), media_type="text/event-stream")
         try:
             while generation.ready() < generation.stop:
                 await state.updated.wait()
                 manager.check(state)
-            # Built on the request's lane: after its last fold, off the loop.
-            return Response(await manager.on_lane(state, response, generation),
+            return Response(await manager.on_lane(state, build, generation, *args),
                             media_type="application/json")
         finally:
             manager.forget(generation)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await json_body(request)
+        generation = manager.generation(body)
+        manager.check(generation.state)
+        if _bool(body, "stream"):
+            await manager.submit(generation)
+            return StreamingResponse(stream(generation), media_type="text/event-stream")
+        return await whole(generation, response)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await json_body(request)
+        generate_body, model, meta = openai_request(body, chat=True)
+        generation = manager.generation(generate_body)
+        manager.check(generation.state)
+        return await whole(generation, openai_response, True, model, meta)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await json_body(request)
+        generate_body, model, meta = openai_request(body, chat=False)
+        generation = manager.generation(generate_body)
+        manager.check(generation.state)
+        return await whole(generation, openai_response, False, model, meta)
 
     async def stream(generation: Generation) -> AsyncIterator[bytes]:
         state = generation.state
@@ -875,7 +1024,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200,
                         help="the longest completion (they end at different lengths)")
     parser.add_argument("--top-k", type=int, default=100)
-    parser.add_argument("--mode", choices=["support", "selected"], default="support")
+    parser.add_argument("--mode", choices=["support", "selected"], default="selected",
+                        help="sampling_logprobs_mode of requests that set none (SGLang's "
+                             "default: selected)")
     parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
                         help="SGLang's cap on a mask row, for admission (default 4096, SGLang's)")
     parser.add_argument("--emit-every", type=int, default=16)

@@ -117,6 +117,14 @@ def sampled_tokens(seed: int, top_k: int, request: int, start: int, rows: int) -
     return first.astype(np.int32)
 
 
+def sampled_logprobs(seed: int, top_k: int, request: int, start: int, rows: int) -> np.ndarray:
+    """The logprob of each sampled token (sampled_tokens'): its row's first
+    and largest value, -offset, which a selected-mode row records."""
+    tokens = np.arange(start, start + rows, dtype=np.int64)
+    _, _, _, offset = row_params(seed, top_k, np.full(rows, request), tokens)
+    return (-offset).astype(np.float32)
+
+
 def request_for_prompt(prompt: str | list[int], requests: int, sampling_seed: int = 0) -> int:
     """Which of the engine's pre-planned requests answers a prompt (text or
     token ids): a stable hash of the prompt and the sampling seed, so the

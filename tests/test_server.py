@@ -31,6 +31,7 @@ from workload import (  # noqa: E402
     expected_chunk,
     request_for_prompt,
     request_lengths,
+    sampled_logprobs,
     sampled_tokens,
 )
 
@@ -269,7 +270,6 @@ def test_stream_must_be_a_boolean(server):
 
 def test_bad_request(server):
     url, mode = server
-    other = "selected" if mode == "support" else "support"
     for raw, says in (
         (b"not json", "not JSON"), (b"[1, 2]", "JSON object"), (b"{}", "either text or input_ids"),
         (b'{"text": "a", "input_ids": [1]}', "not both"), (b'{"text": ["a", "b"]}', "batch"),
@@ -281,8 +281,8 @@ def test_bad_request(server):
         (b'{"text": "a", "sampling_params": {"n": 2}}', "n must be 1"),
         (b'{"text": "a", "return_sampling_mask": "yes"}', "must be a boolean"),
         (b'{"text": "a", "sampling_logprobs_mode": "support"}', "return_sampling_mask=true"),
-        (b'{"text": "a", "return_sampling_mask": true, "sampling_logprobs_mode": "%s"}'
-         % other.encode(), f"--mode {mode}"),
+        (b'{"text": "a", "return_sampling_mask": true, "sampling_logprobs_mode": "both"}',
+         "'selected' or 'support'"),
         (b'{"text": "a", "sampling_mask_format": "msgpack"}', "'json' or 'base64'"),
         (b'{"text": "a", "sampling_params": {"top_p": 0}}', "top_p must be in (0, 1]"),
         (b'{"text": "a", "sampling_params": {"top_p": "0.9"}}', "top_p must be a number"),
@@ -309,6 +309,77 @@ def test_bad_request(server):
             "text": "a", "sampling_params": {"max_new_tokens": 1, **params},
             "return_sampling_mask": True})
         assert admitted.status_code == 200, (params, admitted.text)
+
+
+def test_per_request_mode_and_return_logprob(server):
+    """sampling_logprobs_mode is the request's (the server's --mode where it
+    sets none: SGLang's default is "selected"), whatever the other requests
+    ask; return_logprob gives SGLang's output_token_logprobs, each the
+    sampled token's logprob (its row's first value)."""
+    url, mode = server
+    other = "selected" if mode == "support" else "support"
+    rid, cut = 3, 9
+    with httpx.Client(timeout=20) as client:
+        for asked in (None, other, mode):
+            fields = {} if asked is None else {"sampling_logprobs_mode": asked}
+            result = client.post(url + "/generate", json=request_body(
+                rid, sampling_params={"max_new_tokens": cut}, return_logprob=True,
+                **fields)).json()
+            meta = result["meta_info"]
+            assert check_rows(meta, rid, asked or mode) == cut
+            logprobs = sampled_logprobs(SEED, TOP_K, rid, 0, cut).astype(np.float64).tolist()
+            assert meta["output_token_logprobs"] == [
+                [lp, token, None] for lp, token in zip(logprobs, result["output_ids"], strict=True)]
+            ids = list(prompt_for(rid).encode())
+            assert meta["input_token_logprobs"] == [[None, token, None] for token in ids]
+        plain = client.post(url + "/generate", json=request_body(rid)).json()
+        assert "output_token_logprobs" not in plain["meta_info"]
+
+
+def test_openai_endpoints(server):
+    """/v1/chat/completions and /v1/completions in SGLang's shape: chat's
+    masks in the choice's meta_info (return_sampling_mask requires
+    return_meta_info, SGLang's 400), rows of the request's top_k and mode;
+    /v1/completions, which has no masks in SGLang 0.5.23, refuses them."""
+    url, mode = server
+    other = "selected" if mode == "support" else "support"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
+    prompt = "<|system|>Be brief.<|user|>2 + 2?<|assistant|>"
+    rid = request_for_prompt(prompt, REQUESTS)
+    with httpx.Client(timeout=20) as client:
+        chat = client.post(url + "/v1/chat/completions", json={
+            "model": "m", "messages": messages, "max_tokens": 6, "top_k": 7,
+            "return_sampling_mask": True, "return_meta_info": True,
+            "sampling_logprobs_mode": other})
+        assert chat.status_code == 200, chat.text
+        answer = chat.json()
+        assert answer["object"] == "chat.completion" and answer["model"] == "m"
+        (choice,) = answer["choices"]
+        assert choice["finish_reason"] == "length" and choice["message"]["role"] == "assistant"
+        meta = choice["meta_info"]
+        assert check_rows(meta, rid, other, top_k=7) == 6
+        ids = sampled_tokens(SEED, 7, rid, 0, 6).tolist()
+        assert choice["message"]["content"] == "".join(f"<{i}>" for i in ids)
+        assert answer["usage"] == {"prompt_tokens": len(prompt.encode()), "completion_tokens": 6,
+                                   "total_tokens": len(prompt.encode()) + 6,
+                                   "prompt_tokens_details": None, "reasoning_tokens": 0,
+                                   "completion_tokens_details": None}
+        no_meta = client.post(url + "/v1/chat/completions", json={
+            "messages": messages, "top_k": 7, "return_sampling_mask": True})
+        assert no_meta.status_code == 400
+        assert no_meta.json()["error"]["message"] == "return_sampling_mask requires return_meta_info=true."
+        full = client.post(url + "/v1/chat/completions", json={
+            "messages": messages, "return_sampling_mask": True, "return_meta_info": True})
+        assert full.status_code == 400 and "full vocabulary" in full.json()["error"]["message"]
+        text = client.post(url + "/v1/completions", json={"prompt": "2 + 2 =", "max_tokens": 3})
+        assert text.status_code == 200, text.text
+        (choice,) = text.json()["choices"]
+        assert text.json()["object"] == "text_completion" and "meta_info" not in choice
+        ids = sampled_tokens(SEED, TOP_K, request_for_prompt("2 + 2 =", REQUESTS), 0, 3).tolist()
+        assert choice["text"] == "".join(f"<{i}>" for i in ids)
+        masked = client.post(url + "/v1/completions", json={
+            "prompt": "2 + 2 =", "top_k": 5, "return_sampling_mask": True})
+        assert masked.status_code == 400 and "/v1/chat/completions" in masked.text
 
 
 def test_body_too_large(server):
@@ -465,7 +536,7 @@ def start_server(tokens: int, log, name_prefix: str | None = None) -> tuple[subp
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "server.py"), "--port", str(port),
          "--requests", str(LOAD_REQUESTS), "--tokens", str(tokens), "--top-k", str(LOAD_TOP_K),
-         "--emit-every", str(EMIT_EVERY), "--seed", str(SEED)],
+         "--emit-every", str(EMIT_EVERY), "--seed", str(SEED), "--mode", "support"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -514,7 +585,7 @@ def test_lagging_stream_coalesces_its_emissions(mode):
     state = ReqState(rid, length, mode == "support")
     generation = Generation(f"r{rid}", state, length, {"type": "length", "length": length},
                             sampled_tokens(SEED, TOP_K, rid, 0, length), 3, True, False, True,
-                            rid, TOP_K)
+                            rid, TOP_K, mode, None, [])
     stream = Stream(generation)
     state.streams.append(stream)
     for e in range(emissions):
