@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # A change to any of these reinstalls shmask (the native core compiles at install).
 NATIVE_SOURCES := setup.py pyproject.toml native/build.py $(wildcard native/*.c native/*.h)
 
-.PHONY: demo test test-gpu test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
+.PHONY: demo test test-long test-gpu test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
 
 # pip runs without -q everywhere (a fresh machine sees each package as it
 # comes) and without progress bars (they are noise in a CI log).
@@ -50,8 +50,13 @@ $(SERVE_STAMP): $(DEMO_STAMP)
 demo: $(DEMO_STAMP)
 	$(DEMO_PY) examples/pipeline.py
 
+# `make test` leaves the slowest tests (tests/long_tests.txt: interpreter
+# runs at large sizes, benchmark smoke runs) to `make test-long`; CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/compat
+	$(PY) -m pytest -q --ignore=tests/compat -m "not long"
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q --ignore=tests/compat -m long
 
 # The response writer's floats against orjson for all 2^32 float32 bit
 # patterns (minutes, one process per CPU; `make test` runs a sample).

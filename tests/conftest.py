@@ -37,6 +37,23 @@ import pytest
 import shmask
 
 SESSION_PREFIX = "shmtest" + secrets.token_hex(3)
+
+# The tests that take longest on a 2-core machine (interpreter runs at large
+# sizes, benchmark smoke runs): marked `long`, so `make test` leaves them to
+# `make test-long` (CI runs both). One node id a line, as pytest names it.
+LONG_TESTS = frozenset(line.strip() for line in
+                       (Path(__file__).parent / "long_tests.txt").read_text().splitlines()
+                       if line.strip() and not line.startswith("#"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "long: minutes on a 2-core machine; run by make test-long")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in LONG_TESTS:
+            item.add_marker(pytest.mark.long)
 _TEST_NUMBERS = itertools.count(1)
 # multiprocessing's helpers start at first use and serve the whole session.
 _SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")

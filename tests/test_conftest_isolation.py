@@ -144,3 +144,16 @@ def test_a_test_that_times_out_has_its_children_killed_and_the_next_test_passes(
     started = [int(line) for line in pids.read_text().split()]
     assert len(started) == 3, output
     assert all(_gone(pid) for pid in started), [p for p in started if not _gone(p, 0)]
+
+
+def test_every_long_test_names_a_test_that_exists():
+    """tests/long_tests.txt (what `make test` leaves to `make test-long`)
+    names real tests: a renamed one would silently move back."""
+    from conftest import LONG_TESTS
+
+    root = Path(__file__).resolve().parents[1]
+    assert len(LONG_TESTS) >= 10
+    for nodeid in LONG_TESTS:
+        path, _, name = nodeid.partition("::")
+        function = name.split("[")[0]
+        assert f"def {function}(" in (root / path).read_text(), nodeid

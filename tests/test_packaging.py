@@ -66,7 +66,9 @@ def test_extras_match_imports():
 def test_patches_are_package_data_in_one_place():
     """The engine patches ship inside the package (python -m shmask integrate)
     and the sdist; docs/integrations holds the guides, not a second copy."""
-    assert "integrations/*.patch" in PYPROJECT["tool"]["setuptools"]["package-data"]["shmask"]
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    assert "shmask.integrations" in setuptools["packages"]  # a data package: no setuptools banner
+    assert setuptools["package-data"]["shmask.integrations"] == ["*.patch"]
     assert "include shmask/integrations/*.patch" in (ROOT / "MANIFEST.in").read_text()
     assert sorted(p.name for p in (ROOT / "shmask" / "integrations").glob("*.patch")) == [
         "sglang.patch", "vllm.patch"]
@@ -217,3 +219,15 @@ def test_installs_into_a_clean_venv(kind, tmp_path, prefix):
                             text=True, timeout=60).stdout.lower()
     for optional in ("pyzmq", "msgspec", "rich", "torch"):
         assert f"\n{optional}==" not in "\n" + listed, optional
+
+
+def test_every_make_install_shows_pips_output():
+    """No install of the Makefile is silent (`pip -q` hid minutes of
+    installing on a fresh machine), and `make wheel`/`make sdist` build in
+    their own small venv, not the test venv."""
+    makefile = (ROOT / "Makefile").read_text()
+    installs = [line for line in makefile.splitlines() if "pip install" in line or "PIP_SHOWN)" in line]
+    assert len(installs) >= 8
+    assert not [line for line in installs if " -q" in line]
+    wheel = makefile.split("\nwheel:", 1)[1].split("\n\n", 1)[0]
+    assert "$(BUILD_PY) -m build" in wheel and "$(PY) " not in wheel

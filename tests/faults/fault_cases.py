@@ -11,9 +11,11 @@ way the run departed from the specification (an empty list is a pass).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,8 +96,15 @@ def case(name: str):  # type: ignore[no-untyped-def]
     return register
 
 
+# The cases' ipc sockets live in one directory of this run, removed when it
+# ends: a child killed mid-case (the point of most cases) leaves its bound
+# socket's file behind, which would otherwise stay in /tmp.
+_SOCKETS = tempfile.mkdtemp(prefix="shmask-faults-")
+atexit.register(shutil.rmtree, _SOCKETS, True)
+
+
 def _endpoint() -> str:
-    return f"ipc://{tempfile.gettempdir()}/shmask-faults-{secrets.token_hex(6)}.sock"
+    return f"ipc://{_SOCKETS}/{secrets.token_hex(6)}.sock"
 
 
 def _gc_cli(prefix: str) -> subprocess.CompletedProcess:
