@@ -817,6 +817,13 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await manager.start()
+        # Everything made so far (fastapi, uvicorn, numpy, the app) lives as
+        # long as the server: frozen, the full collections that requests'
+        # garbage sets off no longer walk it, and they stop the loop for
+        # 8-17 ms instead of 35-112 ms (gc.callbacks, 64 streams, 2-core VM;
+        # benchmarks/results/issue39_server_gc.txt).
+        gc.collect()
+        gc.freeze()
         yield
         await manager.stop()
 
