@@ -17,11 +17,18 @@ same work on fewer rows):
              (shmask's native writer writes the rows; shmask/integrations/
              sglang.patch, sglang/srt/utils/json_response.py).
 
+With --chat, the same rows as /v1/chat/completions answers (a
+`ChatCompletionResponse` of SGLang's protocol module, the output's
+meta_info in its choice): released, pydantic's `model_dump_json` of the
+lists (SGLang's `model_json_response`); patched, the arrays kept in
+meta_info and the patched `model_json_response`'s `adapter.model_json`
+(pydantic's fields by `model_dump`, the rows by the native writer).
+
 Every response is compared byte for byte. Medians over --repeats of the
 emission's total; the writer's threads are SHMASK_JSON_THREADS (run with
 SHMASK_JSON_THREADS=1 for one thread: the issue's goal is >= 3x there).
 
-    .venv/bin/python benchmarks/sglang_responses.py [--repeats 7] [--requests 256]
+    .venv/bin/python benchmarks/sglang_responses.py [--repeats 7] [--requests 256] [--chat]
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from shmask.adapters.sglang import (
     MASK_FIELD,
     SamplingMaskCSR,
     json_default,
+    model_json,
 )
 from shmask.response_json import json_threads
 
@@ -61,8 +69,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--requests", type=int, default=BATCH)
+    parser.add_argument("--chat", action="store_true",
+                        help="/v1/chat/completions answers instead of /generate's")
     args = parser.parse_args()
     try:
+        from sglang.srt.entrypoints.openai.protocol import (
+            ChatCompletionResponse,
+            ChatCompletionResponseChoice,
+            UsageInfo,
+        )
         from sglang.srt.sampling.sampling_mask import SamplingMaskChunk as Released
         from sglang.srt.utils.json_response import dumps_json as released_dumps
     except ImportError:
@@ -76,16 +91,35 @@ def main() -> int:
                        logprobs=chunk.logprobs).to_lists(support_logprobs=True)
         masks.extend(got[0])
         logprobs.extend(got[1])
+        if args.chat:
+            return chat(output(masks, logprobs, len(masks))).model_dump_json(by_alias=True).encode()
         return released_dumps(output(masks, logprobs, len(masks)))
 
     def patched(chunk: Any) -> bytes:
         rows = SamplingMaskCSR(True)
         rows.extend(chunk)
+        if args.chat:
+            written = model_json(chat(output(rows, rows.logprob_rows, len(rows))))
+            assert written is not None
+            return written
         return orjson.dumps(output(rows, rows.logprob_rows, len(rows)), default=json_default,
                             option=OPTIONS)
 
+    def chat(out: dict[str, Any]) -> Any:
+        """The /v1/chat/completions answer SGLang builds around an output."""
+        return ChatCompletionResponse(
+            id="req", created=1_796_000_000, model="m",
+            usage=UsageInfo(prompt_tokens=3, completion_tokens=len(out["output_ids"]),
+                            total_tokens=3 + len(out["output_ids"])),
+            choices=[ChatCompletionResponseChoice(
+                index=0, message={"role": "assistant", "content": "x"}, finish_reason="length",
+                meta_info=out["meta_info"])])
+
     paths = {"released: to_lists + dumps_json": released,
              "patched (arrays): CSR copy + dumps_json(default=json_default)": patched}
+    if args.chat:
+        paths = {"released: to_lists + pydantic model_dump_json": released,
+                 "patched (arrays): CSR copy + model_json (native rows)": patched}
     # "sent": each response dropped once built, as a server does once it has
     # written it (memory reused); "kept": all the emission's responses kept
     # (every page fresh: a page fault per 4 KiB on both sides)
@@ -110,10 +144,11 @@ def main() -> int:
     medians = {key: median_ms(values) for key, values in times.items()}
     rows = []
     for mode in ("sent", "kept"):
-        baseline = medians[("released: to_lists + dumps_json", mode)]
+        baseline = medians[(next(iter(paths)), mode)]
         rows += [[name, mode, f"{medians[(name, mode)]:.1f}",
                   f"{baseline / medians[(name, mode)]:.2f}x"] for name in paths]
-    print_table(f"one emission's /generate responses: {args.requests} requests x {EMIT_TOKENS} "
+    endpoint = "/v1/chat/completions" if args.chat else "/generate"
+    print_table(f"one emission's {endpoint} responses: {args.requests} requests x {EMIT_TOKENS} "
                 f"rows x {WIDTH} (support), SHMASK_JSON_THREADS={json_threads()}, median of "
                 f"{args.repeats}; byte mismatches: {mismatches}",
                 ["path", "responses", "ms (all requests)", "speedup"], rows)

@@ -783,6 +783,25 @@ def json_default(value: Any) -> Any:
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
+def model_json(content: Any) -> bytes | None:
+    """SGLang's /v1/chat/completions response (a pydantic model) whose
+    choices' meta_info hold arrays-mode rows, as JSON: pydantic's own
+    fields by ``model_dump`` (its serializers run, as in
+    ``model_dump_json``), the rows by the native writer through
+    ``json_default``, so the bytes are those pydantic writes for the lists
+    form (tests/compat). None for a response without such rows: the
+    patched ``model_json_response`` then lets pydantic write it, as
+    released."""
+    choices = getattr(content, "choices", None)
+    if not isinstance(choices, list) or not any(
+            isinstance(meta.get(MASK_FIELD), SamplingMaskCSR)
+            for meta in (getattr(choice, "meta_info", None) for choice in choices)
+            if isinstance(meta, dict)):
+        return None
+    return orjson.dumps(content.model_dump(by_alias=True), default=json_default,
+                        option=orjson.OPT_NON_STR_KEYS)
+
+
 def coalesced_rows(meta_infos: Sequence[dict[str, Any]], key: str) -> Any:
     """SGLang's join of one incremental-streaming key over queued chunks
     (``_coalesce_streaming_chunks``): arrays-mode rows are joined as rows (a
@@ -810,20 +829,6 @@ def _joined_rows(parts: list[SamplingMaskCSR]) -> SamplingMaskCSR:
     for part in parts:
         joined.extend(part)
     return joined
-
-
-def listed_meta_info(meta_info: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``meta_info`` with arrays-mode rows as SGLang's lists (a copy; the
-    same dict when it holds none): for responses that pydantic writes
-    (/v1/chat/completions), which has no way to embed JSON text."""
-    if not meta_info or not isinstance(meta_info.get(MASK_FIELD), SamplingMaskCSR):
-        return meta_info
-    ids, logprobs = meta_info[MASK_FIELD].to_lists()
-    out = dict(meta_info)
-    out[MASK_FIELD] = ids
-    if isinstance(out.get(LOGPROBS_FIELD), SamplingLogprobsCSR):
-        out[LOGPROBS_FIELD] = logprobs
-    return out
 
 
 def _csr_of(state: Any, support_logprobs: bool) -> SamplingMaskCSR:

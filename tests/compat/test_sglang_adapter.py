@@ -94,8 +94,9 @@ def test_patch_applies_to_the_installed_package_and_stays_small():
     assert "FAILED" not in done.stdout and "fuzz" not in done.stdout.lower(), done.stdout
     changed = [line for line in PATCH.read_text().splitlines()
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    # 68: ten files; the sampler (3 hunks), admission, rows past the cap,
-    # arrays-mode responses (dumps_json, coalescing, chat), the PD cap check
+    # 66: nine files; the sampler (3 hunks), admission, rows past the cap,
+    # arrays-mode responses (dumps_json, chat's model_json_response,
+    # coalescing), the PD cap check
     assert 0 < len(changed) < 75, len(changed)
 
 
@@ -658,26 +659,40 @@ def test_arrays_mode_responses_are_the_released_json(writer, monkeypatch, kind):
         adapter.json_default(object())
 
 
-def test_chat_meta_info_gets_lists_in_arrays_mode(writer, monkeypatch):
-    """/v1/chat/completions' choice is a pydantic model, which cannot embed
-    JSON text: the patched endpoint hands it the lists (listed_meta_info),
-    so its response is the lists mode's, byte for byte."""
-    from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponseChoice
+def test_chat_responses_are_written_natively_byte_identical(writer, monkeypatch):
+    """/v1/chat/completions: a choice's meta_info keeps the arrays-mode rows,
+    and the patched model_json_response writes the response with the native
+    writer (adapter.model_json), byte-identical to what released SGLang's
+    pydantic writes for the lists; a response without rows is pydantic's."""
+    from sglang.srt.entrypoints.openai.protocol import (
+        ChatCompletionResponse,
+        ChatCompletionResponseChoice,
+        UsageInfo,
+    )
+    from sglang.srt.utils import json_response
 
+    assert str(PATCHED_ROOT) in json_response.__file__
     modes = ["support", "selected"]
     lists_outs, arrays_outs, _ = _both_formats(writer, monkeypatch, 5, modes, False, False)
+    compared = 0
     for rid, (want,) in lists_outs.items():
         (got,) = arrays_outs[rid]
-        listed = adapter.listed_meta_info(_same_clock(got, want)["meta_info"])
-        assert listed == want["meta_info"]
-        choices = [ChatCompletionResponseChoice(index=0, message={"role": "assistant",
-                                                                   "content": "x"},
-                                                meta_info=meta) for meta in (listed,
-                                                                             want["meta_info"])]
-        assert choices[0].model_dump_json() == choices[1].model_dump_json()
-    lists_only = {"id": "r", "output_token_sampling_mask": [[1]]}
-    assert adapter.listed_meta_info(lists_only) is lists_only
-
+        got = _same_clock(got, want)
+        responses = [ChatCompletionResponse(
+            id=rid, created=1_796_000_000, model="m", usage=UsageInfo(prompt_tokens=3, total_tokens=8,
+                                                                      completion_tokens=5),
+            choices=[ChatCompletionResponseChoice(
+                index=0, message={"role": "assistant", "content": "h\u00e9llo \u2028 \"q\""},
+                finish_reason="stop", matched_stop=2, meta_info=out["meta_info"])])
+            for out in (got, want)]
+        assert isinstance(responses[0].choices[0].meta_info["output_token_sampling_mask"],
+                          adapter.SamplingMaskCSR)
+        released = responses[1].model_dump_json(by_alias=True).encode()
+        assert json_response.model_json_response(responses[0]).body == released
+        assert adapter.model_json(responses[1]) is None  # lists: pydantic writes them
+        assert json_response.model_json_response(responses[1]).body == released
+        compared += 1
+    assert compared >= len(modes)
 
 def test_coalesced_rows_join_slices_without_a_copy_and_anything_else_by_copy():
     """Consecutive slices of one request's rows (queued incremental chunks)
