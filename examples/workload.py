@@ -126,10 +126,10 @@ def sampled_logprobs(seed: int, top_k: int, request: int, start: int, rows: int)
 
 
 def request_for_prompt(prompt: str | list[int], requests: int, sampling_seed: int = 0) -> int:
-    """Which of the engine's pre-planned requests answers a prompt (text or
-    token ids): a stable hash of the prompt and the sampling seed, so the
-    same prompt and seed get the same completion, and another seed likely
-    another one."""
+    """Which of the engine's `requests` workloads (its distinct
+    completions) answers a prompt (text or token ids): a stable hash of the
+    prompt and the sampling seed, so the same prompt and seed get the same
+    completion, and another seed likely another one."""
     data = b"text:" + prompt.encode() if isinstance(prompt, str) \
         else b"ids:" + ",".join(map(str, prompt)).encode()
     digest = hashlib.blake2b(data, digest_size=8, salt=sampling_seed.to_bytes(16, "little",
