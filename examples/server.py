@@ -883,21 +883,21 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
             return StreamingResponse(stream(generation), media_type="text/event-stream")
         return await whole(generation, response)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await json_body(request)
-        generate_body, model, meta = openai_request(body, chat=True)
+    async def openai(request: Request, chat: bool) -> Response:
+        """/v1/chat/completions or /v1/completions: the /generate body it
+        stands for, answered whole in SGLang's OpenAI shape."""
+        generate_body, model, meta = openai_request(await json_body(request), chat)
         generation = manager.generation(generate_body)
         manager.check(generation.state)
-        return await whole(generation, openai_response, True, model, meta)
+        return await whole(generation, openai_response, chat, model, meta)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai(request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await json_body(request)
-        generate_body, model, meta = openai_request(body, chat=False)
-        generation = manager.generation(generate_body)
-        manager.check(generation.state)
-        return await whole(generation, openai_response, False, model, meta)
+        return await openai(request, chat=False)
 
     async def stream(generation: Generation) -> AsyncIterator[bytes]:
         state = generation.state

@@ -191,7 +191,9 @@ class Config:
             values[field.name] = _parse(name, raw, type(getattr(cls, field.name)))
         values.update(overrides)
         config = cls(**values)  # type: ignore[arg-type]
-        note = config.ring_rounding()
+        # Said of the environment's value only: a program that passes its
+        # own ring_mb (an override, or Config(ring_mb=...)) chose it.
+        note = config.ring_rounding() if "ring_mb" not in overrides else None
         if "ring_mb" in values and note and note not in _warned:
             _warned.add(note)
             warnings.warn(note, RingSizeWarning, stacklevel=2)

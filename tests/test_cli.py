@@ -450,6 +450,7 @@ def test_a_ring_size_that_is_not_a_power_of_two_is_said(monkeypatch):
         config_module.Config.from_env({"SHMASK_RING_MB": "100"})  # once per process
         config_module.Config.from_env({"SHMASK_RING_MB": "64"})
         config_module.Config(ring_mb=100)  # a program's own size: its business, no warning
+        config_module.Config.from_env({}, ring_mb=100)
     result = _cli("--json", "doctor")
     assert json.loads(result.stdout)["checks"][2]["ring_rounding"] is None
     odd = subprocess.run([sys.executable, "-m", "shmask", "doctor"], capture_output=True, text=True,
