@@ -45,6 +45,8 @@ def measure(fn, n: int = 20) -> tuple[float, float]:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("host_time.py needs a CUDA device (plans replay compiled launches only)")
+    from shmask.kernels import launch_plan
+
     from shmask import kernels
 
     batch, vocab = 256, 151936
@@ -65,17 +67,27 @@ def main() -> None:
     }
     print(f"host_time: {torch.cuda.get_device_name()}, B={batch} V={vocab}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'call':28} | plans off: GPU us, host us | plans on: GPU us, host us")
+    print(f"{'call':28} | plans off: GPU us, host us | plans, launches from Python | "
+          f"plans, launches from the core")
     for name, fn in calls.items():
-        runs: dict[str, list[tuple[float, float]]] = {"0": [], "1": []}
+        runs: dict[str, list[tuple[float, float]]] = {"off": [], "python": [], "native": []}
         for _ in range(2):
-            for mode in ("0", "1"):
-                os.environ["SHMASK_KERNEL_PLANS"] = mode
+            for mode in runs:
+                os.environ["SHMASK_KERNEL_PLANS"] = "0" if mode == "off" else "1"
+                launch_plan.NATIVE_LAUNCHES = mode == "native"
                 runs[mode].append(measure(fn))
-        off = min(runs["0"], key=lambda r: r[1])
-        on = min(runs["1"], key=lambda r: r[1])
-        print(f"{name:28} | {off[0]:8.1f} {off[1]:8.1f} | {on[0]:8.1f} {on[1]:8.1f}", flush=True)
+        best = {mode: min(found, key=lambda r: r[1]) for mode, found in runs.items()}
+        print(f"{name:28} | " + " | ".join(f"{gpu:8.1f} {host:8.1f}" for gpu, host in best.values()),
+              flush=True)
     os.environ.pop("SHMASK_KERNEL_PLANS", None)
+    launch_plan.NATIVE_LAUNCHES = True
+    import importlib
+
+    entry_points = [importlib.import_module(f"shmask.kernels.{name}") for name in ("capture", "compact")]
+    planned = [state for module in entry_points for state in module._PLANS._states.values()
+               if isinstance(state, launch_plan.Plan)]
+    print(f"plans: {len(planned)}, of which launched from the core: "
+          f"{sum(plan.native is not None for plan in planned)}")
 
 
 if __name__ == "__main__":

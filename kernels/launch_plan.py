@@ -28,7 +28,13 @@ from call to call, and the plan holds it.
   never planned (a call whose launches carry something per call that the
   key does not name stays on Triton's path).
 - Later calls replay: per launch, the compiled kernel's launcher with the
-  recorded arguments and this call's slot pointers.
+  recorded arguments and this call's slot pointers; or, where every launch
+  is one the core can make as Triton 3.6's launcher makes it (no scratch
+  memory, no cluster; arguments of the kinds its C launcher packs), all of
+  them in one native call (NativeLaunches, native/shmask_launch.c): the
+  arguments packed once into bytes, the call's pointers written in, one
+  cuLaunchKernelEx a launch. H200: 10-25% less host time a call than the
+  launches one Python call each (benchmarks/results/h200_issue35_round4_host_*).
 
 So every launch of an entry point's stages must go through
 :func:`.launch.launch` (a torch op or a launch made otherwise would be
@@ -47,6 +53,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -63,6 +70,10 @@ from . import tuning
 log = logging.getLogger(__name__)
 
 PLANS_KEPT = 256  # call shapes kept per entry point: an engine's batch sizes
+# Whether a plan's launches go through the native core where they can
+# (NativeLaunches) or one Python call each: read at each replay, so that
+# benchmarks/host_time.py compares the two in one process.
+NATIVE_LAUNCHES = True
 _NOT_PLANNED = object()
 
 
@@ -266,6 +277,141 @@ def _direct_launch(launcher: Any) -> Any:
     return launcher.launch
 
 
+# ------------------------------------------------------------ native launches
+
+# How Triton 3.6's launcher hands each runtime argument to cuLaunchKernelEx
+# (its make_launcher: the C type its signature names, a float as the bits
+# of its storage type): the struct format of those bytes. bf16 is packed
+# apart (the high half of the float32's bits, as Triton does).
+_PACKED = {"i1": "<b", "i8": "<b", "i16": "<h", "i32": "<i", "i64": "<q", "u1": "<B",
+           "u8": "<B", "u16": "<H", "u32": "<I", "u64": "<Q", "fp16": "<e", "fp32": "<f",
+           "f32": "<f", "fp64": "<d"}
+_SCRATCH_PARAMS = 2  # every 3.6 kernel ends with its global and profile scratch pointers
+
+
+def _packed(kind: str, value: Any) -> bytes:
+    """One runtime argument's bytes, in an 8-byte cell (what the kernel
+    reads is the type's size from the cell's start: little-endian)."""
+    if kind.startswith("*"):
+        return struct.pack("<Q", 0 if value is None else int(value))
+    if kind == "bf16":
+        return struct.pack("<H", struct.unpack("<I", struct.pack("<f", value))[0] >> 16).ljust(8, b"\0")
+    return struct.pack(_PACKED[kind], value).ljust(8, b"\0")
+
+
+def native_refusal(launches: Sequence[Launch]) -> str | None:
+    """Why these launches cannot be made by the core (None: they can):
+    only launches whose every argument is packed as Triton 3.6's launcher
+    packs it (the launch functions _direct_launch accepts, no scratch
+    memory, no cluster, no tensor descriptor) go there."""
+    for launch in launches:
+        compiled = launch.compiled
+        if _direct_launch(compiled.run) is None:
+            return "not Triton 3.6's launcher of a kernel without scratch memory"
+        signature = getattr(getattr(compiled, "src", None), "signature", None)
+        metadata = compiled.packed_metadata
+        if not isinstance(signature, dict) or len(signature) != len(launch.kernel.params):
+            return "no signature on the compiled kernel"
+        if not (isinstance(metadata, tuple) and len(metadata) == 3 and metadata[1] == 1):
+            return "a cluster launch, or metadata other than (warps, ctas, shared)"
+        kinds = [kind for kind in signature.values() if kind != "constexpr"]
+        if any(not isinstance(kind, str) or not (kind.startswith("*") or kind in _PACKED
+                                                   or kind == "bf16") for kind in kinds):
+            return f"an argument of a kind the core does not pack: {kinds}"
+        if len(kinds) + _SCRATCH_PARAMS > _native().SHM_LAUNCH_MAX_PARAMS:
+            return "more parameters than the core takes"
+    return None
+
+
+def _native() -> Any:
+    from shmask._native import lib
+
+    return lib
+
+
+class NativeLaunches:
+    """A plan's launches made by one call of the core's shm_launch_plan
+    (native/shmask_launch.c): each step's parameters packed once into one
+    byte array as Triton's launcher packs them, the call's tensor addresses
+    written into their cells at each replay, then every cuLaunchKernelEx in
+    one loop, with the configuration and attributes Triton gives them."""
+
+    def __init__(self, launches: Sequence[Launch], steps: Sequence[_Step], n_slots: int,
+                 launch_fn: int = 0) -> None:
+        from shmask._native import ffi
+
+        self._lib = _native()
+        # cuLaunchKernelEx's address; 0: the driver this process loaded (tests
+        # point it at a stand-in driver)
+        self.launch_fn = launch_fn
+        cells: list[bytes] = []
+        holes: list[tuple[int, int, int]] = []
+        specs: list[tuple[int, ...]] = []
+        self.names: list[str] = []
+        for launch, step in zip(launches, steps, strict=True):
+            compiled = launch.compiled
+            kinds = list(compiled.src.signature.values())
+            first = len(cells)
+            hole_at = {position: (slot, offset) for position, slot, offset in step.holes}
+            for position, (kind, value) in enumerate(zip(kinds, step.values, strict=True)):
+                if kind == "constexpr":
+                    continue
+                if position in hole_at:
+                    holes.append((8 * len(cells), *hole_at[position]))
+                cells.append(_packed(kind, value))
+            cells.extend(_packed("*", None) for _ in range(_SCRATCH_PARAMS))
+            warps, _, shared = compiled.packed_metadata
+            launcher = compiled.run
+            specs.append((int(step.function), *step.grid, 32 * int(warps), int(shared),
+                          int(bool(launcher.launch_pdl)), int(bool(launcher.launch_cooperative_grid)),
+                          first, len(cells) - first))
+            self.names.append(getattr(launch.kernel, "__name__", repr(launch.kernel)))
+        self._args = ffi.new("uint8_t[]", b"".join(cells) or b"\0")
+        self._args_bytes = 8 * len(cells)
+        self._params = ffi.new("uint32_t[]", [8 * i for i in range(len(cells))] or [0])
+        self._n_params = len(cells)
+        self._steps = ffi.new("shm_launch_step[]", len(specs))
+        for index, spec in enumerate(specs):
+            cell = self._steps[index]
+            (cell.function, cell.grid_x, cell.grid_y, cell.grid_z, cell.threads,
+             cell.shared_bytes, cell.pdl, cell.cooperative, cell.first_param,
+             cell.n_params) = spec
+        self._n_steps = len(specs)
+        self._holes = ffi.new("shm_launch_hole[]", max(len(holes), 1))
+        for index, (byte, slot, offset) in enumerate(holes):
+            cell = self._holes[index]
+            cell.byte, cell.slot, cell.offset = byte, slot, offset
+        self._n_holes = len(holes)
+        self._pointers = ffi.new("uint64_t[]", max(n_slots, 1))
+        self._n_pointers = n_slots
+        self._failed = ffi.new("uint32_t *")
+
+    def arguments(self) -> bytes:
+        """The packed parameter bytes as the last launch had them (tests)."""
+        from shmask._native import ffi
+
+        return bytes(ffi.buffer(self._args, self._args_bytes))
+
+    def launch(self, pointers: Sequence[int], stream: int) -> bool:
+        """The launches with the slots at ``pointers``; False (nothing
+        launched) where this process has no CUDA driver loaded; a CUDA error
+        raises, naming the kernel (the launches before it were made)."""
+        held = self._pointers
+        for index, address in enumerate(pointers):
+            held[index] = address
+        rc = self._lib.shm_launch_plan(
+            self._steps, self._n_steps, self._args, self._args_bytes, self._params,
+            self._n_params, self._holes, self._n_holes, held, self._n_pointers, stream,
+            self.launch_fn, self._failed)
+        if rc == 0:
+            return True
+        if rc == self._lib.SHM_E_LAUNCH_PLAN:
+            return False
+        step = self._failed[0]
+        raise RuntimeError(f"shmask: cuLaunchKernelEx of {self.names[step]} (launch {step + 1} "
+                           f"of {self._n_steps}) failed with CUDA error {-1000 - rc}")
+
+
 def pointers(slots: Sequence[torch.Tensor | None]) -> list[int]:
     """The slots' addresses (0 for an absent slot)."""
     return [0 if slot is None else slot.data_ptr() for slot in slots]
@@ -291,6 +437,14 @@ class Plan:
         if any(getattr(launch.kernel, "pre_run_hooks", None) for launch in launches):
             raise _Unplanned("a kernel has pre-run hooks, which only Triton's path runs")
         self.steps = [_Step(launch, slots) for launch in launches]
+        # One native call for every launch where the core can make them as
+        # Triton's launcher would (else the steps, one Python call each).
+        self.native: NativeLaunches | None = None
+        why = native_refusal(launches)
+        if why is None:
+            self.native = NativeLaunches(launches, self.steps, len(slots))
+        else:
+            log.debug("shmask plan: launches stay in Python (%s)", why)
 
     def matches(self, launches: Sequence[Launch], slots: Sequence[torch.Tensor | None]) -> bool:
         """Whether replaying with ``slots`` makes exactly ``launches``."""
@@ -310,6 +464,10 @@ class Plan:
 
     def replay(self, pointers: Sequence[int], stream: int) -> None:
         """The launches, with the slots at ``pointers`` (pointers(slots))."""
+        if self.native is not None and NATIVE_LAUNCHES:
+            if self.native.launch(pointers, stream):
+                return
+            self.native = None  # no driver in this process: nothing was launched
         for step in self.steps:
             step.launch(pointers, stream)
 
