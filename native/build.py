@@ -12,14 +12,15 @@ NATIVE_DIR = Path(__file__).resolve().parent
 # preprocessor line, so it contributes only what it declares itself.
 HEADERS = ("shmask_core.h", "shmask_ring.h", "shmask_reader.h", "shmask_queue.h",
            "shmask_decode.h", "shmask_guard.h", "shmask_direct.h",
-           "shmask_exit.h", "shmask_cpu.h", "response_json.h", "binary_rows.h", "shmask_launch.h")
+           "shmask_exit.h", "shmask_cpu.h", "response_json.h", "binary_rows.h", "shmask_launch.h",
+           "shmask_copy.h")
 
 # The core's .c files, one per concern (shmask_core.h lists them), then the
 # SIGTERM cleanup and the response writer.
 SOURCES = ("shmask_core.c", "shmask_ring.c", "shmask_reader.c", "shmask_queue.c",
            "shmask_decode.c", "shmask_guard.c", "shmask_direct.c",
            "shmask_exit.c", "shmask_pool.c", "shmask_cpu.c", "response_json.c", "binary_rows.c",
-           "shmask_launch.c")
+           "shmask_launch.c", "shmask_copy.c")
 
 
 def _declarations(header: str) -> str:

@@ -13,6 +13,7 @@
  *   shmask_guard.h      guarded mappings (SIGBUS)
  *   shmask_direct.h     GPU-direct publishing
  *   shmask_launch.h     a kernel plan's launches in one call (kernels/launch_plan.py)
+ *   shmask_copy.h       many records' rows copied out and released in one call
  *
  * The bytes themselves are described once, in shmask_layout.h.
  * native/build.py declares the same functions to cffi (each header in turn).

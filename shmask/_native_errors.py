@@ -54,6 +54,10 @@ _MESSAGES: dict[int, tuple[type[ShmaskError], str]] = {
                               "(no CUDA driver loaded, or an unexpected kernel signature)"),
     lib.SHM_E_LAUNCH_PLAN: (ShmaskError, "a kernel plan's launches were not made (no CUDA "
                             "driver loaded, or a plan whose parameters lie outside its bytes)"),
+    lib.SHM_E_COPY_SKIPPED: (ShmaskError, "the chunk was not copied in its batch (open it on "
+                             "its own)"),
+    lib.SHM_E_ROW_DROPPED: (InvalidRowsError, "a kept row's status is not OK, so its ids were "
+                            "not sent"),
 }
 
 

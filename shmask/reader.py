@@ -88,6 +88,10 @@ _SYNC_MASK = 255  # metrics are handed over every 256 opens, not per open
 # Up to this many rows (320 KiB of geometry copy) a ref's rows size the copy
 # at once; beyond, the record is asked first (one more native call).
 _ROWS_WITHOUT_PEEK = 65536
+# copy_rows sizes its output by the references' own counts before any
+# record confirms them: the entries past this many ids (1 GiB) are left to
+# the caller's open, so a forged count costs no allocation.
+_COPY_MAX_IDS = 1 << 28
 
 
 class Reader:
@@ -200,6 +204,80 @@ class Reader:
         if first_error is not None:  # after every other segment's chunks went back
             raise first_error
         return given_back
+
+    def copy_rows(self, batch: RefBatch, keep: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For a consumer that copies rows on purpose: each ring entry's
+        first ``keep[i]`` rows copied out (bitmask rows decoded to ids) and
+        its record released, one native call per segment (shmask_copy.h),
+        with Reader.open's checks. Returns ``(ids, starts, row_starts,
+        row_lengths, copied)``: entry i's rows' lengths are
+        ``row_lengths[row_starts[i]:row_starts[i + 1]]`` and its ids
+        ``ids[starts[i]:]`` for their sum; ``copied[i]`` says whether it
+        was. An entry not copied was neither read nor released (another
+        host's, a bad or late reference, a kept row that is not OK, a keep
+        outside 1..rows or past SHM_COPY_MAX_ROWS, which take no room):
+        open it as usual, to use it or to raise why not."""
+        entries = batch.entries
+        count = len(entries)
+        keep = np.asarray(keep)
+        if keep.shape != (count,):
+            raise ValueError(f"keep has shape {keep.shape}; the batch has {count} entries")
+        # Sized from the references (untrusted) only within the core's bound.
+        keep = np.where((keep >= 1) & (keep <= np.minimum(entries["rows"], lib.SHM_COPY_MAX_ROWS)),
+                        keep, 0).astype(np.uint32)
+        # The output is sized by the ids the references say they hold (each
+        # record confirms its own before a byte is copied), within
+        # _COPY_MAX_IDS: entries past it (a forged count) are not copied.
+        ring = (entries["kind"] == KIND_SHM) & (keep > 0) & (entries["nnz"] <= _COPY_MAX_IDS)
+        running = np.cumsum(np.where(ring, entries["nnz"].astype(np.float64), 0.0))
+        ring &= running <= _COPY_MAX_IDS
+        keep = np.where(ring, keep, 0).astype(np.uint32)
+        first_row = np.zeros(count + 1, np.int64)
+        np.cumsum(keep, out=first_row[1:])
+        starts = np.zeros(count, np.int64)
+        row_lengths = np.zeros(int(first_row[-1]), np.int32)
+        copied = np.zeros(count, bool)
+        total = int(entries["nnz"][ring].sum())
+        out = np.empty(total, np.int32)
+        cursor = 0
+        for index in np.unique(entries["segment"][ring]):
+            name, epoch, host = batch.segments[int(index)]
+            if host and host != self._host:
+                continue
+            try:
+                attached = self._attach(name)
+            except ShmaskError:
+                continue  # the usual open says why
+            if attached.epoch != epoch:
+                continue
+            these = np.flatnonzero(ring & (entries["segment"] == index))
+            part = np.ascontiguousarray(entries[these])
+            part_keep = np.ascontiguousarray(keep[these])
+            part_first = np.zeros(these.size + 1, np.int64)
+            np.cumsum(part_keep, out=part_first[1:])
+            part_starts = np.zeros(these.size, np.int64)
+            part_lengths = np.zeros(int(part_first[-1]), np.int32)
+            results = np.zeros(these.size, np.int32)
+            written = lib.shm_copy_rows_many(
+                attached.base, attached.size, attached.capacity,
+                ffi.from_buffer("shm_ref_entry[]", part), ffi.from_buffer("uint32_t[]", part_keep),
+                these.size, self.config.max_tokens, ffi.from_buffer("int32_t[]", out[cursor:]),
+                total - cursor, ffi.from_buffer("int64_t[]", part_starts),
+                ffi.from_buffer("int32_t[]", part_lengths), part_lengths.size,
+                ffi.from_buffer("int32_t[]", results))
+            ok = results == lib.SHM_OK
+            copied[these[ok]] = True
+            starts[these] = part_starts + cursor
+            counts = part_keep[ok].astype(np.int64)
+            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            row_lengths[np.repeat(first_row[these[ok]], counts) + within] = \
+                part_lengths[np.repeat(part_first[:-1][ok], counts) + within]
+            cursor += int(written)
+            self._opens += int(ok.sum())
+        if metrics.enabled():
+            metrics.sync(self.stats, self._synced)
+        return out[:cursor], starts, first_row, row_lengths, copied
 
     def _open_other(self, ref: ChunkRef) -> Chunk:
         if not isinstance(ref, ChunkRef):

@@ -353,6 +353,12 @@ class _Reader:
         rows, vocab = self.chunks[ref.position]
         return build(rows, "selected", vocab)  # vLLM masks: selected mode, no values
 
+    def copy_rows(self, batch, keep):
+        """Copies none at once (its chunks live in no ring): each is opened."""
+        n = len(batch)
+        return (np.zeros(0, np.int32), np.zeros(n, np.int64), np.zeros(n + 1, np.int64),
+                np.zeros(0, np.int32), np.zeros(n, bool))
+
     def close(self) -> None:
         pass
 

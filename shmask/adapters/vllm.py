@@ -302,7 +302,7 @@ class MaskPublisher:
 class StepMasks:
     """One step's masks in the ring; what the scheduler slices per request."""
 
-    __slots__ = ("batch", "_rows", "_kinds", "_claimed", "_prefix", "_entries", "_mask_lists")
+    __slots__ = ("batch", "_rows", "_kinds", "_claimed", "_refs", "_mask_lists")
 
     def __init__(self, batch: RefBatch, rows_per_request: np.ndarray, mask_lists: type) -> None:
         self.batch = batch
@@ -313,14 +313,17 @@ class StepMasks:
         self._mask_lists = mask_lists
         # A request's reference is a batch of one: the batch's header (one
         # entry, no inline bytes) and segment table, then its 48-byte entry.
-        # Build that prefix once with the core's own builder, so each request
-        # costs one bytes concatenation instead of a RefBatch round trip.
-        self._entries = entries.tobytes()
+        # That prefix is built once with the core's own builder, and every
+        # ring request's reference laid out at once, a row each: a slice is
+        # then a view of its row (no bytes joined, no RefBatch round trip).
         ring = np.flatnonzero(entries["kind"] == KIND_SHM)
-        self._prefix = b""
+        self._refs = np.zeros((0, 0), REF_DTYPE)
         if ring.size:
-            one = batch.select(ring[:1]).to_bytes()
-            self._prefix = one[:-_ENTRY_BYTES]
+            prefix = np.frombuffer(batch.select(ring[:1]).to_bytes()[:-_ENTRY_BYTES], REF_DTYPE)
+            self._refs = np.empty((len(entries), prefix.size + _ENTRY_BYTES), REF_DTYPE)
+            self._refs[:, :prefix.size] = prefix
+            self._refs[:, prefix.size:] = np.ascontiguousarray(entries).view(REF_DTYPE).reshape(
+                len(entries), _ENTRY_BYTES)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -339,12 +342,11 @@ class StepMasks:
             raise InvalidRowsError(f"request {req_idx}'s mask was sliced already this step")
         self._claimed[req_idx] = True
         if self._kinds[req_idx] == KIND_SHM:
-            start = req_idx * _ENTRY_BYTES
-            data = self._prefix + self._entries[start:start + _ENTRY_BYTES]
+            ref = self._refs[req_idx]
         else:  # inline (the ring was full): the payload rides in the reference
-            data = self.batch[req_idx].to_bytes()
+            ref = np.frombuffer(self.batch[req_idx].to_bytes(), REF_DTYPE)
         kept = None if num_positions == rows else [0, num_positions]
-        return self._mask_lists(np.frombuffer(data, REF_DTYPE), None, kept)
+        return self._mask_lists(ref, None, kept)
 
     def _discard_unclaimed(self, reader: Reader) -> int:
         kinds = np.asarray(self._kinds, np.uint8)
@@ -409,16 +411,25 @@ class MaskResolver:
             return failed
         refs: list[Any] = [lambda o=o: ChunkRef.from_bytes(_ref_bytes(o.new_sampling_mask))
                            for o in pending]
+        done: set[int] = set()
         try:
-            self._parse_together(pending, refs)
+            joined = self._parse_together(pending)
         except Exception:  # noqa: BLE001 - then each reference is parsed on its own
-            pass
-        for output, ref in zip(pending, refs, strict=True):
-            self._resolve_into(output, ref, failed)
+            joined = None
+        if joined is not None:
+            grouped, batch = joined
+            done = self._copy_together(pending, grouped, batch)
+            for j, i in enumerate(grouped):  # the rest take their entry of the batch
+                if i not in done:
+                    refs[i] = lambda j=j: batch[j]
+        for index, (output, ref) in enumerate(zip(pending, refs, strict=True)):
+            if index not in done:
+                self._resolve_into(output, ref, failed)
         return failed
 
-    def _parse_together(self, pending: list[Any], refs: list[Any]) -> None:
-        # Replaces refs[i] by its entry of one joined batch where it can.
+    def _parse_together(self, pending: list[Any]) -> tuple[list[int], RefBatch] | None:
+        # The references that share the leader's header and segment table,
+        # joined into one batch (validated once): which outputs, and the batch.
         datas = [_ref_bytes(o.new_sampling_mask) for o in pending]
         leader = RefBatch.from_bytes(datas[0])
         prefix = datas[0][:-_ENTRY_BYTES]
@@ -426,13 +437,41 @@ class MaskResolver:
         # entry as its last 48 bytes: rebuild the leader to make sure.
         if not (len(leader) == 1 and leader.entries["kind"][0] == KIND_SHM
                 and RefBatch.build(leader.segments, leader.entries).to_bytes() == datas[0]):
-            return
+            return None
         grouped = [i for i, data in enumerate(datas)
                    if len(data) == len(datas[0]) and data[:-_ENTRY_BYTES] == prefix]
         entries = np.frombuffer(b"".join(datas[i][-_ENTRY_BYTES:] for i in grouped), ENTRY_DTYPE)
-        batch = RefBatch.build(leader.segments, entries)
-        for i, ref in zip(grouped, batch, strict=True):
-            refs[i] = lambda ref=ref: ref
+        return grouped, RefBatch.build(leader.segments, entries)
+
+    def _copy_together(self, pending: list[Any], grouped: list[int], batch: RefBatch) -> set[int]:
+        """The joined batch's rows copied out and released by one native
+        call a segment (Reader.copy_rows); returns the indices (into
+        pending) of the outputs resolved so. The rest (a bad, late or
+        dropped-row reference among them) take _resolve_into, whose open
+        raises what was wrong: copy_rows neither read nor released them."""
+        keep = batch.entries["rows"].astype(np.uint32)
+        for j, i in enumerate(grouped):
+            kept = pending[i].new_sampling_mask.cu_num_generated_tokens
+            if kept is not None:
+                try:
+                    keep[j] = _kept_positions(kept)
+                except Exception:  # noqa: BLE001 - the usual path says what was wrong
+                    keep[j] = 0  # never copied
+        ids, starts, first, lengths, copied = self.reader.copy_rows(batch, keep)
+        resolved = self._resolved_type
+        sums = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=sums[1:])
+        ends = starts + sums[first[1:]] - sums[first[:-1]]
+        done: set[int] = set()
+        for j, start, end, n in zip(np.flatnonzero(copied).tolist(),
+                                    starts[copied].tolist(), ends[copied].tolist(),
+                                    keep[copied].tolist(), strict=True):
+            offsets = None
+            if n != 1:  # several positions (speculative decoding): vLLM's int64 offsets
+                offsets = sums[first[j]:first[j] + n + 1] - sums[first[j]]
+            pending[grouped[j]].new_sampling_mask = resolved(ids[start:end], offsets)
+            done.add(grouped[j])
+        return done
 
     def _resolve_into(self, output: Any, ref: Any, failed: list[str]) -> None:
         """One output's mask, resolved in place. A bad or late reference, or a
