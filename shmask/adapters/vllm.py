@@ -409,9 +409,8 @@ class MaskResolver:
         failed: list[str] = []
         if not pending:
             return failed
-        refs: list[Any] = [lambda o=o: ChunkRef.from_bytes(_ref_bytes(o.new_sampling_mask))
-                           for o in pending]
         done: set[int] = set()
+        in_batch: dict[int, int] = {}  # output -> its entry of the joined batch, if not copied
         try:
             joined = self._parse_together(pending)
         except Exception:  # noqa: BLE001 - then each reference is parsed on its own
@@ -419,12 +418,14 @@ class MaskResolver:
         if joined is not None:
             grouped, batch = joined
             done = self._copy_together(pending, grouped, batch)
-            for j, i in enumerate(grouped):  # the rest take their entry of the batch
-                if i not in done:
-                    refs[i] = lambda j=j: batch[j]
-        for index, (output, ref) in enumerate(zip(pending, refs, strict=True)):
-            if index not in done:
-                self._resolve_into(output, ref, failed)
+            in_batch = {i: j for j, i in enumerate(grouped) if i not in done}
+        for index, output in enumerate(pending):
+            if index in done:
+                continue
+            entry = in_batch.get(index)
+            ref: Any = ((lambda o=output: ChunkRef.from_bytes(_ref_bytes(o.new_sampling_mask)))
+                        if entry is None else (lambda entry=entry: batch[entry]))
+            self._resolve_into(output, ref, failed)
         return failed
 
     def _parse_together(self, pending: list[Any]) -> tuple[list[int], RefBatch] | None:
