@@ -65,7 +65,8 @@ test-long: $(STAMP)
 # shmask beside the host's own torch); `make test` runs them small, in
 # Triton's interpreter.
 test-gpu:
-	SHMASK_TEST_GPU=1 python3 -m pytest -q tests/test_direct.py tests/test_rows_every_path.py tests/test_kernel_*.py
+	SHMASK_TEST_GPU=1 python3 -m pytest -q tests/test_direct.py tests/test_rows_every_path.py tests/test_kernel_*.py \
+		tests/test_launch_plan.py tests/test_launch_native.py
 
 test-exhaustive: $(STAMP)
 	$(PY) tests/exhaustive_float_json.py
