@@ -187,7 +187,7 @@ package-check: sdist wheel $(STAMP)
 	SHMASK_PACKAGE_CHECK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_packaging.py
 
 package-check-portable: sdist wheel-portable $(STAMP)
-	SHMASK_PACKAGE_CHECK=1 SHMASK_WHEEL_PLAT=$(MANYLINUX) $(PY) -m pytest -q -p no:cacheprovider \
+	SHMASK_PACKAGE_CHECK=1 SHMASK_TEST_WHEEL_PLAT=$(MANYLINUX) $(PY) -m pytest -q -p no:cacheprovider \
 		tests/test_packaging.py
 
 clean:

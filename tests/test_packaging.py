@@ -182,7 +182,7 @@ def _glibc_versions_needed(so: bytes) -> set[int]:
 def test_wheel_is_abi3_manylinux():
     """`make wheel` (the host's compiler): a manylinux_2_N tag that covers the
     glibc symbol versions its .so needs, for no newer glibc than this host's.
-    `make package-check-portable` (SHMASK_WHEEL_PLAT=manylinux_2_17_ARCH):
+    `make package-check-portable` (SHMASK_TEST_WHEEL_PLAT=manylinux_2_17_ARCH):
     zig cc built it for glibc 2.17 whatever the build host's glibc, so it is
     manylinux2014 / manylinux_2_17."""
     wheel = _dist("shmask-*.whl")
@@ -201,7 +201,7 @@ def test_wheel_is_abi3_manylinux():
     needs = _glibc_versions_needed(native)
     assert needs and max(needs) <= tagged, (sorted(needs), wheel.name)
     assert (tagged == 17) == wheel.name.startswith(f"shmask-{shmask.__version__}-cp310-abi3-manylinux2014_")
-    expected = os.environ.get("SHMASK_WHEEL_PLAT")
+    expected = os.environ.get("SHMASK_TEST_WHEEL_PLAT")
     if expected:
         assert wheel.name.endswith(f".{expected}.whl") and tagged == 17, (expected, wheel.name)
     else:
