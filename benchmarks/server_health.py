@@ -50,7 +50,7 @@ def one_run(tokens: int) -> str:
             started = time.monotonic()
             asyncio.run(load())
             took = time.monotonic() - started
-            latencies = np.array(orjson.loads(poller.communicate(timeout=60)[0])) * 1000
+            latencies = np.array(orjson.loads(poller.communicate(timeout=60)[0])[0]) * 1000
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
