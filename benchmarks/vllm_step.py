@@ -50,6 +50,8 @@ from _common import SEGMENT_PREFIX, VOCAB
 import shmask
 from shmask.adapters import vllm as vllm_adapter
 
+WARMUP = 10  # steps before the timed ones (the heap is frozen after them)
+
 
 def step_masks(rng: np.random.Generator, requests: int, support: int) -> Any:
     from vllm.v1.outputs import SamplingMaskLists
@@ -133,8 +135,8 @@ def main() -> None:
     sizes: dict[str, int] = {}
     gc.collect()
     try:
-        for step in range(args.steps + 10):
-            if step == 10:
+        for step in range(args.steps + WARMUP):
+            if step == WARMUP:
                 # What vLLM's engine core does after start-up and warm-up
                 # (vllm.utils.gc_utils.freeze_gc_heap): every object made
                 # so far leaves the collector's view.
@@ -153,7 +155,7 @@ def main() -> None:
                 built.append(np.concatenate([np.asarray(row, np.int64)
                                              for rows in lists for row in rows]))
                 del lists
-                if step >= 10:  # warm-up
+                if step >= WARMUP:
                     times[name]["engine"].append((middle - began) * 1e3)
                     times[name]["frontend"].append((ended - middle) * 1e3)
             if step == 0:  # the message's size, from an untimed encode of each path

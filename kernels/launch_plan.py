@@ -368,8 +368,6 @@ class NativeLaunches:
             self.names.append(getattr(launch.kernel, "__name__", repr(launch.kernel)))
         self._args = ffi.new("uint8_t[]", b"".join(cells) or b"\0")
         self._args_bytes = 8 * len(cells)
-        self._params = ffi.new("uint32_t[]", [8 * i for i in range(len(cells))] or [0])
-        self._n_params = len(cells)
         self._steps = ffi.new("shm_launch_step[]", len(specs))
         for index, spec in enumerate(specs):
             cell = self._steps[index]
@@ -400,9 +398,8 @@ class NativeLaunches:
         for index, address in enumerate(pointers):
             held[index] = address
         rc = self._lib.shm_launch_plan(
-            self._steps, self._n_steps, self._args, self._args_bytes, self._params,
-            self._n_params, self._holes, self._n_holes, held, self._n_pointers, stream,
-            self.launch_fn, self._failed)
+            self._steps, self._n_steps, self._args, self._args_bytes, self._holes,
+            self._n_holes, held, self._n_pointers, stream, self.launch_fn, self._failed)
         if rc == 0:
             return True
         if rc == self._lib.SHM_E_LAUNCH_PLAN:

@@ -17,18 +17,18 @@
 int64_t shm_copy_rows_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
                            const shm_ref_entry *entries, const uint32_t *keep, uint64_t count,
                            uint64_t max_tokens, int32_t *out, uint64_t out_len, int64_t *starts,
-                           int32_t *row_lengths, uint64_t row_lengths_len, int32_t *results) {
-    uint64_t cursor = 0, first_row = 0;
+                           const int64_t *row_at, int32_t *row_lengths, uint64_t row_lengths_len,
+                           int32_t *results) {
+    uint64_t cursor = 0;
     /* lengths int32[rows] then flags uint8[rows], as shm_open_record lays them */
     uint32_t geometry[(5 * SHM_COPY_MAX_ROWS + 3) / 4];
     for (uint64_t i = 0; i < count; i++) {
         const shm_ref_entry *e = &entries[i];
-        uint64_t rows = e->rows, wanted = keep[i], row_at = first_row;
-        first_row += wanted;
+        uint64_t rows = e->rows, wanted = keep[i], first_row = (uint64_t)row_at[i];
         results[i] = SHM_E_COPY_SKIPPED;
         starts[i] = (int64_t)cursor;
         if (e->kind != SHM_REF_KIND_RING || rows > SHM_COPY_MAX_ROWS || wanted == 0 ||
-            wanted > rows || first_row > row_lengths_len)
+            wanted > rows || row_at[i] < 0 || first_row + wanted > row_lengths_len)
             continue;
         shm_view view;
         int rc = shm_open_record(base, mapped_bytes, capacity, e->position, e->seal,
@@ -64,7 +64,7 @@ int64_t shm_copy_rows_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
             results[i] = rc;
             continue;
         }
-        for (uint64_t r = 0; r < wanted; r++) row_lengths[row_at + r] = lengths[r];
+        for (uint64_t r = 0; r < wanted; r++) row_lengths[first_row + r] = lengths[r];
         cursor += (uint64_t)written;
         results[i] = SHM_OK;
     }

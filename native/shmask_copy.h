@@ -22,7 +22,7 @@
  * running cursor (bitmask rows decoded, shm_decode_rows), the record
  * checked again (reclaimed meanwhile: stale) and released. Then
  * results[i] = SHM_OK, starts[i] = index in out of its first id, and its
- * rows' lengths are at row_lengths[keep[0] + ... + keep[i - 1]] on.
+ * rows' lengths are at row_lengths[row_at[i]] on (the caller's layout).
  * Any other result (an open, check or release code, SHM_E_ROW_DROPPED for
  * a kept row that is not OK, SHM_E_COPY_SKIPPED): nothing of entry i was
  * copied or released, so the caller's usual open says why. Returns the ids
@@ -31,6 +31,7 @@
 int64_t shm_copy_rows_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
                            const shm_ref_entry *entries, const uint32_t *keep, uint64_t count,
                            uint64_t max_tokens, int32_t *out, uint64_t out_len, int64_t *starts,
-                           int32_t *row_lengths, uint64_t row_lengths_len, int32_t *results);
+                           const int64_t *row_at, int32_t *row_lengths, uint64_t row_lengths_len,
+                           int32_t *results);
 
 #endif

@@ -55,10 +55,9 @@ static cu_launch_kernel_ex_fn driver_launch(void) {
 }
 
 int shm_launch_plan(const shm_launch_step *steps, uint32_t n_steps, uint8_t *args,
-                    uint32_t args_bytes, const uint32_t *param_bytes, uint32_t n_param_bytes,
-                    const shm_launch_hole *holes, uint32_t n_holes, const uint64_t *pointers,
-                    uint32_t n_pointers, uint64_t stream, uint64_t launch_fn,
-                    uint32_t *failed_step) {
+                    uint32_t args_bytes, const shm_launch_hole *holes, uint32_t n_holes,
+                    const uint64_t *pointers, uint32_t n_pointers, uint64_t stream,
+                    uint64_t launch_fn, uint32_t *failed_step) {
     cu_launch_kernel_ex_fn launch =
         launch_fn ? (cu_launch_kernel_ex_fn)(uintptr_t)launch_fn : driver_launch();
     if (!launch) return SHM_E_LAUNCH_PLAN;
@@ -71,11 +70,8 @@ int shm_launch_plan(const shm_launch_step *steps, uint32_t n_steps, uint8_t *arg
     for (uint32_t s = 0; s < n_steps; s++) {
         const shm_launch_step *step = &steps[s];
         if (step->n_params > SHM_LAUNCH_MAX_PARAMS ||
-            (uint64_t)step->first_param + step->n_params > n_param_bytes)
+            8 * ((uint64_t)step->first_param + step->n_params) > args_bytes)
             return SHM_E_LAUNCH_PLAN;
-        for (uint32_t i = 0; i < step->n_params; i++)
-            if ((uint64_t)param_bytes[step->first_param + i] + 8 > args_bytes)
-                return SHM_E_LAUNCH_PLAN;
     }
     for (uint32_t h = 0; h < n_holes; h++) {
         uint64_t address = pointers[holes[h].slot] + (uint64_t)holes[h].offset;
@@ -86,7 +82,7 @@ int shm_launch_plan(const shm_launch_step *steps, uint32_t n_steps, uint8_t *arg
         if ((uint64_t)step->grid_x * step->grid_y * step->grid_z == 0) continue;
         void *params[SHM_LAUNCH_MAX_PARAMS];
         for (uint32_t i = 0; i < step->n_params; i++)
-            params[i] = args + param_bytes[step->first_param + i];
+            params[i] = args + 8 * ((uint64_t)step->first_param + i);
         cu_launch_attribute attrs[2];
         memset(attrs, 0, sizeof attrs);
         unsigned n_attrs = 0;

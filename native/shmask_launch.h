@@ -7,8 +7,8 @@
 #include <stdint.h>
 
 /* One launch: the compiled kernel's CUfunction, its grid and block, and
- * where its parameters lie in the plan's argument bytes: parameter i of the
- * step is at args + param_bytes[first_param + i]. */
+ * where its parameters lie in the plan's argument bytes: each parameter has
+ * an 8-byte cell, parameter i of the step at args + 8 * (first_param + i). */
 typedef struct {
     uint64_t function;
     uint32_t grid_x, grid_y, grid_z;
@@ -32,17 +32,16 @@ typedef struct {
  * step on `stream` with cuLaunchKernelEx, in order, skipping a step whose
  * grid is empty. `launch_fn`: the address of cuLaunchKernelEx, or 0 for
  * the one of the libcuda.so.1 this process has loaded. Returns SHM_OK;
- * SHM_E_LAUNCH_PLAN for a plan that does not hold together (a hole or
- * parameter outside args_bytes, a slot past n_pointers, more than
+ * SHM_E_LAUNCH_PLAN for a plan that does not hold together (a hole or a
+ * parameter's cell outside args_bytes, a slot past n_pointers, more than
  * SHM_LAUNCH_MAX_PARAMS parameters) or no driver loaded, with nothing
  * launched; or -1000 - e for CUDA error e from step *failed_step (the
  * steps before it were launched). */
 #define SHM_E_LAUNCH_PLAN -34 /* a plan that does not hold together, or no CUDA driver loaded */
 #define SHM_LAUNCH_MAX_PARAMS 128
 int shm_launch_plan(const shm_launch_step *steps, uint32_t n_steps, uint8_t *args,
-                    uint32_t args_bytes, const uint32_t *param_bytes, uint32_t n_param_bytes,
-                    const shm_launch_hole *holes, uint32_t n_holes, const uint64_t *pointers,
-                    uint32_t n_pointers, uint64_t stream, uint64_t launch_fn,
-                    uint32_t *failed_step);
+                    uint32_t args_bytes, const shm_launch_hole *holes, uint32_t n_holes,
+                    const uint64_t *pointers, uint32_t n_pointers, uint64_t stream,
+                    uint64_t launch_fn, uint32_t *failed_step);
 
 #endif

@@ -349,14 +349,14 @@ class _Lib:
         arrivals: int, n_params: int, /,
     ) -> int: ...
     def shm_launch_plan(
-        self, steps: CData, n_steps: int, args: CData, args_bytes: int, param_bytes: CData,
-        n_param_bytes: int, holes: CData, n_holes: int, pointers: CData, n_pointers: int,
-        stream: int, launch_fn: int, failed_step: CData, /,
+        self, steps: CData, n_steps: int, args: CData, args_bytes: int, holes: CData,
+        n_holes: int, pointers: CData, n_pointers: int, stream: int, launch_fn: int,
+        failed_step: CData, /,
     ) -> int: ...
     def shm_copy_rows_many(
         self, base: CData, mapped_bytes: int, capacity: int, entries: CData, keep: CData,
         count: int, max_tokens: int, out: CData, out_len: int, starts: CData,
-        row_lengths: CData, row_lengths_len: int, results: CData, /,
+        row_at: CData, row_lengths: CData, row_lengths_len: int, results: CData, /,
     ) -> int: ...
     def shm_direct_cancel(self, direct: CData, /) -> None: ...
     def shm_direct_diverted_done(self, direct: CData, /) -> None: ...

@@ -252,27 +252,20 @@ class Reader:
             if attached.epoch != epoch:
                 continue
             these = np.flatnonzero(ring & (entries["segment"] == index))
-            part = np.ascontiguousarray(entries[these])
-            part_keep = np.ascontiguousarray(keep[these])
-            part_first = np.zeros(these.size + 1, np.int64)
-            np.cumsum(part_keep, out=part_first[1:])
             part_starts = np.zeros(these.size, np.int64)
-            part_lengths = np.zeros(int(part_first[-1]), np.int32)
             results = np.zeros(these.size, np.int32)
             written = lib.shm_copy_rows_many(
                 attached.base, attached.size, attached.capacity,
-                ffi.from_buffer("shm_ref_entry[]", part), ffi.from_buffer("uint32_t[]", part_keep),
-                these.size, self.config.max_tokens, ffi.from_buffer("int32_t[]", out[cursor:]),
+                ffi.from_buffer("shm_ref_entry[]", np.ascontiguousarray(entries[these])),
+                ffi.from_buffer("uint32_t[]", np.ascontiguousarray(keep[these])), these.size,
+                self.config.max_tokens, ffi.from_buffer("int32_t[]", out[cursor:]),
                 total - cursor, ffi.from_buffer("int64_t[]", part_starts),
-                ffi.from_buffer("int32_t[]", part_lengths), part_lengths.size,
+                ffi.from_buffer("int64_t[]", np.ascontiguousarray(first_row[these])),
+                ffi.from_buffer("int32_t[]", row_lengths), row_lengths.size,
                 ffi.from_buffer("int32_t[]", results))
             ok = results == lib.SHM_OK
             copied[these[ok]] = True
             starts[these] = part_starts + cursor
-            counts = part_keep[ok].astype(np.int64)
-            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            row_lengths[np.repeat(first_row[these[ok]], counts) + within] = \
-                part_lengths[np.repeat(part_first[:-1][ok], counts) + within]
             cursor += int(written)
             self._opens += int(ok.sum())
         if metrics.enabled():

@@ -271,22 +271,21 @@ def test_a_plan_that_does_not_hold_together_launches_nothing(driver) -> None:
     for step in steps:
         step.grid_x = step.grid_y = step.grid_z = 1
         step.threads, step.n_params = 32, 1
-    params = ffi.new("uint32_t[]", [0, 8])
-    steps[1].first_param = 1
     args = ffi.new("uint8_t[]", 16)
     pointers = ffi.new("uint64_t[]", [0x1000])
     holes = ffi.new("shm_launch_hole[]", 1)
     failed = ffi.new("uint32_t *")
 
-    def run(byte: int, slot: int, args_bytes: int = 16, n_params: int = 2) -> int:
+    def run(byte: int, slot: int, args_bytes: int = 16, first_param: int = 1) -> int:
         reset(driver, [1, 1])
+        steps[1].first_param = first_param  # its one parameter's cell: bytes 8 on
         holes[0].byte, holes[0].slot, holes[0].offset = byte, slot, 8
-        return lib.shm_launch_plan(steps, 2, args, args_bytes, params, n_params, holes, 1,
-                                   pointers, 1, 0, address(driver), failed)
+        return lib.shm_launch_plan(steps, 2, args, args_bytes, holes, 1, pointers, 1, 0,
+                                   address(driver), failed)
 
     assert run(8, 0) == lib.SHM_OK
     assert ctypes.c_int.in_dll(driver, "calls").value == 2
     assert bytes(ffi.buffer(args, 16))[8:] == u64(0x1008)
-    for bad in (run(9, 0), run(8, 1), run(0, 0, args_bytes=8), run(0, 0, n_params=1)):
+    for bad in (run(9, 0), run(8, 1), run(0, 0, args_bytes=8), run(0, 0, first_param=2)):
         assert bad == lib.SHM_E_LAUNCH_PLAN
         assert ctypes.c_int.in_dll(driver, "calls").value == 0
