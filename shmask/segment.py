@@ -418,8 +418,9 @@ class _LiveSegments:
 # Lock descriptors of segments being created, not yet in _LIVE (set.add and
 # discard are atomic). _OPENING is held from the open of a new segment until
 # its descriptor is in _CREATING (posix_ipc lets other threads run, a fork
-# included, before the opening thread gets the descriptor back); a fork
-# waits for it, so no child is made in between and none inherits it held.
+# included, before the opening thread gets the descriptor back), and while
+# collect_garbage holds another ring's descriptor; a fork waits for it, so
+# no child is made in between and none inherits a lock it does not own.
 _CREATING: set[int] = set()
 _OPENING = threading.Lock()
 _LIVE = _LiveSegments()
@@ -569,19 +570,23 @@ def collect_garbage(prefix: str | None = None) -> list[str]:
     never keeps using a file we removed."""
     removed = []
     for name in _own_segment_names(prefix):
-        fd = _open_own(name)
-        if fd is None:
-            continue
-        try:
+        # No fork while we hold a descriptor, locked or not (_OPENING: the
+        # fork handlers wait for it): a child made meanwhile would inherit
+        # the lock of a ring that is not its own, and keep it while it lives.
+        with _OPENING:
+            fd = _open_own(name)
+            if fd is None:
+                continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # held: its producer is alive (or is being checked)
-            # The name may have been replaced since we opened it.
-            if _same_file(fd, name):
-                _unlink_quietly(name)
-                removed.append(name)
-                log.info("removed segment %s: its producer is gone", name)
-        finally:
-            os.close(fd)  # drops our lock
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # held: its producer is alive (or is being checked)
+                # The name may have been replaced since we opened it.
+                if _same_file(fd, name):
+                    _unlink_quietly(name)
+                    removed.append(name)
+                    log.info("removed segment %s: its producer is gone", name)
+            finally:
+                os.close(fd)  # drops our lock
     return removed
