@@ -49,7 +49,11 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    the sample puts past WINDOW_MIN ids) gets 8 pivots instead, around
    the key whose sampled share reaches top_p, spread by the width of [lo, hi)
    (hi: the key whose sampled share reaches top_p - P_MARGIN;
-   _window_pivots).
+   _window_pivots). A min-p-only row (top-k and top-p off) whose sample
+   puts past WINDOW_MIN ids above min-p's floor is a window row with no
+   pivots: its cutoff, min_p x the row's max, is exact once 2 has the max,
+   and 2b-6 take its support as a top-p window row's above its bracket (a
+   flat row keeps nearly every id: one program a row could not write it).
 2. candidate mark (capture_mark.py; program per 8192-column chunk): one
    read of ``probs``: the candidates as a bitmask and their count (every bad
    value, NaN, inf or negative, is a candidate: resolve finds them there; a

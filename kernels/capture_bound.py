@@ -55,7 +55,12 @@ def _bound_kernel(
     instead PIVOTS keys around the sampled estimate of its cutoff, spread by
     the width of [lo, hi) (hi: the key whose sampled mass share reaches
     top_p - P_MARGIN; _window_pivots), whose exact masses the candidate mark
-    sums (the window bracket and mark bracket the cutoff by them)."""
+    sums (the window bracket and mark bracket the cutoff by them). A
+    min-p-only row (top-k and top-p off) whose sample puts past WINDOW_MIN
+    ids above lo is a window row too, with no pivots: its cutoff is min_p x
+    the row's max, exact once the candidate mark has the max, and the
+    window mark, resolve and the window write take its support from the
+    whole row as a top-p window row's above its bracket."""
     after_previous(PDL)  # the kernel before may have written probs
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCKS * COLS)
@@ -96,16 +101,21 @@ def _bound_kernel(
     floor_p = tl.zeros([], dtype=tl.int32)
     hi = tl.full([], INF_KEY, tl.int32)
     center = tl.zeros([], dtype=tl.int32)
-    # a window row needs top-p on, top-k off and room for top_p - P_MARGIN
+    # a window row needs top-p on, top-k off and room for top_p - P_MARGIN,
+    # or min-p alone (its cutoff, min_p x the row's max, is exact once the
+    # candidate mark has the max: no pivots)
+    min_p = tl.load(min_p_ptr + row)
     may_be_window = False
+    p_window = False
     if WINDOW:
-        may_be_window = p_on & ~k_on & (top_p > P_MARGIN)
+        p_window = p_on & ~k_on & (top_p > P_MARGIN)
+        may_be_window = p_window | (~p_on & ~k_on & (min_p > 0.0))
     # The floor's share: top_p + P_MARGIN, or half the way to 1 where that
     # reaches 1 (top_p 0.99): a share of 1 is the sample's whole mass, whose
     # floor, its smallest key, keeps nearly every id of the row
     above = tl.minimum(top_p + P_MARGIN, (1.0 + top_p) * 0.5)
     if p_on:
-        if may_be_window:
+        if p_window:
             floor_p, hi, center = _sample_keys_reaching3(
                 key, w_mass, above * total, (top_p - P_MARGIN) * total, top_p * total)
             hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
@@ -118,7 +128,6 @@ def _bound_kernel(
             # peaked row's cutoff (the
             # whole-row search); P_KEEP candidates are in resolve's registers
             floor_p = tl.minimum(floor_p, _sample_key_reaching(key, w, P_KEEP * share, False))
-    min_p = tl.load(min_p_ptr + row)
     floor_m = tl.where(min_p > 0.0, (min_p * top.to(tl.float32, bitcast=True))
                        .to(tl.int32, bitcast=True), 0)
     lo = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
@@ -141,7 +150,7 @@ def _bound_kernel(
     if WINDOW:
         many = tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
         window = (may_be_window & ~greedy & many & (hi > lo)).to(tl.int32)
-        if window != 0:
+        if (window != 0) & p_window:
             # The pivots' spread: the width of [lo, hi), or twice that of
             # [center, hi) when top_p + P_MARGIN reaches 1 (lo's share is
             # then half the way to 1, and [lo, hi) can span binades)

@@ -94,7 +94,8 @@ def _cand_mark_kernel(
             top = tl.max(good, axis=None)
     tl.store(max_ptr + slot, top)
     if WINDOW:
-        if window:
+        # (a min-p-only window row, top-p off, has no pivots)
+        if window & (tl.load(top_p_ptr + row) < 1.0):
             _masses_above(good, pivots_ptr + row * PIVOTS,
                           pivot_mass_ptr + slot.to(tl.int64) * PIVOTS, PIVOTS)
 

@@ -91,16 +91,25 @@ def _window_bracket_kernel(
         chunk_idx = tl.arange(0, CHUNKS_PAD)
         in_row = chunk_idx < n_chunks
         slots = row * n_chunks + chunk_idx
-        pivot_idx = tl.arange(0, PIVOTS)
-        masses = tl.sum(tl.load(pivot_mass_ptr + slots.to(tl.int64)[:, None] * PIVOTS
-                                + pivot_idx[None, :], mask=in_row[:, None], other=0.0), axis=0)
         total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
         rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
-        target = _top_p_target(tl.load(top_p_ptr + row), total)
+        top_p = tl.load(top_p_ptr + row)
+        target = _top_p_target(top_p, total)
         pivots = pivots_ptr + row * PIVOTS
-        b_lo, b_hi = _narrow(tl.load(pivots + pivot_idx), masses, target,
-                             tl.full([], 1, tl.int32), tl.full([], INF_KEY, tl.int32))
-        wide = (b_lo < tl.load(pivots + 1)) | (b_hi > tl.load(pivots + PIVOTS - 2))
+        # A min-p-only row (top-p off) has no pivots: an empty bracket at
+        # key 1, which the window mark raises to min-p's floor, so that its
+        # whole support lies at or above the bracket
+        b_lo = tl.full([], 1, tl.int32)
+        b_hi = tl.full([], 1, tl.int32)
+        wide = tl.zeros([], dtype=tl.int1)
+        if top_p < 1.0:
+            pivot_idx = tl.arange(0, PIVOTS)
+            masses = tl.sum(tl.load(pivot_mass_ptr + slots.to(tl.int64)[:, None] * PIVOTS
+                                    + pivot_idx[None, :], mask=in_row[:, None], other=0.0),
+                            axis=0)
+            b_lo, b_hi = _narrow(tl.load(pivots + pivot_idx), masses, target,
+                                 tl.full([], 1, tl.int32), tl.full([], INF_KEY, tl.int32))
+            wide = (b_lo < tl.load(pivots + 1)) | (b_hi > tl.load(pivots + PIVOTS - 2))
         min_p = tl.load(min_p_ptr + row)
         floor = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 1)
         record = bracket_ptr + row * BRACKET

@@ -45,11 +45,15 @@ def may_be_on(setting: Any, on: Callable[[Any], bool]) -> bool:
 
 
 def may_be_window(top_k: torch.Tensor | int | None, top_p: torch.Tensor | float | None,
-                  vocab: int) -> bool:
-    """Whether some row may be top-p only (top-k off, top-p on): known from
-    scalars, assumed for [B] tensors (no host sync)."""
+                  min_p: torch.Tensor | float | None, vocab: int) -> bool:
+    """Whether some row may be a window row: top-k off and top-p on, or
+    top-k and top-p off and min-p on (a min-p support can hold every id of
+    a flat row): known from scalars, assumed for [B] tensors (no host
+    sync)."""
     k_may_be_off = top_k is None or isinstance(top_k, torch.Tensor) or not 1 <= top_k < vocab
-    return bool(k_may_be_off and may_be_on(top_p, lambda p: p < 1.0))
+    p_may_be_off = top_p is None or isinstance(top_p, torch.Tensor) or not top_p < 1.0
+    return bool(k_may_be_off and (may_be_on(top_p, lambda p: p < 1.0)
+                                  or (p_may_be_off and may_be_on(min_p, lambda m: m > 0.0))))
 
 
 @dataclass
@@ -67,7 +71,8 @@ class CaptureSettings:
     need_mass: bool  # some row may have top-p on
     need_max: bool  # some row may have min-p on or be greedy
     # window rows (a top-p support of thousands of ids, bracketed by pivot
-    # masses, written by the window write; sample's drawn by the window draw)
+    # masses, or a min-p-only one, whose cutoff the row's max gives;
+    # written by the window write; sample's drawn by the window draw)
     window: bool
 
     @classmethod
@@ -102,7 +107,7 @@ class CaptureSettings:
             sequential=sequential,
             need_mass=may_be_on(top_p, lambda p: p < 1.0),
             need_max=may_be_on(min_p, lambda m: m > 0.0) or may_be_on(greedy, bool),
-            window=may_be_window(top_k, top_p, vocab),
+            window=may_be_window(top_k, top_p, min_p, vocab),
         )
         if key is not None:
             if len(_SETTINGS) >= _SETTINGS_KEPT:

@@ -166,6 +166,41 @@ def test_window_rows_top_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert got.status[2].item() == Status.SKIPPED and got.lengths[2].item() == 0
 
 
+def test_window_rows_min_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Min-p-only rows (top-k and top-p off) past the window threshold take
+    the window path too: their cutoff, min_p x the row's max, from the
+    candidate mark's max, their support from one read of each chunk; rows
+    with top-k, top-p, greedy or a bad value beside them keep their paths.
+    sample() draws the same token on either path (the race is per id)."""
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    window = WindowRows(monkeypatch)
+    gen = torch.Generator().manual_seed(13)
+    vocab = 3000
+    probs = torch.softmax(torch.randn(6, vocab, generator=gen), -1)  # flat: no heavy value
+    probs[5, 321] = float("nan")
+    top_k = torch.tensor([0, 0, 40, 0, 0, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    min_p = torch.tensor([0.05, 0.3, 0.05, 0.05, 0.05, 0.05])
+    greedy = torch.tensor([False, False, False, True, False, False])
+    settings = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "greedy": greedy}
+    got = run_both(probs, probs.argmax(1), **settings, max_tokens=vocab)
+    # rows 0 and 4 are min-p window rows; 1's floor keeps few ids (the
+    # candidate path), 2 has top-k, 3 is greedy, 5 a NaN
+    assert window.calls == [[1, 0, 0, 0, 1, 0]]
+    sizes = got.sizes.cpu().tolist()
+    assert sizes[0] > 64 >= sizes[1] and got.forms[0].item() == 1
+    assert got.status[5].item() == Status.INVALID
+    # sample(): the window draw's token is the candidate path's, bit for bit
+    seeds = torch.arange(6, device=DEVICE) + 5
+    drawn = sample(probs.to(DEVICE), seeds, **on_device(settings), max_tokens=vocab)
+    assert_same(drawn, reference_capture(probs, drawn.tokens.cpu().long(), **settings,
+                                         max_tokens=vocab))
+    monkeypatch.setattr(tuning, "WINDOW_MIN", vocab)  # no window rows
+    plain = sample(probs.to(DEVICE), seeds, **on_device(settings), max_tokens=vocab)
+    assert len(window.calls) == 3 and window.calls[2] == [0] * 6, window.calls
+    assert drawn.tokens.cpu().tolist() == plain.tokens.cpu().tolist()
+
+
 def test_window_rows_overflow_status_and_invalid(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     gen = torch.Generator().manual_seed(4)

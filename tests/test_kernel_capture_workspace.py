@@ -111,6 +111,10 @@ def test_settings_say_what_the_arguments_allow() -> None:
     assert not settings(top_p=0.9, top_k=50).window  # top-k on in every row
     assert settings(top_p=0.9, top_k=torch.full((4,), 50)).window  # maybe off in some row
     assert settings(min_p=0.1).need_max and settings(greedy=True).need_max
+    # a min-p-only row can keep every id of a flat row: a window row
+    assert settings(min_p=0.1).window and settings(min_p=0.1, top_p=1.0).window
+    assert not (settings(min_p=0.1, top_k=50).window or settings(min_p=0.0).window)
+    assert settings(min_p=0.1, top_p=torch.full((4,), 0.9)).window  # maybe off in some row
     assert not settings(greedy=False).need_max
     assert settings(top_k=7).top_k.tolist() == [7] * 4
     with pytest.raises(ValueError, match=r"top_p=1.5 is out of range; accepted: <= 1.0"):
