@@ -232,8 +232,8 @@ class Segment:
                 base = _map_separately(fd, size, name)
                 segment = cls(name, base, size, owner_fd=fd)
             except BaseException:
+                _unlink_quietly(name)  # first: a child forked before the close holds a dead name
                 _CREATING.discard(fd)
-                _unlink_quietly(name)
                 os.close(fd)
                 raise
             _LIVE.add(segment)
@@ -377,7 +377,7 @@ class _LiveSegments:
         # only over the default action (a host's handler stays in charge).
         lib.shm_exit_hook_sigterm()
         with self._lock:
-            self._segments = {s for s in self._segments if not s.closed}  # released by finalizers
+            self._segments = {s for s in self._segments if _holds_lock_fd(s)}
             self._segments.add(segment)
             self._snapshot = tuple(self._segments)
             if not self._atexit:
@@ -386,7 +386,7 @@ class _LiveSegments:
 
     def discard(self, segment: Segment) -> None:
         with self._lock:
-            self._segments = {s for s in self._segments if s is not segment and not s.closed}
+            self._segments = {s for s in self._segments if s is not segment and _holds_lock_fd(s)}
             self._snapshot = tuple(self._segments)
 
     def unlink_all(self) -> None:
@@ -413,6 +413,14 @@ class _LiveSegments:
         self._segments.clear()
         self._snapshot = ()
         self._lock = threading.Lock()  # the parent's may have been held at the fork
+
+
+def _holds_lock_fd(segment: Segment) -> bool:
+    """Whether the registry must keep a segment: until release() has let go
+    of its lock descriptor, not merely marked it closed (released by a
+    finalizer or another thread, it is still open, its name not yet
+    unlinked: a child forked then must find it to close its copy)."""
+    return segment._owner_fd is not None
 
 
 # Lock descriptors of segments being created, not yet in _LIVE (set.add and
