@@ -1,5 +1,6 @@
 """GPU kernels of shmask: exact compaction, sampler-native support capture,
-sample with capture, admission, and the host hand-off to the transport.
+sample with capture, admission, the host hand-off to the transport, and the
+trainer's replay of a sampled support (replay_logprobs).
 
 Each kernel module holds its Triton kernel(s) beside their launcher; each
 public function sits beside a plain-torch reference of the same function
@@ -80,6 +81,7 @@ with _interpreter_scope():
     from .compact import compact, reference_compact
     from .direct import DirectPublisher, publish, publisher_for, reference_direct
     from .host import HostRows, HostStaging
+    from .replay import reference_replay_logprobs, replay_forward, replay_logprobs
     from .rows import Form, Rows, Status
     from .sample import reference_sample, sample
 
@@ -98,7 +100,10 @@ __all__ = [
     "reference_capture",
     "reference_compact",
     "reference_direct",
+    "reference_replay_logprobs",
     "reference_sample",
+    "replay_forward",
+    "replay_logprobs",
     "sample",
     "top_p_within_rounding",
     "use_interpreter",

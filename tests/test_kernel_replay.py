@@ -1,0 +1,139 @@
+"""The replay kernel (issue 38, kernels/replay.py) against the dense-mask
+float64 reference: forward and gradient, undefined rows, gradcheck.
+In Triton's interpreter on the CPU (small shapes); on the GPU with
+SHMASK_TEST_GPU=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shmask.kernels.replay import reference_replay_logprobs, replay_forward, replay_logprobs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def csr(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+    ids = torch.tensor([i for r in rows for i in r], dtype=torch.int32)
+    return offsets.to(DEVICE), ids.to(DEVICE)
+
+
+def supports(vocab: int, gen: torch.Generator) -> list[list[int]]:
+    """Sizes 1, a few, many, the whole vocabulary; ascending."""
+    sizes = [1, 3, 40, vocab, 150, 2]
+    return [sorted(torch.randperm(vocab, generator=gen)[:k].tolist()) for k in sizes]
+
+
+def targets_in(rows: list[list[int]], gen: torch.Generator) -> torch.Tensor:
+    return torch.tensor([r[int(torch.randint(len(r), (1,), generator=gen))] for r in rows],
+                        device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_gradient_match_the_dense_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(38)
+    vocab = 300
+    rows = supports(vocab, gen)
+    n = len(rows)
+    logits = (torch.randn(n, vocab, generator=gen) * 3).to(dtype)
+    logits[2, rows[2][:10]] = logits[2, rows[2][0]].item()  # ties inside a support
+    logits = logits.to(DEVICE)
+    offsets, ids = csr(rows)
+    targets = targets_in(rows, gen)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0], device=DEVICE)
+    weights = torch.randn(n, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    leaf = logits.clone().requires_grad_(True)
+    got = replay_logprobs(leaf, targets, offsets, ids, temperature=temperature)
+    (got.double() * weights).sum().backward()
+    ref_leaf = logits.clone().requires_grad_(True)  # the same bf16 values, in float64
+    want = reference_replay_logprobs(ref_leaf, targets, offsets, ids, temperature=temperature)
+    (want * weights).sum().backward()
+
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # a bf16 gradient holds 8 bits
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad.double(), rtol=tol, atol=tol)
+    # zero outside each support, exactly
+    outside = torch.ones(n, vocab, dtype=torch.bool)
+    for t, r in enumerate(rows):
+        outside[t, r] = False
+    assert (leaf.grad.cpu()[outside] == 0).all()
+    # replay_forward: the same values, and the logsumexp over the support
+    plain, logz = replay_forward(logits, targets, offsets, ids, temperature=temperature)
+    assert torch.equal(plain, got.detach())
+    z = logits.double() / temperature.double()[:, None]
+    for t, r in enumerate(rows):
+        assert abs(float(logz[t]) - float(torch.logsumexp(z[t, r], 0))) < 1e-4
+
+
+def test_undefined_rows_are_nan_with_zero_gradient() -> None:
+    gen = torch.Generator().manual_seed(7)
+    vocab = 50
+    logits = torch.randn(7, vocab, generator=gen, dtype=torch.float32).to(DEVICE)
+    rows = [[1, 4, 9], [2, 3], [0, 60], [5, 5, 6], [7, 8], [10, 11], [12, 13]]
+    offsets, ids = csr(rows)
+    offsets = offsets.clone()
+    targets = torch.tensor([4, 9, 0, 5, 7, 10, 12], device=DEVICE)
+    # 0 defined; 1 target outside its support; 2 an id past V; 3 ids not
+    # strictly ascending; 4 not valid (status); 5 empty (offsets equal);
+    # 6 offsets past the ids
+    offsets[6] = offsets[5]  # row 5: empty; row 6 now starts where 5 did
+    offsets[7] = ids.numel() + 5
+    valid = torch.tensor([True, True, True, True, False, True, True], device=DEVICE)
+    leaf = logits.clone().requires_grad_(True)
+    got = replay_logprobs(leaf, targets, offsets, ids, valid=valid)
+    want = reference_replay_logprobs(logits, targets, offsets, ids, valid=valid)
+    assert torch.isfinite(got[0]) and torch.isnan(got[1:]).all(), got
+    assert torch.isnan(want[1:]).all()
+    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-6)
+    got.nan_to_num(0.0).sum().backward()
+    grad = leaf.grad.cpu()
+    assert (grad[1:] == 0).all() and (grad[0, [1, 4, 9]] != 0).all()
+    assert (grad[0].abs().sum() > 0) and (grad[0, [0, 2, 3]] == 0).all()
+
+
+def test_gradcheck_in_float64() -> None:
+    gen = torch.Generator().manual_seed(3)
+    rows = [[0, 2, 5], [1], [0, 1, 2, 3, 4, 5, 6], [3, 6]]
+    offsets, ids = csr(rows)
+    targets = torch.tensor([2, 1, 6, 3], device=DEVICE)
+    logits = torch.randn(4, 7, generator=gen, dtype=torch.float64).to(DEVICE)
+    logits.requires_grad_(True)
+    temperature = torch.tensor([1.0, 0.8, 1.5, 0.9], dtype=torch.float64, device=DEVICE)
+    assert torch.autograd.gradcheck(
+        lambda x: replay_logprobs(x, targets, offsets, ids, temperature=temperature),
+        (logits,), eps=1e-6, atol=1e-7)
+
+
+def test_bad_arguments_are_named() -> None:
+    logits = torch.zeros(2, 5, device=DEVICE)
+    offsets, ids = csr([[0], [1]])
+    targets = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="offsets must be a tensor of shape"):
+        replay_logprobs(logits, targets, offsets[:2], ids)
+    with pytest.raises(ValueError, match="targets must be a tensor of shape"):
+        replay_logprobs(logits, targets[:1], offsets, ids)
+    with pytest.raises(TypeError, match="ids must hold integers"):
+        replay_logprobs(logits, targets, offsets, ids.float())
+    with pytest.raises(ValueError, match="temperature=0.0 is out of range"):
+        replay_logprobs(logits, targets, offsets, ids, temperature=0.0)
+    with pytest.raises(TypeError, match="logits must be"):
+        replay_logprobs(logits.to(torch.int32), targets, offsets, ids)
+
+
+def test_supports_longer_than_a_block() -> None:
+    """A support of several blocks (kernels/replay.py BLOCK): the running
+    logsumexp rescaled as the max rises block by block, and a first block
+    of -inf logits (ids a model masked) before any finite one."""
+    vocab = 2500
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(2, vocab, generator=gen) + torch.linspace(0, 30, vocab)  # max late
+    logits[1, :2100] = float("-inf")  # the first 1024 of its ids (even, < 2048)
+    logits = logits.to(DEVICE)
+    rows = [list(range(vocab)), list(range(0, vocab, 2))]
+    offsets, ids = csr(rows)
+    targets = torch.tensor([17, 2400], device=DEVICE)
+    got = replay_logprobs(logits, targets, offsets, ids)
+    want = reference_replay_logprobs(logits, targets, offsets, ids)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
