@@ -81,7 +81,7 @@ with _interpreter_scope():
     from .compact import compact, reference_compact
     from .direct import DirectPublisher, publish, publisher_for, reference_direct
     from .host import HostRows, HostStaging
-    from .replay import reference_replay_logprobs, replay_forward, replay_logprobs
+    from .replay import ReplayOutput, reference_replay_logprobs, replay_forward, replay_logprobs
     from .rows import Form, Rows, Status
     from .sample import reference_sample, sample
 
@@ -90,6 +90,7 @@ __all__ = [
     "Form",
     "HostRows",
     "HostStaging",
+    "ReplayOutput",
     "Rows",
     "Status",
     "capture",

@@ -8,27 +8,34 @@ A trainer that builds this by hand scatters the ids into a dense
 [N, V] mask, masks the logits and takes a full log-softmax: two tensors of
 the logits' size and a full read and write of them, for a quantity that
 depends on the support's columns alone. Here one program a token reads
-only the support's logits (the ids form: CSR ``offsets`` [N + 1] into
-``ids``, each row's ids strictly ascending, as shmask's rows travel).
+only the support's logits, in the forms shmask's rows travel in (CSR
+``offsets`` [N + 1] into ``ids``, ``forms`` [N]): an ids-form row's ids,
+strictly ascending (a gather of L logits), or a bitmask row's
+ceil(V / 32) words, bit j of word w for id 32 w + j (a contiguous read of
+the row: a bitmask row holds at least V / 32 ids, a top-p-only support).
 
 Rows with no defined result: an empty support, an id outside [0, V), ids
-not strictly ascending, offsets outside ``ids``, the target outside the
-support, ``valid`` False (a row whose status was not OK), or a
-non-finite logsumexp. Their logp_S is NaN and their gradient is zero.
+not strictly ascending, offsets outside ``ids``, a bitmask row of another
+word count or with bits at ids >= V, the target outside the support,
+``valid`` False (a row whose status was not OK), or a non-finite
+logsumexp. Their logp_S is NaN and their gradient is zero.
 
 Backward: ``grad[t, v] = g_t (1[v = a_t] - p_S(v)) / T_t`` for v in S_t, 0
-elsewhere; one program a token writes its whole gradient row (the zeros,
-then the support's values) in the same pass, so no separate zero-fill.
+elsewhere; one program a token writes its whole gradient row (an ids
+row: the zeros, then the support's values; a bitmask row: each column
+once, its value or 0) in the same pass, so no separate zero-fill.
 The temperature gets no gradient.
 
-Not here yet (issue 38): bitmask rows (top-p-only supports), the
-vocab-parallel form, the full-vocabulary logp and support mass in the
-same pass, collation from responses (``shmask.train``).
+With ``full=True`` the same launch reads each whole row too, for the
+target's full-vocabulary logp and the support's mass under the trainer's
+policy (the truncated importance ratio's and diagnostics' inputs).
+
+Not here yet (issue 38): the vocab-parallel form.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -36,15 +43,22 @@ import triton.language as tl
 
 from .checks import per_row
 
-__all__ = ["reference_replay_logprobs", "replay_forward", "replay_logprobs"]
+__all__ = ["ReplayOutput", "reference_replay_logprobs", "replay_forward", "replay_logprobs"]
 
 BLOCK = 1024  # support ids a step of one program
+WORD_BLOCK = 32  # bitmask words a step (1024 columns)
 ZERO_BLOCK = 4096  # gradient columns zeroed a step
+IDS, BITMASK = 0, 1  # a row's form (shmask.kernels.Form)
+
+
+# logits, targets, offsets, ids, temperature, valid, forms: as the kernels read them
+_Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+              torch.Tensor]
 
 
 def _checked(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
              ids: torch.Tensor, temperature: torch.Tensor | float,
-             valid: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+             valid: torch.Tensor | None, forms: torch.Tensor | None) -> _Args:
     """The arguments as the kernels read them, each wrong one named (no
     host sync: the offsets' and ids' values are checked by the kernels)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
@@ -67,65 +81,93 @@ def _checked(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     temp = per_row(temperature, n, acc, device, "temperature", 1.0, low=1e-30)
     ok = per_row(valid, n, torch.int8, device, "valid", True)
+    form = per_row(forms, n, torch.int32, device, "forms", IDS)
     return (logits, targets.to(device=device, dtype=torch.int64).contiguous(),
             offsets.to(device=device, dtype=torch.int64).contiguous(),
-            ids.to(device=device, dtype=torch.int32).contiguous(), temp, ok)
+            ids.to(device=device, dtype=torch.int32).contiguous(), temp, ok, form)
 
 
 def replay_forward(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
                    ids: torch.Tensor, *, temperature: torch.Tensor | float = 1.0,
-                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   valid: torch.Tensor | None = None, forms: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp_S [N], logsumexp_S [N]) with no autograd graph: float32
     (float64 for float64 logits), NaN where a row has no defined result.
-    ``temperature`` a positive scalar or [N] tensor; ``valid`` bool [N]."""
-    args = _checked(logits, targets, offsets, ids, temperature, valid)
-    return _forward(*args)
+    ``temperature`` a positive scalar or [N] tensor; ``valid`` bool [N];
+    ``forms`` int [N] (0: ids, 1: bitmask words; all ids when None)."""
+    out, logz, _, _ = _forward(*_checked(logits, targets, offsets, ids, temperature, valid,
+                                         forms), full=False)
+    return out, logz
 
 
 def _forward(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
-             ids: torch.Tensor, temp: torch.Tensor, ok: torch.Tensor,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ids: torch.Tensor, temp: torch.Tensor, ok: torch.Tensor, form: torch.Tensor,
+             full: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logp_S, logsumexp_S and, with ``full`` (else empty), the target's
+    full-vocabulary logp and the support's mass, from one launch."""
     n, vocab = logits.shape
     acc = temp.dtype
     out = torch.empty(n, dtype=acc, device=logits.device)
     logz = torch.empty(n, dtype=acc, device=logits.device)
+    logp_full = torch.empty(n if full else 0, dtype=acc, device=logits.device)
+    mass = torch.empty(n if full else 0, dtype=acc, device=logits.device)
     if n:
         _replay_forward_kernel[(n,)](
-            logits, logits.stride(0), vocab, targets, temp, offsets, ids, ids.numel(), ok,
-            out, logz, BLOCK=BLOCK, F64=acc == torch.float64)
-    return out, logz
+            logits, logits.stride(0), vocab, targets, temp, offsets, ids, ids.numel(), ok, form,
+            out, logz, logp_full, mass, BLOCK=BLOCK, WORD_BLOCK=WORD_BLOCK,
+            ROW_BLOCK=ZERO_BLOCK, FULL=full, F64=acc == torch.float64)
+    return out, logz, logp_full, mass
 
 
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
-                ids: torch.Tensor, temp: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        out, logz = _forward(logits, targets, offsets, ids, temp, ok)
-        ctx.save_for_backward(logits, targets, offsets, ids, temp, logz)
-        return out
+                ids: torch.Tensor, temp: torch.Tensor, ok: torch.Tensor, form: torch.Tensor,
+                full: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, logz, logp_full, mass = _forward(logits, targets, offsets, ids, temp, ok, form, full)
+        ctx.save_for_backward(logits, targets, offsets, ids, temp, form, logz)
+        ctx.mark_non_differentiable(logp_full, mass)
+        return out, logp_full, mass
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        logits, targets, offsets, ids, temp, logz = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        logits, targets, offsets, ids, temp, form, logz = ctx.saved_tensors
         n, vocab = logits.shape
         grad = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
         if n:
             _replay_backward_kernel[(n,)](
-                logits, logits.stride(0), vocab, targets, temp, offsets, ids, logz,
-                grad_out.to(temp.dtype).contiguous(), grad, BLOCK=BLOCK, ZERO_BLOCK=ZERO_BLOCK,
-                F64=temp.dtype == torch.float64)
-        return grad, None, None, None, None, None
+                logits, logits.stride(0), vocab, targets, temp, offsets, ids, form, logz,
+                grad_out.to(temp.dtype).contiguous(), grad, BLOCK=BLOCK, WORD_BLOCK=WORD_BLOCK,
+                ZERO_BLOCK=ZERO_BLOCK, F64=temp.dtype == torch.float64)
+        return grad, None, None, None, None, None, None, None
+
+
+class ReplayOutput(NamedTuple):
+    """replay_logprobs(..., full=True): logp_S (with the gradient), the
+    target's full-vocabulary logp and the support's mass under the
+    trainer's policy, exp(logsumexp_S - logsumexp_V) (no gradient)."""
+
+    logp_support: torch.Tensor
+    logp_full: torch.Tensor
+    support_mass: torch.Tensor
 
 
 def replay_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
                     ids: torch.Tensor, *, temperature: torch.Tensor | float = 1.0,
-                    valid: torch.Tensor | None = None) -> torch.Tensor:
+                    valid: torch.Tensor | None = None, forms: torch.Tensor | None = None,
+                    full: bool = False) -> Any:
     """logp_S [N] of each token (differentiable in ``logits``): the
     target's log-probability under ``logits / temperature`` restricted to
-    its support, row t's support ids ``ids[offsets[t]:offsets[t + 1]]``
-    (strictly ascending). NaN, and no gradient, where a row has no defined
-    result (the module docstring)."""
-    return _Replay.apply(*_checked(logits, targets, offsets, ids, temperature, valid))
+    its support, row t's id data ``ids[offsets[t]:offsets[t + 1]]``: its
+    ascending ids, or its bitmask words where ``forms[t]`` is 1. NaN, and
+    no gradient, where a row has no defined result (the module docstring).
+    ``full=True``: a :class:`ReplayOutput`, the same launch also reading
+    each whole row for the target's full-vocabulary logp (NaN only for a
+    target outside [0, V) or a non-finite row) and the support's mass
+    (NaN where logp_S is)."""
+    out, logp_full, mass = _Replay.apply(
+        *_checked(logits, targets, offsets, ids, temperature, valid, forms), full)
+    return ReplayOutput(out, logp_full, mass) if full else out
 
 
 @triton.jit
@@ -150,9 +192,38 @@ def _row_span(offsets_ptr, nnz, row):
 
 
 @triton.jit
+def _bitmask_block(logits_row, vocab, ids_ptr, start, word0, inv_t, WORD_BLOCK: tl.constexpr,
+                   F64: tl.constexpr):
+    """Words [word0, word0 + WORD_BLOCK) of a bitmask row as a
+    [WORD_BLOCK, 32] tile: columns, which bits are set, and the scaled
+    logits of the columns in [0, V) (-inf past V)."""
+    words = word0 + tl.arange(0, WORD_BLOCK)
+    in_row = words < (vocab + 31) // 32
+    bits = tl.load(ids_ptr + start + words, mask=in_row, other=0)
+    lane = tl.arange(0, 32)
+    cols = words[:, None] * 32 + lane[None, :]
+    set_ = ((bits[:, None] >> lane[None, :]) & 1) != 0
+    z = tl.load(logits_row + cols, mask=cols < vocab, other=float("-inf"))
+    z = z.to(tl.float64) if F64 else z.to(tl.float32)
+    return cols, set_, z * inv_t
+
+
+@triton.jit
+def _online(m, s, z, keep):
+    """The running logsumexp (max m, sum s of exp(z - m)) with the kept z."""
+    z = tl.where(keep, z, float("-inf"))
+    new_m = tl.maximum(m, tl.max(z))
+    # all -inf so far: nothing to rescale (exp(-inf - -inf) is NaN)
+    scale = tl.where(new_m == float("-inf"), 0.0, tl.exp(m - new_m))
+    terms = tl.where(z == float("-inf"), 0.0, tl.exp(z - new_m))
+    return new_m, s * scale + tl.sum(terms)
+
+
+@triton.jit
 def _replay_forward_kernel(
     logits_ptr, stride_row, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr, nnz, ok_ptr,
-    out_ptr, logz_ptr, BLOCK: tl.constexpr, F64: tl.constexpr,
+    form_ptr, out_ptr, logz_ptr, full_ptr, mass_ptr, BLOCK: tl.constexpr,
+    WORD_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, FULL: tl.constexpr, F64: tl.constexpr,
 ):
     """Program per token: an online logsumexp over the support's logits
     (block maxima, the running sum rescaled), whether the target is in the
@@ -161,65 +232,101 @@ def _replay_forward_kernel(
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     start, end, sound = _row_span(offsets_ptr, nnz, row)
     target = tl.load(target_ptr + row)
+    target_ok = (target >= 0) & (target < vocab)
     inv_t = 1.0 / tl.load(temp_ptr + row)
     m = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
     s = tl.zeros([], dtype=tl.float64 if F64 else tl.float32)
     found = tl.zeros([], dtype=tl.int1)
     bad = tl.zeros([], dtype=tl.int1)
-    for first in range(start, end, BLOCK):
-        idx = first + tl.arange(0, BLOCK)
-        live = idx < end
-        ids, in_range, z = _support_block(logits_row, vocab, ids_ptr, idx, live, inv_t, F64)
-        before = tl.load(ids_ptr + idx - 1, mask=live & (idx > start), other=-1)
-        bad |= tl.max((live & (~in_range | (ids <= before))).to(tl.int32), axis=0) > 0
-        found |= tl.max((live & (ids == target)).to(tl.int32), axis=0) > 0
-        new_m = tl.maximum(m, tl.max(z, axis=0))
-        # all -inf so far: nothing to rescale (exp(-inf - -inf) is NaN)
-        scale = tl.where(new_m == float("-inf"), 0.0, tl.exp(m - new_m))
-        terms = tl.where(z == float("-inf"), 0.0, tl.exp(z - new_m))
-        s = s * scale + tl.sum(terms, axis=0)
-        m = new_m
+    if tl.load(form_ptr + row) == 1:
+        # a bitmask row: exactly ceil(V / 32) words, no bit at an id >= V
+        n_words = (vocab + 31) // 32
+        bad = end - start != n_words
+        if ~bad:
+            for word0 in range(0, n_words, WORD_BLOCK):
+                cols, set_, z = _bitmask_block(logits_row, vocab, ids_ptr, start, word0, inv_t,
+                                               WORD_BLOCK, F64)
+                bad |= tl.max((set_ & (cols >= vocab)).to(tl.int32)) > 0
+                m, s = _online(m, s, z, set_)
+            word = tl.load(ids_ptr + start + tl.where(target_ok, target, 0) // 32)
+            found = ((word >> (tl.where(target_ok, target, 0) % 32)) & 1) != 0
+    else:
+        for first in range(start, end, BLOCK):
+            idx = first + tl.arange(0, BLOCK)
+            live = idx < end
+            ids, in_range, z = _support_block(logits_row, vocab, ids_ptr, idx, live, inv_t, F64)
+            before = tl.load(ids_ptr + idx - 1, mask=live & (idx > start), other=-1)
+            bad |= tl.max((live & (~in_range | (ids <= before))).to(tl.int32)) > 0
+            found |= tl.max((live & (ids == target)).to(tl.int32)) > 0
+            m, s = _online(m, s, z, live)
     logz = m + tl.log(s)
-    target_ok = (target >= 0) & (target < vocab)
     z_t = tl.load(logits_row + tl.where(target_ok, target, 0))
     z_t = (z_t.to(tl.float64) if F64 else z_t.to(tl.float32)) * inv_t
     ok = (sound & ~bad & found & target_ok & (tl.load(ok_ptr + row) != 0)
           & (tl.abs(logz) < float("inf")) & (tl.abs(z_t) < float("inf")))
     tl.store(out_ptr + row, tl.where(ok, z_t - logz, float("nan")))
     tl.store(logz_ptr + row, tl.where(ok, logz, float("nan")))
+    if FULL:
+        # the whole row's logsumexp (a read of it, as a trainer's own
+        # log-softmax makes): the target's logp under the full policy and
+        # the support's share of it
+        m_v = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
+        s_v = tl.zeros([], dtype=tl.float64 if F64 else tl.float32)
+        for first in range(0, vocab, ROW_BLOCK):
+            cols = first + tl.arange(0, ROW_BLOCK)
+            z = tl.load(logits_row + cols, mask=cols < vocab, other=float("-inf"))
+            z = (z.to(tl.float64) if F64 else z.to(tl.float32)) * inv_t
+            m_v, s_v = _online(m_v, s_v, z, cols < vocab)
+        logz_v = m_v + tl.log(s_v)
+        full_ok = target_ok & (tl.abs(logz_v) < float("inf")) & (tl.abs(z_t) < float("inf"))
+        tl.store(full_ptr + row, tl.where(full_ok, z_t - logz_v, float("nan")))
+        tl.store(mass_ptr + row, tl.where(ok & full_ok, tl.exp(logz - logz_v), float("nan")))
 
 
 @triton.jit
 def _replay_backward_kernel(
-    logits_ptr, stride_row, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr, logz_ptr,
-    grad_out_ptr, grad_ptr, BLOCK: tl.constexpr, ZERO_BLOCK: tl.constexpr, F64: tl.constexpr,
+    logits_ptr, stride_row, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr, form_ptr,
+    logz_ptr, grad_out_ptr, grad_ptr, BLOCK: tl.constexpr, WORD_BLOCK: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, F64: tl.constexpr,
 ):
-    """Program per token: its gradient row, zeros and then
-    g (1[v = a] - exp(z_v / T - logsumexp)) / T at the support's ids; a row
-    the forward left undefined (NaN logsumexp) stays zero."""
+    """Program per token: its gradient row, g (1[v = a] - exp(z_v / T -
+    logsumexp)) / T at the support's ids and 0 elsewhere: a bitmask row's
+    columns each written once, an ids row zeroed and then its ids written;
+    a row the forward left undefined (NaN logsumexp) all zeros."""
     row = tl.program_id(0)
     grad_row = grad_ptr + row.to(tl.int64) * vocab
-    for first in range(0, vocab, ZERO_BLOCK):
-        cols = first + tl.arange(0, ZERO_BLOCK)
-        tl.store(grad_row + cols, tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty),
-                 mask=cols < vocab)
-    tl.debug_barrier()  # the zeros, before this row's support values land on them
     logz = tl.load(logz_ptr + row)
+    defined = logz == logz  # NaN otherwise
+    bitmask = tl.load(form_ptr + row) == 1
     g = tl.load(grad_out_ptr + row)
-    if logz == logz:  # defined (NaN otherwise)
-        logits_row = logits_ptr + row.to(tl.int64) * stride_row
-        # the forward found this row's offsets sound and its ids in range
-        start = tl.load(offsets_ptr + row)
-        end = tl.load(offsets_ptr + row + 1)
-        target = tl.load(target_ptr + row)
-        inv_t = 1.0 / tl.load(temp_ptr + row)
-        for first in range(start, end, BLOCK):
-            idx = first + tl.arange(0, BLOCK)
-            live = idx < end
-            ids, in_range, z = _support_block(logits_row, vocab, ids_ptr, idx, live, inv_t, F64)
-            p = tl.exp(z - logz)
-            value = g * (tl.where(ids == target, 1.0, 0.0) - p) * inv_t
-            tl.store(grad_row + ids, value.to(grad_ptr.dtype.element_ty), mask=live & in_range)
+    logits_row = logits_ptr + row.to(tl.int64) * stride_row
+    # the forward found a defined row's offsets sound and its ids in range
+    start = tl.load(offsets_ptr + row)
+    end = tl.load(offsets_ptr + row + 1)
+    target = tl.load(target_ptr + row)
+    inv_t = 1.0 / tl.load(temp_ptr + row)
+    if defined & bitmask:
+        for word0 in range(0, (vocab + 31) // 32, WORD_BLOCK):
+            cols, set_, z = _bitmask_block(logits_row, vocab, ids_ptr, start, word0, inv_t,
+                                           WORD_BLOCK, F64)
+            value = g * (tl.where(cols == target, 1.0, 0.0) - tl.exp(z - logz)) * inv_t
+            tl.store(grad_row + cols, tl.where(set_, value, 0.0).to(grad_ptr.dtype.element_ty),
+                     mask=cols < vocab)
+    else:
+        for first in range(0, vocab, ZERO_BLOCK):
+            cols = first + tl.arange(0, ZERO_BLOCK)
+            tl.store(grad_row + cols, tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty),
+                     mask=cols < vocab)
+        tl.debug_barrier()  # the zeros, before this row's support values land on them
+        if defined:
+            for first in range(start, end, BLOCK):
+                idx = first + tl.arange(0, BLOCK)
+                live = idx < end
+                ids, in_range, z = _support_block(logits_row, vocab, ids_ptr, idx, live, inv_t,
+                                                  F64)
+                value = g * (tl.where(ids == target, 1.0, 0.0) - tl.exp(z - logz)) * inv_t
+                tl.store(grad_row + ids, value.to(grad_ptr.dtype.element_ty),
+                         mask=live & in_range)
 
 
 # ---------------------------------------------------------------- reference
@@ -228,6 +335,7 @@ def _replay_backward_kernel(
 def reference_replay_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
                               ids: torch.Tensor, *, temperature: torch.Tensor | float = 1.0,
                               valid: torch.Tensor | None = None,
+                              forms: torch.Tensor | None = None,
                               compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The dense-mask computation a trainer writes by hand (scatter the ids
     into a [N, V] mask, masked log-softmax, gather), in ``compute_dtype``,
@@ -235,13 +343,22 @@ def reference_replay_logprobs(logits: torch.Tensor, targets: torch.Tensor, offse
     n, vocab = logits.shape
     temp = per_row(temperature, n, compute_dtype, logits.device, "temperature", 1.0)
     ok = per_row(valid, n, torch.bool, logits.device, "valid", True)
+    form = per_row(forms, n, torch.int32, torch.device("cpu"), "forms", IDS)
     offsets = offsets.to(torch.int64).cpu()
     ids = ids.to(torch.int64).cpu()
     mask = torch.zeros(n, vocab, dtype=torch.bool)
     sound = torch.ones(n, dtype=torch.bool)
+    n_words = (vocab + 31) // 32
     for t in range(n):
         start, end = int(offsets[t]), int(offsets[t + 1])
-        row = ids[max(start, 0):max(end, 0)]
+        data = ids[max(start, 0):max(end, 0)]
+        if int(form[t]) == BITMASK:
+            bits = (data[:, None] >> torch.arange(32)) & 1  # int64: no sign to carry
+            row = (bits.reshape(-1) != 0).nonzero()[:, 0]
+            if len(data) != n_words:
+                row = torch.tensor([-1])
+        else:
+            row = data
         if not (0 <= start < end <= ids.numel()) or not ((row >= 0) & (row < vocab)).all() \
                 or not (row[1:] > row[:-1]).all():
             sound[t] = False

@@ -137,3 +137,92 @@ def test_supports_longer_than_a_block() -> None:
     got = replay_logprobs(logits, targets, offsets, ids)
     want = reference_replay_logprobs(logits, targets, offsets, ids)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def bitmask_words(row: list[int], vocab: int) -> list[int]:
+    """A support as ceil(V / 32) int32 words (bit j of word w: id 32 w + j)."""
+    words = [0] * ((vocab + 31) // 32)
+    for i in row:
+        words[i // 32] |= 1 << (i % 32)
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # as int32
+
+
+def test_bitmask_rows_mixed_with_ids_rows() -> None:
+    """Rows in the bitmask form (top-p-only supports travel so) beside ids
+    rows: the same values and gradients as the dense reference; a bitmask
+    row of the wrong word count, with a bit past V, or whose target is
+    not set is undefined."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 300  # 10 words, the last one holding ids 288-299 and 12 bits past V
+    rows = [sorted(torch.randperm(vocab, generator=gen)[:k].tolist()) for k in (200, 12, 31, 299)]
+    rows.append(list(range(vocab)))
+    forms = [1, 0, 1, 1, 1]
+    data = [bitmask_words(r, vocab) if f else r for r, f in zip(rows, forms, strict=True)]
+    data[3][9] |= 1 << 20  # id 308 >= V: undefined
+    n = len(rows)
+    offsets = torch.tensor([0] + [len(d) for d in data]).cumsum(0).to(DEVICE)
+    ids = torch.tensor([x for d in data for x in d], dtype=torch.int32, device=DEVICE)
+    form = torch.tensor(forms, dtype=torch.int32, device=DEVICE)
+    targets = targets_in(rows, gen)
+    logits = (torch.randn(n, vocab, generator=gen) * 4).to(DEVICE)
+    temperature = torch.tensor([0.9, 1.0, 1.2, 1.0, 0.6], device=DEVICE)
+    weights = torch.randn(n, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    leaf = logits.clone().requires_grad_(True)
+    got = replay_logprobs(leaf, targets, offsets, ids, temperature=temperature, forms=form)
+    ref_leaf = logits.clone().requires_grad_(True)
+    want = reference_replay_logprobs(ref_leaf, targets, offsets, ids, temperature=temperature,
+                                     forms=form)
+    assert torch.isnan(got[3]) and torch.isnan(want[3])
+    defined = torch.tensor([True, True, True, False, True], device=DEVICE)
+    torch.testing.assert_close(got[defined].double(), want[defined], rtol=1e-5, atol=1e-5)
+    (got.nan_to_num(0.0).double() * weights).sum().backward()
+    (want.nan_to_num(0.0) * weights).sum().backward()
+    grad, ref_grad = leaf.grad.cpu(), ref_leaf.grad.cpu()
+    torch.testing.assert_close(grad[defined.cpu()], ref_grad[defined.cpu()],
+                               rtol=1e-5, atol=1e-6)
+    assert (grad[3] == 0).all()
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[rows[0]] = False
+    assert (grad[0][outside] == 0).all() and (grad[0][~outside] != 0).all()
+
+    # a target outside its bitmask: undefined, the other rows as before
+    bad_target = targets.clone()
+    bad_target[2] = next(i for i in range(vocab) if i not in rows[2])
+    again = replay_logprobs(logits, bad_target, offsets, ids, temperature=temperature, forms=form)
+    assert torch.isnan(again[2]) and torch.equal(again[:2], got[:2].detach())
+    # a bitmask one word short (or long): undefined
+    for words in (9, 11):
+        one = replay_logprobs(logits[:1], targets[:1], torch.tensor([0, words], device=DEVICE),
+                              ids[:11], forms=form[:1])
+        assert torch.isnan(one).all(), words
+    whole = replay_logprobs(logits[:1], targets[:1], torch.tensor([0, 10], device=DEVICE),
+                            ids[:10], temperature=temperature[:1], forms=form[:1])
+    assert torch.equal(whole, got[:1].detach())
+
+
+def test_full_vocabulary_logp_and_support_mass_in_the_same_launch() -> None:
+    gen = torch.Generator().manual_seed(21)
+    vocab = 1500  # a support past one 1024-id block
+    rows = [sorted(torch.randperm(vocab, generator=gen)[:k].tolist()) for k in (5, 1200, 60)]
+    offsets, ids = csr(rows)
+    targets = targets_in(rows, gen)
+    targets[2] = next(i for i in range(vocab) if i not in rows[2])  # undefined: no mass
+    logits = (torch.randn(3, vocab, generator=gen) * 2).to(DEVICE)
+    temperature = torch.tensor([1.0, 0.7, 1.1], device=DEVICE)
+    leaf = logits.clone().requires_grad_(True)
+    got = replay_logprobs(leaf, targets, offsets, ids, temperature=temperature, full=True)
+    z = logits.double() / temperature.double()[:, None]
+    want_full = torch.log_softmax(z, 1).gather(1, targets[:, None])[:, 0]
+    torch.testing.assert_close(got.logp_full.double(), want_full, rtol=1e-5, atol=1e-5)
+    for t in (0, 1):
+        mass = torch.exp(torch.logsumexp(z[t, rows[t]], 0) - torch.logsumexp(z[t], 0))
+        assert abs(float(got.support_mass[t]) - float(mass)) < 1e-5 * float(mass)
+    assert torch.isnan(got.support_mass[2]) and torch.isnan(got.logp_support[2])
+    assert not (got.logp_full.requires_grad or got.support_mass.requires_grad)
+    # the gradient is logp_S's alone, as without full
+    got.logp_support.nan_to_num(0.0).sum().backward()
+    plain = logits.clone().requires_grad_(True)
+    replay_logprobs(plain, targets, offsets, ids, temperature=temperature).nan_to_num(0.0) \
+        .sum().backward()
+    assert torch.equal(leaf.grad, plain.grad)
