@@ -81,7 +81,13 @@ with _interpreter_scope():
     from .compact import compact, reference_compact
     from .direct import DirectPublisher, publish, publisher_for, reference_direct
     from .host import HostRows, HostStaging
-    from .replay import ReplayOutput, reference_replay_logprobs, replay_forward, replay_logprobs
+    from .replay import (
+        ReplayOutput,
+        reference_replay_logprobs,
+        replay_forward,
+        replay_logprobs,
+        replay_logprobs_vocab_parallel,
+    )
     from .rows import Form, Rows, Status
     from .sample import reference_sample, sample
 
@@ -105,6 +111,7 @@ __all__ = [
     "reference_sample",
     "replay_forward",
     "replay_logprobs",
+    "replay_logprobs_vocab_parallel",
     "sample",
     "top_p_within_rounding",
     "use_interpreter",

@@ -30,7 +30,9 @@ With ``full=True`` the same launch reads each whole row too, for the
 target's full-vocabulary logp and the support's mass under the trainer's
 policy (the truncated importance ratio's and diagnostics' inputs).
 
-Not here yet (issue 38): the vocab-parallel form.
+Vocab-parallel (:func:`replay_logprobs_vocab_parallel`): logits sharded
+by vocabulary over a tensor-parallel group; each rank reads the support
+ids in its range, and the max and sum are all-reduced.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import triton.language as tl
 
 from .checks import per_row
 
-__all__ = ["ReplayOutput", "reference_replay_logprobs", "replay_forward", "replay_logprobs"]
+__all__ = ["ReplayOutput", "reference_replay_logprobs", "replay_forward", "replay_logprobs",
+           "replay_logprobs_vocab_parallel"]
 
 BLOCK = 1024  # support ids a step of one program
 WORD_BLOCK = 32  # bitmask words a step (1024 columns)
@@ -113,9 +116,9 @@ def _forward(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
     mass = torch.empty(n if full else 0, dtype=acc, device=logits.device)
     if n:
         _replay_forward_kernel[(n,)](
-            logits, logits.stride(0), vocab, targets, temp, offsets, ids, ids.numel(), ok, form,
-            out, logz, logp_full, mass, BLOCK=BLOCK, WORD_BLOCK=WORD_BLOCK,
-            ROW_BLOCK=ZERO_BLOCK, FULL=full, F64=acc == torch.float64)
+            logits, logits.stride(0), 0, vocab, vocab, targets, temp, offsets, ids, ids.numel(),
+            ok, form, out, logz, logp_full, mass, BLOCK=BLOCK, WORD_BLOCK=WORD_BLOCK,
+            ROW_BLOCK=ZERO_BLOCK, FULL=full, PARTIAL=False, F64=acc == torch.float64)
     return out, logz, logp_full, mass
 
 
@@ -136,7 +139,7 @@ class _Replay(torch.autograd.Function):
         grad = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
         if n:
             _replay_backward_kernel[(n,)](
-                logits, logits.stride(0), vocab, targets, temp, offsets, ids, form, logz,
+                logits, logits.stride(0), 0, vocab, vocab, targets, temp, offsets, ids, form, logz,
                 grad_out.to(temp.dtype).contiguous(), grad, BLOCK=BLOCK, WORD_BLOCK=WORD_BLOCK,
                 ZERO_BLOCK=ZERO_BLOCK, F64=temp.dtype == torch.float64)
         return grad, None, None, None, None, None, None, None
@@ -170,15 +173,88 @@ def replay_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.
     return ReplayOutput(out, logp_full, mass) if full else out
 
 
+class _ReplayVocabParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
+                ids: torch.Tensor, temp: torch.Tensor, ok: torch.Tensor, form: torch.Tensor,
+                vocab_start: int, vocab: int, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        n, n_cols = shard.shape
+        acc = temp.dtype
+        m, s, z_t, checks = (torch.empty(n, dtype=acc, device=shard.device) for _ in range(4))
+        if n:
+            _replay_forward_kernel[(n,)](
+                shard, shard.stride(0), vocab_start, n_cols, vocab, targets, temp, offsets, ids,
+                ids.numel(), ok, form, m, s, z_t, checks, BLOCK=BLOCK, WORD_BLOCK=WORD_BLOCK,
+                ROW_BLOCK=ZERO_BLOCK, FULL=False, PARTIAL=True, F64=acc == torch.float64)
+        # the row's max, then every shard's sum rescaled to it, and the
+        # target's logit from the shard that holds it (-inf elsewhere)
+        m_all = m.clone()
+        dist.all_reduce(m_all, dist.ReduceOp.MAX, group=group)
+        s_all = torch.where(m == float("-inf"), 0.0, s * torch.exp(m - m_all))
+        dist.all_reduce(s_all, dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(z_t, dist.ReduceOp.MAX, group=group)
+        logz = m_all + torch.log(s_all)
+        defined = (checks > 0) & logz.isfinite() & z_t.isfinite()
+        nan = torch.full_like(logz, float("nan"))
+        logz = torch.where(defined, logz, nan)
+        ctx.save_for_backward(shard, targets, offsets, ids, temp, form, logz)
+        ctx.vocab_start, ctx.vocab = vocab_start, vocab
+        return torch.where(defined, z_t - logz, nan)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        shard, targets, offsets, ids, temp, form, logz = ctx.saved_tensors
+        n, n_cols = shard.shape
+        grad = torch.empty((n, n_cols), dtype=shard.dtype, device=shard.device)
+        if n:
+            _replay_backward_kernel[(n,)](
+                shard, shard.stride(0), ctx.vocab_start, n_cols, ctx.vocab, targets, temp, offsets,
+                ids, form, logz, grad_out.to(temp.dtype).contiguous(), grad, BLOCK=BLOCK,
+                WORD_BLOCK=WORD_BLOCK, ZERO_BLOCK=ZERO_BLOCK, F64=temp.dtype == torch.float64)
+        return grad, None, None, None, None, None, None, None, None, None
+
+
+def replay_logprobs_vocab_parallel(
+    logits_shard: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor,
+    *, vocab_start: int, vocab: int, group: Any = None,
+    temperature: torch.Tensor | float = 1.0, valid: torch.Tensor | None = None,
+    forms: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`replay_logprobs` with the logits sharded by vocabulary over
+    a tensor-parallel group (Megatron's layout: this rank holds columns
+    [vocab_start, vocab_start + logits_shard.shape[1]) of ``vocab``). Every
+    rank passes the same targets and supports; each reads the logits of
+    the support ids it holds, the max and the sum are all-reduced over
+    ``group`` (torch.distributed; None: the default group), and each
+    rank's gradient is its shard's, with no communication in backward.
+    The same result on every rank, and the unsharded call's up to the
+    order of the sums."""
+    if not isinstance(vocab_start, int) or not isinstance(vocab, int) or not (
+            0 <= vocab_start and vocab_start + logits_shard.shape[-1] <= vocab):
+        raise ValueError(f"the shard [{vocab_start}, {vocab_start} + "
+                         f"{logits_shard.shape[-1]}) does not lie in a vocabulary of {vocab}")
+    args = _checked(logits_shard, targets, offsets, ids, temperature, valid, forms)
+    return _ReplayVocabParallel.apply(*args, vocab_start, vocab, group)
+
+
 @triton.jit
-def _support_block(logits_row, vocab, ids_ptr, idx, live, inv_t, F64: tl.constexpr):
-    """One block of a row's support: ids, which are in [0, V), and their
-    scaled logits (-inf where not live or out of range)."""
+def _to_acc(x, F64: tl.constexpr):
+    return x.to(tl.float64) if F64 else x.to(tl.float32)
+
+
+@triton.jit
+def _support_block(logits_row, col_start, n_cols, vocab, ids_ptr, idx, live, inv_t,
+                   F64: tl.constexpr):
+    """One block of an ids row: its ids, which are in [0, V), which of them
+    this shard holds ([col_start, col_start + n_cols): all of them unless
+    vocab-parallel), and their scaled logits (-inf where not held)."""
     ids = tl.load(ids_ptr + idx, mask=live, other=0)
     in_range = (ids >= 0) & (ids < vocab)
-    z = tl.load(logits_row + ids, mask=live & in_range, other=float("-inf"))
-    z = z.to(tl.float64) if F64 else z.to(tl.float32)
-    return ids, in_range, z * inv_t
+    mine = live & (ids >= col_start) & (ids < col_start + n_cols)
+    z = tl.load(logits_row + (ids - col_start), mask=mine, other=float("-inf"))
+    return ids, in_range, mine, _to_acc(z, F64) * inv_t
 
 
 @triton.jit
@@ -192,20 +268,19 @@ def _row_span(offsets_ptr, nnz, row):
 
 
 @triton.jit
-def _bitmask_block(logits_row, vocab, ids_ptr, start, word0, inv_t, WORD_BLOCK: tl.constexpr,
-                   F64: tl.constexpr):
-    """Words [word0, word0 + WORD_BLOCK) of a bitmask row as a
-    [WORD_BLOCK, 32] tile: columns, which bits are set, and the scaled
-    logits of the columns in [0, V) (-inf past V)."""
+def _bitmask_block(logits_row, col_start, n_cols, ids_ptr, start, word0, word_end, inv_t,
+                   WORD_BLOCK: tl.constexpr, F64: tl.constexpr):
+    """Words [word0, word0 + WORD_BLOCK) (below word_end) of a bitmask row
+    as a [WORD_BLOCK, 32] tile: global columns, which bits are set among
+    the columns this shard holds, and their scaled logits."""
     words = word0 + tl.arange(0, WORD_BLOCK)
-    in_row = words < (vocab + 31) // 32
-    bits = tl.load(ids_ptr + start + words, mask=in_row, other=0)
+    bits = tl.load(ids_ptr + start + words, mask=words < word_end, other=0)
     lane = tl.arange(0, 32)
     cols = words[:, None] * 32 + lane[None, :]
-    set_ = ((bits[:, None] >> lane[None, :]) & 1) != 0
-    z = tl.load(logits_row + cols, mask=cols < vocab, other=float("-inf"))
-    z = z.to(tl.float64) if F64 else z.to(tl.float32)
-    return cols, set_, z * inv_t
+    mine = (cols >= col_start) & (cols < col_start + n_cols)
+    set_ = mine & (((bits[:, None] >> lane[None, :]) & 1) != 0)
+    z = tl.load(logits_row + (cols - col_start), mask=mine, other=float("-inf"))
+    return cols, set_, mine, _to_acc(z, F64) * inv_t
 
 
 @triton.jit
@@ -221,18 +296,25 @@ def _online(m, s, z, keep):
 
 @triton.jit
 def _replay_forward_kernel(
-    logits_ptr, stride_row, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr, nnz, ok_ptr,
-    form_ptr, out_ptr, logz_ptr, full_ptr, mass_ptr, BLOCK: tl.constexpr,
-    WORD_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, FULL: tl.constexpr, F64: tl.constexpr,
+    logits_ptr, stride_row, col_start, n_cols, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr,
+    nnz, ok_ptr, form_ptr, out_ptr, logz_ptr, full_ptr, mass_ptr, BLOCK: tl.constexpr,
+    WORD_BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, FULL: tl.constexpr,
+    PARTIAL: tl.constexpr, F64: tl.constexpr,
 ):
     """Program per token: an online logsumexp over the support's logits
     (block maxima, the running sum rescaled), whether the target is in the
-    support, and the checks that make a row undefined."""
+    support, and the checks that make a row undefined (each from the
+    row's whole id data, so every shard of a vocab-parallel call agrees).
+    PARTIAL (vocab-parallel): this shard's max and sum, the target's
+    scaled logit where this shard holds it (else -inf) and whether the
+    row's checks passed, into out, logz, full and mass, for the caller's
+    all-reduces."""
     row = tl.program_id(0)
     logits_row = logits_ptr + row.to(tl.int64) * stride_row
     start, end, sound = _row_span(offsets_ptr, nnz, row)
     target = tl.load(target_ptr + row)
     target_ok = (target >= 0) & (target < vocab)
+    safe_target = tl.where(target_ok, target, 0)
     inv_t = 1.0 / tl.load(temp_ptr + row)
     m = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
     s = tl.zeros([], dtype=tl.float64 if F64 else tl.float32)
@@ -243,58 +325,68 @@ def _replay_forward_kernel(
         n_words = (vocab + 31) // 32
         bad = end - start != n_words
         if ~bad:
-            for word0 in range(0, n_words, WORD_BLOCK):
-                cols, set_, z = _bitmask_block(logits_row, vocab, ids_ptr, start, word0, inv_t,
-                                               WORD_BLOCK, F64)
-                bad |= tl.max((set_ & (cols >= vocab)).to(tl.int32)) > 0
+            last = tl.load(ids_ptr + start + n_words - 1)
+            bad = (vocab % 32 != 0) & ((last >> (vocab % 32)) != 0)
+            # only the words that cover this shard's columns
+            for word0 in range(col_start // 32, (col_start + n_cols + 31) // 32, WORD_BLOCK):
+                cols, set_, mine, z = _bitmask_block(logits_row, col_start, n_cols, ids_ptr, start,
+                                                     word0, n_words, inv_t, WORD_BLOCK, F64)
                 m, s = _online(m, s, z, set_)
-            word = tl.load(ids_ptr + start + tl.where(target_ok, target, 0) // 32)
-            found = ((word >> (tl.where(target_ok, target, 0) % 32)) & 1) != 0
+            word = tl.load(ids_ptr + start + safe_target // 32)
+            found = ((word >> (safe_target % 32)) & 1) != 0
     else:
         for first in range(start, end, BLOCK):
             idx = first + tl.arange(0, BLOCK)
             live = idx < end
-            ids, in_range, z = _support_block(logits_row, vocab, ids_ptr, idx, live, inv_t, F64)
+            ids, in_range, mine, z = _support_block(logits_row, col_start, n_cols, vocab, ids_ptr,
+                                                    idx, live, inv_t, F64)
             before = tl.load(ids_ptr + idx - 1, mask=live & (idx > start), other=-1)
             bad |= tl.max((live & (~in_range | (ids <= before))).to(tl.int32)) > 0
             found |= tl.max((live & (ids == target)).to(tl.int32)) > 0
-            m, s = _online(m, s, z, live)
-    logz = m + tl.log(s)
-    z_t = tl.load(logits_row + tl.where(target_ok, target, 0))
-    z_t = (z_t.to(tl.float64) if F64 else z_t.to(tl.float32)) * inv_t
-    ok = (sound & ~bad & found & target_ok & (tl.load(ok_ptr + row) != 0)
-          & (tl.abs(logz) < float("inf")) & (tl.abs(z_t) < float("inf")))
-    tl.store(out_ptr + row, tl.where(ok, z_t - logz, float("nan")))
-    tl.store(logz_ptr + row, tl.where(ok, logz, float("nan")))
-    if FULL:
-        # the whole row's logsumexp (a read of it, as a trainer's own
-        # log-softmax makes): the target's logp under the full policy and
-        # the support's share of it
-        m_v = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
-        s_v = tl.zeros([], dtype=tl.float64 if F64 else tl.float32)
-        for first in range(0, vocab, ROW_BLOCK):
-            cols = first + tl.arange(0, ROW_BLOCK)
-            z = tl.load(logits_row + cols, mask=cols < vocab, other=float("-inf"))
-            z = (z.to(tl.float64) if F64 else z.to(tl.float32)) * inv_t
-            m_v, s_v = _online(m_v, s_v, z, cols < vocab)
-        logz_v = m_v + tl.log(s_v)
-        full_ok = target_ok & (tl.abs(logz_v) < float("inf")) & (tl.abs(z_t) < float("inf"))
-        tl.store(full_ptr + row, tl.where(full_ok, z_t - logz_v, float("nan")))
-        tl.store(mass_ptr + row, tl.where(ok & full_ok, tl.exp(logz - logz_v), float("nan")))
+            m, s = _online(m, s, z, mine)
+    held = target_ok & (target >= col_start) & (target < col_start + n_cols)
+    z_t = _to_acc(tl.load(logits_row + tl.where(held, target - col_start, 0)), F64) * inv_t
+    z_t = tl.where(held, z_t, float("-inf"))
+    checks = sound & ~bad & found & target_ok & (tl.load(ok_ptr + row) != 0)
+    if PARTIAL:
+        tl.store(out_ptr + row, m)
+        tl.store(logz_ptr + row, s)
+        tl.store(full_ptr + row, z_t)
+        tl.store(mass_ptr + row, checks.to(tl.float32))
+    else:
+        logz = m + tl.log(s)
+        ok = checks & (tl.abs(logz) < float("inf")) & (tl.abs(z_t) < float("inf"))
+        tl.store(out_ptr + row, tl.where(ok, z_t - logz, float("nan")))
+        tl.store(logz_ptr + row, tl.where(ok, logz, float("nan")))
+        if FULL:
+            # the whole row's logsumexp (a read of it, as a trainer's own
+            # log-softmax makes): the target's logp under the full policy
+            # and the support's share of it
+            m_v = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
+            s_v = tl.zeros([], dtype=tl.float64 if F64 else tl.float32)
+            for first in range(0, vocab, ROW_BLOCK):
+                cols = first + tl.arange(0, ROW_BLOCK)
+                z = tl.load(logits_row + cols, mask=cols < vocab, other=float("-inf"))
+                m_v, s_v = _online(m_v, s_v, _to_acc(z, F64) * inv_t, cols < vocab)
+            logz_v = m_v + tl.log(s_v)
+            full_ok = target_ok & (tl.abs(logz_v) < float("inf")) & (tl.abs(z_t) < float("inf"))
+            tl.store(full_ptr + row, tl.where(full_ok, z_t - logz_v, float("nan")))
+            tl.store(mass_ptr + row, tl.where(ok & full_ok, tl.exp(logz - logz_v), float("nan")))
 
 
 @triton.jit
 def _replay_backward_kernel(
-    logits_ptr, stride_row, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr, form_ptr,
-    logz_ptr, grad_out_ptr, grad_ptr, BLOCK: tl.constexpr, WORD_BLOCK: tl.constexpr,
+    logits_ptr, stride_row, col_start, n_cols, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr,
+    form_ptr, logz_ptr, grad_out_ptr, grad_ptr, BLOCK: tl.constexpr, WORD_BLOCK: tl.constexpr,
     ZERO_BLOCK: tl.constexpr, F64: tl.constexpr,
 ):
-    """Program per token: its gradient row, g (1[v = a] - exp(z_v / T -
-    logsumexp)) / T at the support's ids and 0 elsewhere: a bitmask row's
-    columns each written once, an ids row zeroed and then its ids written;
-    a row the forward left undefined (NaN logsumexp) all zeros."""
+    """Program per token: its gradient row (this shard's columns),
+    g (1[v = a] - exp(z_v / T - logsumexp)) / T at the support's ids and 0
+    elsewhere: a bitmask row's columns each written once, an ids row
+    zeroed and then its ids written; a row the forward left undefined (NaN
+    logsumexp) all zeros."""
     row = tl.program_id(0)
-    grad_row = grad_ptr + row.to(tl.int64) * vocab
+    grad_row = grad_ptr + row.to(tl.int64) * n_cols
     logz = tl.load(logz_ptr + row)
     defined = logz == logz  # NaN otherwise
     bitmask = tl.load(form_ptr + row) == 1
@@ -306,27 +398,28 @@ def _replay_backward_kernel(
     target = tl.load(target_ptr + row)
     inv_t = 1.0 / tl.load(temp_ptr + row)
     if defined & bitmask:
-        for word0 in range(0, (vocab + 31) // 32, WORD_BLOCK):
-            cols, set_, z = _bitmask_block(logits_row, vocab, ids_ptr, start, word0, inv_t,
-                                           WORD_BLOCK, F64)
+        for word0 in range(col_start // 32, (col_start + n_cols + 31) // 32, WORD_BLOCK):
+            cols, set_, mine, z = _bitmask_block(logits_row, col_start, n_cols, ids_ptr, start,
+                                                 word0, (vocab + 31) // 32, inv_t, WORD_BLOCK,
+                                                 F64)
             value = g * (tl.where(cols == target, 1.0, 0.0) - tl.exp(z - logz)) * inv_t
-            tl.store(grad_row + cols, tl.where(set_, value, 0.0).to(grad_ptr.dtype.element_ty),
-                     mask=cols < vocab)
+            tl.store(grad_row + (cols - col_start),
+                     tl.where(set_, value, 0.0).to(grad_ptr.dtype.element_ty), mask=mine)
     else:
-        for first in range(0, vocab, ZERO_BLOCK):
+        for first in range(0, n_cols, ZERO_BLOCK):
             cols = first + tl.arange(0, ZERO_BLOCK)
             tl.store(grad_row + cols, tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty),
-                     mask=cols < vocab)
+                     mask=cols < n_cols)
         tl.debug_barrier()  # the zeros, before this row's support values land on them
         if defined:
             for first in range(start, end, BLOCK):
                 idx = first + tl.arange(0, BLOCK)
                 live = idx < end
-                ids, in_range, z = _support_block(logits_row, vocab, ids_ptr, idx, live, inv_t,
-                                                  F64)
+                ids, in_range, mine, z = _support_block(logits_row, col_start, n_cols, vocab,
+                                                        ids_ptr, idx, live, inv_t, F64)
                 value = g * (tl.where(ids == target, 1.0, 0.0) - tl.exp(z - logz)) * inv_t
-                tl.store(grad_row + ids, value.to(grad_ptr.dtype.element_ty),
-                         mask=live & in_range)
+                tl.store(grad_row + (ids - col_start), value.to(grad_ptr.dtype.element_ty),
+                         mask=mine)
 
 
 # ---------------------------------------------------------------- reference

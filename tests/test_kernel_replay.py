@@ -5,9 +5,21 @@ SHMASK_TEST_GPU=1."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
-from shmask.kernels.replay import reference_replay_logprobs, replay_forward, replay_logprobs
+from shmask.kernels.replay import (
+    reference_replay_logprobs,
+    replay_forward,
+    replay_logprobs,
+    replay_logprobs_vocab_parallel,  # noqa: F401 (the ranks' import, checked here first)
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -226,3 +238,80 @@ def test_full_vocabulary_logp_and_support_mass_in_the_same_launch() -> None:
     replay_logprobs(plain, targets, offsets, ids, temperature=temperature).nan_to_num(0.0) \
         .sum().backward()
     assert torch.equal(leaf.grad, plain.grad)
+
+
+# One rank of a vocab-parallel group (gloo, CPU, Triton's interpreter):
+# argv: rank world port out_dir. Every rank builds the same batch, takes
+# its contiguous vocabulary range and saves its result and gradient shard.
+RANK_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[5])
+    from test_kernel_replay import parallel_batch
+    from shmask.kernels.replay import replay_logprobs_vocab_parallel
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    logits, targets, offsets, ids, forms, temperature, vocab = parallel_batch()
+    bounds = [vocab * r // world for r in range(world + 1)]
+    shard = logits[:, bounds[rank]:bounds[rank + 1]].clone().requires_grad_(True)
+    got = replay_logprobs_vocab_parallel(shard, targets, offsets, ids, vocab_start=bounds[rank],
+                                         vocab=vocab, temperature=temperature, forms=forms)
+    got.nan_to_num(0.0).sum().backward()
+    torch.save({"logp": got.detach(), "grad": shard.grad, "start": bounds[rank]},
+               f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+""")
+
+
+def parallel_batch():
+    """The batch every rank builds: ids and bitmask rows, one undefined
+    row (its target outside its support), per-token temperatures."""
+    gen = torch.Generator().manual_seed(40)
+    vocab = 203  # ranges that split words and leave a partial last word
+    rows = [sorted(torch.randperm(vocab, generator=gen)[:k].tolist()) for k in (3, 150, 40, 90, 1)]
+    rows.append([0, 49, 50, 51, 100, 101, 102, 151, 152, 202])  # both sides of every range's edge
+    forms = [0, 1, 0, 1, 0, 0]
+    data = [bitmask_words(r, vocab) if f else r for r, f in zip(rows, forms, strict=True)]
+    offsets = torch.tensor([0] + [len(d) for d in data]).cumsum(0)
+    ids = torch.tensor([x for d in data for x in d], dtype=torch.int32)
+    targets = torch.tensor([r[len(r) // 2] for r in rows])
+    targets[2] = next(i for i in range(vocab) if i not in rows[2])
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3
+    temperature = torch.tensor([1.0, 0.8, 1.0, 1.3, 0.5, 1.0])
+    return (logits, targets, offsets, ids, torch.tensor(forms, dtype=torch.int32), temperature,
+            vocab)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_matches_the_unsharded_call(world: int, tmp_path) -> None:
+    """Ranks of a gloo group, each holding a contiguous vocabulary range:
+    every rank's result is the unsharded call's, and their gradient shards
+    put together are its gradient."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # CPU tensors, on a GPU machine too
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), str(port),
+                               str(tmp_path), tests_dir], env=env, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:  # each rank's group: itself if it hangs
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert all(p.returncode == 0 for p in procs), outputs
+    logits, targets, offsets, ids, forms, temperature, vocab = parallel_batch()
+    leaf = logits.clone().requires_grad_(True)
+    want = replay_logprobs(leaf, targets, offsets, ids, temperature=temperature, forms=forms)
+    want.nan_to_num(0.0).sum().backward()
+    assert torch.isnan(want[2]) and torch.isfinite(want[[0, 1, 3, 4, 5]]).all()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for result in results:
+        torch.testing.assert_close(result["logp"], want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    grad = torch.cat([r["grad"] for r in sorted(results, key=lambda r: r["start"])], dim=1)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-5, atol=1e-6)
