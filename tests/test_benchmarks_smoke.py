@@ -153,3 +153,30 @@ def test_sweep_smoke_runs_every_path_on_every_distribution(tmp_path):
     assert re.search(r"^checks: 0 mismatched rows;", output, re.MULTILINE), output[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["path"], r["dist"]) for r in rows} == {(p, d) for p in shmask_paths for d in dists}
+
+
+@pytest.mark.timeout(200)
+def test_replay_smoke_checks_and_measures_both_row_forms(tmp_path):
+    """benchmarks/replay.py --smoke on the CPU: the replay checked against
+    the dense mask for ids rows and bitmask rows, then every path timed."""
+    out = tmp_path / "replay.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "benchmarks/replay.py", "--smoke", "--json", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=150)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["rows"].split()[1] for r in results] == ["rows", "rows"]
+    assert results[0]["rows"].startswith("50-id") and results[1]["rows"].startswith("bitmask")
+    for r in results:
+        assert r["max_abs_error"] < 1e-3 and r["mean_logp"] < 0, r
+        assert all(v > 0 for v in r["forward_ms"].values()), r
+        assert set(r["forward_backward_ms"]) == {"dense_mask", "replay", "dense_gradient_write"}
