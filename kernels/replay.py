@@ -364,8 +364,8 @@ def _replay_forward_kernel(
             # and the support's share of it
             m_v = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
             s_v = tl.zeros([], dtype=tl.float64 if F64 else tl.float32)
-            for first in range(0, vocab, ROW_BLOCK):
-                cols = first + tl.arange(0, ROW_BLOCK)
+            for col0 in range(0, vocab, ROW_BLOCK):
+                cols = col0 + tl.arange(0, ROW_BLOCK)
                 z = tl.load(logits_row + cols, mask=cols < vocab, other=float("-inf"))
                 m_v, s_v = _online(m_v, s_v, _to_acc(z, F64) * inv_t, cols < vocab)
             logz_v = m_v + tl.log(s_v)
@@ -406,8 +406,8 @@ def _replay_backward_kernel(
             tl.store(grad_row + (cols - col_start),
                      tl.where(set_, value, 0.0).to(grad_ptr.dtype.element_ty), mask=mine)
     else:
-        for first in range(0, n_cols, ZERO_BLOCK):
-            cols = first + tl.arange(0, ZERO_BLOCK)
+        for col0 in range(0, n_cols, ZERO_BLOCK):  # (col0: an int32, the ids' first an int64)
+            cols = col0 + tl.arange(0, ZERO_BLOCK)
             tl.store(grad_row + cols, tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty),
                      mask=cols < n_cols)
         tl.debug_barrier()  # the zeros, before this row's support values land on them

@@ -315,3 +315,55 @@ def test_vocab_parallel_matches_the_unsharded_call(world: int, tmp_path) -> None
         torch.testing.assert_close(result["logp"], want, rtol=1e-5, atol=1e-6, equal_nan=True)
     grad = torch.cat([r["grad"] for r in sorted(results, key=lambda r: r["start"])], dim=1)
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-5, atol=1e-6)
+
+
+# Every configuration the launchers use, compiled for the H200 (sm_90) on
+# this machine, in a process of its own (Triton's mode is the process's):
+# what the interpreter accepts, the compiler may not (a loop variable of
+# two types, once).
+COMPILE_SCRIPT = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from shmask.kernels import replay
+    common = {"logits_ptr": None, "stride_row": "i32", "col_start": "i32", "n_cols": "i32",
+              "vocab": "i32", "target_ptr": "*i64", "temp_ptr": None, "offsets_ptr": "*i64",
+              "ids_ptr": "*i32"}
+    compiled = 0
+    for dtype, acc in (("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
+        typed = {**common, "logits_ptr": "*" + dtype, "temp_ptr": "*" + acc}
+        forward = {**typed, "nnz": "i32", "ok_ptr": "*i8", "form_ptr": "*i32",
+                   **{name: "*" + acc for name in ("out_ptr", "logz_ptr", "full_ptr", "mass_ptr")},
+                   **{name: "constexpr" for name in ("BLOCK", "WORD_BLOCK", "ROW_BLOCK", "FULL",
+                                                     "PARTIAL", "F64")}}
+        backward = {**typed, "form_ptr": "*i32", "logz_ptr": "*" + acc, "grad_out_ptr": "*" + acc,
+                    "grad_ptr": "*" + dtype, "BLOCK": "constexpr", "WORD_BLOCK": "constexpr",
+                    "ZERO_BLOCK": "constexpr", "F64": "constexpr"}
+        sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64"}
+        sources = [ASTSource(replay._replay_forward_kernel, forward,
+                             {**sizes, "ROW_BLOCK": replay.ZERO_BLOCK, "FULL": full,
+                              "PARTIAL": partial})
+                   for full, partial in ((False, False), (True, False), (False, True))]
+        sources.append(ASTSource(replay._replay_backward_kernel, backward,
+                                 {**sizes, "ZERO_BLOCK": replay.ZERO_BLOCK}))
+        for source in sources:
+            kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            assert "cubin" in kernel.asm
+            compiled += 1
+    print("compiled", compiled)
+""")
+
+
+def test_kernels_compile_for_the_h200(tmp_path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", COMPILE_SCRIPT], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0 and "compiled 16" in output, output[-3000:]
