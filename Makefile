@@ -12,7 +12,7 @@ NATIVE_SOURCES := setup.py pyproject.toml native/build.py $(wildcard native/*.c 
 # comes) and without progress bars (they are noise in a CI log).
 PIP_SHOWN := -m pip install --progress-bar off
 
-$(STAMP): $(NATIVE_SOURCES)
+$(STAMP): $(NATIVE_SOURCES) tests/compat/requirements-nixl.txt
 	@echo "== $(VENV): creating the test venv (torch CPU, triton, the test tools: about 2.5 GB)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "== $(VENV): build tools (setuptools, cffi)"
@@ -22,6 +22,8 @@ $(STAMP): $(NATIVE_SOURCES)
 	$(PY) $(PIP_SHOWN) "torch==2.13.0"
 	@echo "== $(VENV): shmask with the kernels, server, metrics and test extras; compiling the native core"
 	$(PY) $(PIP_SHOWN) --no-build-isolation -e ".[kernels,server,metrics,test]"
+	@echo "== $(VENV): NIXL (UCX bundled) for the two-host tests: about 430 MB"
+	$(PY) $(PIP_SHOWN) -r tests/compat/requirements-nixl.txt
 	touch $(STAMP)
 
 # `make demo` and `make serve` get their own venv with only what they run:
