@@ -13,6 +13,8 @@ only the support's logits, in the forms shmask's rows travel in (CSR
 strictly ascending (a gather of L logits), or a bitmask row's
 ceil(V / 32) words, bit j of word w for id 32 w + j (a contiguous read of
 the row: a bitmask row holds at least V / 32 ids, a top-p-only support).
+``ids`` int32, or int64 read as such (no id wraps onto another; a bitmask
+word is then its element's low 32 bits).
 
 Rows with no defined result: an empty support, an id outside [0, V), ids
 not strictly ascending, offsets outside ``ids``, a bitmask row of another
@@ -41,6 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
+from torch.autograd.function import once_differentiable
 import triton.language as tl
 
 from .checks import per_row
@@ -70,7 +73,10 @@ def _checked(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
         raise TypeError(f"logits must be float64/32/16 or bfloat16, got {logits.dtype}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    n, _ = logits.shape
+    n, columns = logits.shape
+    if columns == 0:
+        raise ValueError("logits must have at least one column (of the vocabulary, or of "
+                         "this rank's shard)")
     device = logits.device
     for name, t, shape in (("targets", targets, (n,)), ("offsets", offsets, (n + 1,))):
         if not isinstance(t, torch.Tensor) or t.shape != shape:
@@ -87,7 +93,10 @@ def _checked(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
     form = per_row(forms, n, torch.int32, device, "forms", IDS)
     return (logits, targets.to(device=device, dtype=torch.int64).contiguous(),
             offsets.to(device=device, dtype=torch.int64).contiguous(),
-            ids.to(device=device, dtype=torch.int32).contiguous(), temp, ok, form)
+            # int64 ids stay int64: a cast would wrap an id past 2**31 onto a
+            # real one, which the kernel's range check could then not see
+            ids.to(device=device, dtype=ids.dtype if ids.dtype == torch.int64 else torch.int32)
+            .contiguous(), temp, ok, form)
 
 
 def replay_forward(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor,
@@ -133,6 +142,7 @@ class _Replay(torch.autograd.Function):
         return out, logp_full, mass
 
     @staticmethod
+    @once_differentiable  # the gradient is not itself differentiable: say so, not zero
     def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         logits, targets, offsets, ids, temp, form, logz = ctx.saved_tensors
         n, vocab = logits.shape
@@ -204,6 +214,7 @@ class _ReplayVocabParallel(torch.autograd.Function):
         return torch.where(defined, z_t - logz, nan)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         shard, targets, offsets, ids, temp, form, logz = ctx.saved_tensors
         n, n_cols = shard.shape
@@ -345,7 +356,8 @@ def _replay_forward_kernel(
             found |= tl.max((live & (ids == target)).to(tl.int32)) > 0
             m, s = _online(m, s, z, mine)
     held = target_ok & (target >= col_start) & (target < col_start + n_cols)
-    z_t = _to_acc(tl.load(logits_row + tl.where(held, target - col_start, 0)), F64) * inv_t
+    z_t = _to_acc(tl.load(logits_row + tl.where(held, target - col_start, 0), mask=held,
+                          other=0.0), F64) * inv_t
     z_t = tl.where(held, z_t, float("-inf"))
     checks = sound & ~bad & found & target_ok & (tl.load(ok_ptr + row) != 0)
     if PARTIAL:

@@ -18,7 +18,7 @@ from shmask.kernels.replay import (
     reference_replay_logprobs,
     replay_forward,
     replay_logprobs,
-    replay_logprobs_vocab_parallel,  # noqa: F401 (the ranks' import, checked here first)
+    replay_logprobs_vocab_parallel,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,6 +132,30 @@ def test_bad_arguments_are_named() -> None:
         replay_logprobs(logits, targets, offsets, ids, temperature=0.0)
     with pytest.raises(TypeError, match="logits must be"):
         replay_logprobs(logits.to(torch.int32), targets, offsets, ids)
+    with pytest.raises(ValueError, match="at least one column"):
+        replay_logprobs(logits[:, :0], targets, offsets, ids)
+    with pytest.raises(ValueError, match="does not lie in a vocabulary"):
+        replay_logprobs_vocab_parallel(logits, targets, offsets, ids, vocab_start=3, vocab=5)
+
+
+def test_int64_ids_are_read_as_they_are() -> None:
+    """int64 ids are not cast: an id past int32 (which a cast would wrap
+    onto id 9) leaves its row undefined; in-range int64 ids give int32's
+    result. The gradient is not differentiable again, and says so."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(2, 100, generator=gen).to(DEVICE)
+    targets = torch.tensor([5, 5], device=DEVICE)
+    offsets = torch.tensor([0, 3, 6], device=DEVICE)
+    ids = torch.tensor([5, 7, 2**32 + 9, 5, 7, 9], dtype=torch.int64, device=DEVICE)
+    got = replay_logprobs(logits, targets, offsets, ids)
+    assert torch.isnan(got[0]) and torch.isfinite(got[1])
+    as_int32 = replay_logprobs(logits, targets, offsets, ids.clamp(max=99).int())
+    assert torch.equal(got[1], as_int32[1])
+    leaf = logits[1:].clone().requires_grad_(True)
+    out = replay_logprobs(leaf, targets[1:], offsets[1:] - 3, ids[3:])
+    (grad,) = torch.autograd.grad(out.sum(), leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|twice"):
+        grad.sum().backward()
 
 
 def test_supports_longer_than_a_block() -> None:
@@ -340,12 +364,16 @@ COMPILE_SCRIPT = textwrap.dedent("""
                     "grad_ptr": "*" + dtype, "BLOCK": "constexpr", "WORD_BLOCK": "constexpr",
                     "ZERO_BLOCK": "constexpr", "F64": "constexpr"}
         sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64"}
-        sources = [ASTSource(replay._replay_forward_kernel, forward,
-                             {**sizes, "ROW_BLOCK": replay.ZERO_BLOCK, "FULL": full,
-                              "PARTIAL": partial})
-                   for full, partial in ((False, False), (True, False), (False, True))]
-        sources.append(ASTSource(replay._replay_backward_kernel, backward,
-                                 {**sizes, "ZERO_BLOCK": replay.ZERO_BLOCK}))
+        sources = []
+        # int64 ids (read as they are) beside int32, for one dtype
+        for ids_type in ("*i32", "*i64") if dtype == "bf16" else ("*i32",):
+            sources += [ASTSource(replay._replay_forward_kernel, {**forward, "ids_ptr": ids_type},
+                                  {**sizes, "ROW_BLOCK": replay.ZERO_BLOCK, "FULL": full,
+                                   "PARTIAL": partial})
+                        for full, partial in ((False, False), (True, False), (False, True))]
+            sources.append(ASTSource(replay._replay_backward_kernel,
+                                     {**backward, "ids_ptr": ids_type},
+                                     {**sizes, "ZERO_BLOCK": replay.ZERO_BLOCK}))
         for source in sources:
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
             assert "cubin" in kernel.asm
@@ -366,4 +394,4 @@ def test_kernels_compile_for_the_h200(tmp_path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert proc.returncode == 0 and "compiled 16" in output, output[-3000:]
+    assert proc.returncode == 0 and "compiled 20" in output, output[-3000:]
