@@ -43,8 +43,8 @@ from typing import Any, NamedTuple
 
 import torch
 import triton
-from torch.autograd.function import once_differentiable
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .checks import per_row
 
