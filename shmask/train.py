@@ -1,4 +1,4 @@
-"""From responses to training tensors (issue 38): the sampling masks of a
+"""From responses to training tensors: the sampling masks of a
 micro-batch's sequences, in whichever form the rollout's responses carry
 them, packed into one ReplayBatch of a few flat tensors that a trainer
 copies to the GPU once (the replay kernel, kernels/replay.py, reads them).
