@@ -1,0 +1,387 @@
+"""shmask.remote across two "hosts" (tests/netns.py: two network namespaces
+joined by a veth pair): a producer in namespace A exports its ring to NIXL
+(RemoteExport) and sends a RemoteBatch; a hop in namespace B pulls the
+records (RemotePuller) into inline entries that any Reader opens without
+the producer's /dev/shm, and the producer releases the records on the hop's
+notification. UCX is told to use TCP on the veth only (UCX_TLS=tcp,
+UCX_NET_DEVICES), so the rows cross the "network" (the namespaces still
+share /dev/shm: the reader proves it never maps the producer's segment).
+
+Needs root (namespaces) and NIXL's `nixl-cu12` package; skipped, with the
+reason, without (as tests/test_netns_nixl.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import netns  # tests/netns.py
+import pytest
+
+from shmask.errors import InvalidRefError
+from shmask.segment import collect_garbage
+
+
+def _skip_reason() -> str | None:
+    reason = netns.available()
+    if reason is not None:
+        return reason
+    if importlib.util.find_spec("nixl_cu12") is None:
+        return "nixl-cu12 is not installed (pip install -r tests/compat/requirements-nixl.txt)"
+    return None
+
+
+needs_nixl_hosts = pytest.mark.skipif(_skip_reason() is not None,
+                                      reason=_skip_reason() or "")
+
+EXPORT_PORT = 5611   # in namespace A
+PULL_PORT = 5612     # in namespace B
+PULL_PORT_2 = 5613   # a second, fresh puller in B
+
+# The rows the producer publishes and the reader must see (float32-exact).
+EXPECTED = [
+    # support, two OK ids rows (a RowQueue)
+    [[[3, 7, 9], [2]], [[-0.5, -1.0, -2.0], [-0.25]]],
+    # selected, two rows
+    [[[5], [4, 8]], [-0.75, -1.5]],
+    # support: a bitmask row (vocab 64: ids 1, 33, 40), then a dropped row (OVERFLOW)
+    [[[1, 33, 40], None], [[-0.5, -0.25, -0.125], None]],
+    # support, Writer.publish (one-shot CSR)
+    [[[10, 20], [30]], [[-1.0, -2.0], [-3.0]]],
+]
+
+PRODUCER = r"""
+import base64, json, os, sys, time
+import numpy as np
+import shmask
+from shmask._native import ffi, lib
+from shmask.refs import RefBatch
+from shmask.remote import RemoteBatch, RemoteExport
+
+out, prefix, ip, port, wait_s, hold = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                       float(sys.argv[5]), sys.argv[6] == "hold")
+w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=120))
+f32, i32 = np.float32, np.int32
+q0, q1, q2 = w.open_queue("support"), w.open_queue("selected"), w.open_queue("support")
+w.append_step([q0], np.array([3], i32), np.array([3, 7, 9], i32), np.array([-0.5, -1, -2], f32))
+w.append_step([q0], np.array([1], i32), np.array([2], i32), np.array([-0.25], f32))
+w.append_step([q1], np.array([1], i32), np.array([5], i32), np.array([-0.75], f32))
+w.append_step([q1], np.array([2], i32), np.array([4, 8], i32), np.array([-1.5], f32))
+w.append_step([q2], np.array([3], i32), np.array([1 << 1, (1 << 1) | (1 << 8)], i32),
+              np.array([-0.5, -0.25, -0.125], f32), forms=np.array([1], np.uint8), vocab=64)
+w.append_step([q2], np.array([0], i32), np.zeros(0, i32), np.zeros(0, f32),
+              status=np.array([1], np.uint8))
+taken = w.take_batch([q0, q1, q2])
+one_shot = w.publish(np.array([2, 1], i32), np.array([10, 20, 30], i32),
+                     np.array([-1, -2, -3], f32), "support")
+batch = RefBatch.from_refs([*taken, one_shot])
+assert all(ref.kind == 1 for ref in batch), list(batch)   # every chunk in the ring
+export = RemoteExport(w, port=port)
+remote = RemoteBatch(batch, export.descriptor(ip))
+with open(out + ".tmp", "w") as f:
+    json.dump({"remote": base64.b64encode(remote.to_bytes()).decode(), "records": len(batch),
+               "segment": w.segment_name, "pid": os.getpid()}, f)
+os.rename(out + ".tmp", out)
+if hold:
+    time.sleep(wait_s)   # the test kills us
+deadline = time.monotonic() + wait_s
+while export.stats.releases < len(batch) and time.monotonic() < deadline:
+    time.sleep(0.005)
+time.sleep(0.2)   # any late (double) release would show in release_errors
+info = ffi.new("shm_info *")
+assert lib.shm_read_info(w.segment.base, w.segment.size, info) == lib.SHM_OK
+stats = vars(export.stats).copy()
+export.close()
+w.close()
+print(json.dumps({"export": stats, "released": int(info.released),
+                  "published": int(info.published)}), flush=True)
+"""
+
+READER = r"""
+import base64, json, os, sys, time
+import numpy as np
+import shmask
+from shmask.errors import ShmaskError
+from shmask.refs import KIND_LOST, RefBatch
+from shmask.remote import RemoteBatch, RemoteDescriptor, RemotePuller
+
+path, prefix, port, timeout_s, script = (sys.argv[1], sys.argv[2], int(sys.argv[3]),
+                                         float(sys.argv[4]), sys.argv[5])
+deadline = time.monotonic() + 40
+while not os.path.exists(path):
+    assert time.monotonic() < deadline, "the producer never wrote its batch"
+    time.sleep(0.01)
+sent = json.load(open(path))
+data = base64.b64decode(sent["remote"])
+reader = shmask.Reader(shmask.Config(name_prefix=prefix + "r"))
+
+
+def rows(batch):
+    got = []
+    for ref in batch:
+        if ref.kind == KIND_LOST:
+            got.append({"lost": ref.position})
+            continue
+        try:
+            chunk = reader.open(ref)
+        except ShmaskError as exc:
+            got.append({"error": type(exc).__name__})
+            continue
+        ids, logprobs = chunk.to_lists()
+        chunk.release()
+        got.append([ids, logprobs])
+    return got
+
+
+def timed_pull(puller, remote):
+    t = time.monotonic()
+    out = puller.pull(remote)
+    return out, time.monotonic() - t
+
+
+def forged(remote, descriptor=None, entries=None):
+    batch = remote.batch
+    if entries is not None:
+        batch = RefBatch.build(batch.segments, entries)
+    return RemoteBatch(batch, descriptor or remote.descriptor)
+
+
+result = {}
+if script == "pull":
+    puller = RemotePuller(port=port, timeout_s=timeout_s)
+    out, seconds = timed_pull(puller, data)
+    result.update(kinds=[int(k) for k in out.entries["kind"]], rows=rows(out), seconds=seconds,
+                  stats=vars(puller.stats))
+elif script == "forge":
+    remote = RemoteBatch.from_bytes(data)
+    desc = remote.descriptor
+    puller = RemotePuller(port=port, timeout_s=timeout_s)
+    seg = desc.segments[0]
+    cases = {}
+    # 1. an address outside the producer's registered region (past its end)
+    outside = RemoteDescriptor.from_dict({**desc.to_dict(), "segments": [
+        {"name": seg.name, "epoch": seg.epoch, "address": seg.address + seg.size + (1 << 20),
+         "size": seg.size}]})
+    # 2. a region straddling the registered one's start
+    straddle = RemoteDescriptor.from_dict({**desc.to_dict(), "segments": [
+        {"name": seg.name, "epoch": seg.epoch, "address": seg.address - 4096,
+         "size": seg.size}]})
+    # 3. a size far larger than the ring (the mirror is sized by the ring's own header)
+    large = RemoteDescriptor.from_dict({**desc.to_dict(), "segments": [
+        {"name": seg.name, "epoch": seg.epoch, "address": seg.address, "size": 1 << 40}]})
+    # 4. entries forged: a wrong seal, a position past the ring, a misaligned one,
+    #    a record that would run past the ring's end
+    entries = remote.batch.entries.copy()
+    entries[0]["seal"] ^= 1
+    entries[1]["position"] += 1 << 40
+    entries[2]["position"] += 8
+    entries[3]["record_bytes"] = 1 << 30
+    for name, remote_forged in (("outside", forged(remote, outside)),
+                                ("straddle", forged(remote, straddle)),
+                                ("large", forged(remote, large)),
+                                ("entries", forged(remote, entries=entries))):
+        out, seconds = timed_pull(puller, remote_forged)
+        cases[name] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
+                       "seconds": seconds, "error": puller.stats.last_error}
+        puller.stats.last_error = ""
+    out, seconds = timed_pull(puller, data)   # the real batch still goes through
+    cases["real"] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
+                     "seconds": seconds}
+    result.update(cases=cases, stats=vars(puller.stats))
+elif script == "killed":
+    # The puller already connected (a real pull first), then the producer is killed.
+    puller = RemotePuller(port=port, timeout_s=timeout_s)
+    connected = puller.pull(RemoteBatch(RemoteBatch.from_bytes(data).batch.select([0]),
+                                        RemoteBatch.from_bytes(data).descriptor))
+    result["first"] = rows(connected)
+    open(path + ".ready", "w").close()
+    while not os.path.exists(path + ".killed"):
+        time.sleep(0.01)
+    out, seconds = timed_pull(puller, data)
+    result["connected"] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
+                           "seconds": seconds}
+    fresh = RemotePuller(port=int(sys.argv[6]), timeout_s=timeout_s)   # never connected
+    out, seconds = timed_pull(fresh, data)
+    result["fresh"] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
+                       "seconds": seconds}
+with open("/proc/self/maps") as maps:
+    result["maps_segment"] = sent["segment"].lstrip("/") in maps.read()
+result["attached"] = len(reader._attached)
+print(json.dumps(result), flush=True)
+"""
+
+
+def _env(dev: str) -> dict[str, str]:
+    return dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=dev)
+
+
+def _last_json(out: str) -> dict:
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON line in {out[-3000:]!r}"
+    return json.loads(lines[-1])
+
+
+def _producer(hosts: netns.Hosts, path: Path, prefix: str, wait_s: float, hold: bool):
+    return netns.run_in(hosts.a, [sys.executable, "-c", PRODUCER, str(path), prefix, hosts.a_ip,
+                                  str(EXPORT_PORT), str(wait_s), "hold" if hold else "wait"],
+                        env=_env(hosts.a_dev), timeout=80)
+
+
+def _reader(hosts: netns.Hosts, path: Path, prefix: str, script: str, timeout_s: float):
+    return netns.run_in(hosts.b, [sys.executable, "-c", READER, str(path), prefix,
+                                  str(PULL_PORT), str(timeout_s), script, str(PULL_PORT_2)],
+                        env=_env(hosts.b_dev), timeout=80)
+
+
+@needs_nixl_hosts
+@pytest.mark.timeout(90)
+def test_a_hop_on_another_host_pulls_the_records_and_the_producer_releases_them(prefix, tmp_path):
+    path = tmp_path / "remote.json"
+    producer = reader = None
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            before = netns.link_bytes(hosts.b, hosts.b_dev)
+            producer = _producer(hosts, path, prefix, wait_s=30, hold=False)
+            reader = _reader(hosts, path, prefix, "pull", timeout_s=10)
+            out_r, err_r = reader.communicate(timeout=60)
+            out_p, err_p = producer.communicate(timeout=40)
+            after = netns.link_bytes(hosts.b, hosts.b_dev)
+        finally:
+            netns.kill_group(reader)
+            netns.kill_group(producer)
+    assert reader.returncode == 0, err_r[-3000:]
+    assert producer.returncode == 0, (out_p, err_p[-3000:])
+    got, sent = _last_json(out_r), _last_json(out_p)
+    assert got["kinds"] == [2, 2, 2, 2], got          # every entry inline
+    assert got["rows"] == EXPECTED
+    assert got["attached"] == 0 and not got["maps_segment"], got   # never the producer's /dev/shm
+    assert got["stats"]["pulled"] == 4 and got["stats"]["read_errors"] == 0, got
+    # The producer saw each record released, once, on the puller's notification.
+    assert sent["export"]["releases"] == 4 and sent["export"]["release_errors"] == 0, sent
+    assert sent["export"]["bad_notifs"] == 0, sent
+    assert sent["released"] == sent["published"] == 4, sent
+    from shmask.remote import RemoteBatch
+    remote = RemoteBatch.from_bytes(base64.b64decode(json.loads(path.read_text())["remote"]))
+    record_bytes = int(remote.batch.entries["record_bytes"].sum())
+    rx = after["rx"] - before["rx"]
+    assert rx >= record_bytes, (rx, record_bytes)   # at least the records crossed the veth
+    print(f"\npull {got['seconds'] * 1e3:.1f} ms (metadata included); veth B rx {rx} bytes; "
+          f"producer {sent}")
+
+
+@needs_nixl_hosts
+@pytest.mark.timeout(120)
+def test_forged_remote_batches_cost_their_entries_only(prefix, tmp_path):
+    path = tmp_path / "remote.json"
+    producer = reader = None
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            producer = _producer(hosts, path, prefix, wait_s=60, hold=False)
+            reader = _reader(hosts, path, prefix, "forge", timeout_s=3)
+            out_r, err_r = reader.communicate(timeout=90)
+            out_p, err_p = producer.communicate(timeout=70)
+        finally:
+            netns.kill_group(reader)
+            netns.kill_group(producer)
+    assert reader.returncode == 0, err_r[-3000:]
+    assert producer.returncode == 0, (out_p, err_p[-3000:])
+    got, sent = _last_json(out_r), _last_json(out_p)
+    cases = got["cases"]
+    lost_invalid = {"lost": 2}
+    assert cases["large"]["error"] == "" and cases["entries"]["error"] == "", cases
+    # A region NIXL does not know: refused before any READ is issued.
+    for name in ("outside", "straddle"):
+        assert cases[name]["rows"] == [lost_invalid] * 4, (name, cases[name])
+        assert "NIXL_ERR_NOT_FOUND" in cases[name]["error"], (name, cases[name])
+        assert cases[name]["seconds"] < 3, (name, cases[name])
+    # A size larger than the ring: the ring's own header sizes the mirror; the
+    # rows are read and checked as usual.
+    assert cases["large"]["rows"] == EXPECTED, cases["large"]
+    # After "large" released every record, the forged entries: a wrong seal is
+    # refused by the record's own check, bad positions and sizes before any READ.
+    assert cases["entries"]["rows"] == [lost_invalid] * 4, cases["entries"]
+    # The real batch, pulled again: a release travels as a notification, so
+    # whether "large"'s release reached the producer before this READ is a
+    # race. Either the records still read WRITTEN (the rows again: a remote
+    # pull is not exclusive, unlike a local open's release) or RELEASED
+    # (DoubleReleaseError at the mirror's check: lost, invalid).
+    real = cases["real"]
+    assert real["rows"] == EXPECTED or real["rows"] == [lost_invalid] * 4, real
+    assert got["attached"] == 0 and not got["maps_segment"], got
+    # Each record released once; a second copy's release is refused by the core.
+    assert sent["export"]["releases"] == 4, sent
+    assert sent["export"]["release_errors"] == (4 if real["rows"] == EXPECTED else 0), sent
+    assert sent["released"] == 4 and sent["export"]["bad_notifs"] == 0, sent
+    print(f"\nforged: {({k: (v['kinds'], round(v['seconds'] * 1e3, 1)) for k, v in cases.items()})}")
+
+
+@needs_nixl_hosts
+@pytest.mark.timeout(120)
+def test_a_producer_killed_before_the_pull_costs_lost_entries_within_the_timeout(prefix,
+                                                                                  tmp_path):
+    path = tmp_path / "remote.json"
+    producer = reader = None
+    timeout_s = 3.0
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            producer = _producer(hosts, path, prefix, wait_s=60, hold=True)
+            reader = _reader(hosts, path, prefix, "killed", timeout_s=timeout_s)
+            deadline = time.monotonic() + 40
+            while not Path(str(path) + ".ready").exists():
+                assert reader.poll() is None, reader.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "the reader never made its first pull"
+                time.sleep(0.01)
+            netns.kill_group(producer)
+            Path(str(path) + ".killed").touch()
+            out_r, err_r = reader.communicate(timeout=60)
+        finally:
+            netns.kill_group(reader)
+            netns.kill_group(producer)
+            collect_garbage(prefix)   # the killed producer's ring
+    assert producer.returncode == -9
+    assert reader.returncode == 0, err_r[-3000:]
+    got = _last_json(out_r)
+    assert got["first"] == EXPECTED[:1], got
+    for case in ("connected", "fresh"):
+        assert got[case]["kinds"] == [3, 3, 3, 3], (case, got[case])
+        assert got[case]["rows"] == [{"lost": 1}] * 4, (case, got[case])
+        assert got[case]["seconds"] < timeout_s + 1, (case, got[case])
+    print(f"\nafter the kill: connected puller {got['connected']['seconds'] * 1e3:.0f} ms, "
+          f"fresh puller {got['fresh']['seconds'] * 1e3:.0f} ms (timeout {timeout_s} s)")
+
+
+def test_malformed_remote_batches_raise_invalid_ref_error():
+    """No NIXL, no namespaces: the parser alone."""
+    from shmask.refs import RefBatch
+    from shmask.remote import RemoteBatch
+
+    batch = RefBatch.from_refs([])
+    seg = {"name": "/shmaskx-0-1-0123456789abcdef", "epoch": 5, "address": 1 << 30,
+           "size": 4096 + (1 << 20)}
+    good = {"agent": "producer", "ip": "10.0.0.1", "port": 5611, "segments": [seg]}
+    data = RemoteBatch(batch, good).to_bytes()
+    assert RemoteBatch.from_bytes(data).descriptor.to_dict() == good
+    bad = [b"", b"SMRB" + data[4:], data[:11], data[:20], data[:-1], data + b"\0",
+           data[:8] + (1 << 31).to_bytes(4, "little") + data[12:]]
+    for forged in ({**good, "port": 0}, {**good, "ip": "host"}, {**good, "agent": ""},
+                   {**good, "segments": [{**seg, "size": 1 << 50}]},
+                   {**good, "segments": [{**seg, "size": 100}]},
+                   {**good, "segments": [{**seg, "address": (1 << 64) - 4096}]},
+                   {**good, "segments": [{**seg, "address": -1}]},
+                   {**good, "segments": [{**seg, "name": "/etc/passwd"}]},
+                   {**good, "segments": [seg, seg]},
+                   {**good, "segments": "x"}, []):
+        desc = json.dumps(forged).encode()
+        bad.append(data[:8] + len(desc).to_bytes(4, "little") + desc + batch.to_bytes())
+        with pytest.raises(InvalidRefError):
+            RemoteBatch(batch, forged)  # type: ignore[arg-type]
+    bad.append(data[:8] + (3).to_bytes(4, "little") + b"{x}" + batch.to_bytes())
+    for blob in bad:
+        with pytest.raises(InvalidRefError):
+            RemoteBatch.from_bytes(blob)
