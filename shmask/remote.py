@@ -248,6 +248,7 @@ class ExportStats:
     releases: int = 0  # records released on a peer's word
     release_errors: int = 0  # positions the core refused (stale, released already, forged)
     bad_notifs: int = 0  # notifications that were not well-formed release messages
+    handle_errors: int = 0  # notifications whose handling raised (logged once per kind)
 
 
 class _Exported:
@@ -297,6 +298,7 @@ class RemoteExport:
         except BaseException:
             self._deregister()
             raise
+        self._logged: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shmask-export-{self.name}",
                                         daemon=True)
@@ -319,12 +321,19 @@ class RemoteExport:
                 continue
             for messages in notifs.values():
                 for message in messages:
-                    self._handle(message)
+                    try:
+                        self._handle(message)
+                    except Exception as exc:  # a peer's message must not end the thread
+                        self.stats.handle_errors += 1
+                        kind = type(exc).__name__
+                        if kind not in self._logged:
+                            self._logged.add(kind)
+                            log.exception("shmask.remote: a release notification failed")
 
     def _handle(self, message: bytes) -> None:
         self.stats.notifs += 1
         body = len(message) - _RELEASE_HEADER.size
-        if body < 0 or body % 16:
+        if body < 0 or body % 16 or body // 16 > MAX_RELEASES_PER_NOTIF:
             self.stats.bad_notifs += 1
             return
         magic, index, epoch = _RELEASE_HEADER.unpack_from(message)
@@ -348,12 +357,18 @@ class RemoteExport:
         self.stats.release_errors += positions.size - ok
 
     def close(self) -> None:
-        """Stop the release thread and deregister the segments."""
+        """Stop the release thread. The segments stay mapped and registered
+        for as long as this object (and so its agent) lives: NIXL 1.5.1 has
+        no way to stop an agent serving READs of registered memory (nor
+        does deregistering stop a peer's READ), and a READ of a ring
+        unmapped under the agent crashes this process. A peer pulling after
+        close() still reads the records as they are (released or not: its
+        own checks decide) or times out; the memory goes when the export
+        is collected (its agent first: the attribute made first)."""
         if getattr(self, "_stop", None) is None or self._stop.is_set():
             return
         self._stop.set()
         self._thread.join()
-        self._deregister()
 
     def _deregister(self) -> None:
         for exported in self._exported:
@@ -393,12 +408,31 @@ class PullStats:
     lost_stale: int = 0
     lost_invalid: int = 0
     read_errors: int = 0  # READs that failed or ran past the deadline
+    quarantined: int = 0  # READs given up while still in flight (kept until they end)
     notify_errors: int = 0  # release notifications that could not be sent
     last_error: str = ""  # the last READ or metadata failure, for people
 
 
 class _PullTimeout(Exception):
     pass
+
+
+# READs that ran past their deadline (or failed in flight) and may still
+# land: NIXL 1.5.1 cannot cancel one (release_xfer_handle, remove_remote_agent
+# and deregister_memory leave it running), so its handle, its destination
+# buffer and that buffer's registration are kept here until the READ says
+# DONE or ERR. Freeing the buffer earlier lets the late bytes land on freed
+# memory (a crash) or on a new buffer at the same address (stale rows
+# after their check).
+MAX_QUARANTINE = 64
+
+
+@dataclass
+class _Late:
+    agent: str
+    handle: Any  # nixl_xfer_handle: never released (nor collected) before it ends
+    buffer: Any  # the destination (a _Mirror or the scratch array): never freed before
+    registered: Any  # its registration: never deregistered before
 
 
 class _Mirror:
@@ -447,6 +481,7 @@ class RemotePuller:
         self._info = ffi.new("shm_info *")
         self._scratch = np.zeros(_HEADER_BYTES, np.uint8)  # a header, before its mirror
         self._scratch_registered: Any = None
+        self._late: list[_Late] = []
 
     def pull(self, remote: RemoteBatch | bytes) -> RefBatch:
         """The batch with the ring entries of the descriptor's segments
@@ -478,10 +513,20 @@ class RemotePuller:
                 lost[i] = LOST_STALE  # the segment was recreated
                 continue
             groups.setdefault(index, []).append(i)
+        self._poll_late()
+        if groups and (len(self._late) >= MAX_QUARANTINE
+                       or any(late.agent == desc.agent for late in self._late)):
+            # A READ from this agent may still land: read nothing more from it
+            # (nor from anyone, past the bound) until they all end.
+            self.stats.last_error = (f"_PullTimeout: {len(self._late)} earlier READ(s) still in "
+                                     f"flight (from {desc.agent} or past {MAX_QUARANTINE})")
+            for members in groups.values():
+                lost.update((i, LOST_STALE) for i in members)
+            groups = {}
         if groups:
             deadline = time.monotonic() + self.timeout_s
             try:
-                self._connect(desc, deadline)
+                fresh = self._connect(desc, deadline)
             except Exception as exc:
                 log.warning("shmask.remote: no metadata from %s at %s:%d: %s", desc.agent,
                             desc.ip, desc.port, exc)
@@ -491,33 +536,65 @@ class RemotePuller:
                     lost.update((i, LOST_STALE) for i in members)
                 groups = {}
             for index, members in groups.items():
+                if desc.agent not in self._peers:
+                    # Forgotten by an earlier segment's failure: not tried again here.
+                    lost.update((i, LOST_STALE) for i in members)
+                    continue
                 copied = self._pull_segment(desc, index, batch, entries, members, payloads,
                                             lost, deadline)
+                if copied is None and not fresh:
+                    # Refused by metadata cached before this pull: the producer may
+                    # have restarted under the same name and address. Fetch it again,
+                    # once, before calling the entries invalid.
+                    fresh = True
+                    self._forget(desc.agent)
+                    try:
+                        self._connect(desc, deadline)
+                    except Exception as exc:
+                        self.stats.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                        lost.update((i, LOST_STALE) for i in members)
+                        continue
+                    for i in members:
+                        lost.pop(i, None)
+                    copied = self._pull_segment(desc, index, batch, entries, members, payloads,
+                                                lost, deadline)
                 if copied:
                     self._notify(desc, index, copied)
         return _rebuild(batch, entries, payloads, lost, self.stats)
 
     # ------------------------------------------------------------ internals
-    def _connect(self, desc: RemoteDescriptor, deadline: float) -> None:
+    def _connect(self, desc: RemoteDescriptor, deadline: float) -> bool:
+        """Metadata of the descriptor's agent; True when fetched now."""
         if self._peers.get(desc.agent) == (desc.ip, desc.port):
-            return
-        if desc.agent in self._peers:
-            self._forget(desc.agent)
-        self._agent.fetch_remote_metadata(desc.agent, desc.ip, desc.port)
+            return False
+        self._forget(desc.agent)
+        # Asked again every quarter second: a removal just made (a restarted
+        # peer, forgotten) is applied by NIXL's listener thread and may
+        # discard the answer to a fetch sent before it.
+        asked = 0.0
         while not self._agent.check_remote_metadata(desc.agent):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise _PullTimeout(f"no metadata within {self.timeout_s} s")
+            if now - asked > 0.25:
+                self._agent.fetch_remote_metadata(desc.agent, desc.ip, desc.port)
+                asked = now
             time.sleep(0.002)
         self._peers[desc.agent] = (desc.ip, desc.port)
+        return True
 
     def _forget(self, agent: str) -> None:
         """After a failed or late READ: drop the peer (the next pull fetches
-        its metadata again) and its mirrors."""
+        its metadata again) and its mirrors (none has a READ in flight: a
+        late READ's mirror is in self._late, not there)."""
         self._peers.pop(agent, None)
-        try:
-            self._agent.remove_remote_agent(agent)
-        except Exception:
-            pass
+        if not any(late.agent == agent for late in self._late):
+            # (Kept while a READ from it is in flight; _poll_late forgets it
+            # again when the last one ends.)
+            try:
+                self._agent.remove_remote_agent(agent)
+            except Exception:
+                pass
         for key in [k for k in self._mirrors if k[0] == agent]:
             mirror = self._mirrors.pop(key)
             try:
@@ -534,8 +611,7 @@ class RemotePuller:
                 self._scratch_registered = self._agent.register_memory(
                     [(self._scratch.ctypes.data, _HEADER_BYTES, 0, "")], "DRAM")
             self._scratch[:] = 0
-            self._read_into(desc, self._scratch.ctypes.data, segment, [(0, _HEADER_BYTES)],
-                            deadline)
+            self._read_into(desc, None, segment, [(0, _HEADER_BYTES)], deadline)
             info = self._info
             rc = lib.shm_read_info(ffi.from_buffer(self._scratch), segment.size, info)
             if rc:
@@ -552,15 +628,19 @@ class RemotePuller:
         """READ [offset, offset + size) of the remote segment into the same
         range of the mirror, for every range, by `deadline`; raises
         otherwise (a refused descriptor, a disconnect, a timeout)."""
-        self._read_into(desc, mirror.array.ctypes.data, segment, ranges, deadline)
+        self._read_into(desc, mirror, segment, ranges, deadline)
 
-    def _read_into(self, desc: RemoteDescriptor, local_base: int, segment: RemoteSegment,
-                   ranges: Sequence[tuple[int, int]], deadline: float) -> None:
+    def _read_into(self, desc: RemoteDescriptor, mirror: _Mirror | None,
+                   segment: RemoteSegment, ranges: Sequence[tuple[int, int]],
+                   deadline: float) -> None:
+        """READ into `mirror`, or into the scratch header when None."""
+        local_base = (self._scratch if mirror is None else mirror.array).ctypes.data
         local = self._agent.get_xfer_descs(
             [(local_base + offset, size, 0) for offset, size in ranges], "DRAM")
         remote = self._agent.get_xfer_descs(
             [(segment.address + offset, size, 0) for offset, size in ranges], "DRAM")
         handle = self._agent.initialize_xfer("READ", local, remote, desc.agent)
+        state = "PROC"
         try:
             state = self._agent.transfer(handle)
             while state == "PROC":
@@ -572,10 +652,55 @@ class RemotePuller:
             if state != "DONE":
                 raise ShmaskError(f"READ from {desc.agent} ended in state {state}")
         finally:
+            if state in ("DONE", "ERR"):
+                self._release(handle)
+            else:  # given up (or failed) in flight: it may still land
+                self._quarantine(desc.agent, handle, mirror)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            pass  # the first error is the one to report
+
+    def _quarantine(self, agent: str, handle: Any, mirror: _Mirror | None) -> None:
+        """Keep a READ still in flight, its destination and its registration
+        until it ends (_poll_late); never reuse that destination."""
+        self.stats.quarantined += 1
+        if mirror is None:
+            late = _Late(agent, handle, self._scratch, self._scratch_registered)
+            self._scratch = np.zeros(_HEADER_BYTES, np.uint8)  # registered afresh when needed
+            self._scratch_registered = None
+        else:
+            late = _Late(agent, handle, mirror, mirror.registered)
+            for key in [k for k, m in self._mirrors.items() if m is mirror]:
+                del self._mirrors[key]
+        self._late.append(late)
+
+    def _poll_late(self) -> None:
+        """Free the quarantined READs that have ended; forget an agent whose
+        last one ended (the next pull fetches its metadata afresh)."""
+        if not self._late:
+            return
+        pending = []
+        for late in self._late:
             try:
-                self._agent.release_xfer_handle(handle)
+                state = self._agent.check_xfer_state(late.handle)
             except Exception:
-                pass  # the first error is the one to report
+                state = "PROC"  # unknown: keeping the buffer is the safe side
+            if state not in ("DONE", "ERR"):
+                pending.append(late)
+                continue
+            self._release(late.handle)
+            if late.registered is not None:
+                try:
+                    self._agent.deregister_memory(late.registered)
+                except Exception:
+                    pass
+        ended = {late.agent for late in self._late} - {late.agent for late in pending}
+        self._late = pending
+        for agent in ended:
+            self._forget(agent)
 
     def _header(self, mirror: _Mirror, segment: RemoteSegment) -> None:
         """Validate the mirror's header (as read last) against what it said
@@ -591,7 +716,9 @@ class RemotePuller:
 
     def _pull_segment(self, desc: RemoteDescriptor, index: int, batch: RefBatch,
                       entries: np.ndarray, members: list[int], payloads: dict[int, bytes],
-                      lost: dict[int, int], deadline: float) -> list[tuple[int, int]]:
+                      lost: dict[int, int], deadline: float) -> list[tuple[int, int]] | None:
+        """The (position, seal) of each record copied; None when NIXL refused
+        the READ before issuing it (its entries are then LOST_INVALID)."""
         segment = desc.segments[index]
         try:
             mirror = self._mirror(desc, segment, deadline)
@@ -634,7 +761,7 @@ class RemotePuller:
 
     def _segment_failed(self, desc: RemoteDescriptor, segment: RemoteSegment,
                         members: list[int], lost: dict[int, int],
-                        exc: BaseException) -> list[tuple[int, int]]:
+                        exc: BaseException) -> list[tuple[int, int]] | None:
         log.warning("shmask.remote: cannot READ %s from %s: %s", segment.name, desc.agent, exc)
         self.stats.read_errors += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"[:500]
@@ -645,7 +772,7 @@ class RemotePuller:
         lost.update((i, reason) for i in members)
         if not refused and not isinstance(exc, ShmaskError):
             self._forget(desc.agent)  # a disconnect or a late READ: connect afresh next time
-        return []
+        return None if refused else []
 
     def _copy(self, mirror: _Mirror, segment: RemoteSegment, ref: Any) -> bytes:
         rows, words, nnz = ref.rows, ref.words, ref.nnz
@@ -674,8 +801,10 @@ class RemotePuller:
                             desc.agent, len(copied), exc)
 
     def close(self) -> None:
-        """Forget every peer and mirror."""
+        """Forget every peer and mirror. READs still in flight keep their
+        buffers (self._late) for as long as this object lives."""
         with self._lock:
+            self._poll_late()
             for agent in list(self._peers):
                 self._forget(agent)
             for mirror in self._mirrors.values():

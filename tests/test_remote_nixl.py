@@ -385,3 +385,311 @@ def test_malformed_remote_batches_raise_invalid_ref_error():
     for blob in bad:
         with pytest.raises(InvalidRefError):
             RemoteBatch.from_bytes(blob)
+
+
+# ------------------------------------------------------- review findings
+
+FLAP_READER = r"""
+import base64, json, os, sys, time
+import shmask
+from shmask.refs import KIND_LOST
+from shmask.remote import RemoteBatch, RemotePuller
+
+path, prefix, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+while not os.path.exists(path):
+    time.sleep(0.01)
+remote = RemoteBatch.from_bytes(base64.b64decode(json.load(open(path))["remote"]))
+reader = shmask.Reader(shmask.Config(name_prefix=prefix + "r"))
+
+
+def rows(batch):
+    got = []
+    for ref in batch:
+        if ref.kind == KIND_LOST:
+            got.append({"lost": ref.position})
+            continue
+        chunk = reader.open(ref)
+        got.append(list(chunk.to_lists()))
+        chunk.release()
+    return got
+
+
+def pull(puller, which):
+    return puller.pull(RemoteBatch(remote.batch.select(which), remote.descriptor))
+
+
+puller = RemotePuller(port=port, timeout_s=1)
+result = {"first": rows(pull(puller, [0]))}
+open(path + ".down", "w").close()
+while not os.path.exists(path + ".isdown"):
+    time.sleep(0.01)
+result["down"] = rows(pull(puller, [1, 2, 3]))
+result["quarantined"] = vars(puller.stats).get("quarantined", 0)
+open(path + ".up", "w").close()
+# The READ given up above lands once the link is back (UCX retransmits):
+# its buffers must still be there, and no later pull may see its bytes.
+results = []
+for _ in range(15):
+    time.sleep(1)
+    results.append(rows(pull(puller, [1, 2, 3])))
+    if results[-1][0] != {"lost": 1}:
+        break
+result["after"] = results
+result["late_left"] = len(getattr(puller, "_late", ()))
+print(json.dumps(result), flush=True)
+"""
+
+
+@needs_nixl_hosts
+@pytest.mark.timeout(120)
+def test_a_read_given_up_that_lands_later_neither_crashes_nor_leaks_into_a_pull(prefix,
+                                                                                 tmp_path):
+    path = tmp_path / "remote.json"
+    producer = reader = None
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            producer = _producer(hosts, path, prefix, wait_s=60, hold=True)
+            reader = netns.run_in(hosts.b, [sys.executable, "-c", FLAP_READER, str(path), prefix,
+                                            str(PULL_PORT)], env=_env(hosts.b_dev), timeout=90)
+            deadline = time.monotonic() + 40
+            for step in (".down", ".up"):
+                while not Path(str(path) + step).exists():
+                    assert reader.poll() is None, reader.communicate()[1][-3000:]
+                    assert time.monotonic() < deadline, f"the reader never reached {step}"
+                    time.sleep(0.01)
+                netns.set_link(hosts.a, hosts.a_dev, up=step == ".up")
+                Path(str(path) + ".isdown").touch()
+            out_r, err_r = reader.communicate(timeout=60)
+        finally:
+            netns.kill_group(reader)
+            netns.kill_group(producer)
+            collect_garbage(prefix)
+    assert reader.returncode == 0, (reader.returncode, err_r[-3000:])
+    got = _last_json(out_r)
+    assert got["first"] == EXPECTED[:1], got
+    assert got["down"] == [{"lost": 1}] * 3 and got["quarantined"] >= 1, got
+    for rows in got["after"]:   # exact rows, or lost (stale) while the READ is out: never others
+        assert all(row == {"lost": 1} for row in rows) or rows == EXPECTED[1:], got
+    print(f"\nafter the flap: {len(got['after'])} pull(s), last {got['after'][-1]}, "
+          f"{got['late_left']} READ(s) still quarantined")
+
+
+CLOSE_PRODUCER = r"""
+import base64, gc, json, os, sys, time
+import numpy as np
+import shmask
+from shmask.refs import RefBatch
+from shmask.remote import RemoteBatch, RemoteExport
+
+path, prefix, ip, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=120))
+refs = [w.publish(np.array([2, 1], np.int32), np.array([10, 20, 30], np.int32),
+                  np.array([-1, -2, -3], np.float32), "support") for _ in range(3)]
+export = RemoteExport(w, port=port)
+remote = RemoteBatch(RefBatch.from_refs(refs), export.descriptor(ip))
+with open(path + ".tmp", "w") as f:
+    json.dump({"remote": base64.b64encode(remote.to_bytes()).decode()}, f)
+os.rename(path + ".tmp", path)
+while not os.path.exists(path + ".pulled"):
+    time.sleep(0.01)
+export.close()
+w.close()
+del w, refs
+gc.collect()
+open(path + ".closed", "w").close()
+while not os.path.exists(path + ".pulled2"):
+    time.sleep(0.01)
+del export   # the agent goes, then the mapping
+gc.collect()
+open(path + ".dropped", "w").close()
+while not os.path.exists(path + ".pulled3"):
+    time.sleep(0.01)
+time.sleep(0.5)
+print(json.dumps({"alive": True}), flush=True)
+"""
+
+CLOSE_READER = r"""
+import base64, json, os, sys, time
+from shmask.remote import RemoteBatch, RemotePuller
+
+path, port = sys.argv[1], int(sys.argv[2])
+while not os.path.exists(path):
+    time.sleep(0.01)
+data = base64.b64decode(json.load(open(path))["remote"])
+remote = RemoteBatch.from_bytes(data)
+puller = RemotePuller(port=port, timeout_s=2)
+result = {}
+def entries(out):
+    return [[int(e["kind"]), int(e["position"])] for e in out.entries]
+result["first"] = entries(puller.pull(RemoteBatch(remote.batch.select([0]), remote.descriptor)))
+for before, after, name in ((".pulled", ".closed", "closed"), (".pulled2", ".dropped", "dropped")):
+    open(path + before, "w").close()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path + after):
+        assert time.monotonic() < deadline, f"the producer never said {after} (dead?)"
+        time.sleep(0.01)
+    result[name] = entries(puller.pull(data))
+open(path + ".pulled3", "w").close()
+print(json.dumps(result), flush=True)
+"""
+
+
+@needs_nixl_hosts
+@pytest.mark.timeout(120)
+def test_a_pull_after_the_export_is_closed_does_not_crash_the_producer(prefix, tmp_path):
+    path = tmp_path / "remote.json"
+    producer = reader = None
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            producer = netns.run_in(hosts.a, [sys.executable, "-c", CLOSE_PRODUCER, str(path),
+                                              prefix, hosts.a_ip, str(EXPORT_PORT)],
+                                    env=_env(hosts.a_dev), timeout=80)
+            reader = netns.run_in(hosts.b, [sys.executable, "-c", CLOSE_READER, str(path),
+                                            str(PULL_PORT)], env=_env(hosts.b_dev), timeout=80)
+            out_r, err_r = reader.communicate(timeout=70)
+            out_p, err_p = producer.communicate(timeout=30)
+        finally:
+            netns.kill_group(reader)
+            netns.kill_group(producer)
+            collect_garbage(prefix)
+    assert producer.returncode == 0, (producer.returncode, err_p[-3000:])
+    assert reader.returncode == 0, err_r[-3000:]
+    got = _last_json(out_r)
+    assert got["first"] == [[2, 0]], got
+    # Closed (the Writer too): the export keeps the ring mapped and
+    # registered, so the records read as they are: the others are still
+    # written (inline); the one pulled before is released (LOST, invalid:
+    # DoubleReleaseError at the mirror's check) unless its release
+    # notification came after close() stopped the release thread (inline).
+    kinds = [kind for kind, _ in got["closed"]]
+    assert kinds[1:] == [2, 2] and got["closed"][0] in ([3, 2], [2, 0]), got
+    # Dropped: its agent is gone with it, nothing answers: LOST (stale).
+    assert [kind for kind, _ in got["dropped"]] == [3, 3, 3], got
+    print(f"\nafter close: {got['closed']}; after the export is dropped: {got['dropped']}")
+
+
+RESTART_PRODUCER = r"""
+import base64, json, os, sys, time
+import numpy as np
+import shmask
+from shmask.refs import RefBatch
+from shmask.remote import RemoteBatch, RemoteExport
+
+path, prefix, ip, port, value = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                 int(sys.argv[5]))
+w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=120))
+refs = [w.publish(np.array([1], np.int32), np.array([value + i], np.int32),
+                  np.array([-0.5], np.float32), "support") for i in range(2)]
+export = RemoteExport(w, port=port, name="rank0")   # the same name and address each time
+remote = RemoteBatch(RefBatch.from_refs(refs), export.descriptor(ip))
+with open(path + ".tmp", "w") as f:
+    json.dump({"remote": base64.b64encode(remote.to_bytes()).decode()}, f)
+os.rename(path + ".tmp", path)
+while not os.path.exists(path + ".done"):
+    time.sleep(0.01)
+export.close()
+w.close()
+"""
+
+RESTART_READER = r"""
+import base64, json, os, sys, time
+import shmask
+from shmask.refs import KIND_LOST
+from shmask.remote import RemoteBatch, RemotePuller
+
+base, prefix, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+reader = shmask.Reader(shmask.Config(name_prefix=prefix + "r"))
+puller = RemotePuller(port=port, timeout_s=3)
+result = {}
+for gen in ("g1", "g2"):
+    path = base + gen
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    remote = RemoteBatch.from_bytes(base64.b64decode(json.load(open(path))["remote"]))
+    got = []
+    for i in range(2):
+        out = puller.pull(RemoteBatch(remote.batch.select([i]), remote.descriptor))
+        ref = out[0]
+        if ref.kind == KIND_LOST:
+            got.append({"lost": ref.position})
+        else:
+            chunk = reader.open(ref)
+            got.append(chunk.to_lists()[0])
+            chunk.release()
+    result[gen] = got
+    open(path + ".done", "w").close()
+print(json.dumps(result), flush=True)
+"""
+
+
+@needs_nixl_hosts
+@pytest.mark.timeout(120)
+def test_a_producer_restarted_under_the_same_name_and_address_is_pulled_again(prefix,
+                                                                               tmp_path):
+    base = str(tmp_path / "remote")
+    reader = None
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            reader = netns.run_in(hosts.b, [sys.executable, "-c", RESTART_READER, base, prefix,
+                                            str(PULL_PORT)], env=_env(hosts.b_dev), timeout=90)
+            for gen, value in (("g1", 100), ("g2", 200)):
+                producer = netns.run_in(hosts.a, [sys.executable, "-c", RESTART_PRODUCER,
+                                                  base + gen, prefix, hosts.a_ip,
+                                                  str(EXPORT_PORT), str(value)],
+                                        env=_env(hosts.a_dev), timeout=40)
+                out_p, err_p = producer.communicate(timeout=40)
+                assert producer.returncode == 0, err_p[-3000:]
+            out_r, err_r = reader.communicate(timeout=40)
+        finally:
+            netns.kill_group(reader)
+            collect_garbage(prefix)
+    assert reader.returncode == 0, err_r[-3000:]
+    got = _last_json(out_r)
+    assert got == {"g1": [[[100]], [[101]]], "g2": [[[200]], [[201]]]}, got
+
+
+def test_release_notifications_are_bounded_and_a_failing_one_spares_the_thread():
+    """No NIXL: RemoteExport's notification handling alone, on a stand-in."""
+    import struct
+    import threading
+
+    from shmask.remote import (
+        _RELEASE_HEADER,
+        MAX_RELEASES_PER_NOTIF,
+        RELEASE_MAGIC,
+        ExportStats,
+        RemoteExport,
+    )
+
+    class Exported:
+        epoch = 7
+
+    export = RemoteExport.__new__(RemoteExport)
+    export.stats, export._exported, export._logged = ExportStats(), [Exported()], set()
+    pairs = b"\0" * 16 * (MAX_RELEASES_PER_NOTIF + 1)
+    export._handle(_RELEASE_HEADER.pack(RELEASE_MAGIC, 0, 7) + pairs)
+    assert export.stats.bad_notifs == 1
+
+    sent = [{"peer": [b"x", b"y"]}, {"peer": [b"z"]}]
+
+    class Agent:
+        def get_new_notifs(self):
+            return sent.pop() if sent else {}
+
+    def handle(message):
+        if message != b"y":
+            raise struct.error("boom")
+        export.stats.releases += 1
+
+    export._agent, export._poll_s, export._stop = Agent(), 0.001, threading.Event()
+    export._handle = handle
+    thread = threading.Thread(target=export._run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert thread.is_alive()
+    export._stop.set()
+    thread.join(5)
+    assert export.stats.handle_errors == 2 and export.stats.releases == 1, export.stats
