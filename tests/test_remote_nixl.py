@@ -693,3 +693,147 @@ def test_release_notifications_are_bounded_and_a_failing_one_spares_the_thread()
     export._stop.set()
     thread.join(5)
     assert export.stats.handle_errors == 2 and export.stats.releases == 1, export.stats
+
+
+class _FakeNixl:
+    """A stand-in for nixl_cu12._api in one process: a READ copies from this
+    process's memory (memmove), except from the addresses in `hang`, whose
+    READs stay in flight until `land()`: a READ that lands after its pull
+    gave it up."""
+
+    class nixlBind:
+        class nixlNotFoundError(Exception):
+            pass
+
+    @staticmethod
+    def nixl_agent_config(**kwargs):
+        return kwargs
+
+    class nixl_agent:
+        backends = {"UCX": object()}
+
+        def __init__(self, name, config):
+            self.hang, self.pending, self.issued = set(), [], []
+            self.meta, self.notifs, self.deregistered = set(), [], []
+
+        def register_memory(self, regions, mem_type):
+            return tuple(regions)
+
+        def deregister_memory(self, registered):
+            self.deregistered.append(registered)
+
+        def fetch_remote_metadata(self, agent, ip, port):
+            self.meta.add(agent)
+
+        def check_remote_metadata(self, agent):
+            return agent in self.meta
+
+        def remove_remote_agent(self, agent):
+            self.meta.discard(agent)
+
+        def get_xfer_descs(self, ranges, mem_type):
+            return list(ranges)
+
+        def initialize_xfer(self, op, local, remote, agent):
+            self.issued.append(remote[0][0])
+            return {"local": local, "remote": remote, "state": "PROC", "released": False}
+
+        def _copy(self, handle):
+            import ctypes
+            for (dst, size, _), (src, _, _) in zip(handle["local"], handle["remote"], strict=True):
+                ctypes.memmove(dst, src, size)
+            handle["state"] = "DONE"
+
+        def transfer(self, handle):
+            if any(lo <= handle["remote"][0][0] < hi for lo, hi in self.hang):
+                self.pending.append(handle)
+                return "PROC"
+            self._copy(handle)
+            return "DONE"
+
+        def check_xfer_state(self, handle):
+            return handle["state"]
+
+        def release_xfer_handle(self, handle):
+            assert handle["state"] != "PROC", "released in flight"
+            handle["released"] = True
+
+        def send_notif(self, agent, message):
+            self.notifs.append((agent, message))
+
+        def land(self):
+            for handle in self.pending:
+                self._copy(handle)
+            self.pending = []
+
+
+def test_a_late_read_is_quarantined_and_its_agent_left_alone_until_it_lands(prefix,
+                                                                            monkeypatch):
+    """No NIXL: RemotePuller on a stand-in agent (_FakeNixl) reading this
+    process's own rings."""
+    import numpy as np
+
+    import shmask
+    from shmask import remote as rm
+    from shmask._native import ffi, lib
+    from shmask.refs import RefBatch
+
+    monkeypatch.setattr(rm, "_nixl", lambda: _FakeNixl)
+    writers = [shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix)) for _ in range(3)]
+    reader = shmask.Reader(shmask.Config(name_prefix=prefix + "r"))
+    try:
+        refs, segments = [], []
+        info = ffi.new("shm_info *")
+        for k, w in enumerate(writers):
+            refs.append(w.publish(np.array([1], np.int32), np.array([k], np.int32),
+                                  np.array([-0.5], np.float32)))
+            assert lib.shm_read_info(w.segment.base, w.segment.size, info) == lib.SHM_OK
+            segments.append(rm.RemoteSegment(w.segment.name, int(info.epoch),
+                                             rm._address(w.segment.base), w.segment.size))
+        desc = rm.RemoteDescriptor("prod", "10.0.0.1", 1, tuple(segments))
+        remote = rm.RemoteBatch(RefBatch.from_refs(refs), desc)
+        puller = rm.RemotePuller(port=1, timeout_s=0.2)
+        agent = puller._agent
+        hung = segments[1]
+        agent.hang.add((hung.address, hung.address + hung.size))
+
+        def rows(batch):
+            got = []
+            for ref in batch:
+                if ref.kind == 3:
+                    got.append(("lost", ref.position))
+                else:
+                    chunk = reader.open(ref)
+                    got.append(chunk.to_lists()[0])
+                    chunk.release()
+            return got
+
+        # Ring 0 pulled and released; ring 1's READ hangs (given up, kept);
+        # ring 2 not tried: its agent is forgotten.
+        assert rows(puller.pull(remote)) == [[[0]], ("lost", 1), ("lost", 1)]
+        assert [agent_ for agent_, _ in agent.notifs] == ["prod"]
+        assert not any(segments[2].address <= a < segments[2].address + segments[2].size
+                       for a in agent.issued)
+        assert puller.stats.quarantined == 1 and len(puller._late) == 1
+        late = puller._late[0]
+        assert late.registered not in agent.deregistered
+        # While it is out: nothing more is read from that agent.
+        issued = len(agent.issued)
+        assert rows(puller.pull(remote)) == [("lost", 1)] * 3
+        assert len(agent.issued) == issued
+        # Landed: freed on the next pull, which reads afresh (no export
+        # here acts on ring 0's release: it reads again).
+        agent.hang.clear()
+        agent.land()
+        assert rows(puller.pull(remote)) == [[[0]], [[1]], [[2]]]
+        assert puller._late == [] and late.registered in agent.deregistered
+        assert late.handle["released"]
+        # Past the bound: no READ from anyone until the quarantine drains.
+        puller._late = [rm._Late(f"a{i}", {"state": "PROC"}, None, None)
+                        for i in range(rm.MAX_QUARANTINE)]
+        issued = len(agent.issued)
+        assert rows(puller.pull(remote))[1:] == [("lost", 1)] * 2
+        assert len(agent.issued) == issued
+    finally:
+        for w in writers:
+            w.close()
