@@ -513,6 +513,18 @@ class RemotePuller:
                 lost[i] = LOST_STALE  # the segment was recreated
                 continue
             groups.setdefault(index, []).append(i)
+        # Two entries naming one record: one of them is not its request's
+        # (forged or corrupt), and which one cannot be told: neither is read.
+        for index, members in list(groups.items()):
+            positions = entries["position"][members]
+            unique, counts = np.unique(positions, return_counts=True)
+            if unique.size < positions.size:
+                twice = set(unique[counts > 1].tolist())
+                lost.update((i, LOST_INVALID) for i in members
+                            if int(entries[i]["position"]) in twice)
+                groups[index] = [i for i in members if i not in lost]
+                if not groups[index]:
+                    del groups[index]
         self._poll_late()
         if groups and (len(self._late) >= MAX_QUARANTINE
                        or any(late.agent == desc.agent for late in self._late)):

@@ -837,3 +837,32 @@ def test_a_late_read_is_quarantined_and_its_agent_left_alone_until_it_lands(pref
     finally:
         for w in writers:
             w.close()
+
+
+def test_two_entries_naming_one_record_are_both_lost(prefix, monkeypatch):
+    """No NIXL (_FakeNixl): a batch naming one record twice gives neither
+    entry the rows (one of them is another request's)."""
+    import numpy as np
+
+    import shmask
+    from shmask import remote as rm
+    from shmask._native import ffi, lib
+    from shmask.refs import RefBatch
+
+    monkeypatch.setattr(rm, "_nixl", lambda: _FakeNixl)
+    w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix))
+    try:
+        refs = [w.publish(np.array([1], np.int32), np.array([k], np.int32),
+                          np.array([-0.5], np.float32)) for k in range(2)]
+        info = ffi.new("shm_info *")
+        assert lib.shm_read_info(w.segment.base, w.segment.size, info) == lib.SHM_OK
+        desc = rm.RemoteDescriptor("prod", "10.0.0.1", 1, (rm.RemoteSegment(
+            w.segment.name, int(info.epoch), rm._address(w.segment.base), w.segment.size),))
+        batch = RefBatch.from_refs([refs[0], refs[1], refs[0]])
+        puller = rm.RemotePuller(port=1, timeout_s=1)
+        out = puller.pull(rm.RemoteBatch(batch, desc))
+        assert [int(k) for k in out.entries["kind"]] == [3, 2, 3]
+        assert [int(out.entries[i]["position"]) for i in (0, 2)] == [2, 2]   # LOST_INVALID
+        assert len(puller._agent.notifs) == 1   # the other record's release alone
+    finally:
+        w.close()
