@@ -440,7 +440,7 @@ class _Mirror:
     own offset; sized by the ring's own header (read first into a scratch
     page), never by the descriptor alone."""
 
-    __slots__ = ("array", "base", "size", "capacity", "registered")
+    __slots__ = ("array", "base", "size", "capacity", "registered", "remote")
 
     def __init__(self, header: np.ndarray, capacity: int, registered_by: Any) -> None:
         self.size = _HEADER_BYTES + capacity
@@ -448,6 +448,7 @@ class _Mirror:
         self.array[:_HEADER_BYTES] = header
         self.base = ffi.from_buffer(self.array)
         self.capacity = capacity
+        self.remote = (0, 0)  # the (address, size) its descriptor gave
         self.registered = registered_by.register_memory(
             [(self.array.ctypes.data, self.size, 0, "")], "DRAM")
 
@@ -475,7 +476,10 @@ class RemotePuller:
             raise ShmaskError(f"NIXL has no UCX backend here (plugins: "
                               f"{self._agent.get_plugin_list()})")
         self._peers: dict[str, tuple[str, int]] = {}  # agent -> (ip, port) with metadata
-        self._mirrors: dict[tuple[str, str, int, int, int], _Mirror] = {}
+        # One mirror per (agent, segment name, epoch): a descriptor naming it at
+        # another address or size is forged (LOST_INVALID), and cannot make
+        # the puller allocate and register mirrors without end.
+        self._mirrors: dict[tuple[str, str, int], _Mirror] = {}
         self._lock = threading.Lock()
         self._view = ffi.new("shm_view *")
         self._info = ffi.new("shm_info *")
@@ -616,8 +620,11 @@ class RemotePuller:
 
     def _mirror(self, desc: RemoteDescriptor, segment: RemoteSegment,
                 deadline: float) -> _Mirror:
-        key = (desc.agent, segment.name, segment.epoch, segment.address, segment.size)
+        key = (desc.agent, segment.name, segment.epoch)
         mirror = self._mirrors.get(key)
+        if mirror is not None and mirror.remote != (segment.address, segment.size):
+            raise InvalidRefError(f"remote segment {segment.name}: address or size differs "
+                                  "from the first descriptor's")
         if mirror is None:
             if self._scratch_registered is None:
                 self._scratch_registered = self._agent.register_memory(
@@ -632,6 +639,7 @@ class RemotePuller:
                 raise StaleChunkError(f"remote segment {segment.name}: epoch {int(info.epoch)}, "
                                       f"the descriptor says {segment.epoch}")
             mirror = _Mirror(self._scratch, int(info.capacity), self._agent)
+            mirror.remote = (segment.address, segment.size)
             self._mirrors[key] = mirror
         return mirror
 

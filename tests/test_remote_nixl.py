@@ -182,14 +182,21 @@ elif script == "forge":
     entries[1]["position"] += 1 << 40
     entries[2]["position"] += 8
     entries[3]["record_bytes"] = 1 << 30
-    for name, remote_forged in (("outside", forged(remote, outside)),
-                                ("straddle", forged(remote, straddle)),
-                                ("large", forged(remote, large)),
-                                ("entries", forged(remote, entries=entries))):
-        out, seconds = timed_pull(puller, remote_forged)
+    # 5. the real segment at another size, once the puller has its mirror
+    moved = RemoteDescriptor.from_dict({**desc.to_dict(), "segments": [
+        {"name": seg.name, "epoch": seg.epoch, "address": seg.address, "size": seg.size + 4096}]})
+    # ("large" on a puller of its own: one mirror per segment and epoch, and
+    # a later descriptor at another size is refused: case 5)
+    large_puller = RemotePuller(port=int(sys.argv[6]), timeout_s=timeout_s)
+    for name, remote_forged, by in (("outside", forged(remote, outside), puller),
+                                    ("straddle", forged(remote, straddle), puller),
+                                    ("large", forged(remote, large), large_puller),
+                                    ("entries", forged(remote, entries=entries), puller),
+                                    ("moved", forged(remote, moved), puller)):
+        out, seconds = timed_pull(by, remote_forged)
         cases[name] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
-                       "seconds": seconds, "error": puller.stats.last_error}
-        puller.stats.last_error = ""
+                       "seconds": seconds, "error": by.stats.last_error}
+        by.stats.last_error = ""
     out, seconds = timed_pull(puller, data)   # the real batch still goes through
     cases["real"] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
                      "seconds": seconds}
@@ -306,6 +313,9 @@ def test_forged_remote_batches_cost_their_entries_only(prefix, tmp_path):
     # After "large" released every record, the forged entries: a wrong seal is
     # refused by the record's own check, bad positions and sizes before any READ.
     assert cases["entries"]["rows"] == [lost_invalid] * 4, cases["entries"]
+    # The segment the puller has a mirror of, at another size: refused, no READ.
+    assert cases["moved"]["rows"] == [lost_invalid] * 4, cases["moved"]
+    assert "size differs" in cases["moved"]["error"], cases["moved"]
     # The real batch, pulled again: a release travels as a notification, so
     # whether "large"'s release reached the producer before this READ is a
     # race. Either the records still read WRITTEN (the rows again: a remote
