@@ -25,7 +25,9 @@ the native shm_release_many: no Python writes to shared memory.
 NIXL never fails a READ on a link that was pulled (UCX over TCP waits on the
 kernel's retransmissions, tests/test_netns_nixl.py), so every pull has its
 own deadline: entries it could not read in time become LOST (stale) and the
-others go through. Everything a RemoteBatch carries is untrusted input.
+others go through. NIXL cannot cancel a READ, so one given up is kept with
+its destination until it ends (RemotePuller._late), and its agent is left
+alone meanwhile. Everything a RemoteBatch carries is untrusted input.
 
 NIXL is imported only when an export or a puller is made:
 `pip install nixl-cu12==1.5.1`. UCX picks its transports from the
