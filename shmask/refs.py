@@ -25,7 +25,7 @@ a malformed batch raises InvalidRefError, never reads out of bounds.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -365,18 +365,35 @@ class RefBatch:
         return self._inline_where(reader, lambda ring_host: ring_host != host)
 
     def _inline_where(self, reader: Any, inline_host: Any) -> RefBatch:
+        payloads: dict[int, bytes] = {}
+        lost: dict[int, int] = {}
+        for i, ref in enumerate(self):
+            if ref.kind == KIND_SHM and inline_host(ref.host):
+                try:
+                    payloads[i] = _copy_out(reader, ref)
+                except ShmaskError as exc:
+                    lost[i] = LOST_STALE if isinstance(exc, StaleChunkError) else LOST_INVALID
+        return self.with_inline(payloads, lost)
+
+    def with_inline(self, payloads: Mapping[int, bytes | memoryview],
+                    lost: Mapping[int, int]) -> RefBatch:
+        """This batch with ring entry i carried inline as payloads[i] (an
+        inline payload: pack_payload's layout) and entry j LOST for reason
+        lost[j] (LOST_STALE or LOST_INVALID); the other entries as they are.
+        What a hop that copied some chunks out (to_inline, a remote pull)
+        sends on."""
+        if not payloads and not lost:
+            return self
         entries = self._entries.copy()
         chunks: list[bytes | memoryview] = []
         offset = 0
         payload: bytes | memoryview
         for i, ref in enumerate(self):
-            if ref.kind == KIND_SHM and inline_host(ref.host):
-                try:
-                    payload = _copy_out(reader, ref)
-                except ShmaskError as exc:
-                    lost = LOST_STALE if isinstance(exc, StaleChunkError) else LOST_INVALID
-                    entries[i] = (KIND_LOST, ref.mode, 0, 0, lost, 0, 0, 0, 0, 0)
-                    continue
+            if i in lost:
+                entries[i] = (KIND_LOST, ref.mode, 0, 0, lost[i], 0, 0, 0, 0, 0)
+                continue
+            if i in payloads:
+                payload = payloads[i]
                 entries[i]["kind"], entries[i]["segment"], entries[i]["seal"] = KIND_INLINE, 0, 0
             elif ref.kind == KIND_INLINE:
                 assert ref.payload is not None

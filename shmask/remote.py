@@ -55,8 +55,6 @@ from ._native_errors import raise_for
 from .config import Config
 from .errors import InvalidRefError, ShmaskError, StaleChunkError
 from .refs import (
-    KIND_INLINE,
-    KIND_LOST,
     KIND_SHM,
     LOST_INVALID,
     LOST_STALE,
@@ -578,7 +576,7 @@ class RemotePuller:
                                                 lost, deadline)
                 if copied:
                     self._notify(desc, index, copied)
-        return _rebuild(batch, entries, payloads, lost, self.stats)
+        return _rebuild(batch, payloads, lost, self.stats)
 
     # ------------------------------------------------------------ internals
     def _connect(self, desc: RemoteDescriptor, deadline: float) -> bool:
@@ -849,33 +847,10 @@ class RemotePuller:
         self.close()
 
 
-def _rebuild(batch: RefBatch, entries: np.ndarray, payloads: dict[int, bytes],
-             lost: dict[int, int], stats: PullStats) -> RefBatch:
-    """The batch with `payloads` inline and `lost` entries LOST (as
-    RefBatch._inline_where builds it)."""
-    if not payloads and not lost:
-        return batch
-    chunks: list[bytes | memoryview] = []
-    offset = 0
-    for i, ref in enumerate(batch):
-        if i in lost:
-            entries[i] = (KIND_LOST, ref.mode, 0, 0, lost[i], 0, 0, 0, 0, 0)
-            if lost[i] == LOST_STALE:
-                stats.lost_stale += 1
-            else:
-                stats.lost_invalid += 1
-            continue
-        payload: bytes | memoryview
-        if i in payloads:
-            payload = payloads[i]
-            entries[i]["kind"], entries[i]["segment"], entries[i]["seal"] = KIND_INLINE, 0, 0
-            stats.pulled += 1
-        elif ref.kind == KIND_INLINE:
-            assert ref.payload is not None
-            payload = ref.payload
-        else:
-            continue
-        entries[i]["position"], entries[i]["record_bytes"] = offset, len(payload)
-        chunks.append(payload)
-        offset += len(payload)
-    return RefBatch.build(batch.segments, entries, chunks)
+def _rebuild(batch: RefBatch, payloads: dict[int, bytes], lost: dict[int, int],
+             stats: PullStats) -> RefBatch:
+    """The batch with `payloads` inline and `lost` entries LOST, counted."""
+    stats.pulled += len(payloads.keys() - lost.keys())
+    stats.lost_stale += sum(reason == LOST_STALE for reason in lost.values())
+    stats.lost_invalid += sum(reason != LOST_STALE for reason in lost.values())
+    return batch.with_inline(payloads, lost)
