@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -177,6 +178,17 @@ def available() -> str | None:
         return f"cannot make a network namespace with a veth pair: {' '.join(exc.cmd)}: {exc.stderr.strip()}"
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot make a network namespace: {exc}"
+    return None
+
+
+def nixl_unavailable() -> str | None:
+    """None when the two-host NIXL tests can run here, else why not (for
+    pytest's skip): namespaces (available()) and nixl-cu12 installed."""
+    reason = available()
+    if reason is not None:
+        return reason
+    if importlib.util.find_spec("nixl_cu12") is None:
+        return "nixl-cu12 is not installed (pip install -r tests/compat/requirements-nixl.txt)"
     return None
 
 

@@ -18,7 +18,6 @@ Needs root (namespaces) and NIXL's `nixl-cu12` package
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -37,17 +36,8 @@ SLICE_BYTES = 4096
 LISTEN_PORT = 5599               # each namespace has its own ports: no clash between tests
 
 
-def _skip_reason() -> str | None:
-    reason = netns.available()
-    if reason is not None:
-        return reason
-    if importlib.util.find_spec("nixl_cu12") is None:
-        return "nixl-cu12 is not installed (pip install -r tests/compat/requirements-nixl.txt)"
-    return None
-
-
-needs_nixl_hosts = pytest.mark.skipif(_skip_reason() is not None,
-                                      reason=_skip_reason() or "")
+needs_nixl_hosts = pytest.mark.skipif(netns.nixl_unavailable() is not None,
+                                      reason=netns.nixl_unavailable() or "")
 needs_hosts = pytest.mark.skipif(netns.available() is not None,
                                  reason=netns.available() or "")
 

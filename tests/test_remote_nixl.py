@@ -14,7 +14,6 @@ reason, without (as tests/test_netns_nixl.py).
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import os
 import sys
@@ -27,18 +26,8 @@ import pytest
 from shmask.errors import InvalidRefError
 from shmask.segment import collect_garbage
 
-
-def _skip_reason() -> str | None:
-    reason = netns.available()
-    if reason is not None:
-        return reason
-    if importlib.util.find_spec("nixl_cu12") is None:
-        return "nixl-cu12 is not installed (pip install -r tests/compat/requirements-nixl.txt)"
-    return None
-
-
-needs_nixl_hosts = pytest.mark.skipif(_skip_reason() is not None,
-                                      reason=_skip_reason() or "")
+needs_nixl_hosts = pytest.mark.skipif(netns.nixl_unavailable() is not None,
+                                      reason=netns.nixl_unavailable() or "")
 
 EXPORT_PORT = 5611   # in namespace A
 PULL_PORT = 5612     # in namespace B
