@@ -10,6 +10,7 @@ variables the test suite and benchmarks read are known and never warn.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import logging
 import os
 import re
@@ -41,6 +42,7 @@ MASK_FORMATS = ("lists", "arrays")
 CAPTURES = ("shmask", "engine")
 ROW_ORDERS = ("engine", "ascending")
 PAST_CAPS = ("exact", "status")
+REMOTES = ("off", "nixl")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 _PREFIX_RULE = "1 to 32 letters, digits or underscores"
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
@@ -55,10 +57,12 @@ _RANGES: dict[str, tuple[float, float]] = {
     "queue_rows": (1, 1 << 16),
     "json_threads": (1, JSON_THREADS_MAX),
     "offload_threads": (1, 256),
+    "remote_port": (0, 65535),
+    "remote_timeout_s": (0.01, 600),
 }
 _CHOICES = {"transport": TRANSPORTS, "gpu_direct": GPU_DIRECT, "log_level": LOG_LEVELS,
             "mask_format": MASK_FORMATS, "capture": CAPTURES, "row_order": ROW_ORDERS,
-            "past_cap": PAST_CAPS}
+            "past_cap": PAST_CAPS, "remote": REMOTES}
 
 
 def _usable_cpus(at_most: int) -> int:
@@ -85,7 +89,8 @@ def _gpu_direct(raw: str) -> str:
 
 
 _NORMALIZE = {"SHMASK_TRANSPORT": str.lower, "SHMASK_LOG_LEVEL": _log_level,
-              "SHMASK_GPU_DIRECT": _gpu_direct, "SHMASK_MASK_FORMAT": str.lower}
+              "SHMASK_GPU_DIRECT": _gpu_direct, "SHMASK_MASK_FORMAT": str.lower,
+              "SHMASK_REMOTE": str.lower}
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,24 @@ class Config:
     listed by ascending id); "status", the engine's OVERFLOW status (SGLang
     aborts that request with its 400; the other rows of the batch are
     untouched)."""
+    remote: str = "off"
+    """How a patched engine's rows reach a consumer on another host (SGLang:
+    the schedulers of --node-rank 1 and above send to the tokenizer on node
+    0): "off", inline in their references (the rows' bytes on the engine's
+    sockets; nothing else to install); "nixl", the references alone, the
+    consumer reading the rows from the producer's ring with one-sided NIXL
+    READs (pip install 'shmask[nixl]'; docs/multi-node.md)."""
+    remote_ip: str = ""
+    """The address consumers on other hosts reach this producer's NIXL agent
+    at; empty: the address of this host's interface that routes to the
+    engine's head node (SGLang: --dist-init-addr)."""
+    remote_port: int = 0
+    """The port of this process's NIXL agent (its metadata listener); 0: a
+    free port."""
+    remote_timeout_s: float = 5.0
+    """How long a consumer waits for one message's remote rows before the
+    requests they belong to fail (NIXL does not fail a READ on a dropped
+    link; it waits)."""
 
     def __post_init__(self) -> None:
         # Every field's type before its range: a dataclass checks none, and
@@ -166,6 +189,13 @@ class Config:
                 _check_range(variable, value, *_RANGES[name])
             elif name in _CHOICES:
                 _check_choice(variable, value, _CHOICES[name])
+        if self.remote_ip:
+            try:
+                ipaddress.ip_address(self.remote_ip)
+            except ValueError:
+                raise ConfigError(f"SHMASK_REMOTE_IP={self.remote_ip!r} is not an IP address "
+                                  "(or leave it empty: the address that routes to the head "
+                                  "node)") from None
         if not _PREFIX_PATTERN.match(self.name_prefix):
             raise ConfigError(
                 f"SHMASK_NAME_PREFIX={self.name_prefix!r} is invalid: "
@@ -305,7 +335,8 @@ def _check_type(variable: str, field: str, value: object, kind: type) -> None:
     elif field in _CHOICES:
         accepted = ", ".join(_CHOICES[field])
     else:
-        accepted = "True or False" if kind is bool else _PREFIX_RULE
+        accepted = ("True or False" if kind is bool else _PREFIX_RULE if field == "name_prefix"
+                    else "an IP address, or empty")
     raise ConfigError(f"{variable}={value!r} (Config.{field}) is not {_KIND_NAMES[kind]}: "
                       f"accepted {accepted}")
 

@@ -96,6 +96,10 @@ _HEADER_FIELDS_BYTES = 256
 RELEASE_MAGIC = b"SMRL"
 _RELEASE_HEADER = struct.Struct("<4sIQ")
 MAX_RELEASES_PER_NOTIF = 4096
+# NIXL's progress thread (on by default) spins a core even idle (RESULTS.md:
+# 91-97% of a core over an idle second). Off: the export's notification
+# poll and the puller's state checks drive UCX's progress themselves.
+PROGRESS_THREAD = False
 
 
 def _nixl() -> Any:
@@ -181,6 +185,27 @@ class RemoteDescriptor:
         return cls(agent, ip, port, tuple(segments))
 
 
+def parse_descriptor(data: bytes) -> RemoteDescriptor:
+    """A descriptor's JSON (untrusted): InvalidRefError unless well formed."""
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRefError(f"remote batch descriptor is not JSON: {exc}") from None
+    return RemoteDescriptor.from_dict(raw)
+
+
+def remote_prefix(descriptor: RemoteDescriptor | dict[str, Any]) -> bytes:
+    """A RemoteBatch's bytes up to its RefBatch: the same for every batch of
+    one export, so a producer that sends many makes it once."""
+    if not isinstance(descriptor, RemoteDescriptor):
+        descriptor = RemoteDescriptor.from_dict(descriptor)
+    desc = orjson.dumps(descriptor.to_dict())
+    if len(desc) > MAX_DESCRIPTOR_BYTES:
+        raise InvalidRefError(f"remote descriptor of {len(desc)} bytes exceeds "
+                              f"{MAX_DESCRIPTOR_BYTES}")
+    return _REMOTE_HEADER.pack(REMOTE_MAGIC, REMOTE_VERSION, 0, len(desc)) + desc
+
+
 class RemoteBatch:
     """A RefBatch plus the descriptor of the rings it points into: what a
     forwarding hop sends to a host that pulls the rows (RemotePuller)."""
@@ -195,15 +220,18 @@ class RemoteBatch:
                            else RemoteDescriptor.from_dict(descriptor))
 
     def to_bytes(self) -> bytes:
-        desc = orjson.dumps(self.descriptor.to_dict())
-        if len(desc) > MAX_DESCRIPTOR_BYTES:
-            raise InvalidRefError(f"remote descriptor of {len(desc)} bytes exceeds "
-                                  f"{MAX_DESCRIPTOR_BYTES}")
-        return (_REMOTE_HEADER.pack(REMOTE_MAGIC, REMOTE_VERSION, 0, len(desc)) + desc
-                + self.batch.to_bytes())
+        return remote_prefix(self.descriptor) + self.batch.to_bytes()
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> RemoteBatch:
+        desc, batch = cls.parts(data)
+        return cls(RefBatch.from_bytes(batch), parse_descriptor(desc))
+
+    @staticmethod
+    def parts(data: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
+        """(descriptor JSON, RefBatch bytes) of a remote batch, its header
+        checked, neither part parsed: a consumer of many batches from one
+        export parses the descriptor once (parse_descriptor)."""
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"a remote batch is bytes, got {type(data).__name__}")
         data = bytes(data)
@@ -219,11 +247,7 @@ class RemoteBatch:
         if desc_bytes > MAX_DESCRIPTOR_BYTES or end > len(data):
             raise InvalidRefError(f"remote batch descriptor of {desc_bytes} bytes does not fit "
                                   f"its {len(data)} bytes (at most {MAX_DESCRIPTOR_BYTES})")
-        try:
-            raw = orjson.loads(data[_REMOTE_HEADER.size:end])
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRefError(f"remote batch descriptor is not JSON: {exc}") from None
-        return cls(RefBatch.from_bytes(data[end:]), RemoteDescriptor.from_dict(raw))
+        return data[_REMOTE_HEADER.size:end], data[end:]
 
     def __repr__(self) -> str:
         return (f"RemoteBatch({len(self.batch)} refs, agent {self.descriptor.agent!r} at "
@@ -281,7 +305,8 @@ class RemoteExport:
         self._poll_s = poll_s
         info = ffi.new("shm_info *")
         self._agent = api.nixl_agent(self.name, api.nixl_agent_config(
-            enable_listen_thread=True, listen_port=port, backends=["UCX"]))
+            enable_prog_thread=PROGRESS_THREAD, enable_listen_thread=True, listen_port=port,
+            backends=["UCX"]))
         if "UCX" not in self._agent.backends:
             raise ShmaskError(f"NIXL has no UCX backend here (plugins: "
                               f"{self._agent.get_plugin_list()})")
@@ -471,7 +496,8 @@ class RemotePuller:
                                 getattr(api.nixlBind, "nixlInvalidParamError", None))
             if isinstance(error, type))
         self._agent = api.nixl_agent(self.name, api.nixl_agent_config(
-            enable_listen_thread=True, listen_port=port, backends=["UCX"]))
+            enable_prog_thread=PROGRESS_THREAD, enable_listen_thread=True, listen_port=port,
+            backends=["UCX"]))
         if "UCX" not in self._agent.backends:
             raise ShmaskError(f"NIXL has no UCX backend here (plugins: "
                               f"{self._agent.get_plugin_list()})")

@@ -168,17 +168,25 @@ def available() -> str | None:
     if shutil.which("ip") is None:
         return "network namespaces need iproute2's `ip`"
     probe = f"shmprobe{os.getpid()}"
-    try:
-        _ip("netns", "add", probe)
+    reason = None
+    # Tried three times: `ip netns add` run while another process adds or
+    # deletes a namespace can fail once (the /run/netns mount being made),
+    # and one failed probe would skip every two-host test of the session.
+    for attempt in range(3):
         try:
-            _ip("-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb")
-        finally:
-            _ip("netns", "del", probe, check=False)
-    except subprocess.CalledProcessError as exc:
-        return f"cannot make a network namespace with a veth pair: {' '.join(exc.cmd)}: {exc.stderr.strip()}"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot make a network namespace: {exc}"
-    return None
+            _ip("netns", "add", probe)
+            try:
+                _ip("-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb")
+            finally:
+                _ip("netns", "del", probe, check=False)
+            return None
+        except subprocess.CalledProcessError as exc:
+            reason = (f"cannot make a network namespace with a veth pair: {' '.join(exc.cmd)}: "
+                      f"{exc.stderr.strip()}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            reason = f"cannot make a network namespace: {exc}"
+        time.sleep(0.2 * (attempt + 1))
+    return reason
 
 
 def nixl_unavailable() -> str | None:

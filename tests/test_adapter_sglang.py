@@ -672,7 +672,7 @@ def _fresh_ends(monkeypatch, prefix: str, ring_mb: int) -> str:
     """The adapter as a new scheduler process has it: no Writer yet, and a
     name prefix of its own (the test's fixtures hold a ring under the
     test's prefix); returns it."""
-    for name in ("writer", "inline", "making", "ring_error"):
+    for name in ("writer", "inline", "making", "ring_error", "head", "leaving"):
         monkeypatch.setitem(adapter._ends, name, None)
     monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix + "lazy")
     monkeypatch.setenv("SHMASK_RING_MB", str(ring_mb))
@@ -749,6 +749,78 @@ def test_a_ring_that_cannot_be_made_leaves_masks_inline_with_one_warning(monkeyp
             assert chunk.to_lists(False) == ([[i, i + 1]], [-0.25 * i])
         for r in rows:
             r.close()
+    finally:
+        _close_ends()
+
+
+NODE_1 = {"nnodes": 2, "node_rank": 1, "dist_init_addr": "10.11.12.13:5000"}
+
+
+@pytest.mark.parametrize("server", [NODE_1, {**NODE_1, "dist_init_addr": None}])
+def test_a_scheduler_on_another_node_sends_its_rows_inline_by_default(monkeypatch, prefix, reader,
+                                                                      server):
+    """SGLang's tokenizer runs on node 0 only: a scheduler of --node-rank 1
+    sends its outputs to another host, which cannot map its ring. With
+    SHMASK_REMOTE unset every chunk rides inline in its reference from the
+    first request (no ring is made), and any Reader opens it."""
+    prefix = _fresh_ends(monkeypatch, prefix, 2)
+    monkeypatch.delenv("SHMASK_REMOTE", raising=False)
+    try:
+        adapter.start_scheduler(_server_args(**server))
+        assert adapter._ends["head"] == (server["dist_init_addr"] or "")
+        rows = [adapter.SamplingMaskRows("support")]
+        adapter.ring_ready(30)  # a ring, had one been started, is made by now
+        rows.append(adapter.SamplingMaskRows("selected"))
+        assert adapter._ends["making"] is None  # none was started
+        assert all(r.writer.segment is None for r in rows) and _segments(prefix) == []
+        rows[0].append(np.array([3, 9], np.int32), np.array([-0.5, -1.5], np.float32))
+        rows[1].append(np.array([4], np.int32), np.float32(-0.25))
+        chunks = adapter.take_all(rows)
+        assert all(shmask.ChunkRef.from_bytes(c.ref).inline for c in chunks)
+        assert chunks[0].to_lists(True) == ([[3, 9]], [[-0.5, -1.5]])
+        assert chunks[1].to_lists(False) == ([[4]], [-0.25])
+        for r in rows:
+            r.close()
+    finally:
+        _close_ends()
+
+
+def test_node_0_and_a_single_node_keep_the_ring():
+    assert adapter.outputs_leave_host(_server_args(**{**NODE_1, "node_rank": 0})) is None
+    assert adapter.outputs_leave_host(_server_args(nnodes=1, node_rank=0)) is None
+    assert adapter.outputs_leave_host(_server_args()) is None  # attributes absent
+    assert adapter.outputs_leave_host(None) is None
+    assert adapter.outputs_leave_host(_server_args(**NODE_1)) == "10.11.12.13:5000"
+
+
+def test_an_export_that_fails_leaves_that_schedulers_rows_inline(monkeypatch, prefix, reader,
+                                                                 caplog):
+    """SHMASK_REMOTE=nixl on a node whose NIXL cannot export the ring (not
+    installed, its agent cannot listen): the ring is given back, the rows go
+    inline, one warning says why; never a reference the tokenizer cannot read."""
+    prefix = _fresh_ends(monkeypatch, prefix, 2)
+    monkeypatch.setenv("SHMASK_REMOTE", "nixl")
+
+    def no_nixl(*args, **kwargs):
+        raise ImportError("No module named 'nixl_cu12'")
+
+    monkeypatch.setattr(adapter, "Leaving", no_nixl)
+    try:
+        adapter.start_scheduler(_server_args(**NODE_1))
+        with caplog.at_level(logging.WARNING, logger="shmask"):
+            first = adapter.SamplingMaskRows("selected")
+            assert adapter.ring_ready(30) is None
+            later = adapter.SamplingMaskRows("selected")
+        warned = [r.getMessage() for r in caplog.records if "NIXL" in r.getMessage()]
+        assert len(warned) == 1 and "nixl_cu12" in warned[0], warned
+        assert first.writer is later.writer is adapter._ends["inline"]
+        assert _segments(prefix) == []  # the ring made for the export was closed
+        first.append(np.array([1, 2], np.int32), np.float32(-1.0))
+        (chunk,) = adapter.take_all([first])
+        assert shmask.ChunkRef.from_bytes(chunk.ref).inline
+        assert chunk.to_lists(False) == ([[1, 2]], [-1.0])
+        first.close()
+        later.close()
     finally:
         _close_ends()
 

@@ -62,6 +62,15 @@ seconds to create; lazily, the first masked request would pay it),
 SHMASK_MAX_TOKENS is checked against ``--sampling-mask-max-tokens``, and
 shmask's metrics are turned on when SGLang's ``--enable-metrics`` is.
 
+Several nodes (``--nnodes`` > 1): SGLang's tokenizer runs on node 0 only,
+so the schedulers of ``--node-rank`` 1 and above send their rows to another
+host (``outputs_leave_host``). With ``SHMASK_REMOTE=off`` (the default)
+their chunks ride inline in their references; with ``SHMASK_REMOTE=nixl``
+their ring is exported to NIXL and each reference carries the export's
+descriptor (shmask.remote_refs): ``lists_or_abort`` pulls the rows of a
+message's remote chunks in one NIXL READ batch per scheduler
+(``pull_message``) before reading the first. Never a RemoteChunkError.
+
 Lifetime (the ring record of a chunk): ``to_lists`` builds the lists and then
 releases the record (SGLang calls it once per chunk); ``release()`` gives it
 back without reading (an aborted request whose chunk arrives after its state
@@ -94,6 +103,7 @@ from ..config import MASK_FORMATS, Config
 from ..errors import ConfigError, InvalidRefError, InvalidRowsError, SegmentError, ShmaskError
 from ..reader import Reader
 from ..refs import MODE_SELECTED, MODE_SUPPORT, ChunkRef, RefBatch
+from ..remote_refs import Leaving, is_remote, plain, pull, pull_one
 from ..response_json import RawJSON
 from ..writer import RowQueue, Writer, _as_array
 
@@ -112,6 +122,8 @@ __all__ = [
     "flush",
     "lists_or_abort",
     "mask_format",
+    "outputs_leave_host",
+    "pull_message",
     "release_chunk",
     "response_meta_info",
     "split_refs",
@@ -129,7 +141,10 @@ STATUS_OK = 0  # sglang.srt.layers.logits_processor.SamplingMaskStatus.OK
 _ends: dict[str, Any] = {"writer": None, "reader": None, "mask_format": None,
                          # until the ring is made (or for good, if it cannot
                          # be): the Writer whose chunks ride in their refs
-                         "inline": None, "making": None, "ring_error": None}
+                         "inline": None, "making": None, "ring_error": None,
+                         # outputs go to another host (start_scheduler): where
+                         # the tokenizer is, and the ring's NIXL export
+                         "head": None, "leaving": None}
 
 
 def configure(writer: Writer | None = None, reader: Reader | None = None,
@@ -175,6 +190,14 @@ def default_writer() -> Writer:
     if config.transport == "inline":  # no ring asked for
         writer = _ends["writer"] = Writer(config)
         return writer
+    if _ends["head"] is not None and config.remote == "off":
+        # The rows go to another host and are not to be read there through
+        # NIXL: they ride in their references, from the first one.
+        log.info("shmask: this scheduler's outputs go to another host (%s): sampling-mask "
+                 "rows travel inline in their references (SHMASK_REMOTE=nixl reads them "
+                 "from this host's ring instead)", _ends["head"])
+        writer = _ends["writer"] = Writer(dataclasses.replace(config, transport="inline"))
+        return writer
     inline = _ends["inline"] = Writer(dataclasses.replace(config, transport="inline"))
     making = threading.Thread(target=_make_ring, args=(config,), name="shmask-ring",
                               daemon=True)
@@ -196,6 +219,19 @@ def _make_ring(config: Config) -> None:
             "Give the container a larger /dev/shm (docker run --shm-size) or lower "
             "SHMASK_RING_MB (now %d)", exc, config.ring_mb)
         return
+    if _ends["head"] is not None:
+        # SHMASK_REMOTE=nixl: the consumers on the head node read this ring
+        # through NIXL; without an export they could not, so its requests
+        # stay inline.
+        try:
+            _ends["leaving"] = Leaving(writer, config, head=_ends["head"] or None)
+        except Exception as exc:  # noqa: BLE001 - NIXL missing or its agent failed: inline
+            writer.close()
+            _ends["ring_error"] = exc
+            log.warning("shmask: SHMASK_REMOTE=nixl, but this ring cannot be exported to "
+                        "NIXL (%s: %s); sampling-mask rows travel inline in their references "
+                        "instead (pip install 'shmask[nixl]')", type(exc).__name__, exc)
+            return
     if metrics.enabled():
         writer.sync_metrics()  # the ring's gauges from its start
     log.info("shmask ring %s ready: %d MiB", writer.segment_name,
@@ -259,6 +295,19 @@ def _enable_metrics(server_args: Any, enable: bool | None,
     return True
 
 
+def outputs_leave_host(server_args: Any) -> str | None:
+    """Where a scheduler's outputs go when that is another host, else None.
+    SGLang runs the detokenizer and the tokenizer on node 0 only, so a
+    scheduler of ``--node-rank`` 1 or above (``--nnodes`` > 1) sends its
+    outputs over TCP to node 0: its ``--dist-init-addr`` ("" when unset)."""
+    if server_args is None:
+        return None
+    if int(getattr(server_args, "nnodes", 1) or 1) > 1 and int(
+            getattr(server_args, "node_rank", 0) or 0) >= 1:
+        return str(getattr(server_args, "dist_init_addr", None) or "")
+    return None
+
+
 def start_scheduler(server_args: Any = None, *, metrics_labels: Mapping[str, Any] | None = None,
                     enable_metrics: bool | None = None) -> Writer | None:
     """Scheduler start-up, once per scheduler process (one per TP/PP/DP
@@ -269,10 +318,13 @@ def start_scheduler(server_args: Any = None, *, metrics_labels: Mapping[str, Any
     ``self.metrics_collector.labels``: model_name, tp_rank, pp_rank, ...)
     on every series. No ring is made here: a server that never sees a
     request for masks reserves no /dev/shm (default_writer() makes it at
-    the first one). Returns the Writer given to ``configure``, if any."""
+    the first one). A scheduler whose outputs go to another host
+    (``outputs_leave_host``) sends its rows the way SHMASK_REMOTE says.
+    Returns the Writer given to ``configure``, if any."""
     writer = _ends["writer"]
     config = writer.config if writer is not None and not writer.closed else Config.from_env()
     check_server_max_tokens(config, server_args)
+    _ends["head"] = outputs_leave_host(server_args)
     if _enable_metrics(server_args, enable_metrics, metrics_labels) and writer is not None:
         writer.sync_metrics()
     log.info("shmask: the sampling-mask ring (%d MiB) is made at the first request for masks",
@@ -324,6 +376,8 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
     def _open(self) -> Chunk:
         rows = self.rows_
         if rows is None:
+            if is_remote(self.ref):  # another host's ring: its rows pulled here first
+                self.ref = pull_one(self.ref)
             rows = self.rows_ = default_reader().open(ChunkRef.from_bytes(self.ref))
         elif rows is _RELEASED:
             raise ShmaskError("sampling-mask chunk was released (to_lists releases it)")
@@ -357,7 +411,11 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
     @property
     def support_logprobs(self) -> bool:
         """True when the rows carry one logprob per support entry."""
-        return ChunkRef.from_bytes(self.ref).mode_name == "support"
+        return self._ref().mode_name == "support"
+
+    def _ref(self) -> ChunkRef:
+        # a remote reference (not pulled yet) describes its rows all the same
+        return ChunkRef.from_bytes(plain(self.ref)[1] if is_remote(self.ref) else self.ref)
 
     # ------------------------------------------------------- responses
     def to_lists(self, support_logprobs: bool) -> tuple[list[list[int] | None], list[Any]]:
@@ -397,6 +455,10 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
             return
         self.rows_ = _RELEASED
         if rows is None:
+            if is_remote(self.ref):
+                # Another host's record, never read: its producer reclaims
+                # it at the lease (a pull just to give it back would READ it).
+                return
             default_reader().discard(ChunkRef.from_bytes(self.ref))
         elif isinstance(rows, Chunk):
             rows.release()
@@ -405,7 +467,8 @@ class SamplingMaskChunk(msgspec.Struct, array_like=True, gc=False, omit_defaults
 
     def __repr__(self) -> str:
         state = {None: "unread", _RELEASED: "released"}.get(self.rows_, "open")  # type: ignore[arg-type]
-        return f"SamplingMaskChunk({ChunkRef.from_bytes(self.ref)!r}, {state})"
+        where = ", remote" if is_remote(self.ref) else ""
+        return f"SamplingMaskChunk({self._ref()!r}{where}, {state})"
 
 
 def release_chunk(chunk: Any) -> None:
@@ -451,6 +514,8 @@ def lists_or_abort(manager: Any, recv_obj: Any, index: int, meta_info: dict[str,
     its meta_info then carries the CSR objects."""
     chunk = recv_obj.output_token_sampling_mask[index]
     try:
+        if isinstance(chunk, SamplingMaskChunk) and chunk.rows_ is None and is_remote(chunk.ref):
+            pull_message(recv_obj.output_token_sampling_mask)
         if mask_format() == "arrays":
             # The rows go straight into the request's CSR buffers, which the
             # patched code's extend calls then leave as they are.
@@ -483,6 +548,20 @@ def lists_or_abort(manager: Any, recv_obj: Any, index: int, meta_info: dict[str,
             except Exception as abort_exc:  # noqa: BLE001 - the request already failed here
                 log.error("abort of request %s not sent to the scheduler: %s", rid, abort_exc)
         return [], []
+
+
+def pull_message(chunks: Sequence[Any]) -> None:
+    """Pull the rows of every unread remote chunk of one message (chunks of
+    a scheduler on another host: SHMASK_REMOTE=nixl there) in one NIXL pull
+    per producer, before the first of them is read. A chunk that could not
+    be pulled fails when it is read, alone."""
+    pending = [c for c in chunks if isinstance(c, SamplingMaskChunk) and c.rows_ is None
+               and is_remote(c.ref)]
+    if not pending:
+        return
+    for chunk, ref in zip(pending, pull([c.ref for c in pending]), strict=True):
+        if ref is not None:
+            chunk.ref = ref
 
 
 def _check_mode(rows: Chunk, support_logprobs: bool) -> None:
@@ -1110,7 +1189,11 @@ def take_all(items: Sequence[SamplingMaskRows | None] | None, final: bool = Fals
     for owner, present in by_writer.values():
         flush(owner)
         queues = [items[i].queue for i in present]  # type: ignore[union-attr]
-        refs = split_refs(owner.take_batch(queues, final))
+        batch = owner.take_batch(queues, final)
+        leaving = _ends["leaving"]
+        # to another host through NIXL: the ring's refs carry its descriptor
+        refs = leaving.refs(batch) if leaving is not None and leaving.writer is owner \
+            else split_refs(batch)
         for i, ref in zip(present, refs, strict=True):
             out[i] = SamplingMaskChunk(ref)
     return out

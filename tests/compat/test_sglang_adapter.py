@@ -716,3 +716,22 @@ def test_coalesced_rows_join_slices_without_a_copy_and_anything_else_by_copy():
     assert copied._origin is None
     assert copied.to_lists()[0] == [[1, 2], [3], [9]]
     assert adapter.coalesced_rows([{"m": [[1]]}, {}, {"m": [[2]]}], "m") == [[1], [2]]
+
+
+def test_outputs_leave_host_reads_sglangs_own_multi_node_arguments():
+    """The three ServerArgs fields start_scheduler reads to tell a scheduler
+    of --node-rank 1+ (its outputs go to node 0's tokenizer) exist under
+    these names in the released package, and mean what the adapter takes
+    them to mean."""
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {f.name for f in __import__("dataclasses").fields(ServerArgs)}
+    assert {"nnodes", "node_rank", "dist_init_addr"} <= fields
+    single = ServerArgs(model_path="dummy")
+    assert adapter.outputs_leave_host(single) is None
+    node_1 = ServerArgs(model_path="dummy", nnodes=2, node_rank=1,
+                        dist_init_addr="10.1.2.3:5000")
+    assert adapter.outputs_leave_host(node_1) == "10.1.2.3:5000"
+    node_0 = ServerArgs(model_path="dummy", nnodes=2, node_rank=0,
+                        dist_init_addr="10.1.2.3:5000")
+    assert adapter.outputs_leave_host(node_0) is None

@@ -892,5 +892,6 @@ import cases_fork  # noqa: E402,F401
 import cases_guard  # noqa: E402,F401
 import cases_integrate  # noqa: E402,F401
 import cases_lifecycle  # noqa: E402,F401
+import cases_remote  # noqa: E402,F401
 import cases_server  # noqa: E402,F401
 import cases_trust  # noqa: E402,F401

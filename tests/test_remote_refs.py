@@ -1,0 +1,154 @@
+"""shmask.remote_refs on one host: references wrapped for another host and
+what a consumer does with ones it cannot use. The two-host paths (rows
+pulled through NIXL, faults) are in tests/test_sglang_nodes_nixl.py and
+tests/faults/cases_remote.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import shmask
+from shmask import remote_refs
+from shmask.errors import InvalidRefError
+from shmask.remote import remote_prefix
+
+nixl_missing = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("nixl_cu12") is None,
+    reason="nixl-cu12 is not installed (pip install -r tests/compat/requirements-nixl.txt)")
+
+DESCRIPTOR = {"agent": "producer", "ip": "10.0.0.1", "port": 5611, "segments": [
+    {"name": "/shmaskx-0-1-0123456789abcdef", "epoch": 5, "address": 1 << 30,
+     "size": 4096 + (1 << 20)}]}
+
+
+def _inline_ref() -> bytes:
+    writer = shmask.Writer(shmask.Config(transport="inline"))
+    try:
+        return writer.publish(np.array([2], np.int32), np.array([4, 9], np.int32),
+                              np.array([-1.0], np.float32), "selected").to_bytes()
+    finally:
+        writer.close()
+
+
+def test_remote_references_are_told_apart_and_their_parts_parsed():
+    plain = _inline_ref()
+    wrapped = remote_prefix(DESCRIPTOR) + plain
+    assert remote_refs.is_remote(wrapped) and not remote_refs.is_remote(plain)
+    desc, inner = remote_refs.plain(wrapped)
+    assert json.loads(desc) == DESCRIPTOR and inner == plain
+    with pytest.raises(InvalidRefError):
+        remote_refs.plain(plain)
+
+
+@pytest.mark.parametrize("forged", [
+    b"SMRR",                                             # truncated header
+    remote_prefix(DESCRIPTOR)[:12] + b"{" * 40,          # descriptor not JSON
+    remote_prefix(DESCRIPTOR) + b"SHMR" + b"\0" * 12,    # plain part not a batch
+])
+def test_a_malformed_remote_reference_is_left_to_fail_alone_with_its_reason(forged):
+    """pull() passes it over (None: the other references of the message go
+    on); opened alone it raises InvalidRefError, before any NIXL agent is
+    made."""
+    good = _inline_ref()
+    assert remote_refs.pull([good, forged]) == [None, None]
+    with pytest.raises(InvalidRefError):
+        remote_refs.pull_one(forged)
+    assert remote_refs._puller["puller"] is None
+
+
+def test_route_ip_names_this_hosts_address_towards_the_head_node():
+    assert remote_refs.route_ip("127.0.0.1:5000") == "127.0.0.1"
+    assert remote_refs.route_ip("127.0.0.1") == "127.0.0.1"
+    port = remote_refs.free_port()
+    assert 0 < port < 1 << 16
+
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, types
+    import numpy as np
+    from shmask import remote_refs
+    from shmask.adapters import sglang as adapter
+    from shmask.errors import RemoteChunkError
+    from shmask.remote import remote_prefix
+
+    out = {}
+    if sys.argv[1] == "no-agent":
+        desc = {"agent": "producer", "ip": "10.0.0.1", "port": 5611, "segments": [
+            {"name": "/shmaskx-0-1-0123456789abcdef", "epoch": 5, "address": 1 << 30,
+             "size": 4096 + (1 << 20)}]}
+        writer = adapter.Writer(adapter.Config(transport="inline"))
+        ref = remote_prefix(desc) + writer.publish(
+            np.array([1], np.int32), np.array([3], np.int32), np.array([-1.0], np.float32),
+            "selected").to_bytes()
+        messages = []
+        for _ in range(2):
+            try:
+                remote_refs.pull([ref])
+            except RemoteChunkError as exc:
+                messages.append(str(exc))
+        out.update(messages=messages, failed_at=remote_refs._puller["failed"][0])
+        remote_refs.pull.__globals__["time"].sleep(remote_refs.RETRY_S)
+        try:
+            remote_refs.pull([ref])
+        except RemoteChunkError:
+            pass
+        out["retried_at"] = remote_refs._puller["failed"][0]
+    else:
+        adapter.start_scheduler(types.SimpleNamespace(
+            nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000",
+            sampling_mask_max_tokens=4096, enable_metrics=False))
+        adapter.SamplingMaskRows("support").close()
+        assert adapter.ring_ready(30) is not None, adapter._ends["ring_error"]
+        rows = adapter.SamplingMaskRows("support")
+        rows.append(np.array([5, 6, 7], np.int32), np.array([-1, -2, -3], np.float32))
+        seen = rows.view()   # published, read back in this process, queued again
+        (chunk,) = adapter.take_all([rows])
+        out.update(view=seen.token_ids.tolist(), remote=remote_refs.is_remote(chunk.ref),
+                   lists=chunk.to_lists(True), puller=remote_refs._puller["puller"] is not None,
+                   ip=json.loads(adapter._ends["leaving"].prefix[12:])["ip"])
+        rows.close()
+        adapter._ends["leaving"].close()
+    print(json.dumps(out), flush=True)
+""")
+
+
+def _child(mode: str, prefix: str, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
+                          timeout=120, start_new_session=True,
+                          env=dict(os.environ, SHMASK_NAME_PREFIX=prefix, SHMASK_RING_MB="2",
+                                   UCX_TLS="tcp", **env))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@nixl_missing
+@pytest.mark.timeout(150)
+def test_an_agent_that_cannot_start_fails_the_reference_and_is_retried_later(prefix):
+    """UCX with no usable device: RemoteChunkError naming what to check,
+    the same error for the next reference (no new agent per reference),
+    and a new attempt after RETRY_S."""
+    got = _child("no-agent", prefix, UCX_NET_DEVICES="shmask-no-such-device")
+    first, second = got["messages"]
+    assert "NIXL agent cannot start" in first and "UCX_NET_DEVICES" in first, first
+    assert second == first
+    assert got["retried_at"] > got["failed_at"]
+
+
+@nixl_missing
+@pytest.mark.timeout(150)
+def test_a_scheduler_reads_its_own_remote_chunks_without_nixl(prefix):
+    """SHMASK_REMOTE=nixl on node 1: the chunks are remote references, and
+    the scheduler itself (SamplingMaskRows.view, a chunk opened where it was
+    made) opens them from its own ring, with no puller made."""
+    got = _child("own", prefix, SHMASK_REMOTE="nixl", UCX_NET_DEVICES="lo")
+    assert got["remote"] and not got["puller"], got
+    assert got["view"] == [5, 6, 7]
+    assert got["lists"] == [[[5, 6, 7]], [[-1.0, -2.0, -3.0]]]
+    assert got["ip"] == "127.0.0.1"
