@@ -30,7 +30,7 @@ its destination until it ends (RemotePuller._late), and its agent is left
 alone meanwhile. Everything a RemoteBatch carries is untrusted input.
 
 NIXL is imported only when an export or a puller is made:
-`pip install nixl-cu12==1.5.1`. UCX picks its transports from the
+`pip install 'shmask[nixl]'` (nixl-cu12; 1.5.1 is the version tested). UCX picks its transports from the
 environment (UCX_TLS, UCX_NET_DEVICES).
 """
 
@@ -66,7 +66,7 @@ from .segment import Segment, is_valid_name
 
 log = logging.getLogger("shmask")
 
-NIXL_HINT = "pip install nixl-cu12==1.5.1"
+NIXL_HINT = "pip install 'shmask[nixl]' (nixl-cu12; 1.5.1 is the version tested)"
 
 # RemoteBatch (little-endian):
 #   offset 0  4s  magic b"SMRR"

@@ -223,3 +223,52 @@ def test_start_engine_core_turns_metrics_on_with_log_stats(prefix):
     segment, text = done.stdout.split("\n", 1)
     labels = f'engine="0",model_name="m",segment="{segment}"'
     assert f"shmask_ring_capacity_bytes{{{labels}}} 1.048576e+06" in text.splitlines()
+
+
+@pytest.mark.parametrize("remote", ["off", "nixl-unavailable"])
+def test_a_headless_engine_core_sends_its_masks_inline_to_a_front_end_elsewhere(
+        monkeypatch, prefix, reader, remote):
+    """A headless engine core (its front-end on another node, vLLM's
+    local_client False): with SHMASK_REMOTE off, or on where the ring cannot
+    be exported to NIXL, every mask rides inline in its reference (no ring
+    made), so a front-end that cannot map this host's /dev/shm reads it."""
+    monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix)
+    monkeypatch.setitem(shmask_vllm._outputs, "head", None)
+    if remote == "off":
+        monkeypatch.delenv("SHMASK_REMOTE", raising=False)
+    else:
+        monkeypatch.setenv("SHMASK_REMOTE", "nixl")
+
+        def no_nixl(*args, **kwargs):
+            raise ImportError("No module named 'nixl_cu12'")
+
+        monkeypatch.setattr(shmask_vllm, "Leaving", no_nixl)
+    assert shmask_vllm.outputs_go_to(["tcp://10.1.2.3:5571"]) == "10.1.2.3:5571"
+    publisher = shmask_vllm.MaskPublisher(mask_lists=Masks)
+    try:
+        assert publisher.writer.segment is None and publisher.leaving is None
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] == []
+        rows = [[3, 9], [4], [7, 8, 11]]
+        step = publisher.publish_step(batch(rows))
+        outputs = [SimpleNamespace(request_id=f"r{i}", finish_reason=None,
+                                   new_sampling_mask=step.slice_request(i, 1))
+                   for i in range(3)]
+        assert all(shmask.ChunkRef.from_bytes(o.new_sampling_mask.token_ids.tobytes()).inline
+                   for o in outputs)
+        resolver = shmask_vllm.MaskResolver(reader, mask_lists=Masks)
+        assert resolver.resolve_outputs(outputs) == []
+        assert [o.new_sampling_mask.token_ids.tolist() for o in outputs] == rows
+    finally:
+        publisher.close()
+        shmask_vllm.outputs_go_to(None)
+
+
+def test_a_front_end_on_this_host_keeps_the_ring(monkeypatch, prefix):
+    monkeypatch.setenv("SHMASK_NAME_PREFIX", prefix)
+    monkeypatch.setenv("SHMASK_RING_MB", "1")
+    assert shmask_vllm.outputs_go_to(None) is None
+    publisher = shmask_vllm.MaskPublisher(mask_lists=Masks)
+    try:
+        assert publisher.writer.segment is not None and publisher.leaving is None
+    finally:
+        publisher.close()

@@ -53,13 +53,20 @@ def test_extras_match_imports():
         assert optional not in deps
     extras = PYPROJECT["project"]["optional-dependencies"]
     assert not any("==" in spec for spec in extras["kernels"]), "no torch pin in the extra"
-    assert {"cli", "examples", "kernels", "server", "metrics", "test"} <= set(extras)
+    assert {"cli", "examples", "kernels", "server", "metrics", "test", "nixl"} <= set(extras)
+    assert any(spec.startswith("nixl-cu12") for spec in extras["nixl"])
     for needed in ("pyzmq", "msgspec", "rich", "httpx", "mypy", "ruff"):
         assert any(spec.startswith(needed) for spec in extras["test"]), needed
     # `import shmask` and the CLI pull in none of the optional packages
     result = _python("import sys, shmask, shmask.cli; "
                      "print(sorted(m for m in ('zmq', 'msgspec', 'rich', 'torch', 'triton', "
                      "'prometheus_client') if m in sys.modules))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    # NIXL is imported only when an agent is made (SHMASK_REMOTE=nixl), never
+    # by the modules that handle remote references
+    result = _python("import sys, shmask.remote, shmask.remote_refs, shmask.adapters.sglang; "
+                     "print([m for m in sys.modules if m.startswith('nixl')])")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 

@@ -60,6 +60,7 @@ docs/integrations/vllm.md has the patch that wires both calls into vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -71,7 +72,8 @@ from .. import metrics
 from ..config import MASK_FORMATS, Config
 from ..errors import InvalidRefError, InvalidRowsError, ShmaskError, StaleChunkError
 from ..reader import Reader
-from ..refs import ENTRY_DTYPE, KIND_INLINE, KIND_SHM, ChunkRef, RefBatch
+from ..refs import ENTRY_DTYPE, KIND_INLINE, KIND_LOST, KIND_SHM, ChunkRef, RefBatch
+from ..remote_refs import Leaving, is_remote, pull, pull_one
 from ..writer import RowQueue, Writer
 
 log = logging.getLogger("shmask")
@@ -217,8 +219,16 @@ class MaskPublisher:
     """
 
     def __init__(self, writer: Writer | None = None, mask_lists: type | None = None) -> None:
-        self.writer = writer if writer is not None else Writer(adapter_config())
-        self._own_writer = writer is None
+        # To a front-end on another host (outputs_go_to): the rows ride
+        # inline in their references, or stay in the ring for it to pull
+        # through NIXL (SHMASK_REMOTE=nixl).
+        self.leaving: Leaving | None = None
+        if writer is None:
+            writer, self.leaving = _writer_for(adapter_config(), _outputs["head"])
+            self._own_writer = True
+        else:
+            self._own_writer = False
+        self.writer = writer
         self._mask_lists = mask_lists or mask_type()
         # Unclaimed chunks (requests the scheduler did not emit this step)
         # are given back through a reader, as a frontend would.
@@ -265,7 +275,7 @@ class MaskPublisher:
             log.error("sampling masks of this step sent without shmask: %s", exc)
             self._reset_queues()
             return masks
-        self._last = StepMasks(batch, rows_per_request, self._mask_lists)
+        self._last = StepMasks(batch, rows_per_request, self._mask_lists, self.leaving)
         return self._last
 
     def _reset_queues(self) -> None:
@@ -287,6 +297,8 @@ class MaskPublisher:
         for queue in self._queues:
             queue.close()
         self._queues.clear()
+        if self.leaving is not None:
+            self.leaving.close()
         if self._own_writer:
             self.writer.close()
 
@@ -302,9 +314,10 @@ class MaskPublisher:
 class StepMasks:
     """One step's masks in the ring; what the scheduler slices per request."""
 
-    __slots__ = ("batch", "_rows", "_kinds", "_claimed", "_refs", "_mask_lists")
+    __slots__ = ("batch", "_rows", "_kinds", "_claimed", "_refs", "_mask_lists", "_remote")
 
-    def __init__(self, batch: RefBatch, rows_per_request: np.ndarray, mask_lists: type) -> None:
+    def __init__(self, batch: RefBatch, rows_per_request: np.ndarray, mask_lists: type,
+                 leaving: Leaving | None = None) -> None:
         self.batch = batch
         self._rows = rows_per_request.tolist()
         entries = batch.entries
@@ -324,6 +337,10 @@ class StepMasks:
             self._refs[:, :prefix.size] = prefix
             self._refs[:, prefix.size:] = np.ascontiguousarray(entries).view(REF_DTYPE).reshape(
                 len(entries), _ENTRY_BYTES)
+        # for a front-end on another host: each ring reference behind the
+        # export's descriptor (shmask.remote_refs)
+        self._remote = (None if leaving is None
+                        else np.frombuffer(leaving.prefix, REF_DTYPE))
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -343,6 +360,8 @@ class StepMasks:
         self._claimed[req_idx] = True
         if self._kinds[req_idx] == KIND_SHM:
             ref = self._refs[req_idx]
+            if self._remote is not None:
+                ref = np.concatenate((self._remote, ref))
         else:  # inline (the ring was full): the payload rides in the reference
             ref = np.frombuffer(self.batch[req_idx].to_bytes(), REF_DTYPE)
         kept = None if num_positions == rows else [0, num_positions]
@@ -383,7 +402,7 @@ class MaskResolver:
         its ids) raises RowDroppedError: vLLM's lists cannot say so."""
         if not is_ref(mask):
             return mask
-        return self._resolve(ChunkRef.from_bytes(_ref_bytes(mask)), mask.cu_num_generated_tokens)
+        return self._resolve(_chunk_ref(_ref_bytes(mask)), mask.cu_num_generated_tokens)
 
     def resolve_output(self, output: Any) -> None:
         """Resolve `output.new_sampling_mask` in place (an EngineCoreOutput)."""
@@ -409,6 +428,7 @@ class MaskResolver:
         failed: list[str] = []
         if not pending:
             return failed
+        self._pull_remote(pending)
         done: set[int] = set()
         in_batch: dict[int, int] = {}  # output -> its entry of the joined batch, if not copied
         try:
@@ -423,10 +443,30 @@ class MaskResolver:
             if index in done:
                 continue
             entry = in_batch.get(index)
-            ref: Any = ((lambda o=output: ChunkRef.from_bytes(_ref_bytes(o.new_sampling_mask)))
+            ref: Any = ((lambda o=output: _chunk_ref(_ref_bytes(o.new_sampling_mask)))
                         if entry is None else (lambda entry=entry: batch[entry]))
             self._resolve_into(output, ref, failed)
         return failed
+
+    def _pull_remote(self, pending: list[Any]) -> None:
+        """References from an engine core on another host (SHMASK_REMOTE=nixl
+        there): their rows pulled through NIXL in one pull per engine core,
+        each reference then an inline one. A pull that fails (NIXL missing
+        here, its agent down) leaves them remote: each then fails alone,
+        saying why."""
+        remote = [o for o in pending if _ref_bytes_or_none(o.new_sampling_mask)[:4] == b"SMRR"]
+        if not remote:
+            return
+        try:
+            pulled = pull([_ref_bytes(o.new_sampling_mask) for o in remote])
+        except Exception as exc:  # noqa: BLE001 - said per request by _resolve_into
+            log.warning("sampling masks from another host not pulled: %s", exc)
+            return
+        for output, ref in zip(remote, pulled, strict=True):
+            if ref is not None:
+                mask = output.new_sampling_mask
+                output.new_sampling_mask = self._mask_lists(
+                    np.frombuffer(ref, REF_DTYPE), None, mask.cu_num_generated_tokens)
 
     def _parse_together(self, pending: list[Any]) -> tuple[list[int], RefBatch] | None:
         # The references that share the leader's header and segment table,
@@ -485,8 +525,9 @@ class MaskResolver:
             _fail(output, exc, failed, stand_in=self._mask_lists is _MaskLists)
 
     def _resolve(self, ref: ChunkRef, kept: Sequence[int] | None) -> Any:
-        if ref.kind not in (KIND_SHM, KIND_INLINE):
+        if ref.kind not in (KIND_SHM, KIND_INLINE, KIND_LOST):
             raise InvalidRefError(f"{ref!r} carries no rows")
+        # (a LOST one, a forwarding hop's or a pull's, raises its reason at open)
         with self.reader.open(ref) as chunk:
             positions = chunk.rows if kept is None else _kept_positions(kept)
             if not 0 < positions <= chunk.rows:
@@ -528,10 +569,70 @@ def _ref_bytes(mask: Any) -> bytes:
     return token_ids.tobytes()
 
 
+def _chunk_ref(data: bytes) -> ChunkRef:
+    # a remote reference not pulled with its message's: pulled alone here,
+    # or the reason it cannot be (RemoteChunkError, InvalidRefError)
+    return ChunkRef.from_bytes(pull_one(data) if is_remote(data) else data)
+
+
+def _ref_bytes_or_none(mask: Any) -> bytes:
+    try:
+        return _ref_bytes(mask)
+    except InvalidRefError:
+        return b""
+
+
 def _kept_positions(kept: Sequence[int]) -> int:
     if len(kept) != 2 or kept[0] != 0:
         raise InvalidRefError(f"mask reference cu_num_generated_tokens {kept!r}: expected [0, n]")
     return int(kept[1])
+
+
+# ------------------------------------------------ other hosts
+# Where this engine core's outputs go when that is another host (set by
+# outputs_go_to before the Scheduler, hence the publisher, is made).
+_outputs: dict[str, str | None] = {"head": None}
+
+
+def outputs_go_to(addresses: Sequence[str] | None) -> str | None:
+    """Engine-core start-up (the patched EngineCoreProc.__init__, before its
+    Scheduler): ``None`` when the front-end that receives this engine
+    core's outputs is on this host (vLLM's ``local_client``), else the
+    front-end's output addresses (``addresses.outputs``: a headless engine
+    core of a data-parallel deployment spread over nodes). Returns the
+    head's host ("" if unknown), for SHMASK_REMOTE_IP's default route."""
+    if addresses is None:
+        _outputs["head"] = None
+        return None
+    head = ""
+    for address in addresses:
+        if isinstance(address, str) and address.startswith("tcp://"):
+            head = address[len("tcp://"):]
+            break
+    _outputs["head"] = head
+    return head
+
+
+def _writer_for(config: Config, head: str | None) -> tuple[Writer, Leaving | None]:
+    """The publisher's Writer (and the ring's NIXL export) for outputs that
+    stay on this host (head None) or go to `head`."""
+    if head is None or config.transport == "inline":
+        return Writer(config), None
+    inline = dataclasses.replace(config, transport="inline")
+    if config.remote == "off":
+        log.info("shmask: this engine core's outputs go to another host (%s): sampling masks "
+                 "travel inline in their references (SHMASK_REMOTE=nixl reads them from this "
+                 "host's ring instead)", head or "?")
+        return Writer(inline), None
+    writer = Writer(config)
+    try:
+        return writer, Leaving(writer, config, head=head or None)
+    except Exception as exc:  # noqa: BLE001 - NIXL missing or its agent failed: inline
+        writer.close()
+        log.warning("shmask: SHMASK_REMOTE=nixl, but this ring cannot be exported to NIXL "
+                    "(%s: %s); sampling masks travel inline in their references instead "
+                    "(pip install 'shmask[nixl]')", type(exc).__name__, exc)
+        return Writer(inline), None
 
 
 # ------------------------------------------------ process-wide entry points

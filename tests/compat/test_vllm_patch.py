@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PATCH = ROOT / "shmask" / "integrations" / "vllm.patch"
 GUIDE = ROOT / "docs" / "integrations" / "vllm.md"
 SITE = Path(vllm.__file__).resolve().parents[1]  # the directory holding vllm/
-PATCHED = ["vllm/v1/core/sched/scheduler.py", "vllm/v1/engine/output_processor.py"]
+PATCHED = ["vllm/v1/core/sched/scheduler.py", "vllm/v1/engine/core.py",
+           "vllm/v1/engine/output_processor.py"]
 
 
 def test_installed_release_is_the_one_patched():
@@ -226,3 +227,43 @@ def test_one_bad_ref_fails_only_its_request_in_vllm_resolve_outputs(patched_tree
             assert got[rid] == {"mask": None, "finish_reason": "error", "finished": True}
     assert sorted(report["reqs_to_abort"]) == bad
     assert report["left"] == ["r0", "r2", "r5"]
+
+
+_ENGINE_CORE_PROBE = textwrap.dedent("""
+    import importlib.util, inspect, json, sys
+    tree = sys.argv[1]
+    spec = importlib.util.spec_from_file_location("vllm.v1.engine.core",
+                                                  tree + "/vllm/v1/engine/core.py")
+    core = importlib.util.module_from_spec(spec)
+    sys.modules["vllm.v1.engine.core"] = core
+    spec.loader.exec_module(core)
+    from shmask.adapters import vllm as adapter
+    from vllm.v1.engine.utils import EngineZmqAddresses
+    init = core.EngineCoreProc.__init__
+    source = inspect.getsource(init)
+    call = "shmask_vllm.outputs_go_to(None if local_client else addresses.outputs)"
+    # after the handshake gave the addresses, before super().__init__ makes the Scheduler
+    print(json.dumps({
+        "adapter": core.shmask_vllm is adapter,
+        "local_client": "local_client" in inspect.signature(init).parameters,
+        "order": 0 < source.index("as addresses:") < source.index(call)
+                 < source.index("super().__init__("),
+        "headless": adapter.outputs_go_to(EngineZmqAddresses(
+            inputs=["tcp://10.1.2.3:5570"], outputs=["tcp://10.1.2.3:5571"]).outputs),
+        "local": adapter.outputs_go_to(None),
+    }))
+""")
+
+
+def test_the_engine_core_says_where_its_outputs_go(patched_tree, prefix):
+    """The core.py hunk runs in the released EngineCoreProc.__init__ where
+    vLLM has ``local_client`` (False for a headless engine core: its
+    front-end is on another node) and the handshake's ``addresses.outputs``
+    (EngineZmqAddresses), before the Scheduler (whose publisher reads it)."""
+    env = {**os.environ, "SHMASK_NAME_PREFIX": prefix}
+    result = subprocess.run([sys.executable, "-c", _ENGINE_CORE_PROBE, str(patched_tree)],
+                            env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got == {"adapter": True, "local_client": True, "order": True,
+                   "headless": "10.1.2.3:5571", "local": None}
