@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import mmap
 import os
 import secrets
 import struct
@@ -434,6 +435,7 @@ class PullStats:
     lost_invalid: int = 0
     read_errors: int = 0  # READs that failed or ran past the deadline
     quarantined: int = 0  # READs given up while still in flight (kept until they end)
+    dropped_bytes: int = 0  # mirror pages given back after their records were copied
     notify_errors: int = 0  # release notifications that could not be sent
     last_error: str = ""  # the last READ or metadata failure, for people
 
@@ -463,19 +465,51 @@ class _Late:
 class _Mirror:
     """A private copy of a remote segment's header and ring, each byte at its
     own offset; sized by the ring's own header (read first into a scratch
-    page), never by the descriptor alone."""
+    page), never by the descriptor alone. Anonymous memory: untouched pages
+    cost nothing, and the pages a pull wrote are given back once its records
+    are copied out (`drop`), so a consumer's memory does not grow to the
+    producer's ring size as pulls walk around it."""
 
-    __slots__ = ("array", "base", "size", "capacity", "registered", "remote")
+    __slots__ = ("memory", "array", "base", "size", "capacity", "registered", "remote")
 
     def __init__(self, header: np.ndarray, capacity: int, registered_by: Any) -> None:
         self.size = _HEADER_BYTES + capacity
-        self.array = np.zeros(self.size, np.uint8)  # untouched pages cost nothing
+        self.memory = mmap.mmap(-1, self.size)  # zero pages until written
+        self.array = np.frombuffer(self.memory, np.uint8)
         self.array[:_HEADER_BYTES] = header
         self.base = ffi.from_buffer(self.array)
         self.capacity = capacity
         self.remote = (0, 0)  # the (address, size) its descriptor gave
         self.registered = registered_by.register_memory(
             [(self.array.ctypes.data, self.size, 0, "")], "DRAM")
+
+    def drop(self, ranges: Sequence[tuple[int, int]]) -> int:
+        """Give back the pages under these (offset, size) ranges, whole pages
+        around them (the bytes there were copied out or belong to no pull
+        now: a later pull READs again what it opens); the header's pages
+        stay. Returns the bytes given back."""
+        page = mmap.PAGESIZE
+        floor = -(-_HEADER_BYTES // page) * page
+        dropped = 0
+        for start, end in _merged(ranges):
+            start = max(floor, start // page * page)
+            end = min(self.size, -(-end // page) * page)
+            if end > start:
+                self.memory.madvise(mmap.MADV_DONTNEED, start, end - start)
+                dropped += end - start
+        return dropped
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, size) ranges as sorted, merged [start, end) runs."""
+    runs: list[tuple[int, int]] = []
+    for start, size in sorted(ranges):
+        end = start + size
+        if runs and start <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+        else:
+            runs.append((start, end))
+    return runs
 
 
 class RemotePuller:
@@ -803,6 +837,7 @@ class RemotePuller:
                 lost[i] = LOST_INVALID
                 continue
             copied.append((ref.position, ref.seal))
+        self.stats.dropped_bytes += mirror.drop(list(wanted.values()))
         return copied
 
     def _segment_failed(self, desc: RemoteDescriptor, segment: RemoteSegment,
