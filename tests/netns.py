@@ -200,15 +200,26 @@ def nixl_unavailable() -> str | None:
     return None
 
 
+# `ip netns exec` gives the program a mount namespace of its own; a tmpfs
+# mounted there over /dev/shm is that program's alone.
+_OWN_SHM = ["sh", "-c", 'mount -t tmpfs -o size=64m shmask-own /dev/shm && exec "$0" "$@"']
+
+
 def run_in(ns: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-           timeout: float | None = None, **popen: object) -> subprocess.Popen:
+           timeout: float | None = None, own_shm: bool = False,
+           **popen: object) -> subprocess.Popen:
     """Start `argv` inside namespace `ns` (`ip netns exec`, which execs it:
     the Popen's pid is the program's own) in a process group of its own,
     stdout and stderr piped as text unless `popen` says otherwise. With
     `timeout`, a watchdog kills the group when it runs longer: `proc.wait()`
-    then returns -SIGKILL rather than hang."""
+    then returns -SIGKILL rather than hang. With `own_shm`, the program sees
+    a /dev/shm of its own (an empty tmpfs): it cannot map the other
+    namespace's rings and its shmask.host_id() differs, as on another
+    machine."""
     kwargs: dict = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     kwargs.update(popen)
+    if own_shm:
+        argv = [*_OWN_SHM, *argv]
     proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv],
                             env=dict(env) if env is not None else None,
                             start_new_session=True, **kwargs)

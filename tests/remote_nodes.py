@@ -266,7 +266,9 @@ print(json.dumps(result), flush=True)
 """
 
 
-def _env(dev: str, prefix: str, **extra: str) -> dict[str, str]:
+def node_env(dev: str, prefix: str, **extra: str) -> dict[str, str]:
+    """A process's environment on one \"host\": UCX over TCP on its veth,
+    SHMASK_REMOTE=nixl, the test's ring prefix, a 2 s pull timeout."""
     return dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=dev, SHMASK_REMOTE="nixl",
                 SHMASK_NAME_PREFIX=prefix, SHMASK_REMOTE_TIMEOUT_S=str(REMOTE_TIMEOUT_S),
                 **extra)
@@ -279,7 +281,9 @@ def last_json(out: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def _wait(path: str, suffix: str, *procs: Any, seconds: float = 60) -> None:
+def wait_file(path: str, suffix: str, *procs: Any, seconds: float = 60) -> None:
+    """Until `path + suffix` exists; AssertionError if one of `procs` exits
+    first or `seconds` pass."""
     deadline = time.monotonic() + seconds
     while not Path(path + suffix).exists():
         for proc in procs:
@@ -301,15 +305,10 @@ def run(prefix: str, directory: str | os.PathLike[str], mode: str = "none",
     scheduler = tokenizer = None
     with netns.two_hosts(prefix) as hosts:
         try:
-            # The tokenizer's host has a /dev/shm of its own (a tmpfs in its
-            # mount namespace, which `ip netns exec` made): it cannot map the
-            # scheduler's ring, and its shmask.host_id() differs, as on
-            # another machine.
+            # The tokenizer's host has a /dev/shm of its own, as another machine.
             tokenizer = netns.run_in(
-                hosts.b, ["sh", "-c", 'mount -t tmpfs -o size=64m shmask-node0 /dev/shm && '
-                          'exec "$0" "$@"', sys.executable, "-c", TOKENIZER, hosts.b_ip, path,
-                          str(ZMQ_PORT), mode],
-                env=_env(hosts.b_dev, prefix), timeout=150)
+                hosts.b, [sys.executable, "-c", TOKENIZER, hosts.b_ip, path, str(ZMQ_PORT), mode],
+                env=node_env(hosts.b_dev, prefix), timeout=150, own_shm=True)
             extra = {"SHMASK_RING_MB": ring_mb}
             if mode == "unreachable":
                 extra["SHMASK_REMOTE_IP"] = UNREACHABLE_IP
@@ -319,17 +318,17 @@ def run(prefix: str, directory: str | os.PathLike[str], mode: str = "none",
             scheduler = netns.run_in(
                 hosts.a, [sys.executable, "-c", SCHEDULER, hosts.b_ip, path, mode, str(REQUESTS),
                           str(ZMQ_PORT), str(width), str(LEASE_S)],
-                env=_env(hosts.a_dev, prefix, **extra), timeout=150)
+                env=node_env(hosts.a_dev, prefix, **extra), timeout=150)
             if mode in ("kill", "link"):
-                _wait(path, ".received", tokenizer, scheduler)
-                _wait(path, "", tokenizer, scheduler)
+                wait_file(path, ".received", tokenizer, scheduler)
+                wait_file(path, "", tokenizer, scheduler)
                 if mode == "kill":
                     netns.kill_group(scheduler)
                     Path(path + ".killed").touch()
                 else:
                     netns.set_link(hosts.a, hosts.a_dev, up=False)
                     Path(path + ".isdown").touch()
-                    _wait(path, ".read", tokenizer, seconds=30)
+                    wait_file(path, ".read", tokenizer, seconds=30)
                     netns.set_link(hosts.a, hosts.a_dev, up=True)
                     Path(path + ".up").touch()
             out_t, err_t = tokenizer.communicate(timeout=120)

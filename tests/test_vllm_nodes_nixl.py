@@ -14,14 +14,12 @@ Needs root (namespaces) and nixl-cu12; skipped with the reason without.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import netns  # tests/netns.py
 import pytest
+import remote_nodes  # tests/remote_nodes.py
 
 from shmask.segment import collect_garbage
 
@@ -111,17 +109,6 @@ print(json.dumps({"ok": sum(g == e for g, e in zip(got, expected)), "failed": fa
 """
 
 
-def _env(dev: str, prefix: str) -> dict[str, str]:
-    return dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=dev, SHMASK_REMOTE="nixl",
-                SHMASK_NAME_PREFIX=prefix, SHMASK_RING_MB="16", SHMASK_REMOTE_TIMEOUT_S="2")
-
-
-def _last_json(out: str) -> dict:
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON line in {out[-3000:]!r}"
-    return json.loads(lines[-1])
-
-
 def _run(prefix: str, tmp_path: Path, mode: str) -> tuple[dict, dict | None, int | None]:
     path = str(tmp_path / "engine.json")
     engine = front = None
@@ -129,20 +116,15 @@ def _run(prefix: str, tmp_path: Path, mode: str) -> tuple[dict, dict | None, int
         try:
             # the front-end's host has a /dev/shm of its own, as another machine
             front = netns.run_in(
-                hosts.b, ["sh", "-c", 'mount -t tmpfs -o size=64m shmask-node0 /dev/shm && '
-                          'exec "$0" "$@"', sys.executable, "-c", FRONT_END, hosts.b_ip, path,
-                          str(ZMQ_PORT), mode], env=_env(hosts.b_dev, prefix), timeout=120)
+                hosts.b, [sys.executable, "-c", FRONT_END, hosts.b_ip, path, str(ZMQ_PORT), mode],
+                env=remote_nodes.node_env(hosts.b_dev, prefix), timeout=120, own_shm=True)
             engine = netns.run_in(
                 hosts.a, [sys.executable, "-c", ENGINE_CORE, hosts.b_ip, path, str(ZMQ_PORT),
                           str(REQUESTS), "hold" if mode == "kill" else "wait"],
-                env=_env(hosts.a_dev, prefix), timeout=120)
+                env=remote_nodes.node_env(hosts.a_dev, prefix, SHMASK_RING_MB="16"), timeout=120)
             if mode == "kill":
-                deadline = time.monotonic() + 60
-                while not (Path(path + ".received").exists() and Path(path).exists()):
-                    assert front.poll() is None, front.communicate()[1][-3000:]
-                    assert engine.poll() is None, engine.communicate()[1][-3000:]
-                    assert time.monotonic() < deadline, "the message never arrived"
-                    time.sleep(0.01)
+                remote_nodes.wait_file(path, ".received", front, engine)
+                remote_nodes.wait_file(path, "", front, engine)
                 netns.kill_group(engine)
                 Path(path + ".killed").touch()
             out_f, err_f = front.communicate(timeout=90)
@@ -150,13 +132,13 @@ def _run(prefix: str, tmp_path: Path, mode: str) -> tuple[dict, dict | None, int
             if mode != "kill":
                 out_e, err_e = engine.communicate(timeout=60)
                 assert engine.returncode == 0, (out_e, err_e[-3000:])
-                sent = _last_json(out_e)
+                sent = remote_nodes.last_json(out_e)
         finally:
             netns.kill_group(front)
             netns.kill_group(engine)
             collect_garbage(prefix)
     assert front.returncode == 0, err_f[-3000:]
-    return _last_json(out_f), sent, engine.returncode
+    return remote_nodes.last_json(out_f), sent, engine.returncode
 
 
 @needs_nixl_hosts
