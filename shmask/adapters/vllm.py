@@ -88,6 +88,7 @@ VLLM_MAX_TOKENS = 1 << 22
 # decoding, so a fresh buffer sized for 64 rows would waste ring space.
 VLLM_QUEUE_ROWS = 4
 _ENTRY_BYTES = ENTRY_DTYPE.itemsize
+_REMOTE_MAGIC = b"SMRR"  # a reference from another host's ring (shmask.remote_refs)
 
 
 class _MaskLists(NamedTuple):
@@ -424,15 +425,27 @@ class MaskResolver:
         (inline, another engine's ring) is resolved on its own, and so is
         every reference of the group when the joined batch does not validate
         (one garbled entry must not cost the others their masks)."""
-        pending = [o for o in outputs if is_ref(o.new_sampling_mask)]
+        # the outputs carrying a reference (is_ref), and each one's bytes,
+        # in one pass (None: not 1-D; that one fails alone below)
+        pending: list[Any] = []
+        datas: list[bytes | None] = []
+        for output in outputs:
+            token_ids = getattr(output.new_sampling_mask, "token_ids", None)
+            if isinstance(token_ids, np.ndarray) and token_ids.dtype == REF_DTYPE:
+                pending.append(output)
+                datas.append(token_ids.tobytes() if token_ids.ndim == 1 else None)
         failed: list[str] = []
         if not pending:
             return failed
-        self._pull_remote(pending)
+        # One message comes from one engine core: from another host, all its
+        # references are remote (one that is not grouped below is opened alone).
+        first = next((data for data in datas if data is not None), b"")
+        if first.startswith(_REMOTE_MAGIC):
+            self._pull_remote(pending, datas)
         done: set[int] = set()
         in_batch: dict[int, int] = {}  # output -> its entry of the joined batch, if not copied
         try:
-            joined = self._parse_together(pending)
+            joined = self._parse_together(datas)
         except Exception:  # noqa: BLE001 - then each reference is parsed on its own
             joined = None
         if joined is not None:
@@ -448,40 +461,44 @@ class MaskResolver:
             self._resolve_into(output, ref, failed)
         return failed
 
-    def _pull_remote(self, pending: list[Any]) -> None:
+    def _pull_remote(self, pending: list[Any], datas: list[bytes | None]) -> None:
         """References from an engine core on another host (SHMASK_REMOTE=nixl
         there): their rows pulled through NIXL in one pull per engine core,
-        each reference then an inline one. A pull that fails (NIXL missing
-        here, its agent down) leaves them remote: each then fails alone,
-        saying why."""
-        remote = [o for o in pending if _ref_bytes_or_none(o.new_sampling_mask)[:4] == b"SMRR"]
-        if not remote:
-            return
+        each reference then an inline one (in `pending` and `datas`). A pull
+        that fails (NIXL missing here, its agent down) leaves them remote:
+        each then fails alone, saying why."""
+        remote = [i for i, data in enumerate(datas)
+                  if data is not None and data.startswith(_REMOTE_MAGIC)]
         try:
-            pulled = pull([_ref_bytes(o.new_sampling_mask) for o in remote])
+            pulled = pull([datas[i] for i in remote])  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - said per request by _resolve_into
             log.warning("sampling masks from another host not pulled: %s", exc)
             return
-        for output, ref in zip(remote, pulled, strict=True):
+        for i, ref in zip(remote, pulled, strict=True):
             if ref is not None:
-                mask = output.new_sampling_mask
-                output.new_sampling_mask = self._mask_lists(
+                mask = pending[i].new_sampling_mask
+                pending[i].new_sampling_mask = self._mask_lists(
                     np.frombuffer(ref, REF_DTYPE), None, mask.cu_num_generated_tokens)
+                datas[i] = ref
 
-    def _parse_together(self, pending: list[Any]) -> tuple[list[int], RefBatch] | None:
+    def _parse_together(self, datas: list[bytes | None]) -> tuple[list[int], RefBatch] | None:
         # The references that share the leader's header and segment table,
         # joined into one batch (validated once): which outputs, and the batch.
-        datas = [_ref_bytes(o.new_sampling_mask) for o in pending]
-        leader = RefBatch.from_bytes(datas[0])
-        prefix = datas[0][:-_ENTRY_BYTES]
+        first = next((data for data in datas if data is not None), None)
+        if first is None:
+            return None
+        leader = RefBatch.from_bytes(first)
+        prefix = first[:-_ENTRY_BYTES]
         # Only a canonical batch of one ring entry (no inline area) has its
         # entry as its last 48 bytes: rebuild the leader to make sure.
         if not (len(leader) == 1 and leader.entries["kind"][0] == KIND_SHM
-                and RefBatch.build(leader.segments, leader.entries).to_bytes() == datas[0]):
+                and RefBatch.build(leader.segments, leader.entries).to_bytes() == first):
             return None
-        grouped = [i for i, data in enumerate(datas)
-                   if len(data) == len(datas[0]) and data[:-_ENTRY_BYTES] == prefix]
-        entries = np.frombuffer(b"".join(datas[i][-_ENTRY_BYTES:] for i in grouped), ENTRY_DTYPE)
+        # (a reference that is not 1-D is in no group: it fails on its own)
+        grouped = [i for i, data in enumerate(datas) if data is not None
+                   and len(data) == len(first) and data[:-_ENTRY_BYTES] == prefix]
+        entries = np.frombuffer(b"".join(datas[i][-_ENTRY_BYTES:]  # type: ignore[index]
+                                         for i in grouped), ENTRY_DTYPE)
         return grouped, RefBatch.build(leader.segments, entries)
 
     def _copy_together(self, pending: list[Any], grouped: list[int], batch: RefBatch) -> set[int]:
@@ -503,16 +520,19 @@ class MaskResolver:
         sums = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=sums[1:])
         ends = starts + sums[first[1:]] - sums[first[:-1]]
-        done: set[int] = set()
-        for j, start, end, n in zip(np.flatnonzero(copied).tolist(),
-                                    starts[copied].tolist(), ends[copied].tolist(),
-                                    keep[copied].tolist(), strict=True):
-            offsets = None
-            if n != 1:  # several positions (speculative decoding): vLLM's int64 offsets
-                offsets = sums[first[j]:first[j] + n + 1] - sums[first[j]]
-            pending[grouped[j]].new_sampling_mask = resolved(ids[start:end], offsets)
-            done.add(grouped[j])
-        return done
+        which = np.flatnonzero(copied).tolist()
+        outputs = [pending[grouped[j]] for j in which]
+        bounds = zip(starts[copied].tolist(), ends[copied].tolist(), strict=True)
+        if np.all(keep[copied] == 1):  # one position each (no speculative decoding)
+            for output, (start, end) in zip(outputs, bounds, strict=True):
+                output.new_sampling_mask = resolved(ids[start:end])
+        else:
+            for output, j, (start, end), n in zip(outputs, which, bounds,
+                                                  keep[copied].tolist(), strict=True):
+                # several positions (speculative decoding): vLLM's int64 offsets
+                offsets = None if n == 1 else sums[first[j]:first[j] + n + 1] - sums[first[j]]
+                output.new_sampling_mask = resolved(ids[start:end], offsets)
+        return {grouped[j] for j in which}
 
     def _resolve_into(self, output: Any, ref: Any, failed: list[str]) -> None:
         """One output's mask, resolved in place. A bad or late reference, or a
@@ -573,13 +593,6 @@ def _chunk_ref(data: bytes) -> ChunkRef:
     # a remote reference not pulled with its message's: pulled alone here,
     # or the reason it cannot be (RemoteChunkError, InvalidRefError)
     return ChunkRef.from_bytes(pull_one(data) if is_remote(data) else data)
-
-
-def _ref_bytes_or_none(mask: Any) -> bytes:
-    try:
-        return _ref_bytes(mask)
-    except InvalidRefError:
-        return b""
 
 
 def _kept_positions(kept: Sequence[int]) -> int:
