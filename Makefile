@@ -54,11 +54,13 @@ demo: $(DEMO_STAMP)
 
 # `make test` leaves the slowest tests (tests/long_tests.txt: interpreter
 # runs at large sizes, benchmark smoke runs) to `make test-long`; CI runs both.
+# -rs: every skipped test's reason in the summary, so a log shows what did
+# not run here (GPU-only tests, the package checks, two-host tests without root).
 test: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/compat -m "not long"
+	$(PY) -m pytest -q -rs --ignore=tests/compat -m "not long"
 
 test-long: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/compat -m long
+	$(PY) -m pytest -q -rs --ignore=tests/compat -m long
 
 # The response writer's floats against orjson for all 2^32 float32 bit
 # patterns (minutes, one process per CPU; `make test` runs a sample).
@@ -86,7 +88,7 @@ $(COMPAT_STAMP): $(STAMP) tests/compat/requirements-deps.txt tests/compat/requir
 # The integrate fault case (mixed trees of both engines, short size) runs
 # here too: under `make test` the engines are not installed and it skips.
 test-compat: $(COMPAT_STAMP)
-	$(PY) -m pytest -q tests/compat tests/faults/test_faults_integrate.py
+	$(PY) -m pytest -q -rs tests/compat tests/faults/test_faults_integrate.py
 
 # The whole fault matrix (the short version runs inside `make test`). The
 # integrate case patches copies of the released engines' trees: it needs the
