@@ -725,9 +725,8 @@ def test_outputs_leave_host_reads_sglangs_own_multi_node_arguments():
     them to mean."""
     from sglang.srt.server_args import ServerArgs
 
-    fields = {f.name for f in __import__("dataclasses").fields(ServerArgs)}
-    assert {"nnodes", "node_rank", "dist_init_addr"} <= fields
     single = ServerArgs(model_path="dummy")
+    assert all(hasattr(single, name) for name in ("nnodes", "node_rank", "dist_init_addr"))
     assert adapter.outputs_leave_host(single) is None
     node_1 = ServerArgs(model_path="dummy", nnodes=2, node_rank=1,
                         dist_init_addr="10.1.2.3:5000")
