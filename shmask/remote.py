@@ -111,6 +111,18 @@ def _nixl() -> Any:
     return _api
 
 
+def _ucx_agent(api: Any, name: str, port: int) -> Any:
+    """A NIXL agent with the UCX backend, its metadata listener on `port`,
+    without NIXL's progress thread (PROGRESS_THREAD): an export's or a
+    puller's."""
+    agent = api.nixl_agent(name, api.nixl_agent_config(
+        enable_prog_thread=PROGRESS_THREAD, enable_listen_thread=True, listen_port=port,
+        backends=["UCX"]))
+    if "UCX" not in agent.backends:
+        raise ShmaskError(f"NIXL has no UCX backend here (plugins: {agent.get_plugin_list()})")
+    return agent
+
+
 def _address(base: Any) -> int:
     return int(ffi.cast("uintptr_t", base))
 
@@ -305,12 +317,7 @@ class RemoteExport:
         self.stats = ExportStats()
         self._poll_s = poll_s
         info = ffi.new("shm_info *")
-        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(
-            enable_prog_thread=PROGRESS_THREAD, enable_listen_thread=True, listen_port=port,
-            backends=["UCX"]))
-        if "UCX" not in self._agent.backends:
-            raise ShmaskError(f"NIXL has no UCX backend here (plugins: "
-                              f"{self._agent.get_plugin_list()})")
+        self._agent = _ucx_agent(api, self.name, port)
         self._exported: list[_Exported] = []
         try:
             for segment in segments:
@@ -529,12 +536,7 @@ class RemotePuller:
             error for error in (getattr(api.nixlBind, "nixlNotFoundError", None),
                                 getattr(api.nixlBind, "nixlInvalidParamError", None))
             if isinstance(error, type))
-        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(
-            enable_prog_thread=PROGRESS_THREAD, enable_listen_thread=True, listen_port=port,
-            backends=["UCX"]))
-        if "UCX" not in self._agent.backends:
-            raise ShmaskError(f"NIXL has no UCX backend here (plugins: "
-                              f"{self._agent.get_plugin_list()})")
+        self._agent = _ucx_agent(api, self.name, port)
         self._peers: dict[str, tuple[str, int]] = {}  # agent -> (ip, port) with metadata
         # One mirror per (agent, segment name, epoch): a descriptor naming it at
         # another address or size is forged (LOST_INVALID), and cannot make
