@@ -127,6 +127,32 @@ class Leaving:
         self.export.close()
 
 
+def rows_ride_inline(config: Config, head: str, outputs: str) -> bool:
+    """For a producer whose consumers are on another host (``head``, "" when
+    unknown): True, logged, when its rows are to ride inline in their
+    references (SHMASK_REMOTE=off); False when its ring is to be exported
+    (`export_or_none`). ``outputs`` names the producer in the log."""
+    if config.remote != "off":
+        return False
+    log.info("shmask: %s go to another host (%s): sampling-mask rows travel inline in their "
+             "references (SHMASK_REMOTE=nixl reads them from this host's ring instead)",
+             outputs, head or "?")
+    return True
+
+
+def export_or_none(writer: Any, config: Config, head: str) -> Leaving | None:
+    """``writer``'s ring exported to NIXL for consumers at ``head``, or None
+    with a warning when NIXL is missing or its agent fails: the caller then
+    closes the ring and writes inline (nothing is lost, more bytes travel)."""
+    try:
+        return Leaving(writer, config, head=head or None)
+    except Exception as exc:  # noqa: BLE001 - NIXL missing or its agent failed: inline
+        log.warning("shmask: SHMASK_REMOTE=nixl, but ring %s cannot be exported to NIXL "
+                    "(%s: %s); sampling-mask rows travel inline in their references instead "
+                    "(pip install 'shmask[nixl]')", writer.segment_name, type(exc).__name__, exc)
+        return None
+
+
 # ---------------------------------------------------------------- consumer
 _descriptors: OrderedDict[bytes, Any] = OrderedDict()
 _puller_lock = threading.Lock()

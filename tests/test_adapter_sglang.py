@@ -22,6 +22,7 @@ import pytest
 from conftest import run_child
 
 import shmask
+import shmask.remote_refs
 from shmask import response_json
 from shmask.adapters import sglang as adapter
 
@@ -804,7 +805,7 @@ def test_an_export_that_fails_leaves_that_schedulers_rows_inline(monkeypatch, pr
     def no_nixl(*args, **kwargs):
         raise ImportError("No module named 'nixl_cu12'")
 
-    monkeypatch.setattr(adapter, "Leaving", no_nixl)
+    monkeypatch.setattr(shmask.remote_refs, "Leaving", no_nixl)
     try:
         adapter.start_scheduler(_server_args(**NODE_1))
         with caplog.at_level(logging.WARNING, logger="shmask"):

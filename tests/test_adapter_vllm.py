@@ -14,6 +14,7 @@ import pytest
 from conftest import run_child
 
 import shmask
+import shmask.remote_refs
 from shmask.adapters import vllm as shmask_vllm
 
 Masks = shmask_vllm._MaskLists  # vLLM's SamplingMaskLists, field for field
@@ -242,7 +243,7 @@ def test_a_headless_engine_core_sends_its_masks_inline_to_a_front_end_elsewhere(
         def no_nixl(*args, **kwargs):
             raise ImportError("No module named 'nixl_cu12'")
 
-        monkeypatch.setattr(shmask_vllm, "Leaving", no_nixl)
+        monkeypatch.setattr(shmask.remote_refs, "Leaving", no_nixl)
     assert shmask_vllm.outputs_go_to(["tcp://10.1.2.3:5571"]) == "10.1.2.3:5571"
     publisher = shmask_vllm.MaskPublisher(mask_lists=Masks)
     try:

@@ -395,3 +395,52 @@ def test_kernels_compile_for_the_h200(tmp_path) -> None:
         except ProcessLookupError:
             pass
     assert proc.returncode == 0 and "compiled 20" in output, output[-3000:]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="full sizes need the GPU (make test-gpu)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_sizes_on_the_gpu(dtype: torch.dtype) -> None:
+    """The issue's shapes on the GPU: V = 151,936, ids rows of 1, 1,000,
+    4,096 ids and the whole vocabulary beside top-p-like bitmask rows, logit
+    scales from flat to peaked, per-token temperatures; values and gradients
+    against the float64 dense reference on the same input values."""
+    gen = torch.Generator(device=DEVICE).manual_seed(151936)
+    vocab, n = 151936, 512
+    scale = torch.tensor([0.5, 1.0, 3.0, 8.0], device=DEVICE).repeat(n // 4)[:, None]
+    logits = (torch.randn(n, vocab, generator=gen, device=DEVICE) * scale).to(dtype)
+    forms = (torch.arange(n, device=DEVICE) % 3 == 2).int()  # every third row a bitmask
+    words = (vocab + 31) // 32
+    data, targets = [], []
+    for t in range(n):
+        if forms[t]:
+            keep = torch.rand(vocab, generator=gen, device=DEVICE) < (0.05 + 0.9 * (t % 7) / 6)
+            keep[int(torch.randint(vocab, (1,), generator=gen, device=DEVICE))] = True
+            padded = torch.zeros(words * 32, dtype=torch.int64, device=DEVICE)
+            padded[:vocab] = keep.long()
+            packed = (padded.view(words, 32) << torch.arange(32, device=DEVICE)).sum(1)
+            data.append(torch.where(packed >= 1 << 31, packed - (1 << 32), packed).int())
+            kept = keep.nonzero()[:, 0]
+        else:
+            k = (1, 1000, 4096, vocab)[t % 4]
+            kept = torch.rand(vocab, generator=gen, device=DEVICE).topk(k).indices.sort().values
+            data.append(kept.int())
+        targets.append(kept[int(torch.randint(kept.numel(), (1,), generator=gen,
+                                              device=DEVICE))])
+    offsets = torch.tensor([0] + [d.numel() for d in data], device=DEVICE).cumsum(0)
+    ids = torch.cat(data)
+    targets_t = torch.stack(targets)
+    temperature = 0.5 + torch.rand(n, generator=gen, device=DEVICE)
+    weights = torch.randn(n, generator=gen, device=DEVICE, dtype=torch.float64)
+
+    leaf = logits.clone().requires_grad_(True)
+    got = replay_logprobs(leaf, targets_t, offsets, ids, temperature=temperature, forms=forms)
+    (got.double() * weights).sum().backward()
+    ref_leaf = logits.clone().requires_grad_(True)
+    want = reference_replay_logprobs(ref_leaf, targets_t, offsets, ids, temperature=temperature,
+                                     forms=forms)
+    (want * weights).sum().backward()
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad.double(), rtol=tol, atol=tol)
+    assert (leaf.grad[ref_leaf.grad == 0] == 0).all()  # nothing outside the supports

@@ -103,7 +103,7 @@ from ..config import MASK_FORMATS, Config
 from ..errors import ConfigError, InvalidRefError, InvalidRowsError, SegmentError, ShmaskError
 from ..reader import Reader
 from ..refs import MODE_SELECTED, MODE_SUPPORT, ChunkRef, RefBatch
-from ..remote_refs import Leaving, is_remote, plain, pull, pull_one
+from ..remote_refs import export_or_none, is_remote, plain, pull, pull_one, rows_ride_inline
 from ..response_json import RawJSON
 from ..writer import RowQueue, Writer, _as_array
 
@@ -190,12 +190,9 @@ def default_writer() -> Writer:
     if config.transport == "inline":  # no ring asked for
         writer = _ends["writer"] = Writer(config)
         return writer
-    if _ends["head"] is not None and config.remote == "off":
-        # The rows go to another host and are not to be read there through
-        # NIXL: they ride in their references, from the first one.
-        log.info("shmask: this scheduler's outputs go to another host (%s): sampling-mask "
-                 "rows travel inline in their references (SHMASK_REMOTE=nixl reads them "
-                 "from this host's ring instead)", _ends["head"])
+    if _ends["head"] is not None and rows_ride_inline(config, _ends["head"],
+                                                      "this scheduler's outputs"):
+        # not to be read there through NIXL: inline from the first reference
         writer = _ends["writer"] = Writer(dataclasses.replace(config, transport="inline"))
         return writer
     inline = _ends["inline"] = Writer(dataclasses.replace(config, transport="inline"))
@@ -223,15 +220,13 @@ def _make_ring(config: Config) -> None:
         # SHMASK_REMOTE=nixl: the consumers on the head node read this ring
         # through NIXL; without an export they could not, so its requests
         # stay inline.
-        try:
-            _ends["leaving"] = Leaving(writer, config, head=_ends["head"] or None)
-        except Exception as exc:  # noqa: BLE001 - NIXL missing or its agent failed: inline
+        leaving = export_or_none(writer, config, _ends["head"])
+        if leaving is None:
             writer.close()
-            _ends["ring_error"] = exc
-            log.warning("shmask: SHMASK_REMOTE=nixl, but this ring cannot be exported to "
-                        "NIXL (%s: %s); sampling-mask rows travel inline in their references "
-                        "instead (pip install 'shmask[nixl]')", type(exc).__name__, exc)
+            _ends["ring_error"] = RuntimeError("the ring could not be exported to NIXL "
+                                               "(the warning logged says why)")
             return
+        _ends["leaving"] = leaving
     if metrics.enabled():
         writer.sync_metrics()  # the ring's gauges from its start
     log.info("shmask ring %s ready: %d MiB", writer.segment_name,

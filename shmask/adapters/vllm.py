@@ -73,7 +73,7 @@ from ..config import MASK_FORMATS, Config
 from ..errors import InvalidRefError, InvalidRowsError, ShmaskError, StaleChunkError
 from ..reader import Reader
 from ..refs import ENTRY_DTYPE, KIND_INLINE, KIND_LOST, KIND_SHM, ChunkRef, RefBatch
-from ..remote_refs import Leaving, is_remote, pull, pull_one
+from ..remote_refs import Leaving, export_or_none, is_remote, pull, pull_one, rows_ride_inline
 from ..writer import RowQueue, Writer
 
 log = logging.getLogger("shmask")
@@ -631,21 +631,13 @@ def _writer_for(config: Config, head: str | None) -> tuple[Writer, Leaving | Non
     stay on this host (head None) or go to `head`."""
     if head is None or config.transport == "inline":
         return Writer(config), None
-    inline = dataclasses.replace(config, transport="inline")
-    if config.remote == "off":
-        log.info("shmask: this engine core's outputs go to another host (%s): sampling masks "
-                 "travel inline in their references (SHMASK_REMOTE=nixl reads them from this "
-                 "host's ring instead)", head or "?")
-        return Writer(inline), None
-    writer = Writer(config)
-    try:
-        return writer, Leaving(writer, config, head=head or None)
-    except Exception as exc:  # noqa: BLE001 - NIXL missing or its agent failed: inline
+    if not rows_ride_inline(config, head, "this engine core's outputs"):
+        writer = Writer(config)
+        leaving = export_or_none(writer, config, head)
+        if leaving is not None:
+            return writer, leaving
         writer.close()
-        log.warning("shmask: SHMASK_REMOTE=nixl, but this ring cannot be exported to NIXL "
-                    "(%s: %s); sampling masks travel inline in their references instead "
-                    "(pip install 'shmask[nixl]')", type(exc).__name__, exc)
-        return Writer(inline), None
+    return Writer(dataclasses.replace(config, transport="inline")), None
 
 
 # ------------------------------------------------ process-wide entry points
