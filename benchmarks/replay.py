@@ -44,31 +44,41 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rows_ids(n: int, vocab: int, length: int, gen: torch.Generator):
-    """n rows of `length` ascending random ids: (offsets, ids, forms, targets)."""
-    ids = torch.sort(torch.rand(n, vocab, generator=gen).argsort(1)[:, :length], 1).values
-    targets = ids[torch.arange(n), torch.randint(length, (n,), generator=gen)]
-    offsets = torch.arange(n + 1) * length
-    return offsets, ids.reshape(-1).int(), torch.zeros(n, dtype=torch.int32), targets
+    """n rows of `length` ascending random ids: (offsets, ids, forms, targets),
+    made where `gen` lives (the GPU: a CPU argsort of N x V takes minutes)."""
+    dev = gen.device
+    ids = torch.rand(n, vocab, generator=gen, device=dev).topk(length, 1).indices.sort(1).values
+    pick = torch.randint(length, (n,), generator=gen, device=dev)
+    targets = ids[torch.arange(n, device=dev), pick]
+    offsets = torch.arange(n + 1, device=dev) * length
+    return offsets, ids.reshape(-1).int(), torch.zeros(n, dtype=torch.int32, device=dev), targets
 
 
-def rows_bitmask(n: int, vocab: int, share: float, gen: torch.Generator):
-    """n bitmask rows keeping about `share` of the vocabulary each."""
-    keep = torch.rand(n, vocab, generator=gen) < share
+def rows_bitmask(n: int, vocab: int, share: float, gen: torch.Generator, step: int = 1024):
+    """n bitmask rows keeping about `share` of the vocabulary each (made
+    `step` rows at a time: the packing's int64 tiles are 32x the words)."""
+    dev = gen.device
     words = (vocab + 31) // 32
-    padded = torch.zeros(n, words * 32, dtype=torch.int64)
-    padded[:, :vocab] = keep.long()
-    packed = (padded.view(n, words, 32) << torch.arange(32)).sum(2)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).int()
-    targets = torch.multinomial(keep.float(), 1, generator=gen)[:, 0]
-    return torch.arange(n + 1) * words, packed.reshape(-1), torch.ones(n, dtype=torch.int32), targets
+    packed, targets = [], []
+    for first in range(0, n, step):
+        rows = min(step, n - first)
+        keep = torch.rand(rows, vocab, generator=gen, device=dev) < share
+        padded = torch.zeros(rows, words * 32, dtype=torch.int64, device=dev)
+        padded[:, :vocab] = keep.long()
+        part = (padded.view(rows, words, 32) << torch.arange(32, device=dev)).sum(2)
+        packed.append(torch.where(part >= 2**31, part - 2**32, part).int())
+        targets.append(torch.multinomial(keep.float(), 1, generator=gen)[:, 0])
+    return (torch.arange(n + 1, device=dev) * words, torch.cat(packed).reshape(-1),
+            torch.ones(n, dtype=torch.int32, device=dev), torch.cat(targets))
 
 
 def dense_mask(logits, targets, offsets, ids, forms, vocab):
     """The hand-written path: a bool mask from the rows, masked log-softmax."""
     n = logits.shape[0]
     if int(forms[0]) == 1:
-        words = ids.view(n, -1).long() & 0xFFFFFFFF
-        mask = ((words[:, :, None] >> torch.arange(32, device=ids.device)) & 1).bool()
+        words = ids.view(n, -1)  # int32: an arithmetic shift, then bit 0
+        lanes = torch.arange(32, dtype=torch.int32, device=ids.device)
+        mask = ((words[:, :, None] >> lanes) & 1).bool()
         mask = mask.view(n, -1)[:, :vocab]
     else:
         mask = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
@@ -102,8 +112,8 @@ def timed(call: Callable[[], object], repeats: int) -> tuple[float, float]:
 
 
 def run(n: int, vocab: int, length: int, share: float, repeats: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(38)
-    logits = (torch.randn(n, vocab, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(38)
+    logits = (torch.randn(n, vocab, generator=gen, device=DEVICE) * 2).to(torch.bfloat16)
     results: list[dict] = []
     read_ms, _ = timed(lambda: logits.amax(1), repeats)
     write_ms, write_mb = timed(lambda: torch.zeros_like(logits), repeats)
@@ -114,7 +124,7 @@ def run(n: int, vocab: int, length: int, share: float, repeats: int) -> list[dic
               "gradient_write": write_ms, "gradient_mb": write_mb}
     for label, rows in ((f"{length}-id rows", rows_ids(n, vocab, length, gen)),
                         (f"bitmask rows ({share:.0%})", rows_bitmask(n, vocab, share, gen))):
-        results.append(measure(label, logits, [t.to(DEVICE) for t in rows], floors, repeats))
+        results.append(measure(label, logits, list(rows), floors, repeats))
     return results
 
 
