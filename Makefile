@@ -70,7 +70,7 @@ test-long: $(STAMP)
 # Triton's interpreter.
 test-gpu:
 	SHMASK_TEST_GPU=1 python3 -m pytest -q tests/test_direct.py tests/test_rows_every_path.py tests/test_kernel_*.py \
-		tests/test_launch_plan.py tests/test_launch_native.py
+		tests/test_launch_plan.py tests/test_launch_native.py tests/test_train.py
 
 test-exhaustive: $(STAMP)
 	$(PY) tests/exhaustive_float_json.py

@@ -86,16 +86,21 @@ class ReplayBatch:
     def num_sequences(self) -> int:
         return int(self.seq_offsets.shape[0]) - 1
 
-    def to(self, device: torch.device | str | int, non_blocking: bool = True) -> ReplayBatch:
+    def to(self, device: torch.device | str | int,
+           non_blocking: bool | None = None) -> ReplayBatch:
         """The batch with every tensor on `device`. A copy from the CPU to a
-        GPU goes through pinned memory, so that `non_blocking` really
-        overlaps it with the host's work."""
+        GPU goes through pinned memory and, by default, does not block: the
+        GPU's stream orders it before the kernels that read it. Any other
+        copy (a GPU's batch back to the CPU) blocks by default, so its
+        tensors hold their values when returned; ``non_blocking=True`` there
+        leaves the caller to synchronize before reading them."""
         import torch
 
         target = torch.device(device)
         from_host = target.type == "cuda" and self.ids.device.type == "cpu"
         source = self.pin_memory() if from_host else self
-        return source._map(lambda tensor: tensor.to(target, non_blocking=non_blocking))
+        overlap = from_host if non_blocking is None else non_blocking
+        return source._map(lambda tensor: tensor.to(target, non_blocking=overlap))
 
     def pin_memory(self) -> ReplayBatch:
         """The batch in page-locked host memory; itself where CUDA is not

@@ -275,7 +275,9 @@ RANK_SCRIPT = textwrap.dedent("""
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    logits, targets, offsets, ids, forms, temperature, vocab = parallel_batch()
+    device = sys.argv[6]  # cuda on a GPU run (gloo reduces CUDA tensors too)
+    logits, targets, offsets, ids, forms, temperature, vocab = (
+        x.to(device) if isinstance(x, torch.Tensor) else x for x in parallel_batch())
     bounds = [vocab * r // world for r in range(world + 1)]
     shard = logits[:, bounds[rank]:bounds[rank + 1]].clone().requires_grad_(True)
     got = replay_logprobs_vocab_parallel(shard, targets, offsets, ids, vocab_start=bounds[rank],
@@ -315,9 +317,11 @@ def test_vocab_parallel_matches_the_unsharded_call(world: int, tmp_path) -> None
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # CPU tensors, on a GPU machine too
+    # The ranks run where the test does: CPU tensors in the interpreter, or
+    # CUDA (Triton 3.6's interpreter, the H200's, cannot run the kernels)
+    env = {**os.environ, "TRITON_INTERPRET": "0" if DEVICE == "cuda" else "1"}
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), str(port),
-                               str(tmp_path), tests_dir], env=env, start_new_session=True,
+                               str(tmp_path), tests_dir, DEVICE], env=env, start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     try:
@@ -329,7 +333,8 @@ def test_vocab_parallel_matches_the_unsharded_call(world: int, tmp_path) -> None
             except ProcessLookupError:
                 pass
     assert all(p.returncode == 0 for p in procs), outputs
-    logits, targets, offsets, ids, forms, temperature, vocab = parallel_batch()
+    logits, targets, offsets, ids, forms, temperature, vocab = (
+        x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in parallel_batch())
     leaf = logits.clone().requires_grad_(True)
     want = replay_logprobs(leaf, targets, offsets, ids, temperature=temperature, forms=forms)
     want.nan_to_num(0.0).sum().backward()

@@ -247,6 +247,11 @@ def test_to_the_cpu_and_pinning():
         on_gpu = batch.to("cuda")
         assert on_gpu.ids.device.type == "cuda"
         assert torch.equal(on_gpu.ids.cpu(), batch.ids)
+        # and back, read at once: the copy has landed (a batch large enough
+        # that an unsynchronized read would see it half copied)
+        big = train.pack_rows([[list(range(k, k + 1000)) for k in range(4000)]], 200_000)
+        back = big.to("cuda").to("cpu")
+        assert torch.equal(back.ids, big.ids) and torch.equal(back.offsets, big.offsets)
 
 
 def test_the_module_imports_without_torch():
