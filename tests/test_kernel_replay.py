@@ -366,8 +366,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
                    **{name: "constexpr" for name in ("BLOCK", "WORD_BLOCK", "ROW_BLOCK", "FULL",
                                                      "PARTIAL", "F64")}}
         backward = {**typed, "form_ptr": "*i32", "logz_ptr": "*" + acc, "grad_out_ptr": "*" + acc,
-                    "grad_ptr": "*" + dtype, "BLOCK": "constexpr", "WORD_BLOCK": "constexpr",
-                    "ZERO_BLOCK": "constexpr", "F64": "constexpr"}
+                    "grad_ptr": "*" + dtype, "WORD_BLOCK": "constexpr",
+                    "ZERO_BLOCK": "constexpr", "SCATTER": "constexpr", "F64": "constexpr"}
         sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64"}
         sources = []
         # int64 ids (read as they are) beside int32, for one dtype
@@ -378,7 +378,9 @@ COMPILE_SCRIPT = textwrap.dedent("""
                         for full, partial in ((False, False), (True, False), (False, True))]
             sources.append(ASTSource(replay._replay_backward_kernel,
                                      {**backward, "ids_ptr": ids_type},
-                                     {**sizes, "ZERO_BLOCK": replay.ZERO_BLOCK}))
+                                     {"WORD_BLOCK": replay.BACKWARD_WORD_BLOCK,
+                                      "ZERO_BLOCK": replay.ZERO_BLOCK,
+                                      "SCATTER": replay.SCATTER, "F64": dtype == "fp64"}))
         for source in sources:
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
             assert "cubin" in kernel.asm
