@@ -57,9 +57,13 @@ BLOCK = 1024  # support ids a step of one program (forward)
 # N = 16,384 rows of 40%: 1,967 us against 2,472 at 32 and 2,129 at 128),
 # 32 in the backward, whose tile also holds the values it writes.
 WORD_BLOCK, BACKWARD_WORD_BLOCK = 64, 32
-ZERO_BLOCK = 4096  # gradient columns written a step (an ids row's zeros)
+# The backward's shape, from the H200 (N = 16,384, 1,000-id rows / 40%
+# bitmask rows, us): 4 warps and 4,096 columns a block 2,020 / 2,644; 8
+# warps 1,945 / 2,835 (the bitmask rows' worst case higher); 8,192 columns
+# 2,355 / 2,643 (fewer rows' blocks fit in L2 at once).
+ZERO_BLOCK = 4096  # gradient columns written a step (an ids row's block)
 SCATTER = 64  # support ids a step of the backward's writes into one block
-BACKWARD_WARPS = 8  # (the H200 probe: 2,777 us for bitmask rows against 2,989 at 4)
+BACKWARD_WARPS = 4
 IDS, BITMASK = 0, 1  # a row's form (shmask.kernels.Form)
 
 
