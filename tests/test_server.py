@@ -792,10 +792,13 @@ def test_signal_exits_under_load(signum):
 # -- engine death -------------------------------------------------------------
 # Requests pending when an engine process is SIGKILLed (every other one
 # streamed). The server's watch (a pidfd per engine process on its event
-# loop) answers them at once; the bound is generous for a busy 2-core
-# machine (the fault case, tests/faults/cases_server.py, holds it to 1 s).
+# loop) answers them at once. This test checks that the watch answers
+# them, not how fast: the bound only has to sit below DEATH_WAIT_S (a
+# server without the watch never answers) with room for a busy 2-core
+# machine (a fresh-clone CI here took 2.4 s once). How fast is measured
+# by the fault case (tests/faults/cases_server.py, `make faults`: 1 s).
 DEATH_PENDING = 16
-DEATH_ANSWER_S = 2.0
+DEATH_ANSWER_S = 5.0
 DEATH_WAIT_S = 10.0  # today's server never answers: wait this long, then fail
 
 
