@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,21 +25,9 @@ import shmask.kernels.replay as R  # noqa: E402
 VARIANTS = [(warps, block) for warps in (4, 8) for block in (4096, 8192)]
 
 
-def gpu_us(call: Callable[[], object], reps: int = 5, inner: int = 3) -> float:
-    """Median GPU us per call, the calls enqueued while the GPU sleeps."""
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(bench.HOST_AHEAD_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / inner)
-    return statistics.median(times)
+def gpu_us(call: Callable[[], object]) -> float:
+    """Median GPU us per call, each enqueued while the GPU sleeps (replay.py's timing)."""
+    return bench.timed(call, 5)[0] * 1000
 
 
 def backward_call(args: tuple, logz: torch.Tensor, grad_out: torch.Tensor,

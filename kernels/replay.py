@@ -441,6 +441,7 @@ def _replay_backward_kernel(
         # a read-modify-write of DRAM per support id (the H200 probe: the
         # backward 2.9 ms against the gradient write's 1.5).
         p = start  # the next support id to write (ascending: a defined row's)
+        nxt = tl.load(ids_ptr + p, mask=p < end, other=0)  # its id, carried from block to block
         for col0 in range(0, n_cols, ZERO_BLOCK):  # (col0: an int32, the ids' first an int64)
             cols = col0 + tl.arange(0, ZERO_BLOCK)
             tl.store(grad_row + cols, tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty),
@@ -448,7 +449,6 @@ def _replay_backward_kernel(
             tl.debug_barrier()  # the block's zeros, before its support values land on them
             if defined:
                 block_end = col_start + col0 + ZERO_BLOCK  # global id past this block
-                nxt = tl.load(ids_ptr + p, mask=p < end, other=block_end)
                 while (p < end) & (nxt < block_end):
                     idx = p + tl.arange(0, SCATTER)
                     live = idx < end
@@ -461,7 +461,7 @@ def _replay_backward_kernel(
                     tl.store(grad_row + (ids - col_start), value.to(grad_ptr.dtype.element_ty),
                              mask=mine)
                     p += tl.sum(here.to(tl.int32)).to(p.dtype)
-                    nxt = tl.load(ids_ptr + p, mask=p < end, other=block_end)
+                    nxt = tl.load(ids_ptr + p, mask=p < end, other=0)
 
 
 # ---------------------------------------------------------------- reference
