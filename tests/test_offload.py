@@ -275,3 +275,43 @@ def test_fold_ref_jobs_that_never_run_give_their_chunks_back(writer, reader):
     assert reader.stats.discards == 3
     writer.reclaim()
     assert writer.ring_usage()[0] == 0
+
+
+def test_jobs_that_end_together_wake_the_loop_once():
+    """put()'s jobs that end while the loop is busy reach it in one
+    thread-safe call (not two per job, as wrap_future makes), and each
+    future still gets its own job's result or exception."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        calls = 0
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args: object, **kwargs: object) -> asyncio.Handle:
+            nonlocal calls
+            calls += 1
+            return threadsafe(*args, **kwargs)  # type: ignore[arg-type]
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+        def job(i: int) -> int:
+            if i % 7 == 3:
+                raise KeyError(i)
+            return i * i
+
+        with Offload(threads=2) as offload:
+            futures = [await offload.put(i % 5, job, i) for i in range(50)]
+            deadline = time.monotonic() + WAIT_S
+            # A lane leaves _lanes after its last job's future is set (and so
+            # after that job's hand-over was queued).
+            while offload._lanes:
+                assert time.monotonic() < deadline, "the jobs did not end"
+                time.sleep(0.01)  # the loop is busy: every job ends meanwhile
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        assert calls == 1, f"{calls} wake-ups of the loop for 50 jobs that ended together"
+        for i, result in enumerate(results):
+            if i % 7 == 3:
+                assert isinstance(result, KeyError) and result.args == (i,)
+            else:
+                assert result == i * i
+
+    asyncio.run(main())
