@@ -80,7 +80,7 @@ def one_run(tokens: int) -> tuple[str, float, float]:
     exact = sum(len(events[r]) - 1 == -(-int(lengths[r]) // server_test.EMIT_EVERY)
                 for r in range(count))
     gaps = [np.diff([arrival for arrival, _ in stream]).max() for stream in events if len(stream) > 1]
-    seen = np.array([took for _, took, _, _ in probes]) * 1000
+    seen = np.array([latency for _, latency, _, _ in probes]) * 1000
     stamped = np.array([stamp for _, _, stamp, _ in probes if stamp is not None]) * 1000
     failed = sum(not ok for *_, ok in probes)
     line = (f"/health to the prober's socket p50 {np.percentile(stamped, 50):.1f} ms, p99 "

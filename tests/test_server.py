@@ -499,19 +499,17 @@ MAX_QUEUED_EVENTS = int(re.search(r"^MAX_QUEUED_EVENTS = (\d+)",
 # them): here it must answer, every time, while the streams run.
 MAX_GAP_S = 2.0
 
-# /health polled from its own process, so the latency is the server's (this
-# process is busy reading 64 streams), in an open loop: one GET every 20 ms
-# whether or not the last one was answered, so a stall of the server's loop
-# counts once per tick, not once. It stops when its stdin closes, and
-# prints [latencies (s), the wall-clock time each answer came].
-# A liveness prober as a kubelet's: a new connection per probe (no
-# keep-alive), one every 20 ms whether or not the last has answered (a
-# thread per probe, blocking sockets: little CPU of its own, so on a busy
-# machine it measures the server more than itself). Each probe records
+# A liveness prober as a kubelet's, in its own process (this one is busy
+# reading 64 streams): a new connection per probe (no keep-alive), one
+# every 20 ms whether or not the last has answered, so a stall of the
+# server's loop counts once per tick (a thread per probe, blocking
+# sockets: little CPU of its own, so on a busy machine it measures the
+# server more than itself). It stops when its stdin closes. Each probe records
 # when it was sent (wall clock), its latency as the prober saw it, the
 # latency to the answer's arrival in the prober's kernel socket (its
 # receive timestamp: what the prober's own wait for a CPU does not
-# lengthen; null where the kernel gave none) and whether it got a 200.
+# lengthen; null where the kernel gave none) and whether it got a 200 (a
+# probe that could not connect or read counts as not answered).
 PROBER = """
 import json, socket, struct, sys, threading, time
 from urllib.parse import urlsplit
@@ -522,19 +520,22 @@ request = (f"GET /health HTTP/1.1\\r\\nHost: {url.netloc}\\r\\nConnection: close
 probes, lock, stop = [], threading.Lock(), threading.Event()
 def probe():
     sent, started, stamp, data = time.time(), time.perf_counter(), None, b""
-    with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, RX_SOFTWARE)
-        sock.sendall(request)
-        while True:
-            part, ancillary, _, _ = sock.recvmsg(65536, 1024)
-            for level, kind, payload in ancillary:
-                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPING and part \\
-                        and stamp is None:
-                    seconds, nanoseconds = struct.unpack_from("qq", payload)
-                    stamp = seconds + nanoseconds * 1e-9 - sent
-            if not part:
-                break
-            data += part
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, RX_SOFTWARE)
+            sock.sendall(request)
+            while True:
+                part, ancillary, _, _ = sock.recvmsg(65536, 1024)
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPING and part \\
+                            and stamp is None:
+                        seconds, nanoseconds = struct.unpack_from("qq", payload)
+                        stamp = seconds + nanoseconds * 1e-9 - sent
+                if not part:
+                    break
+                data += part
+    except OSError:
+        data = b""
     took = time.perf_counter() - started
     with lock:
         probes.append((sent, took, stamp, data.startswith(b"HTTP/1.1 200")))
