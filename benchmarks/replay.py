@@ -116,6 +116,27 @@ def timed(call: Callable[[], object], repeats: int) -> tuple[float, float]:
     return statistics.median(times), peak
 
 
+def host_us(call: Callable[[], object], calls: int = 10) -> float:
+    """Host us per eager call with the GPU busy (the calls enqueued behind a
+    sleep, so the host never waits for the GPU): median of 5 batches. On
+    the CPU (the interpreter) the wall time of one call."""
+    call()
+    if DEVICE != "cuda":
+        calls = 1
+    batches = []
+    for _ in range(5 if DEVICE == "cuda" else 1):
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOST_AHEAD_CYCLES * 4)
+        began = time.perf_counter()
+        for _ in range(calls):
+            call()
+        batches.append((time.perf_counter() - began) / calls * 1e6)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(batches)
+
+
 def run(n: int, vocab: int, length: int, share: float, repeats: int) -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(38)
     logits = (torch.randn(n, vocab, generator=gen, device=DEVICE) * 2).to(torch.bfloat16)
@@ -158,6 +179,8 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
                            repeats)
     dense_both_ms, dense_both_mb = timed(dense_both, repeats)
     both_ms, both_mb = timed(replay_both, repeats)
+    forward_host = host_us(lambda: replay_logprobs(logits, targets, offsets, ids, forms=forms))
+    both_host = host_us(replay_both, calls=3)
     return {
         "rows": label, "max_abs_error": error, "mean_logp": float(want.mean()),
         "forward_ms": {"dense_mask": dense_ms, "plain_logsoftmax": floors["plain_logsoftmax"],
@@ -167,6 +190,7 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
         "peak_extra_mb": {"dense_mask": dense_mb, "replay": fwd_mb, "dense_mask_both": dense_both_mb,
                           "replay_both": both_mb, "plain_logsoftmax": floors["plain_mb"],
                           "gradient": floors["gradient_mb"]},
+        "host_us": {"forward": forward_host, "forward_backward": both_host},
         "ratios": {"forward_vs_dense": dense_ms / fwd_ms, "forward_vs_read": fwd_ms / floors["one_read"],
                    "both_vs_gradient_write": both_ms / floors["gradient_write"],
                    "memory_dense_vs_replay": dense_mb / max(fwd_mb, 1e-9)},
@@ -191,7 +215,7 @@ def main() -> int:
     for r in results:
         print(f"\n{r['rows']} (max |replay - dense| {r['max_abs_error']:.2e}, "
               f"mean logp_S {r['mean_logp']:.3f})")
-        for group in ("forward_ms", "forward_backward_ms", "peak_extra_mb"):
+        for group in ("forward_ms", "forward_backward_ms", "peak_extra_mb", "host_us"):
             print(f"  {group:20s} " + "  ".join(f"{k} {v:.3f}" for k, v in r[group].items()))
         print("  ratios               " + "  ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()))
     if args.json:
