@@ -1,5 +1,6 @@
 """Host time of an eager capture / sample / compact call, plans on and off
-(issue 35; kernels/launch_plan.py), with the GPU busy, on a CUDA device.
+(issue 35; kernels/launch_plan.py), results reused or not (kernels/rows.py
+REUSE_RESULTS), with the GPU busy, on a CUDA device.
 
     python3 benchmarks/host_time.py            # from the repository root, shmask installed
 
@@ -45,7 +46,7 @@ def measure(fn, n: int = 20) -> tuple[float, float]:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("host_time.py needs a CUDA device (plans replay compiled launches only)")
-    from shmask.kernels import launch_plan
+    from shmask.kernels import launch_plan, rows
 
     from shmask import kernels
 
@@ -68,14 +69,17 @@ def main() -> None:
     print(f"host_time: {torch.cuda.get_device_name()}, B={batch} V={vocab}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'call':28} | plans off: GPU us, host us | plans, launches from Python | "
-          f"plans, launches from the core")
+          f"plans, launches from the core | the same, results not reused")
     for name, fn in calls.items():
-        runs: dict[str, list[tuple[float, float]]] = {"off": [], "python": [], "native": []}
+        runs: dict[str, list[tuple[float, float]]] = {"off": [], "python": [], "native": [],
+                                                      "native, fresh results": []}
         for _ in range(2):
             for mode in runs:
                 os.environ["SHMASK_KERNEL_PLANS"] = "0" if mode == "off" else "1"
-                launch_plan.NATIVE_LAUNCHES = mode == "native"
+                launch_plan.NATIVE_LAUNCHES = mode.startswith("native")
+                rows.REUSE_RESULTS = mode != "native, fresh results"
                 runs[mode].append(measure(fn))
+        rows.REUSE_RESULTS = True
         best = {mode: min(found, key=lambda r: r[1]) for mode, found in runs.items()}
         print(f"{name:28} | " + " | ".join(f"{gpu:8.1f} {host:8.1f}" for gpu, host in best.values()),
               flush=True)

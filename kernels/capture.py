@@ -179,7 +179,7 @@ def run_capture(
         sequential=order == "sequential", stream=stream)
     tokens, seed_rows = _tokens_and_seeds(sampled, seeds, batch, device)
     result, buffers = empty_rows(batch, vocab, max_tokens, overflow, device, selected=True,
-                                tokens=seed_rows is not None)
+                                tokens=seed_rows is not None, reuse=where)
     if tokens is None:
         tokens = result.tokens
     assert tokens is not None

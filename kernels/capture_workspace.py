@@ -26,6 +26,7 @@ import triton.language as tl
 
 from . import tuning
 from .checks import per_row, row_mask
+from .rows import release_results
 
 # A window row's bracket record: BRACKET int32 values a row, written by the
 # window bracket (B_LO .. B_WIDE) and the window mark (the refined bracket
@@ -294,6 +295,8 @@ def on_scratch_grown(callback: Callable[[], None] | None = None) -> None:
 
 
 def release_scratch() -> None:
-    """Drop every kept workspace (tests; a process that wants the memory back)."""
+    """Drop every kept workspace and kept result (tests; a process that
+    wants the memory back)."""
     _KEPT.clear()
+    release_results()
     on_scratch_grown()

@@ -104,17 +104,17 @@ def compact(
     opt_in = None if rows is None else row_mask(rows, batch, x.device)
     pdl = pdl_default(x.device) if pdl is None else pdl
     n_chunks = triton.cdiv(vocab, chunk)
+    # A call shape's launches replay from a plan after two calls
+    # (kernels/launch_plan.py); into= (scan and expand store into a claimed
+    # GPU-direct step) always takes Triton's path.
+    where = launch_plan.call_stream(x) if target is None else None
     result, buffers = empty_rows(batch, vocab, max_tokens, overflow, x.device, selected=False,
-                                tokens=False)
+                                tokens=False, reuse=where)
     marks = torch.empty(batch * n_chunks * (chunk // WORD_BITS + 1), dtype=torch.int32,
                         device=x.device)  # the mark's bitmask, then its counts
     launches: dict[str, Any] = dict(mode=_KEEP_MODES[keep], chunk=chunk, mark_warps=num_warps,
                     expand_words=expand_words, expand_warps=expand_warps, pdl=pdl,
                     scan_rows=scan_rows)
-    # A call shape's launches replay from a plan after two calls
-    # (kernels/launch_plan.py); into= (scan and expand store into a claimed
-    # GPU-direct step) always takes Triton's path.
-    where = launch_plan.call_stream(x) if target is None else None
     if where is None:
         return _compact_rows(x, opt_in, max_tokens, overflow, result, marks, target=target,
                              **launches)

@@ -11,6 +11,8 @@ hold, never a padded buffer. The form rule is stated once for the host
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -103,33 +105,153 @@ def values_capacity(batch: int, vocab: int, max_tokens: int, overflow: str) -> i
 
 
 def empty_rows(batch: int, vocab: int, max_tokens: int, overflow: str, device: torch.device,
-               *, selected: bool, tokens: bool) -> tuple[Rows, tuple[torch.Tensor, ...]]:
+               *, selected: bool, tokens: bool,
+               reuse: Hashable | None = None) -> tuple[Rows, tuple[torch.Tensor, ...]]:
     """A result for kernels to fill, and its three allocations (a plan's
     slots, kernels/launch_plan.py): the per-row arrays (offsets, id
     offsets, lengths, statuses, sizes, forms; ``selected``: selected
     logprobs; ``tokens``: sample's tokens), each at a multiple of 16 bytes
     (what Triton specializes pointers on) and cut by one split; the ids;
     the values. Three, not one: a caller that keeps only the small arrays
-    (the tokens) does not keep the values' B x V entries alive."""
-    words = {"offsets": batch + 1, "id_offsets": batch + 1, "lengths": batch, "status": batch,
-             "sizes": batch, "forms": batch, "selected": batch if selected else 0,
-             "tokens": batch if tokens else 0}
+    (the tokens) does not keep the values' B x V entries alive.
+
+    ``reuse``: the call's (device, stream, thread) where a later call may
+    take this result's memory once nothing else holds it (see
+    ``REUSE_RESULTS``); None: fresh allocations."""
+    if reuse is None or not REUSE_RESULTS:
+        buffers = _allocate(batch, vocab, max_tokens, overflow, device, selected, tokens)
+        return _rows(_cut(buffers, batch, vocab, max_tokens, overflow, selected, tokens), vocab,
+                     max_tokens), buffers
+    key = (reuse, vocab, max_tokens, overflow, selected, tokens)
+    kept = _results.get(key)
+    if not kept or kept[0].capacity < batch:
+        kept = _results[key] = []  # a larger batch: the smaller buffers go back to torch
+        while len(_results) > RESULTS_SHAPES:
+            del _results[next(iter(_results))]  # the oldest shape's go back
+    for entry in kept:
+        if entry.free():
+            if entry.batch != batch:
+                entry.hold(batch, _cut(entry.buffers, batch, vocab, max_tokens, overflow,
+                                       selected, tokens))
+            return _rows(entry.fields, vocab, max_tokens), entry.buffers
+    capacity = triton.next_power_of_2(batch)
+    buffers = _allocate(capacity, vocab, max_tokens, overflow, device, selected, tokens)
+    fields = _cut(buffers, batch, vocab, max_tokens, overflow, selected, tokens)
+    if len(kept) < RESULTS_KEPT:
+        entry = _KeptResult(capacity, buffers)
+        entry.hold(batch, fields)
+        kept.append(entry)
+    return _rows(fields, vocab, max_tokens), buffers
+
+
+def _small_words(batch: int, selected: bool, tokens: bool) -> dict[str, int]:
+    return {"offsets": batch + 1, "id_offsets": batch + 1, "lengths": batch, "status": batch,
+            "sizes": batch, "forms": batch, "selected": batch if selected else 0,
+            "tokens": batch if tokens else 0}
+
+
+def _allocate(batch: int, vocab: int, max_tokens: int, overflow: str, device: torch.device,
+              selected: bool, tokens: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """empty_rows' three allocations for ``batch`` rows (the per-row arrays
+    each padded to 16 bytes)."""
+    words = sum(n + -n % 4 for n in _small_words(batch, selected, tokens).values())
+    return (torch.empty(words, dtype=torch.int32, device=device),
+            torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=device),
+            torch.empty(values_capacity(batch, vocab, max_tokens, overflow), dtype=torch.float32,
+                        device=device))
+
+
+def _cut(buffers: tuple[torch.Tensor, ...], batch: int, vocab: int, max_tokens: int,
+         overflow: str, selected: bool, tokens: bool) -> tuple[torch.Tensor | None, ...]:
+    """The tensors of a Rows of ``batch`` rows (in _FIELDS' order) over
+    buffers made for at least as many."""
+    small, ids, values = buffers
+    words = _small_words(batch, selected, tokens)
     pieces: list[int] = []
     index: list[int] = []  # where each array is among the pieces (its padding after it)
     for n in words.values():
         index.append(len(pieces))
         pieces += [n, -n % 4] if n % 4 else [n]
-    small = torch.empty(sum(pieces), dtype=torch.int32, device=device)
+    pieces.append(small.shape[0] - sum(pieces))  # what a smaller batch leaves of the buffer
     parts = small.split(pieces)
     arrays = {name: parts[i] for name, i in zip(words, index, strict=True)}
-    ids = torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=device)
-    values = torch.empty(values_capacity(batch, vocab, max_tokens, overflow), dtype=torch.float32,
-                         device=device)
-    rows = Rows(arrays["offsets"], arrays["lengths"], arrays["status"], arrays["sizes"],
-                arrays["forms"], arrays["id_offsets"], ids, values, vocab,
-                arrays["selected"].view(torch.float32) if selected else None,
-                arrays["tokens"] if tokens else None, max_tokens=max_tokens)
-    return rows, (small, ids, values)
+    ids_needed = batch * bitmask_words(vocab)
+    values_needed = values_capacity(batch, vocab, max_tokens, overflow)
+    return (arrays["offsets"], arrays["lengths"], arrays["status"], arrays["sizes"],
+            arrays["forms"], arrays["id_offsets"],
+            ids if ids.shape[0] == ids_needed else ids[:ids_needed],
+            values if values.shape[0] == values_needed else values[:values_needed],
+            arrays["selected"].view(torch.float32) if selected else None,
+            arrays["tokens"] if tokens else None)
+
+
+def _rows(fields: tuple[torch.Tensor | None, ...], vocab: int, max_tokens: int) -> Rows:
+    offsets, lengths, status, sizes, forms, id_offsets, ids, values, selected, tokens = fields
+    assert ids is not None and values is not None
+    return Rows(offsets, lengths, status, sizes, forms, id_offsets, ids, values,  # type: ignore[arg-type]
+                vocab, selected, tokens, max_tokens=max_tokens)
+
+
+# ------------------------------------------------------------ results reused
+# An eager call's result is three allocations and the cut of the smallest
+# into per-row arrays: about half of a capture's host time on the H200
+# (issue 35; the caching allocator's own bookkeeping varies with what ran
+# between). A call that a plan may serve (its device, stream and thread
+# known: kernels/launch_plan.call_stream) keeps its result, at most
+# RESULTS_KEPT per call shape, in buffers sized for the largest batch seen
+# (a power of two), and hands it to a later call of that shape once nothing
+# else holds any part of it: not the Rows, not any of its tensors, not any
+# view of their memory (Python's reference counts and torch's storage use
+# counts back to what they were when only this cache held them). The later
+# call runs on the same stream, so the GPU runs its writes after all work
+# queued there that used the rows, as the caching allocator orders a freed
+# block's reuse; work the caller queued on another stream must hold the
+# rows until it is done (as it must for the allocator: record_stream).
+REUSE_RESULTS = True  # benchmarks switch it off to measure what it saves
+RESULTS_KEPT = 2  # a caller may hold one step's rows while the next is made
+RESULTS_SHAPES = 16  # call shapes (stream, thread, V, max_tokens, ...) kept at most
+_results: dict[Hashable, list[_KeptResult]] = {}
+
+
+def release_results() -> None:
+    """Drop every kept result (the memory goes back to torch's allocator
+    once no caller holds it)."""
+    _results.clear()
+
+
+class _KeptResult:
+    """One kept result: its buffers, the tensors of the Rows last cut from
+    them (each call gets a Rows of its own over them: a caller holding a
+    Rows holds its tensors), and the reference counts that say only this
+    cache holds them."""
+
+    __slots__ = ("capacity", "buffers", "batch", "fields", "alone")
+
+    def __init__(self, capacity: int, buffers: tuple[torch.Tensor, ...]) -> None:
+        self.capacity = capacity
+        self.buffers = buffers
+
+    def hold(self, batch: int, fields: tuple[torch.Tensor | None, ...]) -> None:
+        """Keep ``fields``, a result of ``batch`` rows (before any Rows is
+        made of them: the counts taken now are those of a moment when only
+        this cache holds them)."""
+        self.batch = batch
+        self.fields = fields
+        self.alone = self._counts()
+
+    def free(self) -> bool:
+        """Whether nothing but this cache holds any part of the result."""
+        return self._counts() == self.alone
+
+    def _counts(self) -> tuple[int, ...]:
+        counts = []
+        for field in self.fields:
+            if field is not None:  # (None's count moves with everything else)
+                counts.append(sys.getrefcount(field))
+        for buffer in self.buffers:
+            counts.append(sys.getrefcount(buffer))
+            counts.append(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata))
+        return tuple(counts)
 
 
 def pack_rows(
