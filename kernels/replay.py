@@ -403,6 +403,13 @@ def _replay_forward_kernel(
 
 
 @triton.jit
+def _gradient(g, ids, target, z, logz, inv_t):
+    """d logp_S / d logit at ``ids`` (z: their logits / T), times the
+    incoming g: g (1[id = a] - exp(z - logsumexp_S)) / T."""
+    return g * (tl.where(ids == target, 1.0, 0.0) - tl.exp(z - logz)) * inv_t
+
+
+@triton.jit
 def _replay_backward_kernel(
     logits_ptr, stride_row, col_start, n_cols, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr,
     form_ptr, logz_ptr, grad_out_ptr, grad_ptr, WORD_BLOCK: tl.constexpr,
@@ -431,7 +438,7 @@ def _replay_backward_kernel(
             cols, set_, mine, z = _bitmask_block(logits_row, col_start, n_cols, ids_ptr, start,
                                                  word0, (vocab + 31) // 32, inv_t, WORD_BLOCK,
                                                  F64)
-            value = g * (tl.where(cols == target, 1.0, 0.0) - tl.exp(z - logz)) * inv_t
+            value = _gradient(g, cols, target, z, logz, inv_t)
             tl.store(grad_row + (cols - col_start),
                      tl.where(set_, value, 0.0).to(grad_ptr.dtype.element_ty), mask=mine)
     else:
@@ -457,7 +464,7 @@ def _replay_backward_kernel(
                     mine = here & (ids >= col_start) & (ids < col_start + n_cols)
                     z = _to_acc(tl.load(logits_row + (ids - col_start), mask=mine, other=0.0),
                                 F64) * inv_t
-                    value = g * (tl.where(ids == target, 1.0, 0.0) - tl.exp(z - logz)) * inv_t
+                    value = _gradient(g, ids, target, z, logz, inv_t)
                     tl.store(grad_row + (ids - col_start), value.to(grad_ptr.dtype.element_ty),
                              mask=mine)
                     p += tl.sum(here.to(tl.int32)).to(p.dtype)
