@@ -40,6 +40,7 @@ OTHER_VARIABLES = frozenset({"SHMASK_FAULTS_FULL", "SHMASK_TEST_GPU", "SHMASK_PA
 OTHER_PREFIXES = ("SHMASK_TEST_", "SHMASK_BENCH_", "SHMASK_FAULTS_")
 MASK_FORMATS = ("lists", "arrays")
 CAPTURES = ("shmask", "engine")
+DRAWS = ("engine", "shmask")
 ROW_ORDERS = ("engine", "ascending")
 PAST_CAPS = ("exact", "status")
 REMOTES = ("off", "nixl")
@@ -61,7 +62,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "remote_timeout_s": (0.01, 600),
 }
 _CHOICES = {"transport": TRANSPORTS, "gpu_direct": GPU_DIRECT, "log_level": LOG_LEVELS,
-            "mask_format": MASK_FORMATS, "capture": CAPTURES, "row_order": ROW_ORDERS,
+            "mask_format": MASK_FORMATS, "capture": CAPTURES, "draw": DRAWS, "row_order": ROW_ORDERS,
             "past_cap": PAST_CAPS, "remote": REMOTES}
 
 
@@ -147,6 +148,12 @@ class Config:
     shmask.kernels.capture on the opted-in rows after the draw (SGLang:
     shmask.adapters.sglang_sampler); "engine", the engine's own capture,
     as released."""
+    draw: str = "engine"
+    """Who draws the tokens of a patched engine's batch where some row asks
+    for masks: "engine", its own sampler, as released; "shmask",
+    shmask.kernels.sample, which draws each row's token and captures its
+    support in one pass (SGLang: shmask.adapters.sglang_sampler; its
+    tokens follow from shmask's seeds, not the engine's generator)."""
     row_order: str = "engine"
     """Order of a row's ids where the engine's own responses have one
     (SGLang: by descending weight, ties by ascending id): "engine", that

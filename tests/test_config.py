@@ -68,7 +68,7 @@ def test_a_misspelt_variable_warns_once_naming_the_closest_setting(fresh_warning
     with pytest.warns(config_module.UnknownVariableWarning, match="SHMASK_LEASE_S"):
         shmask.Config.from_env({"SHMASK_LEASE": "3"})
     with pytest.warns(config_module.UnknownVariableWarning, match="known: SHMASK_TRANSPORT"):
-        shmask.Config.from_env({"SHMASK_XYZZY": "1"})  # nothing close: the list
+        shmask.Config.from_env({"SHMASK_QUUXQUUXQUUX": "1"})  # nothing close: the list
 
 
 def test_variables_of_the_tests_and_benchmarks_never_warn(fresh_warnings):

@@ -43,6 +43,15 @@ bitmasks beside the released fields, which keep those rows OVERFLOW;
 ``materialize_spilled`` is the patched start of SGLang's
 ``materialize_sampling_mask_output``; shmask/adapters/sglang_spill.py).
 
+The draw (``SHMASK_DRAW=shmask``, opt-in): ``shmask_draw`` (called just
+after ``pending_capture``) draws the whole batch's tokens with
+``shmask.kernels.sample``, which captures the opted-in rows' supports in
+the same pass; ``sampling_mask_output`` then lays out those rows instead
+of capturing again (unless the TP token sync or a grammar may still change
+a token: then it captures with the final tokens). Seeds: a request's
+``sampling_seed`` with its position (the same seed and position draw the
+same token), else fresh ones from torch's generator each step.
+
 ``SHMASK_CAPTURE=engine`` keeps SGLang's own capture (``pending_capture``
 returns None). Greedy batches keep SGLang's own builder (one id per row, no
 capture to do), and so do devices the kernels do not run on.
@@ -52,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -61,7 +71,7 @@ from .. import admission
 from ..config import Config
 
 __all__ = ["FixedRows", "ShmaskCapture", "Spill", "fixed_capture", "materialize_spilled",
-           "pending_capture", "sampling_mask_output", "sampling_mask_refusal"]
+           "pending_capture", "sampling_mask_output", "sampling_mask_refusal", "shmask_draw"]
 
 
 class ShmaskCapture(NamedTuple):
@@ -76,6 +86,8 @@ class ShmaskCapture(NamedTuple):
     # or a grammar may change the drawn token; the capture always reads the
     # final tokens, so it needs no value of its own.
     selected_weight: None = None
+    # shmask's draw (SHMASK_DRAW=shmask): its Rows, the capture made with it
+    drawn: Any = None
 
 
 @functools.cache
@@ -148,12 +160,44 @@ def _spill_candidates(info: Any, cap: int, vocab: int,
     return positions, batch_rows, value_rows
 
 
+class _Plan(NamedTuple):
+    """What a capture (or shmask's draw) of the opted-in rows is asked:
+    the capacity, the rows that may pass it (``_spill_candidates``) and the
+    kernel's keyword arguments."""
+
+    cap: int
+    positions: list[int]
+    candidates: list[int]
+    value_rows: list[int]
+    kwargs: dict[str, Any]
+
+
+def _plan(probs: torch.Tensor, info: Any, max_tokens: int, past_cap: str | None) -> _Plan:
+    batch, vocab = probs.shape
+    cap = min(max_tokens, vocab)
+    positions, candidates, value_rows = _spill_candidates(
+        info, cap, vocab, _settings().past_cap if past_cap is None else past_cap)
+    batch_rows = info.sampling_mask_batch_indices
+    opted = None
+    if batch_rows.numel() != batch:
+        opted = torch.zeros(batch, dtype=torch.bool, device=probs.device)
+        opted.index_fill_(0, batch_rows, True)
+    kwargs = dict(top_k=info.top_ks if info.need_top_k_sampling else None,
+                  top_p=info.top_ps if info.need_top_p_sampling else None,
+                  min_p=info.min_ps if info.need_min_p_sampling else None,
+                  max_tokens=cap, rows=opted, overflow="exact" if positions else "status")
+    return _Plan(cap, positions, candidates, value_rows, kwargs)
+
+
 def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order: str,
-                  max_tokens: int, row_order: str, past_cap: str | None = None) -> FixedRows:
+                  max_tokens: int, row_order: str, past_cap: str | None = None,
+                  drawn: Any = None) -> FixedRows:
     """shmask's capture of the rows ``info.sampling_mask_batch_indices`` of
     ``probs`` (with the drawn ``tokens``), laid out as SGLang lays out its
     own: the kernels' part of :func:`sampling_mask_output`, which needs
     nothing of SGLang (benchmarks/sglang_capture.py runs it on the H200).
+    ``drawn``: the Rows of :func:`shmask_draw` with the same arguments,
+    laid out instead of a capture.
 
     Rows longer than the capacity are OVERFLOW in the fixed fields; those
     of the spill candidates (:func:`_spill_candidates`) also come whole in
@@ -162,34 +206,60 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
     from shmask.kernels import Status, capture
     from shmask.kernels.fixed_rows import fixed_rows
 
-    batch_rows = info.sampling_mask_batch_indices
-    batch, vocab = probs.shape
-    cap = min(max_tokens, vocab)
-    positions, candidates, value_rows = _spill_candidates(
-        info, cap, vocab, _settings().past_cap if past_cap is None else past_cap)
-    opted = None
-    if batch_rows.numel() != batch:
-        opted = torch.zeros(batch, dtype=torch.bool, device=probs.device)
-        opted.index_fill_(0, batch_rows, True)
-    rows = capture(
-        probs, tokens,
-        top_k=info.top_ks if info.need_top_k_sampling else None,
-        top_p=info.top_ps if info.need_top_p_sampling else None,
-        min_p=info.min_ps if info.need_min_p_sampling else None,
-        max_tokens=cap, order=order, rows=opted, overflow="exact" if positions else "status")
+    plan = _plan(probs, info, max_tokens, past_cap)
+    rows = drawn if drawn is not None else capture(probs, tokens, order=order, **plan.kwargs)
+    cap = plan.cap
     spill = None
-    if positions:
+    if plan.positions:
         device = probs.device
-        lengths, bits, values = _spill(rows, candidates, value_rows, cap, device)
-        spill = Spill(tuple(positions), tuple(value_rows), lengths, bits, values)
+        lengths, bits, values = _spill(rows, plan.candidates, plan.value_rows, cap, device)
+        spill = Spill(tuple(plan.positions), tuple(plan.value_rows), lengths, bits, values)
         # past the capacity: OVERFLOW in the fixed fields (spill has them whole)
         # (a row's length is 0 unless it is OK)
         rows = dataclasses.replace(
             rows, status=rows.status.masked_fill(rows.lengths > cap, Status.OVERFLOW))
+    batch_rows = info.sampling_mask_batch_indices
     ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap, row_order)
     assert rows.selected_logprob is not None  # capture() always sets it
     return FixedRows(ids, lengths, rows.selected_logprob.index_select(0, batch_rows), values,
                      rows.status.index_select(0, batch_rows), spill)
+
+
+# (seed, position) -> the draw's seed: positions stay below 2^24 (a context)
+_SEED_STRIDE = 1 << 24
+
+
+def shmask_draw(probs: torch.Tensor, sampling_info: Any, positions: torch.Tensor | None,
+                pending: ShmaskCapture | None) -> tuple[torch.Tensor, ShmaskCapture] | None:
+    """(the batch's tokens, ``pending`` with the draw's rows) from
+    ``shmask.kernels.sample`` with the capture's own arguments, so the
+    opted-in rows' supports come from the draw's pass; None where SGLang
+    draws (``SHMASK_DRAW=engine``, the default, or no shmask capture
+    pending). A row the kernel finds INVALID (NaN or negative weights,
+    zero mass) has no token; it gets id 0, and an opted-in one's status
+    makes the scheduler abort its request, as released."""
+    if pending is None or _settings().draw != "shmask":
+        return None
+    from sglang.srt.runtime_context import get_exec
+
+    from shmask.kernels import sample
+
+    info = sampling_info
+    max_tokens = int(get_exec().features.sampling_mask_max_tokens)
+    plan = _plan(probs, info, max_tokens, _past_cap())
+    rows = sample(probs, _seeds(info, positions, probs), order=pending.order, **plan.kwargs)
+    assert rows.tokens is not None  # sample() always sets them
+    return rows.tokens.clamp(min=0), pending._replace(drawn=rows)
+
+
+def _seeds(info: Any, positions: torch.Tensor | None, probs: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: a request's sampling_seed with its position, or fresh
+    seeds from torch's generator (the one SGLang's own draws use)."""
+    seed = getattr(info, "sampling_seed", None)
+    if seed is None or positions is None:
+        return torch.randint(0, 1 << 62, (probs.shape[0],), dtype=torch.int64,
+                             device=probs.device)
+    return seed.to(torch.int64) * _SEED_STRIDE + positions.to(torch.int64)
 
 
 def _spill(rows: Any, candidates: list[int], value_rows: list[int], cap: int,
@@ -220,9 +290,12 @@ def sampling_mask_output(sampler: Any, batch_next_token_ids: torch.Tensor,
     ``SpilledSamplingMaskOutput`` when rows may pass the capacity)."""
     from sglang.srt.layers.logits_processor import SamplingMaskOutput
 
-    fixed = fixed_capture(pending.probs, batch_next_token_ids, pending.sampling_info,
-                          order=pending.order, max_tokens=int(sampler.sampling_mask_max_tokens),
-                          row_order=_settings().row_order, past_cap=_past_cap())
+    info = pending.sampling_info
+    # the draw's rows hold unless the TP sync or a grammar may still change a token
+    drawn = None if _tokens_may_change(sampler, info) else pending.drawn
+    fixed = fixed_capture(pending.probs, batch_next_token_ids, info, order=pending.order,
+                          max_tokens=int(sampler.sampling_mask_max_tokens),
+                          row_order=_settings().row_order, past_cap=_past_cap(), drawn=drawn)
     _agree_on_statuses(sampler, fixed.statuses)
     released = {
         "token_ids": fixed.token_ids,
@@ -241,6 +314,14 @@ def sampling_mask_output(sampler: Any, batch_next_token_ids: torch.Tensor,
                                      spill_value_rows=spill.value_rows,
                                      spill_lengths=spill.lengths, spill_bits=spill.bits,
                                      spill_values=spill.values)
+
+
+def _tokens_may_change(sampler: Any, info: Any) -> bool:
+    """SGLang's own condition for its token sync across TP ranks
+    (``Sampler._sync_token_ids_across_tp``), read from the sampler's module."""
+    module = sys.modules.get(type(sampler).__module__)
+    sync = getattr(module, "SYNC_TOKEN_IDS_ACROSS_TP", True)  # unknown: assume it may
+    return bool(sync or info.grammars)
 
 
 def _past_cap() -> str:

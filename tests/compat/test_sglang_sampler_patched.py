@@ -259,3 +259,117 @@ def test_a_prefill_server_never_spills(monkeypatch):
     statuses = dict(zip(MASK_ROWS, prefill_out.statuses.tolist(), strict=True))
     longer = [b for b in MASK_ROWS if want[b].status == 0 and len(want[b].ids) > SMALL_CAP]
     assert longer and all(statuses[b] == 1 for b in longer)
+
+
+# ------------------------------------------------ SHMASK_DRAW=shmask
+
+
+def _assert_drawn_rows(ids, output, info, capture_rows):
+    """The draw's rows: the capture path's rows (the supports do not depend
+    on the token), each drawn token in its row, its selected logprob the
+    support's at that token."""
+    got, want = harness.ok_rows(output, info), harness.ok_rows(capture_rows, info)
+    assert [row.status for row in got] == [row.status for row in want]
+    for batch_row, mine, theirs in zip(MASK_ROWS, got, want, strict=True):
+        if theirs.status != 0:
+            continue
+        np.testing.assert_array_equal(mine.ids, theirs.ids, err_msg=f"row {batch_row}")
+        token = int(ids[batch_row])
+        assert token in mine.ids.tolist(), f"row {batch_row}: token {token} outside its support"
+        if mine.support_logprobs is not None:
+            np.testing.assert_allclose(mine.support_logprobs, theirs.support_logprobs, rtol=1e-6,
+                                       atol=1e-6, err_msg=f"row {batch_row}")
+            at = mine.ids.tolist().index(token)
+            assert mine.selected_logprob == pytest.approx(float(mine.support_logprobs[at]),
+                                                          abs=1e-6), f"row {batch_row}"
+
+
+def _captures(monkeypatch) -> list[int]:
+    """Calls of shmask.kernels.capture (fixed_capture imports it per call)."""
+    import shmask.kernels
+
+    calls: list[int] = []
+    real = shmask.kernels.capture
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shmask.kernels, "capture", counted)
+    return calls
+
+
+def test_shmask_draw_gives_tokens_and_rows_in_one_pass(patched, monkeypatch):
+    """SHMASK_DRAW=shmask: shmask.kernels.sample draws the batch and its rows
+    are the masks, laid out as the capture's (no capture runs): the same
+    statuses, ids and support logprobs as the patched capture's rows, every
+    token inside its row. Unseeded rows draw from torch's generator:
+    another generator state, other tokens."""
+    calls = _captures(monkeypatch)
+    ids, output, info = _forward(True, monkeypatch, SHMASK_DRAW="shmask")
+    assert calls == []
+    _assert_drawn_rows(ids, output, info, patched[1])
+    again, _, _ = _forward(True, monkeypatch, SHMASK_DRAW="shmask")
+    assert torch.equal(again, ids)  # the same generator state, the same draws
+    module = harness.load_sampler_module(patched=True)
+    with harness.sampler_context(MAX_TOKENS):
+        logits, info = _batch()
+        others = [harness.run_forward(module, module.Sampler(), logits, info, torch_seed=seed)[0]
+                  for seed in (1, 2, 3)]
+    assert any(not torch.equal(other, ids) for other in others)
+
+
+def test_shmask_draw_captures_again_where_the_token_sync_may_change_tokens(patched, monkeypatch):
+    """With SGLang's TP token sync on (SYNC_TOKEN_IDS_ACROSS_TP), a rank's
+    token may be replaced after the draw: the rows are captured with the
+    final tokens, as without the draw."""
+    module = harness.load_sampler_module(patched=True)
+    monkeypatch.setattr(module, "SYNC_TOKEN_IDS_ACROSS_TP", True)
+    monkeypatch.setattr(module.torch.distributed, "all_reduce", lambda *a, **k: None)
+    calls = _captures(monkeypatch)
+    monkeypatch.setenv("SHMASK_DRAW", "shmask")
+    sglang_sampler._settings.cache_clear()
+    try:
+        with harness.sampler_context(MAX_TOKENS):
+            logits, info = _batch()
+            ids, output = harness.run_forward(module, module.Sampler(), logits, info)
+    finally:
+        sglang_sampler._settings.cache_clear()
+    assert calls == [1]
+    _assert_drawn_rows(ids, output, info, patched[1])
+
+
+def test_shmask_draw_replays_a_seeded_request_by_seed_and_position(monkeypatch):
+    """A request's sampling_seed (deterministic inference) with its position
+    sets its draw: the same seeds and positions draw the same tokens
+    whatever torch's generator holds; another position draws anew. (Released
+    SGLang's seeded draw needs sgl_kernel's CPU hash, which does not install
+    here; shmask's draw needs nothing of it.)"""
+    monkeypatch.setenv("SHMASK_DRAW", "shmask")
+    sglang_sampler._settings.cache_clear()
+    module = harness.load_sampler_module(patched=True)
+    seeds = [7 + row for row in range(len(ROWS))]
+
+    def draw(torch_seed: int, position: int) -> torch.Tensor:
+        with harness.sampler_context(MAX_TOKENS, deterministic=True):
+            logits = _batch()[0]
+            temperatures, top_ks, top_ps, min_ps, _ = zip(*ROWS, strict=True)
+            info = harness.sampling_info(logits, temperatures=temperatures, top_ks=top_ks,
+                                         top_ps=top_ps, min_ps=min_ps, mask_rows=MASK_ROWS,
+                                         support_rows=SUPPORT_ROWS, seeds=seeds)
+            output = module.LogitsProcessorOutput(next_token_logits=logits.clone())
+            torch.manual_seed(torch_seed)
+            positions = torch.full((len(ROWS),), position, dtype=torch.int64)
+            ids = module.Sampler().forward(output, info, return_logprob=False,
+                                           top_logprobs_nums=[0] * len(ROWS),
+                                           token_ids_logprobs=[None] * len(ROWS),
+                                           positions=positions)
+            assert output.sampling_mask_output.statuses.tolist()[0] == 0
+        return ids
+
+    try:
+        first = draw(0, 5)
+        assert torch.equal(draw(1, 5), first)
+        assert any(not torch.equal(draw(0, position), first) for position in (6, 7, 8))
+    finally:
+        sglang_sampler._settings.cache_clear()
