@@ -14,20 +14,22 @@ them) over a zmq TCP socket; the tokenizer decodes them and calls
 ``_handle_batch_output`` does. Row ids are random, so another request's
 or another emission's rows would show as "other" rows.
 
-Files beside ``path`` synchronise the three parties (the test, A, B). No
-pytest import: usable from the fault matrix.
+Files beside ``path`` synchronise the three parties (the test, A, B); the
+waiting on them, and what else the scripts share with
+tests/test_remote_nixl.py's, is in tests/remote_child.py (on the scripts'
+PYTHONPATH through ``node_env``). No pytest import: usable from the fault
+matrix.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import netns
+from remote_child import host_env, last_json, wait_for
 
 ZMQ_PORT = 5631  # the tokenizer's socket, in namespace B
 REQUESTS = 16
@@ -41,6 +43,7 @@ import json, os, sys, time, types
 import msgspec
 import numpy as np
 import zmq
+from remote_child import wait_for, write_json
 from shmask._native import ffi, lib
 from shmask.adapters import sglang as adapter
 
@@ -48,14 +51,6 @@ REUSE = 8
 head_ip, path, mode, requests, port, width, lease = (
     sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6]),
     float(sys.argv[7]))
-
-
-def wait_for(suffix, seconds=90):
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(path + suffix):
-        assert time.monotonic() < deadline, f"no {suffix} within {seconds} s"
-        time.sleep(0.01)
-
 
 adapter.start_scheduler(types.SimpleNamespace(
     nnodes=2, node_rank=1, dist_init_addr=f"{head_ip}:5000", sampling_mask_max_tokens=4096,
@@ -94,25 +89,23 @@ def emit(seed):
 emit(11)
 if mode == "link":
     emit(12)   # read after the link went down
-with open(path + ".tmp", "w") as f:
-    json.dump({"segment": ring.segment_name, "pid": os.getpid()}, f)
-os.rename(path + ".tmp", path)
+write_json(path, {"segment": ring.segment_name, "pid": os.getpid()})
 if mode == "kill":
     time.sleep(120)   # the test kills us
 elif mode == "link":
-    wait_for(".up")
+    wait_for(path, ".up", seconds=90)
     seed = 13
     while not os.path.exists(path + ".recovered") and not os.path.exists(path + ".done"):
         emit(seed)   # one emission a half second until the tokenizer reads one whole
         seed += 1
         time.sleep(0.5)
 elif mode == "reused":
-    wait_for(".held")
+    wait_for(path, ".held", seconds=90)
     time.sleep(lease + 0.5)   # the first emission's records are past their lease
     for k in range(REUSE):    # and the ring wraps over them (the tokenizer reads these)
         emit(20 + k)
         time.sleep(0.2)
-wait_for(".done")
+wait_for(path, ".done", seconds=90)
 info = ffi.new("shm_info *")
 assert lib.shm_read_info(ring.segment.base, ring.segment.size, info) == lib.SHM_OK
 print(json.dumps({"export": vars(leaving.export.stats).copy(), "released": int(info.released),
@@ -125,6 +118,7 @@ TOKENIZER = r"""
 import json, os, sys, time, types
 import msgspec
 import zmq
+from remote_child import mapped, wait_for
 from shmask import remote_refs
 from shmask.adapters import sglang as adapter
 from shmask._native import lib
@@ -134,13 +128,6 @@ from shmask.remote import RemoteBatch, RemoteDescriptor, remote_prefix
 my_ip, path, port, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 sock = zmq.Context.instance().socket(zmq.PULL)
 sock.bind(f"tcp://{my_ip}:{port}")
-
-
-def wait_for(suffix, seconds=90):
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(path + suffix):
-        assert time.monotonic() < deadline, f"no {suffix} within {seconds} s"
-        time.sleep(0.01)
 
 
 def receive():
@@ -210,7 +197,7 @@ result["rows_bytes"] = sum(8 * len(ids) for request in expected for ids in reque
 if mode != "link":
     open(path + ".received", "w").close()
 if mode == "kill":
-    wait_for(".killed")
+    wait_for(path, ".killed", seconds=90)
     result["reads"].append(read(decode(payload), expected))
 elif mode == "link":
     # The first emission read whole (agent and metadata up), the second
@@ -218,10 +205,10 @@ elif mode == "link":
     payload2, expected2 = receive()
     result["reads"].append(read(decode(payload), expected))
     open(path + ".received", "w").close()
-    wait_for(".isdown")
+    wait_for(path, ".isdown", seconds=90)
     result["reads"].append(read(decode(payload2), expected2))
     open(path + ".read", "w").close()
-    wait_for(".up")
+    wait_for(path, ".up", seconds=90)
     start = time.monotonic()
     while time.monotonic() - start < 20:
         payload2, expected2 = receive()
@@ -258,8 +245,7 @@ else:
     result["reads"].append(read(decode(payload), expected))
 puller = remote_refs._puller["puller"]
 result["stats"] = vars(puller.stats) if puller else None
-with open("/proc/self/maps") as maps:
-    result["mapped"] = json.load(open(path))["segment"].lstrip("/") in maps.read()
+result["mapped"] = mapped(json.load(open(path))["segment"])
 result["own_shm"] = not os.path.exists("/dev/shm" + json.load(open(path))["segment"])
 open(path + ".done", "w").close()
 print(json.dumps(result), flush=True)
@@ -267,32 +253,17 @@ print(json.dumps(result), flush=True)
 
 
 def node_env(dev: str, prefix: str, **extra: str) -> dict[str, str]:
-    """A process's environment on one \"host\": UCX over TCP on its veth,
-    SHMASK_REMOTE=nixl, the test's ring prefix, a 2 s pull timeout."""
-    return dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=dev, SHMASK_REMOTE="nixl",
-                SHMASK_NAME_PREFIX=prefix, SHMASK_REMOTE_TIMEOUT_S=str(REMOTE_TIMEOUT_S),
-                **extra)
-
-
-def last_json(out: str) -> dict[str, Any]:
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    if not lines:
-        raise AssertionError(f"no JSON line in {out[-3000:]!r}")
-    return json.loads(lines[-1])
+    """A process's environment on one \"host\" (remote_child.host_env),
+    with SHMASK_REMOTE=nixl, the test's ring prefix, a 2 s pull timeout."""
+    return host_env(dev, SHMASK_REMOTE="nixl", SHMASK_NAME_PREFIX=prefix,
+                    SHMASK_REMOTE_TIMEOUT_S=str(REMOTE_TIMEOUT_S), **extra)
 
 
 def wait_file(path: str, suffix: str, *procs: Any, seconds: float = 60) -> None:
-    """Until `path + suffix` exists; AssertionError if one of `procs` exits
-    first or `seconds` pass."""
-    deadline = time.monotonic() + seconds
-    while not Path(path + suffix).exists():
-        for proc in procs:
-            if proc.poll() is not None:
-                raise AssertionError(f"a party exited before {suffix}: "
-                                     f"{proc.communicate()[1][-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {suffix} within {seconds} s")
-        time.sleep(0.01)
+    """remote_child.wait_for, for 60 s unless told (the test side's wait;
+    tests/test_vllm_nodes_nixl.py calls it too, as it does node_env and
+    last_json)."""
+    wait_for(path, suffix, *procs, seconds=seconds)
 
 
 def run(prefix: str, directory: str | os.PathLike[str], mode: str = "none",

@@ -7,21 +7,24 @@ notification. UCX is told to use TCP on the veth only (UCX_TLS=tcp,
 UCX_NET_DEVICES), so the rows cross the "network" (the namespaces still
 share /dev/shm: the reader proves it never maps the producer's segment).
 
+The child scripts' shared helpers (waiting on the files that synchronise
+them, the batch handed over in a JSON file, a pulled batch's rows) are in
+tests/remote_child.py, on their PYTHONPATH through its `host_env`.
+
 Needs root (namespaces) and NIXL's `nixl-cu12` package; skipped, with the
 reason, without (as tests/test_netns_nixl.py).
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import netns  # tests/netns.py
 import pytest
+from remote_child import entries, host_env, last_json, load_remote, rows, wait_for
 
 from shmask.errors import InvalidRefError
 from shmask.segment import collect_garbage
@@ -46,9 +49,10 @@ EXPECTED = [
 ]
 
 PRODUCER = r"""
-import base64, json, os, sys, time
+import json, os, sys, time
 import numpy as np
 import shmask
+from remote_child import write_remote
 from shmask._native import ffi, lib
 from shmask.refs import RefBatch
 from shmask.remote import RemoteBatch, RemoteExport
@@ -73,10 +77,7 @@ batch = RefBatch.from_refs([*taken, one_shot])
 assert all(ref.kind == 1 for ref in batch), list(batch)   # every chunk in the ring
 export = RemoteExport(w, port=port)
 remote = RemoteBatch(batch, export.descriptor(ip))
-with open(out + ".tmp", "w") as f:
-    json.dump({"remote": base64.b64encode(remote.to_bytes()).decode(), "records": len(batch),
-               "segment": w.segment_name, "pid": os.getpid()}, f)
-os.rename(out + ".tmp", out)
+write_remote(out, remote, records=len(batch), segment=w.segment_name, pid=os.getpid())
 if hold:
     time.sleep(wait_s)   # the test kills us
 deadline = time.monotonic() + wait_s
@@ -93,45 +94,26 @@ print(json.dumps({"export": stats, "released": int(info.released),
 """
 
 READER = r"""
-import base64, json, os, sys, time
-import numpy as np
+import json, sys, time
 import shmask
-from shmask.errors import ShmaskError
-from shmask.refs import KIND_LOST, RefBatch
+from remote_child import entries, load_remote, mapped, rows, subset, wait_for
+from shmask.refs import RefBatch
 from shmask.remote import RemoteBatch, RemoteDescriptor, RemotePuller
 
 path, prefix, port, timeout_s, script = (sys.argv[1], sys.argv[2], int(sys.argv[3]),
                                          float(sys.argv[4]), sys.argv[5])
-deadline = time.monotonic() + 40
-while not os.path.exists(path):
-    assert time.monotonic() < deadline, "the producer never wrote its batch"
-    time.sleep(0.01)
-sent = json.load(open(path))
-data = base64.b64decode(sent["remote"])
+wait_for(path, seconds=40, message="the producer never wrote its batch")
+remote, data = load_remote(path)
 reader = shmask.Reader(shmask.Config(name_prefix=prefix + "r"))
 
 
-def rows(batch):
-    got = []
-    for ref in batch:
-        if ref.kind == KIND_LOST:
-            got.append({"lost": ref.position})
-            continue
-        try:
-            chunk = reader.open(ref)
-        except ShmaskError as exc:
-            got.append({"error": type(exc).__name__})
-            continue
-        ids, logprobs = chunk.to_lists()
-        chunk.release()
-        got.append([ids, logprobs])
-    return got
-
-
-def timed_pull(puller, remote):
+def pulled(puller, batch):
+    # the entries' kinds, their rows and how long the pull alone took
     t = time.monotonic()
-    out = puller.pull(remote)
-    return out, time.monotonic() - t
+    out = puller.pull(batch)
+    seconds = time.monotonic() - t
+    return {"kinds": [kind for kind, _ in entries(out)], "rows": rows(reader, out),
+            "seconds": seconds}
 
 
 def forged(remote, descriptor=None, entries=None):
@@ -144,11 +126,8 @@ def forged(remote, descriptor=None, entries=None):
 result = {}
 if script == "pull":
     puller = RemotePuller(port=port, timeout_s=timeout_s)
-    out, seconds = timed_pull(puller, data)
-    result.update(kinds=[int(k) for k in out.entries["kind"]], rows=rows(out), seconds=seconds,
-                  stats=vars(puller.stats))
+    result.update(pulled(puller, data), stats=vars(puller.stats))
 elif script == "forge":
-    remote = RemoteBatch.from_bytes(data)
     desc = remote.descriptor
     puller = RemotePuller(port=port, timeout_s=timeout_s)
     seg = desc.segments[0]
@@ -166,11 +145,11 @@ elif script == "forge":
         {"name": seg.name, "epoch": seg.epoch, "address": seg.address, "size": 1 << 40}]})
     # 4. entries forged: a wrong seal, a position past the ring, a misaligned one,
     #    a record that would run past the ring's end
-    entries = remote.batch.entries.copy()
-    entries[0]["seal"] ^= 1
-    entries[1]["position"] += 1 << 40
-    entries[2]["position"] += 8
-    entries[3]["record_bytes"] = 1 << 30
+    wrong = remote.batch.entries.copy()
+    wrong[0]["seal"] ^= 1
+    wrong[1]["position"] += 1 << 40
+    wrong[2]["position"] += 8
+    wrong[3]["record_bytes"] = 1 << 30
     # 5. the real segment at another size, once the puller has its mirror
     moved = RemoteDescriptor.from_dict({**desc.to_dict(), "segments": [
         {"name": seg.name, "epoch": seg.epoch, "address": seg.address, "size": seg.size + 4096}]})
@@ -180,59 +159,37 @@ elif script == "forge":
     for name, remote_forged, by in (("outside", forged(remote, outside), puller),
                                     ("straddle", forged(remote, straddle), puller),
                                     ("large", forged(remote, large), large_puller),
-                                    ("entries", forged(remote, entries=entries), puller),
+                                    ("entries", forged(remote, entries=wrong), puller),
                                     ("moved", forged(remote, moved), puller)):
-        out, seconds = timed_pull(by, remote_forged)
-        cases[name] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
-                       "seconds": seconds, "error": by.stats.last_error}
+        cases[name] = {**pulled(by, remote_forged), "error": by.stats.last_error}
         by.stats.last_error = ""
-    out, seconds = timed_pull(puller, data)   # the real batch still goes through
-    cases["real"] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
-                     "seconds": seconds}
+    cases["real"] = pulled(puller, data)   # the real batch still goes through
     result.update(cases=cases, stats=vars(puller.stats))
 elif script == "killed":
     # The puller already connected (a real pull first), then the producer is killed.
     puller = RemotePuller(port=port, timeout_s=timeout_s)
-    connected = puller.pull(RemoteBatch(RemoteBatch.from_bytes(data).batch.select([0]),
-                                        RemoteBatch.from_bytes(data).descriptor))
-    result["first"] = rows(connected)
+    result["first"] = rows(reader, puller.pull(subset(remote, [0])))
     open(path + ".ready", "w").close()
-    while not os.path.exists(path + ".killed"):
-        time.sleep(0.01)
-    out, seconds = timed_pull(puller, data)
-    result["connected"] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
-                           "seconds": seconds}
+    wait_for(path, ".killed")
+    result["connected"] = pulled(puller, data)
     fresh = RemotePuller(port=int(sys.argv[6]), timeout_s=timeout_s)   # never connected
-    out, seconds = timed_pull(fresh, data)
-    result["fresh"] = {"kinds": [int(k) for k in out.entries["kind"]], "rows": rows(out),
-                       "seconds": seconds}
-with open("/proc/self/maps") as maps:
-    result["maps_segment"] = sent["segment"].lstrip("/") in maps.read()
+    result["fresh"] = pulled(fresh, data)
+result["maps_segment"] = mapped(json.load(open(path))["segment"])
 result["attached"] = len(reader._attached)
 print(json.dumps(result), flush=True)
 """
 
 
-def _env(dev: str) -> dict[str, str]:
-    return dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=dev)
-
-
-def _last_json(out: str) -> dict:
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON line in {out[-3000:]!r}"
-    return json.loads(lines[-1])
-
-
 def _producer(hosts: netns.Hosts, path: Path, prefix: str, wait_s: float, hold: bool):
     return netns.run_in(hosts.a, [sys.executable, "-c", PRODUCER, str(path), prefix, hosts.a_ip,
                                   str(EXPORT_PORT), str(wait_s), "hold" if hold else "wait"],
-                        env=_env(hosts.a_dev), timeout=80)
+                        env=host_env(hosts.a_dev), timeout=80)
 
 
 def _reader(hosts: netns.Hosts, path: Path, prefix: str, script: str, timeout_s: float):
     return netns.run_in(hosts.b, [sys.executable, "-c", READER, str(path), prefix,
                                   str(PULL_PORT), str(timeout_s), script, str(PULL_PORT_2)],
-                        env=_env(hosts.b_dev), timeout=80)
+                        env=host_env(hosts.b_dev), timeout=80)
 
 
 @needs_nixl_hosts
@@ -253,7 +210,7 @@ def test_a_hop_on_another_host_pulls_the_records_and_the_producer_releases_them(
             netns.kill_group(producer)
     assert reader.returncode == 0, err_r[-3000:]
     assert producer.returncode == 0, (out_p, err_p[-3000:])
-    got, sent = _last_json(out_r), _last_json(out_p)
+    got, sent = last_json(out_r), last_json(out_p)
     assert got["kinds"] == [2, 2, 2, 2], got          # every entry inline
     assert got["rows"] == EXPECTED
     assert got["attached"] == 0 and not got["maps_segment"], got   # never the producer's /dev/shm
@@ -262,8 +219,7 @@ def test_a_hop_on_another_host_pulls_the_records_and_the_producer_releases_them(
     assert sent["export"]["releases"] == 4 and sent["export"]["release_errors"] == 0, sent
     assert sent["export"]["bad_notifs"] == 0, sent
     assert sent["released"] == sent["published"] == 4, sent
-    from shmask.remote import RemoteBatch
-    remote = RemoteBatch.from_bytes(base64.b64decode(json.loads(path.read_text())["remote"]))
+    remote, _ = load_remote(str(path))
     record_bytes = int(remote.batch.entries["record_bytes"].sum())
     rx = after["rx"] - before["rx"]
     assert rx >= record_bytes, (rx, record_bytes)   # at least the records crossed the veth
@@ -287,7 +243,7 @@ def test_forged_remote_batches_cost_their_entries_only(prefix, tmp_path):
             netns.kill_group(producer)
     assert reader.returncode == 0, err_r[-3000:]
     assert producer.returncode == 0, (out_p, err_p[-3000:])
-    got, sent = _last_json(out_r), _last_json(out_p)
+    got, sent = last_json(out_r), last_json(out_p)
     cases = got["cases"]
     lost_invalid = {"lost": 2}
     assert cases["large"]["error"] == "" and cases["entries"]["error"] == "", cases
@@ -331,11 +287,8 @@ def test_a_producer_killed_before_the_pull_costs_lost_entries_within_the_timeout
         try:
             producer = _producer(hosts, path, prefix, wait_s=60, hold=True)
             reader = _reader(hosts, path, prefix, "killed", timeout_s=timeout_s)
-            deadline = time.monotonic() + 40
-            while not Path(str(path) + ".ready").exists():
-                assert reader.poll() is None, reader.communicate()[1][-3000:]
-                assert time.monotonic() < deadline, "the reader never made its first pull"
-                time.sleep(0.01)
+            wait_for(str(path), ".ready", reader, seconds=40,
+                     message="the reader never made its first pull")
             netns.kill_group(producer)
             Path(str(path) + ".killed").touch()
             out_r, err_r = reader.communicate(timeout=60)
@@ -345,7 +298,7 @@ def test_a_producer_killed_before_the_pull_costs_lost_entries_within_the_timeout
             collect_garbage(prefix)   # the killed producer's ring
     assert producer.returncode == -9
     assert reader.returncode == 0, err_r[-3000:]
-    got = _last_json(out_r)
+    got = last_json(out_r)
     assert got["first"] == EXPECTED[:1], got
     for case in ("connected", "fresh"):
         assert got[case]["kinds"] == [3, 3, 3, 3], (case, got[case])
@@ -389,40 +342,26 @@ def test_malformed_remote_batches_raise_invalid_ref_error():
 # ------------------------------------------------------- review findings
 
 FLAP_READER = r"""
-import base64, json, os, sys, time
+import json, sys, time
 import shmask
-from shmask.refs import KIND_LOST
-from shmask.remote import RemoteBatch, RemotePuller
+from remote_child import load_remote, rows, subset, wait_for
+from shmask.remote import RemotePuller
 
 path, prefix, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-while not os.path.exists(path):
-    time.sleep(0.01)
-remote = RemoteBatch.from_bytes(base64.b64decode(json.load(open(path))["remote"]))
+wait_for(path)
+remote, _ = load_remote(path)
 reader = shmask.Reader(shmask.Config(name_prefix=prefix + "r"))
 
 
-def rows(batch):
-    got = []
-    for ref in batch:
-        if ref.kind == KIND_LOST:
-            got.append({"lost": ref.position})
-            continue
-        chunk = reader.open(ref)
-        got.append(list(chunk.to_lists()))
-        chunk.release()
-    return got
-
-
 def pull(puller, which):
-    return puller.pull(RemoteBatch(remote.batch.select(which), remote.descriptor))
+    return rows(reader, puller.pull(subset(remote, which)))
 
 
 puller = RemotePuller(port=port, timeout_s=1)
-result = {"first": rows(pull(puller, [0]))}
+result = {"first": pull(puller, [0])}
 open(path + ".down", "w").close()
-while not os.path.exists(path + ".isdown"):
-    time.sleep(0.01)
-result["down"] = rows(pull(puller, [1, 2, 3]))
+wait_for(path, ".isdown")
+result["down"] = pull(puller, [1, 2, 3])
 result["quarantined"] = vars(puller.stats).get("quarantined", 0)
 open(path + ".up", "w").close()
 # The READ given up above lands once the link is back (UCX retransmits):
@@ -430,7 +369,7 @@ open(path + ".up", "w").close()
 results = []
 for _ in range(15):
     time.sleep(1)
-    results.append(rows(pull(puller, [1, 2, 3])))
+    results.append(pull(puller, [1, 2, 3]))
     if results[-1][0] != {"lost": 1}:
         break
 result["after"] = results
@@ -449,13 +388,10 @@ def test_a_read_given_up_that_lands_later_neither_crashes_nor_leaks_into_a_pull(
         try:
             producer = _producer(hosts, path, prefix, wait_s=60, hold=True)
             reader = netns.run_in(hosts.b, [sys.executable, "-c", FLAP_READER, str(path), prefix,
-                                            str(PULL_PORT)], env=_env(hosts.b_dev), timeout=90)
-            deadline = time.monotonic() + 40
+                                            str(PULL_PORT)], env=host_env(hosts.b_dev), timeout=90)
             for step in (".down", ".up"):
-                while not Path(str(path) + step).exists():
-                    assert reader.poll() is None, reader.communicate()[1][-3000:]
-                    assert time.monotonic() < deadline, f"the reader never reached {step}"
-                    time.sleep(0.01)
+                wait_for(str(path), step, reader, seconds=40,
+                         message=f"the reader never reached {step}")
                 netns.set_link(hosts.a, hosts.a_dev, up=step == ".up")
                 Path(str(path) + ".isdown").touch()
             out_r, err_r = reader.communicate(timeout=60)
@@ -464,19 +400,20 @@ def test_a_read_given_up_that_lands_later_neither_crashes_nor_leaks_into_a_pull(
             netns.kill_group(producer)
             collect_garbage(prefix)
     assert reader.returncode == 0, (reader.returncode, err_r[-3000:])
-    got = _last_json(out_r)
+    got = last_json(out_r)
     assert got["first"] == EXPECTED[:1], got
     assert got["down"] == [{"lost": 1}] * 3 and got["quarantined"] >= 1, got
-    for rows in got["after"]:   # exact rows, or lost (stale) while the READ is out: never others
-        assert all(row == {"lost": 1} for row in rows) or rows == EXPECTED[1:], got
+    for after in got["after"]:   # exact rows, or lost (stale) while the READ is out: never others
+        assert all(row == {"lost": 1} for row in after) or after == EXPECTED[1:], got
     print(f"\nafter the flap: {len(got['after'])} pull(s), last {got['after'][-1]}, "
           f"{got['late_left']} READ(s) still quarantined")
 
 
 CLOSE_PRODUCER = r"""
-import base64, gc, json, os, sys, time
+import gc, json, sys, time
 import numpy as np
 import shmask
+from remote_child import wait_for, write_remote
 from shmask.refs import RefBatch
 from shmask.remote import RemoteBatch, RemoteExport
 
@@ -485,48 +422,36 @@ w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=120))
 refs = [w.publish(np.array([2, 1], np.int32), np.array([10, 20, 30], np.int32),
                   np.array([-1, -2, -3], np.float32), "support") for _ in range(3)]
 export = RemoteExport(w, port=port)
-remote = RemoteBatch(RefBatch.from_refs(refs), export.descriptor(ip))
-with open(path + ".tmp", "w") as f:
-    json.dump({"remote": base64.b64encode(remote.to_bytes()).decode()}, f)
-os.rename(path + ".tmp", path)
-while not os.path.exists(path + ".pulled"):
-    time.sleep(0.01)
+write_remote(path, RemoteBatch(RefBatch.from_refs(refs), export.descriptor(ip)))
+wait_for(path, ".pulled")
 export.close()
 w.close()
 del w, refs
 gc.collect()
 open(path + ".closed", "w").close()
-while not os.path.exists(path + ".pulled2"):
-    time.sleep(0.01)
+wait_for(path, ".pulled2")
 del export   # the agent goes, then the mapping
 gc.collect()
 open(path + ".dropped", "w").close()
-while not os.path.exists(path + ".pulled3"):
-    time.sleep(0.01)
+wait_for(path, ".pulled3")
 time.sleep(0.5)
 print(json.dumps({"alive": True}), flush=True)
 """
 
 CLOSE_READER = r"""
-import base64, json, os, sys, time
-from shmask.remote import RemoteBatch, RemotePuller
+import json, sys
+from remote_child import entries, load_remote, subset, wait_for
+from shmask.remote import RemotePuller
 
 path, port = sys.argv[1], int(sys.argv[2])
-while not os.path.exists(path):
-    time.sleep(0.01)
-data = base64.b64decode(json.load(open(path))["remote"])
-remote = RemoteBatch.from_bytes(data)
+wait_for(path)
+remote, data = load_remote(path)
 puller = RemotePuller(port=port, timeout_s=2)
 result = {}
-def entries(out):
-    return [[int(e["kind"]), int(e["position"])] for e in out.entries]
-result["first"] = entries(puller.pull(RemoteBatch(remote.batch.select([0]), remote.descriptor)))
+result["first"] = entries(puller.pull(subset(remote, [0])))
 for before, after, name in ((".pulled", ".closed", "closed"), (".pulled2", ".dropped", "dropped")):
     open(path + before, "w").close()
-    deadline = time.monotonic() + 20
-    while not os.path.exists(path + after):
-        assert time.monotonic() < deadline, f"the producer never said {after} (dead?)"
-        time.sleep(0.01)
+    wait_for(path, after, seconds=20, message=f"the producer never said {after} (dead?)")
     result[name] = entries(puller.pull(data))
 open(path + ".pulled3", "w").close()
 print(json.dumps(result), flush=True)
@@ -542,9 +467,9 @@ def test_a_pull_after_the_export_is_closed_does_not_crash_the_producer(prefix, t
         try:
             producer = netns.run_in(hosts.a, [sys.executable, "-c", CLOSE_PRODUCER, str(path),
                                               prefix, hosts.a_ip, str(EXPORT_PORT)],
-                                    env=_env(hosts.a_dev), timeout=80)
+                                    env=host_env(hosts.a_dev), timeout=80)
             reader = netns.run_in(hosts.b, [sys.executable, "-c", CLOSE_READER, str(path),
-                                            str(PULL_PORT)], env=_env(hosts.b_dev), timeout=80)
+                                            str(PULL_PORT)], env=host_env(hosts.b_dev), timeout=80)
             out_r, err_r = reader.communicate(timeout=70)
             out_p, err_p = producer.communicate(timeout=30)
         finally:
@@ -553,7 +478,7 @@ def test_a_pull_after_the_export_is_closed_does_not_crash_the_producer(prefix, t
             collect_garbage(prefix)
     assert producer.returncode == 0, (producer.returncode, err_p[-3000:])
     assert reader.returncode == 0, err_r[-3000:]
-    got = _last_json(out_r)
+    got = last_json(out_r)
     assert got["first"] == [[2, 0]], got
     # Closed (the Writer too): the export's poll thread, the only thing that
     # drove its agent's progress (no NIXL progress thread), has stopped, so
@@ -567,9 +492,10 @@ def test_a_pull_after_the_export_is_closed_does_not_crash_the_producer(prefix, t
 
 
 RESTART_PRODUCER = r"""
-import base64, json, os, sys, time
+import sys
 import numpy as np
 import shmask
+from remote_child import wait_for, write_remote
 from shmask.refs import RefBatch
 from shmask.remote import RemoteBatch, RemoteExport
 
@@ -579,21 +505,17 @@ w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=120))
 refs = [w.publish(np.array([1], np.int32), np.array([value + i], np.int32),
                   np.array([-0.5], np.float32), "support") for i in range(2)]
 export = RemoteExport(w, port=port, name="rank0")   # the same name and address each time
-remote = RemoteBatch(RefBatch.from_refs(refs), export.descriptor(ip))
-with open(path + ".tmp", "w") as f:
-    json.dump({"remote": base64.b64encode(remote.to_bytes()).decode()}, f)
-os.rename(path + ".tmp", path)
-while not os.path.exists(path + ".done"):
-    time.sleep(0.01)
+write_remote(path, RemoteBatch(RefBatch.from_refs(refs), export.descriptor(ip)))
+wait_for(path, ".done")
 export.close()
 w.close()
 """
 
 RESTART_READER = r"""
-import base64, json, os, sys, time
+import json, sys
 import shmask
-from shmask.refs import KIND_LOST
-from shmask.remote import RemoteBatch, RemotePuller
+from remote_child import load_remote, rows, subset, wait_for
+from shmask.remote import RemotePuller
 
 base, prefix, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 reader = shmask.Reader(shmask.Config(name_prefix=prefix + "r"))
@@ -601,19 +523,12 @@ puller = RemotePuller(port=port, timeout_s=3)
 result = {}
 for gen in ("g1", "g2"):
     path = base + gen
-    while not os.path.exists(path):
-        time.sleep(0.01)
-    remote = RemoteBatch.from_bytes(base64.b64decode(json.load(open(path))["remote"]))
+    wait_for(path)
+    remote, _ = load_remote(path)
     got = []
     for i in range(2):
-        out = puller.pull(RemoteBatch(remote.batch.select([i]), remote.descriptor))
-        ref = out[0]
-        if ref.kind == KIND_LOST:
-            got.append({"lost": ref.position})
-        else:
-            chunk = reader.open(ref)
-            got.append(chunk.to_lists()[0])
-            chunk.release()
+        [row] = rows(reader, puller.pull(subset(remote, [i])))
+        got.append(row[0] if isinstance(row, list) else row)   # a row's ids alone
     result[gen] = got
     open(path + ".done", "w").close()
 print(json.dumps(result), flush=True)
@@ -629,12 +544,12 @@ def test_a_producer_restarted_under_the_same_name_and_address_is_pulled_again(pr
     with netns.two_hosts(prefix) as hosts:
         try:
             reader = netns.run_in(hosts.b, [sys.executable, "-c", RESTART_READER, base, prefix,
-                                            str(PULL_PORT)], env=_env(hosts.b_dev), timeout=90)
+                                            str(PULL_PORT)], env=host_env(hosts.b_dev), timeout=90)
             for gen, value in (("g1", 100), ("g2", 200)):
                 producer = netns.run_in(hosts.a, [sys.executable, "-c", RESTART_PRODUCER,
                                                   base + gen, prefix, hosts.a_ip,
                                                   str(EXPORT_PORT), str(value)],
-                                        env=_env(hosts.a_dev), timeout=40)
+                                        env=host_env(hosts.a_dev), timeout=40)
                 out_p, err_p = producer.communicate(timeout=40)
                 assert producer.returncode == 0, err_p[-3000:]
             out_r, err_r = reader.communicate(timeout=40)
@@ -642,7 +557,7 @@ def test_a_producer_restarted_under_the_same_name_and_address_is_pulled_again(pr
             netns.kill_group(reader)
             collect_garbage(prefix)
     assert reader.returncode == 0, err_r[-3000:]
-    got = _last_json(out_r)
+    got = last_json(out_r)
     assert got == {"g1": [[[100]], [[101]]], "g2": [[[200]], [[201]]]}, got
 
 
@@ -795,20 +710,13 @@ def test_a_late_read_is_quarantined_and_its_agent_left_alone_until_it_lands(pref
         hung = segments[1]
         agent.hang.add((hung.address, hung.address + hung.size))
 
-        def rows(batch):
-            got = []
-            for ref in batch:
-                if ref.kind == 3:
-                    got.append(("lost", ref.position))
-                else:
-                    chunk = reader.open(ref)
-                    got.append(chunk.to_lists()[0])
-                    chunk.release()
-            return got
+        def row(k):   # writer k's one row
+            return [[[k]], [[-0.5]]]
 
+        lost = {"lost": 1}   # stale
         # Ring 0 pulled and released; ring 1's READ hangs (given up, kept);
         # ring 2 not tried: its agent is forgotten.
-        assert rows(puller.pull(remote)) == [[[0]], ("lost", 1), ("lost", 1)]
+        assert rows(reader, puller.pull(remote)) == [row(0), lost, lost]
         assert [agent_ for agent_, _ in agent.notifs] == ["prod"]
         assert not any(segments[2].address <= a < segments[2].address + segments[2].size
                        for a in agent.issued)
@@ -817,20 +725,20 @@ def test_a_late_read_is_quarantined_and_its_agent_left_alone_until_it_lands(pref
         assert late.registered not in agent.deregistered
         # While it is out: nothing more is read from that agent.
         issued = len(agent.issued)
-        assert rows(puller.pull(remote)) == [("lost", 1)] * 3
+        assert rows(reader, puller.pull(remote)) == [lost] * 3
         assert len(agent.issued) == issued
         # Landed: freed on the next pull, which reads afresh (no export
         # here acts on ring 0's release: it reads again).
         agent.hang.clear()
         agent.land()
-        assert rows(puller.pull(remote)) == [[[0]], [[1]], [[2]]]
+        assert rows(reader, puller.pull(remote)) == [row(0), row(1), row(2)]
         assert puller._late == [] and late.registered in agent.deregistered
         assert late.handle["released"]
         # Past the bound: no READ from anyone until the quarantine drains.
         puller._late = [rm._Late(f"a{i}", {"state": "PROC"}, None, None)
                         for i in range(rm.MAX_QUARANTINE)]
         issued = len(agent.issued)
-        assert rows(puller.pull(remote))[1:] == [("lost", 1)] * 2
+        assert rows(reader, puller.pull(remote))[1:] == [lost] * 2
         assert len(agent.issued) == issued
     finally:
         for w in writers:
@@ -859,8 +767,9 @@ def test_two_entries_naming_one_record_are_both_lost(prefix, monkeypatch):
         batch = RefBatch.from_refs([refs[0], refs[1], refs[0]])
         puller = rm.RemotePuller(port=1, timeout_s=1)
         out = puller.pull(rm.RemoteBatch(batch, desc))
-        assert [int(k) for k in out.entries["kind"]] == [3, 2, 3]
-        assert [int(out.entries[i]["position"]) for i in (0, 2)] == [2, 2]   # LOST_INVALID
+        got = entries(out)
+        assert [kind for kind, _ in got] == [3, 2, 3]
+        assert got[0][1] == got[2][1] == 2   # LOST_INVALID
         assert len(puller._agent.notifs) == 1   # the other record's release alone
     finally:
         w.close()
