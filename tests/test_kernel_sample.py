@@ -148,10 +148,10 @@ def test_window_rows_draw_the_token_the_candidates_draw(monkeypatch: pytest.Monk
     tokens, the same selected logprob, and the support is capture's for
     the token (a row under 20,000 ids spans three chunks)."""
     gen = torch.Generator().manual_seed(21)
-    batch, vocab = 5, 20000
+    batch, vocab = 3, 20000
     probs = torch.softmax(torch.randn(batch, vocab, generator=gen) * 1.5, -1).to(dtype)
-    top_p = torch.tensor([0.9, 0.6, 0.95, 0.8, 0.9])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.3])  # min-p's floor holds the last row's support
+    top_p = torch.tensor([0.95, 0.6, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.3])  # min-p's floor holds the last row's support
     seeds = torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE)
     kwargs = {"top_p": top_p.to(DEVICE), "min_p": min_p.to(DEVICE), "max_tokens": 64}
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
@@ -160,7 +160,7 @@ def test_window_rows_draw_the_token_the_candidates_draw(monkeypatch: pytest.Monk
     candidates = sample(probs.to(DEVICE), seeds, **kwargs)
     assert windowed.tokens.tolist() == candidates.tokens.tolist()
     assert torch.equal(windowed.selected_logprob.cpu(), candidates.selected_logprob.cpu())
-    assert (windowed.status.cpu() == Status.OK).all() and (windowed.sizes.cpu()[:4] > 1000).all()
+    assert (windowed.status.cpu() == Status.OK).all() and (windowed.sizes.cpu()[:2] > 1000).all()
     want = reference_capture(probs, windowed.tokens.cpu().long(), top_p=top_p, min_p=min_p,
                              max_tokens=64)
     for b in range(batch):
