@@ -34,17 +34,43 @@ Goal (issue 36): patched <= 1/5 of released for top_k rows (GPU), host time
 no more than released's; top-p-only rows no more than released's top_k 4096.
 Without CUDA (--smoke): B = 2, V = 512, cap 32, one distribution, the
 interpreter; no timing (the columns say nothing of the GPU there).
+
+--sglang-module TREE (a zip or folder from sglang_device_tree.py; "installed":
+the SGLang this Python imports): SGLang's own `Sampler.forward` instead of the
+ops above, released and patched (sampler.py with the patch's sampler section),
+loaded by tests/compat/_sglang_sampler.py from the tree, on a real
+SamplingBatchInfo of B requests all opted in (SamplingBatchInfo.from_schedule_batch
+on the GPU), --backend flashinfer (SGLang's CUDA default: its joint sampler
+and, for the mask, sgl_kernel's renorms; both FlashInfer's kernels from
+flashinfer_ref.py, sglang_device_tree.py says what is stubbed) or pytorch.
+Each path is one whole forward (the logits copied first, as the sampler
+softmaxes in place); "draw alone" is the same forward with no row opted in,
+so a path's mask work is its time less that one. "+ copy": the output's
+tensors to pinned host memory by SGLang's own `map_device_tensors(async_d2h)`
+(the overlap scheduler's copy). Released SGLang's scheduler refuses top-p-only
+mask requests (top_k above the cap): its column there is what its sampler
+would do with such a batch (rows past the cap OVERFLOW), and the issue's
+comparison for the patched top-p-only rows is released top_k 4096. The rows
+of both are compared once per setting (the first distribution; every one
+with --check-all): tokens, statuses, ids (sets; order, which may differ only
+among equal weights), logprobs to float32 rounding; mismatches are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -139,11 +165,207 @@ def load_flashinfer() -> Any:
     return flashinfer_ref.load()
 
 
+# ------------------------------------------------ SGLang's own sampler (--sglang-module)
+
+def module_info(harness: Any, logits: torch.Tensor, top_k: int, top_p: float, support: bool,
+                masks: bool = True) -> Any:
+    """A real SamplingBatchInfo: every row opted in (masks) or none."""
+    batch = logits.shape[0]
+    rows = list(range(batch)) if masks else []
+    return harness.sampling_info(
+        logits, temperatures=[1.0] * batch, top_ks=[-1 if top_k >= 1 << 30 else top_k] * batch,
+        top_ps=[top_p] * batch, min_ps=[0.0] * batch, mask_rows=rows,
+        support_rows=rows if support else [])
+
+
+@contextlib.contextmanager
+def past_cap(value: str | None) -> Iterator[None]:
+    """SHMASK_PAST_CAP for the block (None: as set), read afresh by the patched sampler."""
+    from shmask.adapters import sglang_sampler
+
+    saved = os.environ.get("SHMASK_PAST_CAP")
+    if value is not None:
+        os.environ["SHMASK_PAST_CAP"] = value
+    sglang_sampler._settings.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SHMASK_PAST_CAP", None)
+        else:
+            os.environ["SHMASK_PAST_CAP"] = saved
+        sglang_sampler._settings.cache_clear()
+
+
+def compare_rows(harness: Any, info: Any, patched: tuple, released: tuple) -> tuple[list[str], dict]:
+    """Patched against released (each (next_token_ids, SamplingMaskOutput)):
+    the problems, and a summary. Ids may be ordered differently only among
+    equal weights (released torch.topk leaves ties in any order; patched:
+    ascending id); logprobs agree to float32 rounding (atol 1e-5, rtol 1e-6:
+    the support mass is summed in another order)."""
+    problems = []
+    if not torch.equal(patched[0].cpu(), released[0].cpu()):
+        problems.append(f"tokens differ in {int((patched[0] != released[0]).sum())} rows")
+    mine, theirs = harness.ok_rows(patched[1], info), harness.ok_rows(released[1], info)
+    ok = tie_orders = 0
+    worst = 0.0
+    for row, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if a.status != b.status:
+            problems.append(f"row {row}: status {a.status}, released {b.status}")
+            continue
+        if a.status != 0:
+            continue
+        ok += 1
+        if set(a.ids.tolist()) != set(b.ids.tolist()):
+            only = set(a.ids.tolist()) ^ set(b.ids.tolist())
+            problems.append(f"row {row}: {len(a.ids)} ids, released {len(b.ids)} "
+                            f"({len(only)} in one only)")
+            continue
+        pairs = [(a.selected_logprob, b.selected_logprob)]
+        if b.support_logprobs is not None:
+            by_id = dict(zip(b.ids.tolist(), b.support_logprobs.tolist(), strict=True))
+            pairs += zip(a.support_logprobs.tolist(), [by_id[i] for i in a.ids.tolist()], strict=True)
+            if not numpy.array_equal(a.ids, b.ids):
+                # a tie: at each differing place released has the same weight for both ids
+                differ = numpy.flatnonzero(a.ids != b.ids)
+                if all(by_id[a.ids[i]] == b.support_logprobs[i] for i in differ):
+                    tie_orders += 1
+                else:
+                    problems.append(f"row {row}: ids ordered differently beyond ties "
+                                    f"(first at {differ[0]})")
+        elif not numpy.array_equal(a.ids, b.ids):
+            tie_orders += 1  # selected mode: no weights to tell; the sets are equal
+        for got, want in pairs:
+            worst = max(worst, abs(got - want))
+            if abs(got - want) > 1e-5 + 1e-6 * abs(want):
+                problems.append(f"row {row}: logprob {got!r}, released {want!r}")
+                break
+    return problems, {"ok_rows": ok, "rows": len(mine), "tie_orders": tie_orders,
+                      "max_logprob_diff": worst}
+
+
+def with_sglang_copy(result: tuple) -> Any:
+    """SGLang's copy of the output to the host (the overlap scheduler's
+    map_device_tensors(async_d2h))."""
+    from sglang.srt.utils.common import async_d2h
+
+    result[1].map_device_tensors(async_d2h)
+    return result
+
+
+def module_paths(forward: Any, released: Any, patched: Any, logits: torch.Tensor, info: Any,
+                 plain: Any, past_cap_paths: bool) -> dict[str, tuple[Any, str | None]]:
+    """path -> (call, SHMASK_PAST_CAP for it): one forward each."""
+    paths = {"draw alone (no masks)": (lambda: forward(released, logits, plain), None),
+             "released": (lambda: forward(released, logits, info), None),
+             "patched": (lambda: forward(patched, logits, info), None)}
+    if past_cap_paths:  # rows past the cap OVERFLOW instead of whole
+        paths["patched, past cap status"] = (paths["patched"][0], "status")
+    for name, (call, env) in list(paths.items())[1:]:
+        paths[name + " + copy"] = (lambda c=call: with_sglang_copy(c()), env)
+    return paths
+
+
+def sglang_module_main(args: argparse.Namespace) -> int:
+    import sglang_device_tree
+
+    released, patched, harness = sglang_device_tree.load(
+        None if args.sglang_module == "installed" else args.sglang_module)
+    smoke = args.smoke or DEVICE != "cuda"
+    batch, vocab = (4, 512) if smoke else (256, 151936)
+    scales = (8.0,) if smoke else (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 14.0)
+    cap, settings = (SMOKE_CAP, SMOKE_SETTINGS) if smoke else (CAP, SETTINGS)
+    dists = distributions(batch, vocab, scales)
+    if smoke:
+        dists = dict(list(dists.items())[:1])
+    if args.dists:  # a part of the list (a device call has 300 s)
+        dists = {name: make for name, make in dists.items() if re.search(args.dists, name)}
+    print(f"SGLang's Sampler.forward from {released.__file__} (released) and "
+          f"{patched.__file__} (patched), backend {args.backend}, B {batch}, V {vocab}, cap {cap}")
+    rows: list[dict] = []
+    problems_total = 0
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # `timeout`: keep what is measured
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        with harness.sampler_context(cap, backend=args.backend):
+            from sglang.srt.runtime_context import get_exec
+
+            # SGLang's resolution has the last word (a CPU device resolves to pytorch)
+            print(f"SGLang's sampling backend: {get_exec().kernel.sampling_backend}")
+            samplers = {released: released.Sampler(), patched: patched.Sampler()}
+
+            def forward(module: Any, logits: torch.Tensor, info: Any) -> tuple:
+                return harness.run_forward(module, samplers[module], logits, info, torch_seed=None)
+            for index, (dist_name, make) in enumerate(dists.items()):
+                logits = make(0)
+                for set_name, (top_k, top_p, support) in settings.items():
+                    info = module_info(harness, logits, top_k, top_p, support)
+                    plain = module_info(harness, logits, top_k, top_p, support, masks=False)
+                    if smoke or index == 0 or args.check_all:
+                        problems, summary = compare_rows(
+                            harness, info, forward(patched, logits, info), forward(released, logits, info))
+                        problems_total += len(problems)
+                        print(f"rows {dist_name}, {set_name}: {summary}; {len(problems)} mismatches")
+                        for line in problems[:10]:
+                            print("   ", line)
+                    alone = float("nan")
+                    for path, (call, env) in module_paths(forward, released, patched, logits, info,
+                                                          plain, top_k > cap).items():
+                        with past_cap(env):
+                            if smoke:
+                                call()
+                                gpu, host = float("nan"), float("nan")
+                            else:
+                                gpu, host = gpu_and_host_us([call], reps=5, per_rep=10)
+                        alone = gpu if path.startswith("draw alone") else alone
+                        rows.append({"distribution": dist_name, "settings": set_name, "path": path,
+                                     "gpu_us": gpu, "host_us": host, "mask_gpu_us": gpu - alone})
+                if args.json:  # each distribution as it ends: a timeout keeps them
+                    write_rows(args.json, rows, batch, vocab, cap, args.backend)
+    except KeyboardInterrupt:
+        print(f"stopped: {len({r['distribution'] for r in rows})} distributions measured")
+    worst: dict[tuple[str, str], dict] = {}
+    for row in rows:
+        key = (row["settings"], row["path"])
+        was = worst.get(key, row)
+        worst[key] = {**(row if row["gpu_us"] >= was["gpu_us"] else was),
+                      "host_us": max(row["host_us"], was["host_us"]),
+                      "mask_gpu_us": max(row["mask_gpu_us"], was["mask_gpu_us"])}
+    print_table(f"SGLang's Sampler.forward per decode step, worst over {len(dists)} "
+                "distributions (mask us: the path less the draw alone)",
+                ["settings", "path", "GPU us", "on", "mask us", "host us"],
+                [[s, p, "-" if smoke else f"{w['gpu_us']:.1f}", w["distribution"],
+                  "-" if smoke else f"{w['mask_gpu_us']:.1f}",
+                  "-" if smoke else f"{w['host_us']:.1f}"] for (s, p), w in worst.items()])
+    print(f"row mismatches, patched vs released: {problems_total}")
+    if args.json:
+        write_rows(args.json, rows, batch, vocab, cap, args.backend)
+    return 0
+
+
+def write_rows(path: str, rows: list[dict], batch: int, vocab: int, cap: int, backend: str) -> None:
+    Path(path).write_text(json.dumps({"rows": rows, "batch": batch, "vocab": vocab, "cap": cap,
+                                      "backend": backend, "sglang_module": True}, indent=1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: interpreter)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--sglang-module", metavar="TREE",
+                        help="time SGLang's own Sampler.forward from this zip or folder "
+                             "(sglang_device_tree.py), or 'installed'")
+    parser.add_argument("--backend", default="flashinfer", choices=("flashinfer", "pytorch"),
+                        help="--sglang-module: SGLang's sampling backend")
+    parser.add_argument("--check-all", action="store_true",
+                        help="--sglang-module: compare the rows on every distribution")
+    parser.add_argument("--dists", default="", help="--sglang-module: the distributions "
+                        "whose names this regex finds (default: all)")
     args = parser.parse_args()
+    if args.sglang_module:
+        return sglang_module_main(args)
     smoke = args.smoke or DEVICE != "cuda"
     batch, vocab = (2, 512) if smoke else (256, 151936)
     scales = (8.0,) if smoke else (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 14.0)
