@@ -147,6 +147,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import fcntl
 import functools
 import gc
 import importlib.util
@@ -157,6 +158,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -198,9 +200,14 @@ T = TypeVar("T")
 
 MAX_QUEUED_EVENTS = 64  # per stream; beyond, emissions coalesce into one event
 # After SIGTERM or Ctrl-C, a client has this long to take its stream's last
-# event (sent at once); a connection still open then is closed. A reading
-# client takes it in milliseconds, one on a busy machine in tens of them.
+# event (sent at once); a connection whose client has taken nothing since the
+# signal, with bytes still waiting for it, is closed then, and one whose client
+# is taking them gets another look every SLOW_CLIENT_GRACE_S / 2 up to
+# SLOW_CLIENT_LAST_S (below uvicorn's graceful timeout of 1 s). A reading client
+# takes its last event in milliseconds; one starved on a busy machine, with a
+# backlog of events, can need most of a second; one that does not read never.
 SLOW_CLIENT_GRACE_S = 0.5
+SLOW_CLIENT_LAST_S = 0.9
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 # The sampling_params keys SGLang 0.5.23 knows (its /generate refuses any
 # other); this example honours max_new_tokens and sampling_seed.
@@ -963,15 +970,46 @@ class Server(uvicorn.Server):
     def _begin_shutdown(self) -> None:
         self.manager.shut_down()  # every open stream sends its error event now
         assert self.loop is not None
-        self.loop.call_later(SLOW_CLIENT_GRACE_S, self._drop_slow_clients)
+        self.loop.call_later(SLOW_CLIENT_GRACE_S, self._drop_slow_clients, self._unsent(),
+                             self.loop.time() + SLOW_CLIENT_LAST_S)
 
-    def _drop_slow_clients(self) -> None:
-        # A connection still open this long after the signal has a client
-        # that does not take its last event. Aborting it ends the response
-        # at once: uvicorn sees the client gone, the blocked send returns
-        # and the stream's generator finishes, as for any client that left.
-        for connection in list(self.server_state.connections):
-            connection.transport.abort()
+    def _unsent(self) -> dict[Any, int]:
+        """Each open connection's bytes its client has not taken: the
+        transport's buffer and the socket's send queue (TIOCOUTQ)."""
+        unsent = {}
+        for connection in self.server_state.connections:
+            transport = connection.transport
+            left = transport.get_write_buffer_size()
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4))
+                    left += int.from_bytes(queued, sys.byteorder, signed=True)
+            unsent[connection] = left
+        return unsent
+
+    def _drop_slow_clients(self, before: dict[Any, int], last: float) -> None:
+        # A connection with bytes its client has not taken since the last
+        # look has a client that does not read. Aborting it ends the
+        # response at once: uvicorn sees the client gone, the blocked send
+        # returns and the stream's generator finishes, as for any client
+        # that left. Nothing waiting (left 0): the response is done (an idle
+        # connection, which uvicorn closes) or its last event is still being
+        # made (a busy machine starves the loop too): never cut it. A client
+        # that took bytes is reading: it gets another look, until `last`.
+        assert self.loop is not None
+        now = self._unsent()
+        final = self.loop.time() >= last
+        again = {}
+        for connection, left in now.items():
+            if left == 0:
+                continue
+            if final or left >= before.get(connection, left):
+                connection.transport.abort()
+            else:
+                again[connection] = left
+        if again and not final:
+            self.loop.call_later(SLOW_CLIENT_GRACE_S / 2, self._drop_slow_clients, again, last)
 
 
 def listen(host: str, port: int) -> socket.socket:
