@@ -127,7 +127,10 @@ SIGTERM or Ctrl-C ends every open stream at once with an error event
 ("the server is shutting down"), stops the engine and exits. A client that
 does not read its stream (its response blocked on full socket buffers) is
 disconnected SLOW_CLIENT_GRACE_S (0.5 s) after the signal, so it holds the
-exit no longer than that, and no traceback is logged. From the signal to
+exit no longer than that, and no traceback is logged; one that is still
+taking its backlog (a client starved on a busy machine) is looked at again
+until SLOW_CLIENT_LAST_S (0.9 s), and a response whose last event is still
+being made is never cut. From the signal to
 the exit at 64 streams x 20,000 tokens on a busy 2-core VM
 (`benchmarks/server_health.py --runs 0 --exit-runs 7 [--stalled 0]`, two
 sets of 7 runs, 2026-12-03): medians 256 and 282 ms (162-359 ms); with two
