@@ -12,6 +12,7 @@ hold, never a padded buffer. The form rule is stated once for the host
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -125,9 +126,10 @@ def empty_rows(batch: int, vocab: int, max_tokens: int, overflow: str, device: t
     key = (reuse, vocab, max_tokens, overflow, selected, tokens)
     kept = _results.get(key)
     if not kept or kept[0].capacity < batch:
-        kept = _results[key] = []  # a larger batch: the smaller buffers go back to torch
-        while len(_results) > RESULTS_SHAPES:
-            del _results[next(iter(_results))]  # the oldest shape's go back
+        with _RESULTS_LOCK:  # (other threads add and drop their own shapes)
+            kept = _results[key] = []  # a larger batch: the smaller buffers go back to torch
+            while len(_results) > RESULTS_SHAPES:
+                del _results[next(iter(_results))]  # the oldest shape's go back
     for entry in kept:
         if entry.free():
             if entry.batch != batch:
@@ -211,6 +213,7 @@ REUSE_RESULTS = True  # benchmarks switch it off to measure what it saves
 RESULTS_KEPT = 2  # a caller may hold one step's rows while the next is made
 RESULTS_SHAPES = 16  # call shapes (stream, thread, V, max_tokens, ...) kept at most
 _results: dict[Hashable, list[_KeptResult]] = {}
+_RESULTS_LOCK = threading.Lock()
 
 
 def release_results() -> None:
