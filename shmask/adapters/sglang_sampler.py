@@ -86,7 +86,8 @@ class ShmaskCapture(NamedTuple):
     # or a grammar may change the drawn token; the capture always reads the
     # final tokens, so it needs no value of its own.
     selected_weight: None = None
-    # shmask's draw (SHMASK_DRAW=shmask): its Rows, the capture made with it
+    # shmask's draw (SHMASK_DRAW=shmask): its Rows (the capture made with it)
+    # and the arguments it was asked (_Drawn)
     drawn: Any = None
 
 
@@ -189,14 +190,22 @@ def _plan(probs: torch.Tensor, info: Any, max_tokens: int, past_cap: str | None)
     return _Plan(cap, positions, candidates, value_rows, kwargs)
 
 
+class _Drawn(NamedTuple):
+    """shmask_draw's result for sampling_mask_output: its rows and the
+    plan they were drawn with (made once a step)."""
+
+    rows: Any
+    plan: _Plan
+
+
 def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order: str,
                   max_tokens: int, row_order: str, past_cap: str | None = None,
-                  drawn: Any = None) -> FixedRows:
+                  drawn: _Drawn | None = None) -> FixedRows:
     """shmask's capture of the rows ``info.sampling_mask_batch_indices`` of
     ``probs`` (with the drawn ``tokens``), laid out as SGLang lays out its
     own: the kernels' part of :func:`sampling_mask_output`, which needs
     nothing of SGLang (benchmarks/sglang_capture.py runs it on the H200).
-    ``drawn``: the Rows of :func:`shmask_draw` with the same arguments,
+    ``drawn``: :func:`shmask_draw`'s rows and plan (the same arguments),
     laid out instead of a capture.
 
     Rows longer than the capacity are OVERFLOW in the fixed fields; those
@@ -206,8 +215,11 @@ def fixed_capture(probs: torch.Tensor, tokens: torch.Tensor, info: Any, *, order
     from shmask.kernels import Status, capture
     from shmask.kernels.fixed_rows import fixed_rows
 
-    plan = _plan(probs, info, max_tokens, past_cap)
-    rows = drawn if drawn is not None else capture(probs, tokens, order=order, **plan.kwargs)
+    if drawn is not None:
+        rows, plan = drawn
+    else:
+        plan = _plan(probs, info, max_tokens, past_cap)
+        rows = capture(probs, tokens, order=order, **plan.kwargs)
     cap = plan.cap
     spill = None
     if plan.positions:
@@ -249,7 +261,7 @@ def shmask_draw(probs: torch.Tensor, sampling_info: Any, positions: torch.Tensor
     plan = _plan(probs, info, max_tokens, _past_cap())
     rows = sample(probs, _seeds(info, positions, probs), order=pending.order, **plan.kwargs)
     assert rows.tokens is not None  # sample() always sets them
-    return rows.tokens.clamp(min=0), pending._replace(drawn=rows)
+    return rows.tokens.clamp(min=0), pending._replace(drawn=_Drawn(rows, plan))
 
 
 def _seeds(info: Any, positions: torch.Tensor | None, probs: torch.Tensor) -> torch.Tensor:
