@@ -23,13 +23,21 @@ from ._native import ffi, lib
 from ._native_errors import raise_for
 from .chunk import Chunk
 from .config import Config
-from .errors import InvalidRefError, RemoteChunkError, SegmentError, ShmaskError, StaleChunkError
+from .errors import (
+    DoubleReleaseError,
+    InvalidRefError,
+    RemoteChunkError,
+    SegmentError,
+    ShmaskError,
+    StaleChunkError,
+)
 from .refs import (
     ID_RULE,
     KIND_EMPTY,
     KIND_INLINE,
     KIND_LOST,
     KIND_SHM,
+    LOST_RELEASED,
     LOST_STALE,
     MODE_SELECTED,
     MODE_SUPPORT,
@@ -281,6 +289,10 @@ class Reader:
             if ref.position == LOST_STALE:
                 raise StaleChunkError(f"{ref!r}: the hop that forwarded this chunk could not read "
                                       "it in time (reclaimed, aborted or truncated)")
+            if ref.position == LOST_RELEASED:
+                raise DoubleReleaseError(f"{ref!r}: chunk was released already: the hop that "
+                                         "forwarded it had copied and given it back before (the "
+                                         "same batch pulled or forwarded twice)")
             raise InvalidRefError(f"{ref!r}: the hop that forwarded this chunk found its "
                                   "reference malformed")
         if ref.kind == KIND_EMPTY:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidRefError, ShmaskError, StaleChunkError
+from .errors import DoubleReleaseError, InvalidRefError, ShmaskError, StaleChunkError
 from .layout import REF_KIND_EMPTY, REF_KIND_INLINE, REF_KIND_LOST, REF_KIND_RING
 
 MAGIC = b"SMRB"
@@ -50,10 +50,14 @@ KIND_SHM = REF_KIND_RING
 KIND_INLINE = REF_KIND_INLINE
 # A chunk that a forwarding hop (RefBatch.to_inline / for_host) could not
 # read: no rows, only why; opening it raises that error (`position` holds
-# LOST_STALE or LOST_INVALID), so one bad chunk costs one request.
+# LOST_STALE, LOST_INVALID or LOST_RELEASED), so one bad chunk costs one request.
 KIND_LOST = REF_KIND_LOST
 LOST_STALE = 1  # StaleChunkError: reclaimed, aborted or truncated before the hop read it
 LOST_INVALID = 2  # InvalidRefError: the hop found the reference malformed
+# DoubleReleaseError, as a local open of a released record: the chunk had
+# been copied and given back already (the same batch forwarded or pulled twice).
+LOST_RELEASED = 3
+LOST_REASONS = (LOST_STALE, LOST_INVALID, LOST_RELEASED)
 MODE_SELECTED = 1
 MODE_SUPPORT = 2
 # The one rule for ids, wherever rows enter (Writer.publish / append_step,
@@ -372,14 +376,14 @@ class RefBatch:
                 try:
                     payloads[i] = _copy_out(reader, ref)
                 except ShmaskError as exc:
-                    lost[i] = LOST_STALE if isinstance(exc, StaleChunkError) else LOST_INVALID
+                    lost[i] = _lost_reason(exc)
         return self.with_inline(payloads, lost)
 
     def with_inline(self, payloads: Mapping[int, bytes | memoryview],
                     lost: Mapping[int, int]) -> RefBatch:
         """This batch with ring entry i carried inline as payloads[i] (an
         inline payload: pack_payload's layout) and entry j LOST for reason
-        lost[j] (LOST_STALE or LOST_INVALID); the other entries as they are.
+        lost[j] (LOST_REASONS); the other entries as they are.
         What a hop that copied some chunks out (to_inline, a remote pull)
         sends on."""
         if not payloads and not lost:
@@ -485,6 +489,16 @@ def _check_reader(reader: Any) -> None:
         raise TypeError(f"reader must be a shmask.Reader, got {type(reader).__name__}")
 
 
+def _lost_reason(exc: ShmaskError) -> int:
+    """The LOST reason of a chunk a hop could not copy: what its consumer's
+    open raises (Reader.open, KIND_LOST)."""
+    if isinstance(exc, StaleChunkError):
+        return LOST_STALE
+    if isinstance(exc, DoubleReleaseError):
+        return LOST_RELEASED
+    return LOST_INVALID
+
+
 def _copy_out(reader: Any, ref: ChunkRef) -> bytes:
     """A ring chunk's rows as an inline payload, given back to the ring."""
     chunk = reader.open(ref)
@@ -519,9 +533,9 @@ def _check_entries(entries: np.ndarray, n_segments: int, inline_bytes: int) -> N
         raise InvalidRefError("an empty or lost reference must have rows == nnz == words == "
                               "vocab == seal == 0")
     lost = kind == KIND_LOST
-    if np.any(lost & (entries["position"] != LOST_STALE) & (entries["position"] != LOST_INVALID)):
-        raise InvalidRefError(f"a lost reference's reason must be {LOST_STALE} (stale) or "
-                              f"{LOST_INVALID} (invalid)")
+    if np.any(lost & ~np.isin(entries["position"], LOST_REASONS)):
+        raise InvalidRefError(f"a lost reference's reason must be {LOST_STALE} (stale), "
+                              f"{LOST_INVALID} (invalid) or {LOST_RELEASED} (released)")
     mode = entries["mode"]
     if np.any((live | lost) & (mode != MODE_SELECTED) & (mode != MODE_SUPPORT)):
         raise InvalidRefError("reference mode is invalid: accepted 1 (selected), 2 (support)")

@@ -20,7 +20,10 @@ as a local reader would; the header read after the records is the seqlock
 re-check: a record reclaimed before the READ ended shows a tail past it and
 is stale. Copied records are given back to the producer by one NIXL
 notification per segment (positions and seals), on which the export calls
-the native shm_release_many: no Python writes to shared memory.
+the native shm_release_many: no Python writes to shared memory. The puller
+remembers what it gave back, so pulling a record again fails that entry
+(LOST_RELEASED: DoubleReleaseError, as a local open of a released record)
+without a READ, even before its release has landed.
 
 NIXL never fails a READ on a link that was pulled (UCX over TCP waits on the
 kernel's retransmissions, tests/test_netns_nixl.py), so every pull has its
@@ -36,6 +39,7 @@ environment (UCX_TLS, UCX_NET_DEVICES).
 
 from __future__ import annotations
 
+import heapq
 import ipaddress
 import logging
 import mmap
@@ -54,10 +58,11 @@ import orjson
 from ._native import ffi, lib
 from ._native_errors import raise_for
 from .config import Config
-from .errors import InvalidRefError, ShmaskError, StaleChunkError
+from .errors import DoubleReleaseError, InvalidRefError, ShmaskError, StaleChunkError
 from .refs import (
     KIND_SHM,
     LOST_INVALID,
+    LOST_RELEASED,
     LOST_STALE,
     MODE_SUPPORT,
     RefBatch,
@@ -440,6 +445,7 @@ class PullStats:
     pulled: int = 0  # entries turned inline
     lost_stale: int = 0
     lost_invalid: int = 0
+    lost_released: int = 0  # entries copied and given back before (a batch pulled twice)
     read_errors: int = 0  # READs that failed or ran past the deadline
     quarantined: int = 0  # READs given up while still in flight (kept until they end)
     dropped_bytes: int = 0  # mirror pages given back after their records were copied
@@ -460,6 +466,17 @@ class _PullTimeout(Exception):
 # after their check).
 MAX_QUARANTINE = 64
 
+# Records a mirror remembers having copied and given back (_Mirror.given).
+# The memory only has to last until the release lands: from then on the
+# producer's own record says the same (RELEASED: DoubleReleaseError at the
+# mirror's check, then below the tail: stale), so a mirror forgets what lies
+# below the tail each pull reads, and past this many, its lowest positions
+# (the oldest, whose releases landed long ago). The ring itself would allow
+# capacity / 128 live records (millions in the default 1 GiB ring); this is
+# about 2 MiB of Python objects per mirror at most, and hundreds of pulls'
+# worth of records in flight.
+MAX_GIVEN = 1 << 14
+
 
 @dataclass
 class _Late:
@@ -477,7 +494,8 @@ class _Mirror:
     are copied out (`drop`), so a consumer's memory does not grow to the
     producer's ring size as pulls walk around it."""
 
-    __slots__ = ("memory", "array", "base", "size", "capacity", "registered", "remote")
+    __slots__ = ("memory", "array", "base", "size", "capacity", "registered", "remote",
+                 "given", "_given_order")
 
     def __init__(self, header: np.ndarray, capacity: int, registered_by: Any) -> None:
         self.size = _HEADER_BYTES + capacity
@@ -489,6 +507,31 @@ class _Mirror:
         self.remote = (0, 0)  # the (address, size) its descriptor gave
         self.registered = registered_by.register_memory(
             [(self.array.ctypes.data, self.size, 0, "")], "DRAM")
+        # position -> seal of the records copied out and given back (the
+        # claim a local reader's release makes, kept on this side: two pulls
+        # of one batch must not both copy it); positions in a min-heap to
+        # forget the lowest first. A position never recurs in one epoch
+        # (the head only grows); the seal keeps a forged ref from passing
+        # for one of them. A mirror dropped (_forget) forgets them: from
+        # then on the producer's record alone tells (RELEASED once the
+        # release has landed).
+        self.given: dict[int, int] = {}
+        self._given_order: list[int] = []
+
+    def give(self, position: int, seal: int) -> None:
+        """Remember a record copied out and given back (MAX_GIVEN at most)."""
+        if position not in self.given:
+            heapq.heappush(self._given_order, position)
+        self.given[position] = seal
+        while len(self._given_order) > MAX_GIVEN:
+            del self.given[heapq.heappop(self._given_order)]
+
+    def forget_below(self, tail: int) -> None:
+        """Forget the records below the producer's tail: reclaimed, so a pull
+        of one fails as stale without being remembered."""
+        order = self._given_order
+        while order and order[0] < tail:
+            del self.given[heapq.heappop(order)]
 
     def drop(self, ranges: Sequence[tuple[int, int]]) -> int:
         """Give back the pages under these (offset, size) ranges, whole pages
@@ -816,6 +859,12 @@ class RemotePuller:
                     or int(entries[i]["rows"]) > capacity // 5):
                 lost[i] = LOST_INVALID  # would not fit the ring: never READ
                 continue
+            if mirror.given.get(position) == int(entries[i]["seal"]):
+                # Copied and given back by an earlier pull: its rows went to
+                # that pull's consumer, and its release may not have landed
+                # yet (a second would be refused). Never READ.
+                lost[i] = LOST_RELEASED
+                continue
             wanted[i] = (_HEADER_BYTES + offset, record_bytes)
         if not wanted:
             return []
@@ -827,6 +876,7 @@ class RemotePuller:
             self._header(mirror, segment)
         except Exception as exc:
             return self._segment_failed(desc, segment, list(wanted), lost, exc)
+        mirror.forget_below(int(self._info.tail))  # the tail _header just read
         copied = []
         for i in wanted:
             ref = batch[i]
@@ -835,10 +885,14 @@ class RemotePuller:
             except StaleChunkError:
                 lost[i] = LOST_STALE
                 continue
+            except DoubleReleaseError:  # released at the producer already (any reader)
+                lost[i] = LOST_RELEASED
+                continue
             except ShmaskError:
                 lost[i] = LOST_INVALID
                 continue
             copied.append((ref.position, ref.seal))
+            mirror.give(ref.position, ref.seal)
         self.stats.dropped_bytes += mirror.drop(list(wanted.values()))
         return copied
 
@@ -915,5 +969,6 @@ def _rebuild(batch: RefBatch, payloads: dict[int, bytes], lost: dict[int, int],
     """The batch with `payloads` inline and `lost` entries LOST, counted."""
     stats.pulled += len(payloads.keys() - lost.keys())
     stats.lost_stale += sum(reason == LOST_STALE for reason in lost.values())
-    stats.lost_invalid += sum(reason != LOST_STALE for reason in lost.values())
+    stats.lost_invalid += sum(reason == LOST_INVALID for reason in lost.values())
+    stats.lost_released += sum(reason == LOST_RELEASED for reason in lost.values())
     return batch.with_inline(payloads, lost)

@@ -49,16 +49,16 @@ EXPECTED = [
 ]
 
 PRODUCER = r"""
-import json, os, sys, time
+import json, os, sys, threading, time
 import numpy as np
 import shmask
-from remote_child import write_remote
+from remote_child import wait_for, write_remote
 from shmask._native import ffi, lib
 from shmask.refs import RefBatch
 from shmask.remote import RemoteBatch, RemoteExport
 
-out, prefix, ip, port, wait_s, hold = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
-                                       float(sys.argv[5]), sys.argv[6] == "hold")
+out, prefix, ip, port, wait_s, mode = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                       float(sys.argv[5]), sys.argv[6])
 w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=120))
 f32, i32 = np.float32, np.int32
 q0, q1, q2 = w.open_queue("support"), w.open_queue("selected"), w.open_queue("support")
@@ -76,13 +76,36 @@ one_shot = w.publish(np.array([2, 1], i32), np.array([10, 20, 30], i32),
 batch = RefBatch.from_refs([*taken, one_shot])
 assert all(ref.kind == 1 for ref in batch), list(batch)   # every chunk in the ring
 export = RemoteExport(w, port=port)
+if mode == "defer":
+    # Release notifications are held until the reader says ".pulled": a
+    # release that has not landed yet (a slow link) while it pulls again.
+    # The export's thread keeps polling (it drives UCX's progress).
+    handle, held, lock, holding = export._handle, [], threading.Lock(), [True]
+
+    def deferred(message):
+        with lock:
+            if holding[0]:
+                held.append(message)
+                return
+        handle(message)
+
+    export._handle = deferred
 remote = RemoteBatch(batch, export.descriptor(ip))
 write_remote(out, remote, records=len(batch), segment=w.segment_name, pid=os.getpid())
-if hold:
+if mode == "hold":
     time.sleep(wait_s)   # the test kills us
+if mode == "defer":
+    wait_for(out, ".pulled", seconds=wait_s, message="the reader never said .pulled")
+    with lock:
+        holding[0] = False
+        for message in held:
+            handle(message)
 deadline = time.monotonic() + wait_s
 while export.stats.releases < len(batch) and time.monotonic() < deadline:
     time.sleep(0.005)
+if mode == "defer":   # released: another puller may pull now
+    open(out + ".released", "w").close()
+    wait_for(out, ".fresh", seconds=wait_s, message="the reader never said .fresh")
 time.sleep(0.2)   # any late (double) release would show in release_errors
 info = ffi.new("shm_info *")
 assert lib.shm_read_info(w.segment.base, w.segment.size, info) == lib.SHM_OK
@@ -94,9 +117,11 @@ print(json.dumps({"export": stats, "released": int(info.released),
 """
 
 READER = r"""
-import json, sys, time
+import json, os, sys, time
 import shmask
 from remote_child import entries, load_remote, mapped, rows, subset, wait_for
+from shmask import remote as rm
+from shmask.errors import ShmaskError
 from shmask.refs import RefBatch
 from shmask.remote import RemoteBatch, RemoteDescriptor, RemotePuller
 
@@ -114,6 +139,24 @@ def pulled(puller, batch):
     seconds = time.monotonic() - t
     return {"kinds": [kind for kind, _ in entries(out)], "rows": rows(reader, out),
             "seconds": seconds}
+
+
+def rx_bytes():
+    # this namespace's veth (ip netns exec mounts its own /sys)
+    dev = os.environ["UCX_NET_DEVICES"]
+    return int(open(f"/sys/class/net/{dev}/statistics/rx_bytes").read())
+
+
+def errors(batch):
+    # what opening each entry raises, [class name, message], or None
+    got = []
+    for ref in batch:
+        try:
+            reader.open(ref).release()
+            got.append(None)
+        except ShmaskError as exc:
+            got.append([type(exc).__name__, str(exc)])
+    return got
 
 
 def forged(remote, descriptor=None, entries=None):
@@ -174,15 +217,53 @@ elif script == "killed":
     result["connected"] = pulled(puller, data)
     fresh = RemotePuller(port=int(sys.argv[6]), timeout_s=timeout_s)   # never connected
     result["fresh"] = pulled(fresh, data)
+elif script == "twice":
+    # The same batch pulled twice, the producer holding the first pull's
+    # releases (they have not landed when the second pull runs).
+    puller = RemotePuller(port=port, timeout_s=timeout_s)
+    result["first"] = pulled(puller, data)
+    rx = rx_bytes()
+    again = puller.pull(data)
+    result["second_rx"] = rx_bytes() - rx
+    result["second"] = {"kinds": [kind for kind, _ in entries(again)],
+                        "rows": rows(reader, again), "errors": errors(again)}
+    open(path + ".pulled", "w").close()
+    result["stats"] = vars(puller.stats)
+    # A puller that never pulled it, once the releases landed: the
+    # producer's record says released (its READ sees RELEASED).
+    wait_for(path, ".released", seconds=40, message="the producer never said .released")
+    fresh = RemotePuller(port=int(sys.argv[6]), timeout_s=timeout_s)
+    result["fresh"] = rows(reader, fresh.pull(data))
+    open(path + ".fresh", "w").close()
+elif script == "reuse":
+    # Batch 1 pulled (the remembered records capped at 3 here); the producer
+    # then wraps its ring and publishes batch 2 at the same offsets, new
+    # positions and seals.
+    puller = RemotePuller(port=port, timeout_s=timeout_s)
+    cap, rm.MAX_GIVEN = rm.MAX_GIVEN, 3
+    result["first"] = rows(reader, puller.pull(data))
+    [mirror] = puller._mirrors.values()
+    result["given_capped"] = sorted(mirror.given)
+    rm.MAX_GIVEN = cap
+    wait_for(path, ".2", seconds=40, message="the producer never wrote batch 2")
+    _, data2 = load_remote(path + ".2")
+    result["second"] = rows(reader, puller.pull(data2))
+    result["given"] = sorted(mirror.given)
+    result["first_again"] = rows(reader, puller.pull(data))   # below the tail now
+    result["stats"] = vars(puller.stats)
 result["maps_segment"] = mapped(json.load(open(path))["segment"])
 result["attached"] = len(reader._attached)
 print(json.dumps(result), flush=True)
 """
 
 
-def _producer(hosts: netns.Hosts, path: Path, prefix: str, wait_s: float, hold: bool):
+def _producer(hosts: netns.Hosts, path: Path, prefix: str, wait_s: float, hold: bool,
+              defer: bool = False):
+    """hold: publish, then sleep (the test kills it); defer: hold each release
+    notification until the reader writes ".pulled"; else release at once."""
+    mode = "hold" if hold else "defer" if defer else "wait"
     return netns.run_in(hosts.a, [sys.executable, "-c", PRODUCER, str(path), prefix, hosts.a_ip,
-                                  str(EXPORT_PORT), str(wait_s), "hold" if hold else "wait"],
+                                  str(EXPORT_PORT), str(wait_s), mode],
                         env=host_env(hosts.a_dev), timeout=80)
 
 
@@ -261,13 +342,14 @@ def test_forged_remote_batches_cost_their_entries_only(prefix, tmp_path):
     # The segment the puller has a mirror of, at another size: refused, no READ.
     assert cases["moved"]["rows"] == [lost_invalid] * 4, cases["moved"]
     assert "size differs" in cases["moved"]["error"], cases["moved"]
-    # The real batch, pulled again: a release travels as a notification, so
-    # whether "large"'s release reached the producer before this READ is a
-    # race. Either the records still read WRITTEN (the rows again: a remote
-    # pull is not exclusive, unlike a local open's release) or RELEASED
-    # (DoubleReleaseError at the mirror's check: lost, invalid).
+    # The real batch, pulled again by another puller than "large"'s: a
+    # release travels as a notification, so whether "large"'s release
+    # reached the producer before this READ is a race. Either the records
+    # still read WRITTEN (the rows again: two pullers are not kept from
+    # copying one record, the producer would have to claim it) or RELEASED
+    # (DoubleReleaseError at the mirror's check: lost, released).
     real = cases["real"]
-    assert real["rows"] == EXPECTED or real["rows"] == [lost_invalid] * 4, real
+    assert real["rows"] == EXPECTED or real["rows"] == [{"lost": 3}] * 4, real
     assert got["attached"] == 0 and not got["maps_segment"], got
     # Each record released once; a second copy's release is refused by the core.
     assert sent["export"]["releases"] == 4, sent
@@ -300,9 +382,12 @@ def test_a_producer_killed_before_the_pull_costs_lost_entries_within_the_timeout
     assert reader.returncode == 0, err_r[-3000:]
     got = last_json(out_r)
     assert got["first"] == EXPECTED[:1], got
+    # The connected puller copied entry 0 already: released (its own memory,
+    # no READ); the others, and all of the fresh puller's, stale.
+    released_first = {"connected": [{"lost": 3}], "fresh": [{"lost": 1}]}
     for case in ("connected", "fresh"):
         assert got[case]["kinds"] == [3, 3, 3, 3], (case, got[case])
-        assert got[case]["rows"] == [{"lost": 1}] * 4, (case, got[case])
+        assert got[case]["rows"] == released_first[case] + [{"lost": 1}] * 3, (case, got[case])
         assert got[case]["seconds"] < timeout_s + 1, (case, got[case])
     print(f"\nafter the kill: connected puller {got['connected']['seconds'] * 1e3:.0f} ms, "
           f"fresh puller {got['fresh']['seconds'] * 1e3:.0f} ms (timeout {timeout_s} s)")
@@ -482,10 +567,11 @@ def test_a_pull_after_the_export_is_closed_does_not_crash_the_producer(prefix, t
     assert got["first"] == [[2, 0]], got
     # Closed (the Writer too): the export's poll thread, the only thing that
     # drove its agent's progress (no NIXL progress thread), has stopped, so
-    # no READ is served: every entry LOST (stale) at the puller's deadline.
+    # no READ is served: every entry LOST (stale) at the puller's deadline,
+    # but the first, which this puller copied already (released, no READ).
     # The ring stays mapped and registered while the agent lives: a READ
     # served later could not touch unmapped memory.
-    assert got["closed"] == [[3, 1]] * 3, got
+    assert got["closed"] == [[3, 3], [3, 1], [3, 1]], got
     # Dropped: its agent is gone with it, nothing answers: LOST (stale).
     assert [kind for kind, _ in got["dropped"]] == [3, 3, 3], got
     print(f"\nafter close: {got['closed']}; after the export is dropped: {got['dropped']}")
@@ -530,6 +616,8 @@ for gen in ("g1", "g2"):
         [row] = rows(reader, puller.pull(subset(remote, [i])))
         got.append(row[0] if isinstance(row, list) else row)   # a row's ids alone
     result[gen] = got
+    result[gen + "_mirrors"] = sorted(name for _, name, _ in puller._mirrors)
+    result[gen + "_segment"] = remote.descriptor.segments[0].name
     open(path + ".done", "w").close()
 print(json.dumps(result), flush=True)
 """
@@ -558,7 +646,175 @@ def test_a_producer_restarted_under_the_same_name_and_address_is_pulled_again(pr
             collect_garbage(prefix)
     assert reader.returncode == 0, err_r[-3000:]
     got = last_json(out_r)
-    assert got == {"g1": [[[100]], [[101]]], "g2": [[[200]], [[201]]]}, got
+    assert got["g1"] == [[[100]], [[101]]] and got["g2"] == [[[200]], [[201]]], got
+    # The first READ of the new ring, refused on the old metadata, made the
+    # puller forget that agent's mirrors: only the new ring's is left.
+    for gen in ("g1", "g2"):
+        assert got[gen + "_mirrors"] == [got[gen + "_segment"]], got
+
+
+# ------------------------------------- a pull claims what it copies (issue 37)
+
+@needs_nixl_hosts
+@pytest.mark.timeout(120)
+def test_the_same_batch_pulled_twice_gives_its_rows_once(prefix, tmp_path):
+    """The second pull runs before the first pull's releases land (the
+    producer holds them): the puller's own memory of what it gave back
+    fails each entry as a local open of a released record would, with no
+    READ and no second release. A second puller, after they landed, is
+    told the same by the records themselves."""
+    path = tmp_path / "remote.json"
+    producer = reader = None
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            producer = _producer(hosts, path, prefix, wait_s=40, hold=False, defer=True)
+            reader = _reader(hosts, path, prefix, "twice", timeout_s=10)
+            out_r, err_r = reader.communicate(timeout=60)
+            out_p, err_p = producer.communicate(timeout=50)
+        finally:
+            netns.kill_group(reader)
+            netns.kill_group(producer)
+    assert reader.returncode == 0, err_r[-3000:]
+    assert producer.returncode == 0, (out_p, err_p[-3000:])
+    got, sent = last_json(out_r), last_json(out_p)
+    assert got["first"]["kinds"] == [2] * 4 and got["first"]["rows"] == EXPECTED, got["first"]
+    second = got["second"]
+    assert second["kinds"] == [3] * 4 and second["rows"] == [{"lost": 3}] * 4, second
+    for error in second["errors"]:
+        assert error is not None and error[0] == "DoubleReleaseError", second["errors"]
+        assert "released already" in error[1] and "pulled or forwarded twice" in error[1], error
+    assert got["stats"]["pulled"] == 4 and got["stats"]["lost_released"] == 4, got["stats"]
+    # Another puller, after the releases landed: released already, by the
+    # producer's own record (no release sent for it either).
+    assert got["fresh"] == [{"lost": 3}] * 4, got["fresh"]
+    # No READ: the records alone are more than what crossed the veth meanwhile.
+    remote, _ = load_remote(str(path))
+    record_bytes = int(remote.batch.entries["record_bytes"].sum())
+    assert got["second_rx"] < record_bytes, (got["second_rx"], record_bytes)
+    # One notification (the first pull's), each record released once, none refused.
+    assert sent["export"]["notifs"] == 1 and sent["export"]["releases"] == 4, sent
+    assert sent["export"]["release_errors"] == 0 and sent["export"]["bad_notifs"] == 0, sent
+    assert sent["released"] == sent["published"] == 4, sent
+    print(f"\nsecond pull: {second['kinds']}, {got['second_rx']} bytes in on the veth "
+          f"(records {record_bytes}); producer {sent['export']}")
+
+
+def test_a_batch_forwarded_twice_fails_its_entries_as_released_already(prefix):
+    """No NIXL: the LOST reason a pull gives (LOST_RELEASED), made by the
+    local hop (to_inline) from the same DoubleReleaseError, travels in a
+    batch's bytes and opens as that error; a reason past it is malformed."""
+    import numpy as np
+
+    import shmask
+    from shmask.refs import ENTRY_DTYPE, KIND_LOST, LOST_RELEASED, RefBatch
+
+    w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix))
+    reader = shmask.Reader(shmask.Config(name_prefix=prefix))
+    try:
+        batch = RefBatch.from_refs([w.publish(np.array([1], np.int32), np.array([7], np.int32),
+                                              np.array([-0.5], np.float32), "support")])
+        assert rows(reader, batch.to_inline(reader)) == [[[[7]], [[-0.5]]]]
+        again = RefBatch.from_bytes(batch.to_inline(reader).to_bytes())
+        assert entries(again) == [[KIND_LOST, LOST_RELEASED]]
+        with pytest.raises(shmask.DoubleReleaseError, match="released already.*twice"):
+            reader.open(again[0])
+        forged = np.frombuffer(again.to_bytes(), np.uint8).copy()
+        at = len(forged) - ENTRY_DTYPE.itemsize + ENTRY_DTYPE.fields["position"][1]
+        assert forged[at] == LOST_RELEASED
+        forged[at] = LOST_RELEASED + 1
+        with pytest.raises(InvalidRefError, match="lost reference's reason"):
+            RefBatch.from_bytes(forged.tobytes())
+    finally:
+        w.close()
+
+
+REUSE_PRODUCER = r"""
+import json, sys, time
+import numpy as np
+import shmask
+from remote_child import write_remote
+from shmask._native import ffi, lib
+from shmask.refs import RefBatch
+from shmask.remote import RemoteBatch, RemoteExport
+
+out, prefix, ip, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix, lease_s=120))
+local = shmask.Reader(shmask.Config(name_prefix=prefix))   # this host's own reader
+info = ffi.new("shm_info *")
+
+
+def one(value):
+    return w.publish(np.array([1], np.int32), np.array([value], np.int32),
+                     np.array([-0.5], np.float32), "support")
+
+
+def ring():
+    assert lib.shm_read_info(w.segment.base, w.segment.size, info) == lib.SHM_OK
+    return info
+
+
+def released(count):
+    deadline = time.monotonic() + 40
+    while export.stats.releases < count:
+        assert time.monotonic() < deadline, vars(export.stats)
+        time.sleep(0.005)
+
+
+first = [one(10 + k) for k in range(4)]
+export = RemoteExport(w, port=port)
+descriptor = export.descriptor(ip)
+write_remote(out, RemoteBatch(RefBatch.from_refs(first), descriptor), segment=w.segment_name)
+released(4)
+# Fillers up to the ring's end, each released here at once; then the
+# tail passes them all and batch 2 starts over at offset 0.
+capacity, size = ring().capacity, first[1].position - first[0].position
+while ring().head + size <= capacity:
+    local.open(one(0)).release()
+w.reclaim()
+second = [one(20 + k) for k in range(4)]
+assert [r.position for r in second] == [capacity + r.position for r in first], (second, first)
+assert not {r.seal for r in first} & {r.seal for r in second}
+write_remote(out + ".2", RemoteBatch(RefBatch.from_refs(second), descriptor))
+released(8)
+time.sleep(0.2)   # any late (double) release would show in release_errors
+print(json.dumps({"export": vars(export.stats).copy(), "first": [r.position for r in first],
+                  "second": [r.position for r in second]}), flush=True)
+export.close()
+w.close()
+"""
+
+
+@needs_nixl_hosts
+@pytest.mark.timeout(120)
+def test_a_record_reused_at_a_pulled_records_offset_is_pulled_and_the_memory_stays_bounded(
+        prefix, tmp_path):
+    """A pulled record's ring bytes reused by a new record (same offset, its
+    own position and seal): pulled as usual. What the puller remembers is
+    capped (MAX_GIVEN, 3 here: the lowest positions go first) and forgets
+    the records below the producer's tail; a pull of those is stale."""
+    path = tmp_path / "remote.json"
+    producer = reader = None
+    with netns.two_hosts(prefix) as hosts:
+        try:
+            producer = netns.run_in(hosts.a, [sys.executable, "-c", REUSE_PRODUCER, str(path),
+                                              prefix, hosts.a_ip, str(EXPORT_PORT)],
+                                    env=host_env(hosts.a_dev), timeout=80)
+            reader = _reader(hosts, path, prefix, "reuse", timeout_s=10)
+            out_r, err_r = reader.communicate(timeout=70)
+            out_p, err_p = producer.communicate(timeout=50)
+        finally:
+            netns.kill_group(reader)
+            netns.kill_group(producer)
+    assert reader.returncode == 0, err_r[-3000:]
+    assert producer.returncode == 0, (out_p, err_p[-3000:])
+    got, sent = last_json(out_r), last_json(out_p)
+    assert got["first"] == [[[[10 + k]], [[-0.5]]] for k in range(4)], got["first"]
+    assert got["given_capped"] == sent["first"][1:], (got, sent)   # the lowest forgotten
+    assert got["second"] == [[[[20 + k]], [[-0.5]]] for k in range(4)], got["second"]
+    assert got["given"] == sent["second"], (got, sent)   # batch 1's: below the tail
+    assert got["first_again"] == [{"lost": 1}] * 4, got   # stale, not "released"
+    assert sent["export"]["releases"] == 8 and sent["export"]["release_errors"] == 0, sent
+    assert got["stats"]["lost_released"] == 0, got["stats"]
 
 
 def test_release_notifications_are_bounded_and_a_failing_one_spares_the_thread():
