@@ -4,11 +4,12 @@ synchronise the parties, the RemoteBatch a producer hands over in a JSON
 file, a pulled batch's rows and entries, and the one JSON line a child
 prints.
 
-Imported by the child scripts (``python -c``) of tests/test_remote_nixl.py
-and tests/remote_nodes.py, which find it because `host_env` puts tests/ on
-their PYTHONPATH, and by those two modules themselves (remote_nodes
-re-exports what tests/test_vllm_nodes_nixl.py and the fault matrix take
-from it). No pytest import: the children and the fault matrix load it.
+Imported by the child scripts (``python -c``) of tests/test_remote_nixl.py,
+tests/remote_nodes.py and tests/test_vllm_nodes_nixl.py, which find it
+because `host_env` puts tests/ on their PYTHONPATH, and by the first two
+modules themselves and tests/test_netns_nixl.py (remote_nodes re-exports
+what tests/test_vllm_nodes_nixl.py and the fault matrix take from it). No
+pytest import: the children and the fault matrix load it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ Needs root (namespaces) and NIXL's `nixl-cu12` package
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import netns  # tests/netns.py: pytest puts tests/ on sys.path, as for api_walk
 import numpy as np
 import pytest
+from remote_child import host_env, last_json  # UCX over TCP on the veth only (no cma)
 
 SIZE = 8 << 20
 SEED = 20_260_512
@@ -199,11 +199,6 @@ emit(**result)
 """
 
 
-def _env(dev: str) -> dict[str, str]:
-    """UCX over TCP on the namespace's veth only (no cma, no shared memory)."""
-    return dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=dev)
-
-
 def _expected() -> np.ndarray:
     return np.random.default_rng(SEED).integers(0, 256, SIZE, dtype=np.uint8)
 
@@ -212,22 +207,16 @@ def _sha(data: np.ndarray) -> str:
     return hashlib.sha256(memoryview(np.ascontiguousarray(data))).hexdigest()
 
 
-def _last_json(out: str) -> dict:
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON line in {out[-2000:]!r}"
-    return json.loads(lines[-1])
-
-
 def _start(hosts: netns.Hosts, tmp_path: Path, mode: str, ready: str, wait_s: float,
            limit_s: float = 20):
     desc = tmp_path / "producer.json"
     producer = netns.run_in(hosts.a, [sys.executable, "-c", PRODUCER, str(desc), mode,
                                       str(LISTEN_PORT), str(wait_s), str(SIZE), str(SEED)],
-                            env=_env(hosts.a_dev), timeout=55)
+                            env=host_env(hosts.a_dev), timeout=55)
     reader = netns.run_in(hosts.b, [sys.executable, "-c", READER, str(desc), mode, hosts.a_ip,
                                     str(LISTEN_PORT), str(SLICE_OFFSET), str(SLICE_BYTES), ready,
                                     str(limit_s)],
-                          env=_env(hosts.b_dev), timeout=55)
+                          env=host_env(hosts.b_dev), timeout=55)
     return producer, reader
 
 
@@ -252,7 +241,7 @@ def test_reader_in_another_namespace_reads_the_producers_buffer_over_the_veth(pr
             netns.kill_group(producer)
     assert reader.returncode == 0, err_r[-3000:]
     assert producer.returncode == 0, (out_p, err_p[-3000:])
-    got, sent = _last_json(out_r), _last_json(out_p)
+    got, sent = last_json(out_r), last_json(out_p)
 
     pattern = _expected()
     assert sent["sha256"] == _sha(pattern)                  # the producer held the pattern
@@ -324,7 +313,7 @@ def test_a_producer_gone_mid_reads_ends_the_readers_transfer_in_bounded_time(pre
             netns.kill_group(reader)
             netns.kill_group(producer)
     assert reader.returncode == 0, err_r[-3000:]
-    got = _last_json(out_r)
+    got = last_json(out_r)
     assert got["full"]["sha256"] == _sha(_expected())   # it did read before the fault
     seen = got["fault"]
     assert seen is not None, got

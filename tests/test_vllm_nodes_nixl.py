@@ -30,10 +30,11 @@ ZMQ_PORT = 5641
 REQUESTS = 12
 
 ENGINE_CORE = r"""
-import json, os, sys, time
+import json, sys, time
 import msgspec
 import numpy as np
 import zmq
+from remote_child import wait_for, write_json
 from shmask._native import ffi, lib
 from shmask.adapters import vllm as adapter
 
@@ -51,15 +52,10 @@ refs = [step.slice_request(i, 1).token_ids.tobytes() for i in range(requests)]
 sock = zmq.Context.instance().socket(zmq.PUSH)
 sock.connect(f"tcp://{head_ip}:{port}")
 sock.send_multipart([msgspec.msgpack.encode(refs), json.dumps([r.tolist() for r in rows]).encode()])
-with open(path + ".tmp", "w") as f:
-    json.dump({"segment": publisher.writer.segment_name}, f)
-os.rename(path + ".tmp", path)
+write_json(path, {"segment": publisher.writer.segment_name})
 if hold:
     time.sleep(120)   # the test kills us
-deadline = time.monotonic() + 60
-while not os.path.exists(path + ".done"):
-    assert time.monotonic() < deadline
-    time.sleep(0.01)
+wait_for(path, ".done", seconds=60)
 info = ffi.new("shm_info *")
 writer = publisher.writer
 assert lib.shm_read_info(writer.segment.base, writer.segment.size, info) == lib.SHM_OK
@@ -69,10 +65,11 @@ publisher.close()
 """
 
 FRONT_END = r"""
-import json, os, sys, time, types
+import json, sys, time, types
 import msgspec
 import numpy as np
 import zmq
+from remote_child import mapped, wait_for
 from shmask import remote_refs
 from shmask.adapters import vllm as adapter
 
@@ -84,8 +81,7 @@ payload, expected = sock.recv_multipart()
 expected = json.loads(expected)
 open(path + ".received", "w").close()
 if mode == "kill":
-    while not os.path.exists(path + ".killed"):
-        time.sleep(0.01)
+    wait_for(path, ".killed")
 refs = msgspec.msgpack.decode(payload)
 outputs = [types.SimpleNamespace(request_id=f"r{i}", finish_reason=None, error=None,
                                  new_sampling_mask=adapter._MaskLists(
@@ -99,12 +95,11 @@ got = [None if o.new_sampling_mask is None else o.new_sampling_mask.token_ids.to
        for o in outputs]
 errors = [o.error.message.split("(", 1)[1].split(":")[0] for o in outputs if o.error]
 puller = remote_refs._puller["puller"]
-with open("/proc/self/maps") as maps:
-    mapped = json.load(open(path))["segment"].lstrip("/") in maps.read()
+maps_segment = mapped(json.load(open(path))["segment"])
 open(path + ".done", "w").close()
 print(json.dumps({"ok": sum(g == e for g, e in zip(got, expected)), "failed": failed,
                   "errors": errors, "seconds": seconds, "payload_bytes": len(payload),
-                  "rows_bytes": 4 * sum(len(e) for e in expected), "mapped": mapped,
+                  "rows_bytes": 4 * sum(len(e) for e in expected), "mapped": maps_segment,
                   "stats": vars(puller.stats) if puller else None}), flush=True)
 """
 
