@@ -38,7 +38,7 @@ MAGIC = b"SMRB"
 # 3: entries carry words and vocab (row flags and bitmask rows);
 # 4: entries carry the record's seal (a ref opens only the record it was
 #    issued for), and kind LOST (a chunk a forwarding hop could not read)
-VERSION = 4
+VERSION = 5  # 5: lost reason 3 (released); an older reader refuses the batch by its version
 _HEADER = struct.Struct("<4sHHII")
 _SEGMENT = struct.Struct("<QQB")
 MAX_NAME_BYTES = 64

@@ -20,7 +20,8 @@ RemoteChunkError). ``SHMASK_REMOTE`` says how the rows go instead:
 
 Each reference stays self-contained (an engine may split a message by
 request: SGLang's multi-tokenizer router does). A reference that cannot be
-pulled becomes LOST (its request alone fails when opened, StaleChunkError);
+pulled becomes LOST (its request alone fails when opened: StaleChunkError,
+or DoubleReleaseError for a record this puller already pulled and gave back);
 one that is malformed is left as it is and fails when opened, saying why.
 Everything here from a reference is untrusted (remote.py checks it).
 """
