@@ -19,7 +19,10 @@ serves every other module from the venv and an audit hook records every
 file opened there. Packed: the modules imported (sys.modules) and the other
 files read (package data, dist-info metadata). It runs twice: as here (CPU),
 and with torch told it has an H200 (`fake_cuda`, the whole run), so the
-imports SGLang makes only under `is_cuda()` are recorded too. The venv's
+imports SGLang makes only under `is_cuda()` are recorded too; and since a
+real GPU still takes branches a fake one does not (an H100 imported a
+quantization module neither run had), every module beside one recorded in
+SGLang's own packages is packed as well. The venv's
 compiled packages are cp311 builds (the device runs Python 3.12):
 WHEELS (imported unconditionally) come from their cp312 manylinux wheels
 (pip download, this venv's versions; only the files used, and the bundled
@@ -584,6 +587,11 @@ def _pack(out: Path, wheel_dir: Path, site: Path, work: Path) -> Path:
     wheel_names = {n for n in names if n.split("/")[0] in from_wheels
                    or n.split("/")[0].split(".")[0] in from_wheels}
     names -= wheel_names
+    # SGLang's own sibling modules of every package it imported from: the
+    # device's real CUDA takes branches the recording's fake one may not (on
+    # the H100, fp8_kernel's per_tensor_quant_fp8 was not in the zip)
+    for package in {str(Path(n).parent) for n in names if n.startswith("sglang/")}:
+        names |= {str(f.relative_to(site)) for f in (site / package).glob("*.py")}
     names |= {n.split("/")[0] + "/METADATA" for n in names if ".dist-info/" in n.split("/")[0] + "/"}
     names.add(next(p.name for p in site.glob("sglang-*.dist-info")) + "/METADATA")
     # the patched sampler for a device without GNU patch
@@ -594,7 +602,8 @@ def _pack(out: Path, wheel_dir: Path, site: Path, work: Path) -> Path:
     subprocess.run(["patch", "-p1", "--forward", "--fuzz=0", "-d", str(patched)], input=section,
                    text=True, check=True, capture_output=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # LZMA: 13.5 MB where deflate takes 16.1 (the device's transfer is 64 MiB in all)
+    # LZMA: 17.0 MB (13.5 before the sibling modules; deflate took 16.1 then):
+    # the device's transfer is 64 MiB in all
     with zipfile.ZipFile(out, "w", zipfile.ZIP_LZMA) as archive:
         for name in sorted(names):
             archive.write(site / name, name)
