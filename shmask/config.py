@@ -44,6 +44,7 @@ DRAWS = ("engine", "shmask")
 ROW_ORDERS = ("engine", "ascending")
 PAST_CAPS = ("exact", "status")
 REMOTES = ("off", "nixl")
+REMOTE_EXPORTS = ("process", "thread")
 _PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 _PREFIX_RULE = "1 to 32 letters, digits or underscores"
 JSON_THREADS_MAX = 64  # SHM_JSON_MAX_THREADS in native/response_json.h
@@ -63,7 +64,8 @@ _RANGES: dict[str, tuple[float, float]] = {
 }
 _CHOICES = {"transport": TRANSPORTS, "gpu_direct": GPU_DIRECT, "log_level": LOG_LEVELS,
             "mask_format": MASK_FORMATS, "capture": CAPTURES, "draw": DRAWS, "row_order": ROW_ORDERS,
-            "past_cap": PAST_CAPS, "remote": REMOTES}
+            "past_cap": PAST_CAPS, "remote": REMOTES,
+            "remote_export": REMOTE_EXPORTS}
 
 
 def _usable_cpus(at_most: int) -> int:
@@ -172,6 +174,13 @@ class Config:
     sockets; nothing else to install); "nixl", the references alone, the
     consumer reading the rows from the producer's ring with one-sided NIXL
     READs (pip install 'shmask[nixl]'; docs/multi-node.md)."""
+    remote_export: str = "process"
+    """Where a producer's ring is exported to NIXL (SHMASK_REMOTE=nixl):
+    "process", a sidecar process of its own on this host
+    (shmask.remote_sidecar) that maps the ring and serves the pullers'
+    READs, so the engine's process never copies READ bytes into a socket
+    (UCX over TCP does that in the exporting process); "thread", an agent
+    and a release thread inside the producer's own process."""
     remote_ip: str = ""
     """The address consumers on other hosts reach this producer's NIXL agent
     at; empty: the address of this host's interface that routes to the

@@ -94,7 +94,8 @@ _own_agents: set[str] = set()  # exports made by this process (see unwrap_own)
 
 
 class Leaving:
-    """A producer's ring exported to NIXL, and its references wrapped for a
+    """A producer's ring exported to NIXL (SHMASK_REMOTE_EXPORT: by a sidecar
+    process, or in this one), and its references wrapped for a
     consumer on another host. ``head``: where the consumers are (for
     SHMASK_REMOTE_IP's default). Raises ImportError without NIXL, or what
     NIXL raises when the agent cannot start: the caller falls back to
@@ -107,11 +108,20 @@ class Leaving:
         port = config.remote_port or free_port()
         ip = config.remote_ip or route_ip(head)
         self.writer = writer
-        self.export = RemoteExport(writer, port=port)
+        self.export: Any
+        if config.remote_export == "process":
+            # READs over TCP are copied by the exporting process: a sidecar's,
+            # not the engine's (remote_sidecar.py).
+            from .remote_sidecar import Sidecar
+
+            self.export = Sidecar(writer, ip=ip, port=port)
+        else:
+            self.export = RemoteExport(writer, port=port)
         _own_agents.add(self.export.name)
         self.prefix = remote_prefix(self.export.descriptor(ip))
-        log.info("shmask: ring %s exported to NIXL as %s at %s:%d", writer.segment_name,
-                 self.export.name, ip, port)
+        log.info("shmask: ring %s exported to NIXL as %s at %s:%d (%s)", writer.segment_name,
+                 self.export.name, ip, port, "sidecar process"
+                 if config.remote_export == "process" else "in this process")
 
     def refs(self, batch: RefBatch) -> list[bytes]:
         """Each entry as its own reference (RefBatch.split), the ring's
