@@ -207,12 +207,15 @@ def test_a_killed_producer_takes_its_sidecar_and_the_pull_fails_in_time(prefix, 
             _kill_sidecar(sidecar)
             collect_garbage(prefix)   # the killed producer's ring
     assert producer.returncode == -9
-    assert gone_s < 3, f"the sidecar outlived its producer by {gone_s:.1f} s"
+    # Bounds, not speeds: a busy 2-core machine may keep either process
+    # from a CPU for a second; a sidecar that waited on its producer, or a
+    # pull that waited on NIXL, would take the test's whole timeout.
+    assert gone_s < 5, f"the sidecar outlived its producer by {gone_s:.1f} s"
     assert reader.returncode == 0, err_r[-3000:]
     got = last_json(out_r)
     assert got["kinds"] == [3, 3, 3], got
     assert got["rows"] == [{"lost": 1}] * 3, got   # LOST_STALE: StaleChunkError when opened
-    assert got["seconds"] < timeout_s + 1, got
+    assert got["seconds"] < timeout_s + 3, got
     print(f"\nsidecar gone {gone_s * 1e3:.0f} ms after its producer; pull failed in "
           f"{got['seconds'] * 1e3:.0f} ms")
 
