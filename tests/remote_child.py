@@ -7,7 +7,8 @@ prints.
 Imported by the child scripts (``python -c``) of tests/test_remote_nixl.py,
 tests/remote_nodes.py and tests/test_vllm_nodes_nixl.py, which find it
 because `host_env` puts tests/ on their PYTHONPATH, and by the first two
-modules themselves and tests/test_netns_nixl.py (remote_nodes re-exports
+modules themselves, tests/test_netns_nixl.py and tests/test_remote_sidecar.py
+(whose test sides run their pairs with `run_pair`; remote_nodes re-exports
 what tests/test_vllm_nodes_nixl.py and the fault matrix take from it). No
 pytest import: the children and the fault matrix load it.
 """
@@ -116,3 +117,27 @@ def mapped(segment: str) -> bool:
     must not)."""
     with open("/proc/self/maps") as maps:
         return segment.lstrip("/") in maps.read()
+
+
+def run_pair(start_producer: Any, start_reader: Any, reader_s: float,
+             producer_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The test side of a producer and a reader on two "hosts": starts the
+    producer, then the reader (each a callable that returns its Popen),
+    waits for the reader, then the producer, and kills both process groups
+    whatever happens (netns.kill_group). Asserts that both exited 0 (their
+    stderr in the message) and returns their results: (the reader's last
+    JSON line, the producer's)."""
+    import netns  # the test side only: the children never call this
+
+    producer = reader = None
+    try:
+        producer = start_producer()
+        reader = start_reader()
+        out_r, err_r = reader.communicate(timeout=reader_s)
+        out_p, err_p = producer.communicate(timeout=producer_s)
+    finally:
+        netns.kill_group(reader)
+        netns.kill_group(producer)
+    assert reader.returncode == 0, err_r[-3000:]
+    assert producer.returncode == 0, (out_p, err_p[-3000:])
+    return last_json(out_r), last_json(out_p)

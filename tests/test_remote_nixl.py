@@ -24,7 +24,7 @@ from pathlib import Path
 
 import netns  # tests/netns.py
 import pytest
-from remote_child import entries, host_env, last_json, load_remote, rows, wait_for
+from remote_child import entries, host_env, last_json, load_remote, rows, run_pair, wait_for
 
 from shmask.errors import InvalidRefError
 from shmask.segment import collect_garbage
@@ -312,19 +312,9 @@ def test_a_hop_on_another_host_pulls_the_records_and_the_producer_releases_them(
 @pytest.mark.timeout(120)
 def test_forged_remote_batches_cost_their_entries_only(prefix, tmp_path):
     path = tmp_path / "remote.json"
-    producer = reader = None
     with netns.two_hosts(prefix) as hosts:
-        try:
-            producer = _producer(hosts, path, prefix, wait_s=60, hold=False)
-            reader = _reader(hosts, path, prefix, "forge", timeout_s=3)
-            out_r, err_r = reader.communicate(timeout=90)
-            out_p, err_p = producer.communicate(timeout=70)
-        finally:
-            netns.kill_group(reader)
-            netns.kill_group(producer)
-    assert reader.returncode == 0, err_r[-3000:]
-    assert producer.returncode == 0, (out_p, err_p[-3000:])
-    got, sent = last_json(out_r), last_json(out_p)
+        got, sent = run_pair(lambda: _producer(hosts, path, prefix, wait_s=60, hold=False),
+                             lambda: _reader(hosts, path, prefix, "forge", timeout_s=3), 90, 70)
     cases = got["cases"]
     lost_invalid = {"lost": 2}
     assert cases["large"]["error"] == "" and cases["entries"]["error"] == "", cases
@@ -664,19 +654,9 @@ def test_the_same_batch_pulled_twice_gives_its_rows_once(prefix, tmp_path):
     READ and no second release. A second puller, after they landed, is
     told the same by the records themselves."""
     path = tmp_path / "remote.json"
-    producer = reader = None
     with netns.two_hosts(prefix) as hosts:
-        try:
-            producer = _producer(hosts, path, prefix, wait_s=40, hold=False, defer=True)
-            reader = _reader(hosts, path, prefix, "twice", timeout_s=10)
-            out_r, err_r = reader.communicate(timeout=60)
-            out_p, err_p = producer.communicate(timeout=50)
-        finally:
-            netns.kill_group(reader)
-            netns.kill_group(producer)
-    assert reader.returncode == 0, err_r[-3000:]
-    assert producer.returncode == 0, (out_p, err_p[-3000:])
-    got, sent = last_json(out_r), last_json(out_p)
+        got, sent = run_pair(lambda: _producer(hosts, path, prefix, wait_s=40, hold=False, defer=True),
+                             lambda: _reader(hosts, path, prefix, "twice", timeout_s=10), 60, 50)
     assert got["first"]["kinds"] == [2] * 4 and got["first"]["rows"] == EXPECTED, got["first"]
     second = got["second"]
     assert second["kinds"] == [3] * 4 and second["rows"] == [{"lost": 3}] * 4, second
@@ -793,21 +773,12 @@ def test_a_record_reused_at_a_pulled_records_offset_is_pulled_and_the_memory_sta
     capped (MAX_GIVEN, 3 here: the lowest positions go first) and forgets
     the records below the producer's tail; a pull of those is stale."""
     path = tmp_path / "remote.json"
-    producer = reader = None
     with netns.two_hosts(prefix) as hosts:
-        try:
-            producer = netns.run_in(hosts.a, [sys.executable, "-c", REUSE_PRODUCER, str(path),
-                                              prefix, hosts.a_ip, str(EXPORT_PORT)],
-                                    env=host_env(hosts.a_dev), timeout=80)
-            reader = _reader(hosts, path, prefix, "reuse", timeout_s=10)
-            out_r, err_r = reader.communicate(timeout=70)
-            out_p, err_p = producer.communicate(timeout=50)
-        finally:
-            netns.kill_group(reader)
-            netns.kill_group(producer)
-    assert reader.returncode == 0, err_r[-3000:]
-    assert producer.returncode == 0, (out_p, err_p[-3000:])
-    got, sent = last_json(out_r), last_json(out_p)
+        got, sent = run_pair(
+            lambda: netns.run_in(hosts.a, [sys.executable, "-c", REUSE_PRODUCER, str(path), prefix,
+                                           hosts.a_ip, str(EXPORT_PORT)],
+                                 env=host_env(hosts.a_dev), timeout=80),
+            lambda: _reader(hosts, path, prefix, "reuse", timeout_s=10), 70, 50)
     assert got["first"] == [[[[10 + k]], [[-0.5]]] for k in range(4)], got["first"]
     assert got["given_capped"] == sent["first"][1:], (got, sent)   # the lowest forgotten
     assert got["second"] == [[[[20 + k]], [[-0.5]]] for k in range(4)], got["second"]

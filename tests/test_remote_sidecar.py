@@ -20,7 +20,7 @@ from pathlib import Path
 
 import netns  # tests/netns.py
 import pytest
-from remote_child import host_env, last_json, wait_for
+from remote_child import host_env, last_json, run_pair, wait_for
 
 from shmask.segment import collect_garbage
 
@@ -226,19 +226,9 @@ def test_the_in_process_export_still_serves_with_remote_export_thread(prefix, tm
     """SHMASK_REMOTE_EXPORT=thread: no sidecar, the producer's own agent
     serves the READs and releases the records."""
     path = tmp_path / "remote.json"
-    producer = reader = None
     with netns.two_hosts(prefix) as hosts:
-        try:
-            producer = _producer(hosts, path, prefix, "wait", "thread")
-            reader = _reader(hosts, path, prefix, 10, "")
-            out_r, err_r = reader.communicate(timeout=60)
-            out_p, err_p = producer.communicate(timeout=60)
-        finally:
-            netns.kill_group(reader)
-            netns.kill_group(producer)
-    assert reader.returncode == 0, err_r[-3000:]
-    assert producer.returncode == 0, (out_p, err_p[-3000:])
-    got, sent = last_json(out_r), last_json(out_p)
+        got, sent = run_pair(lambda: _producer(hosts, path, prefix, "wait", "thread"),
+                             lambda: _reader(hosts, path, prefix, 10, ""), 60, 60)
     with open(path) as f:
         made = __import__("json").load(f)
     assert made["sidecar"] is None and made["nixl_here"], made
