@@ -5,15 +5,21 @@ sidecar maps the ring and serves the READs of a puller in namespace B, and
 applies its releases to the ring the producer sees. The producer process
 itself never loads NIXL: stopped (SIGSTOP) while the puller reads, the rows
 still come; killed, the sidecar exits within a second and the pull fails its
-entries within the puller's timeout.
+entries within the puller's timeout. A producer that forked after starting
+its sidecar, then died, leaves the pipe open in its child: the sidecar
+exits on its parent's change instead (no namespaces: the loopback).
 
 Needs root (namespaces) and nixl-cu12; skipped with the reason otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -234,3 +240,57 @@ def test_the_in_process_export_still_serves_with_remote_export_thread(prefix, tm
     assert made["sidecar"] is None and made["nixl_here"], made
     assert got["rows"] == EXPECTED, got
     assert sent["released"] == 3 and sent["export"]["releases"] == 3, sent
+
+
+FORKING_PRODUCER = r"""
+import json, os, sys, time
+import shmask
+from shmask.remote_sidecar import Sidecar
+
+prefix, port = sys.argv[1], int(sys.argv[2])
+w = shmask.Writer(shmask.Config(ring_mb=1, name_prefix=prefix))
+sidecar = Sidecar(w, ip="127.0.0.1", port=port)
+child = os.fork()
+if child == 0:   # holds the sidecar's stdin: no EOF when the producer dies
+    time.sleep(60)
+    os._exit(0)
+print(json.dumps({"sidecar": sidecar.pid, "child": child}), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None,
+                    reason="nixl-cu12 is not installed (pip install -r tests/compat/requirements-nixl.txt)")
+@pytest.mark.timeout(90)
+def test_a_sidecar_whose_stdin_a_forked_child_holds_exits_with_its_producer(prefix):
+    """A producer that forked after starting its sidecar dies (SIGKILL): its
+    child still holds the sidecar's stdin, so no EOF comes; the sidecar
+    sees its parent change and exits all the same, while the child lives."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")) if p)}
+    from shmask.remote_refs import free_port
+
+    producer = subprocess.Popen([sys.executable, "-c", FORKING_PRODUCER, prefix, str(free_port())],
+                                stdout=subprocess.PIPE, env=env, text=True,
+                                start_new_session=True)
+    sidecar = None
+    try:
+        made = json.loads(producer.stdout.readline())   # after the sidecar's descriptor
+        sidecar, child = made["sidecar"], made["child"]
+        assert _state(sidecar) not in (None, "Z")
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.wait(timeout=10)
+        t = time.monotonic()
+        while _state(sidecar) not in (None, "Z") and time.monotonic() - t < 10:
+            time.sleep(0.02)
+        gone_s = time.monotonic() - t
+        assert _state(child) not in (None, "Z"), "the forked child was to hold the pipe"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(producer.pid, signal.SIGKILL)   # the forked child (the group)
+        producer.wait()
+        _kill_sidecar(sidecar)
+        collect_garbage(prefix)   # the killed producer's ring
+    # A bound (the parent is polled every 0.5 s), not a speed: without the
+    # poll it would live until the child's sleep ends (60 s).
+    assert gone_s < 5, f"the sidecar outlived its producer by {gone_s:.1f} s"
