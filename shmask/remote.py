@@ -449,6 +449,7 @@ class PullStats:
     read_errors: int = 0  # READs that failed or ran past the deadline
     quarantined: int = 0  # READs given up while still in flight (kept until they end)
     dropped_bytes: int = 0  # mirror pages given back after their records were copied
+    mirrors_dropped: int = 0  # mirrors of the producers least recently pulled from (MAX_MIRRORS)
     notify_errors: int = 0  # release notifications that could not be sent
     last_error: str = ""  # the last READ or metadata failure, for people
 
@@ -476,6 +477,14 @@ MAX_QUARANTINE = 64
 # about 2 MiB of Python objects per mirror at most, and hundreds of pulls'
 # worth of records in flight.
 MAX_GIVEN = 1 << 14
+
+# Mirrors a puller keeps (one per producer segment it pulls from). A producer
+# restarted under a new agent name (the default) brings a new mirror, and the
+# old one would otherwise stay for the puller's life (its address space and
+# NIXL registration; its pages are given back after each pull): past this
+# many, the one least recently pulled from goes. A large deployment's head
+# node pulls from one segment per remote scheduler (64 at 8 nodes of TP 8).
+MAX_MIRRORS = 256
 
 
 @dataclass
@@ -726,7 +735,9 @@ class RemotePuller:
     def _mirror(self, desc: RemoteDescriptor, segment: RemoteSegment,
                 deadline: float) -> _Mirror:
         key = (desc.agent, segment.name, segment.epoch)
-        mirror = self._mirrors.get(key)
+        mirror = self._mirrors.pop(key, None)
+        if mirror is not None:
+            self._mirrors[key] = mirror   # the most recently pulled from: last
         if mirror is not None and mirror.remote != (segment.address, segment.size):
             raise InvalidRefError(f"remote segment {segment.name}: address or size differs "
                                   "from the first descriptor's")
@@ -746,6 +757,18 @@ class RemotePuller:
             mirror = _Mirror(self._scratch, int(info.capacity), self._agent)
             mirror.remote = (segment.address, segment.size)
             self._mirrors[key] = mirror
+            while len(self._mirrors) > MAX_MIRRORS:
+                # The least recently pulled from (a dict keeps its order):
+                # none has a READ in flight (those are in self._late), and
+                # a pull copies one segment's records out before the next
+                # segment's mirror is made. What it remembered of the records
+                # it gave back goes with it (_Mirror.given).
+                oldest = self._mirrors.pop(next(iter(self._mirrors)))
+                self.stats.mirrors_dropped += 1
+                try:
+                    self._agent.deregister_memory(oldest.registered)
+                except Exception:
+                    pass
         return mirror
 
     def _read(self, desc: RemoteDescriptor, mirror: _Mirror, segment: RemoteSegment,

@@ -142,6 +142,31 @@ CHILD = textwrap.dedent("""
         out.update(rss=rss, ring=ring, exact=exact, dropped=puller.stats.dropped_bytes,
                    errors=puller.stats.read_errors)
         export.close()
+    elif sys.argv[1] == "mirrors":
+        import shmask
+        from shmask import remote as rm
+        from shmask.refs import RefBatch
+        from shmask.remote import RemoteBatch, RemoteExport, RemotePuller
+        rm.MAX_MIRRORS = 2
+        writers = [shmask.Writer(shmask.Config(ring_mb=1, lease_s=60)) for _ in range(3)]
+        exports = [RemoteExport(w, port=remote_refs.free_port()) for w in writers]
+        descs = [e.descriptor("127.0.0.1") for e in exports]
+        puller = RemotePuller(port=remote_refs.free_port(), timeout_s=20)
+        reader = shmask.Reader(shmask.Config(name_prefix="x" + os.environ["SHMASK_NAME_PREFIX"]))
+        exact, kept = 0, []
+        for producer in (0, 1, 0, 2, 1):   # 1 least recent when 2 comes, then 0
+            ids = np.array([producer, 100 + producer], np.int32)
+            ref = writers[producer].publish(np.array([2], np.int32), ids,
+                                            np.array([-1.0, -2.0], np.float32), "support")
+            (pulled,) = puller.pull(RemoteBatch(RefBatch.from_refs([ref]), descs[producer]))
+            with reader.open(pulled) as chunk:
+                exact += chunk.csr()[0].tolist() == ids.tolist()
+            kept.append(sorted(descs.index(next(d for d in descs if d["agent"] == key[0]))
+                               for key in puller._mirrors))
+        out.update(exact=exact, kept=kept, dropped=puller.stats.mirrors_dropped,
+                   errors=puller.stats.read_errors)
+        for export in exports:
+            export.close()
     else:
         adapter.start_scheduler(types.SimpleNamespace(
             nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000",
@@ -194,6 +219,20 @@ def test_a_scheduler_reads_its_own_remote_chunks_without_nixl(prefix):
     assert got["view"] == [5, 6, 7]
     assert got["lists"] == [[[5, 6, 7]], [[-1.0, -2.0, -3.0]]]
     assert got["ip"] == "127.0.0.1"
+
+
+@nixl_missing
+@pytest.mark.timeout(150)
+def test_a_puller_keeps_the_mirrors_of_the_producers_it_pulled_from_last(prefix):
+    """Past MAX_MIRRORS (2 here) the mirror of the producer least recently
+    pulled from goes (its registration and address space), and pulling from
+    that producer again makes a new one: three producers pulled from as 0,
+    1, 0, 2, 1 keep {0, 1} (0 the more recent), {0, 2} (1 went), then
+    {1, 2} (0 went); every row exact."""
+    got = _child("mirrors", prefix, UCX_NET_DEVICES="lo")
+    assert got["exact"] == 5 and got["errors"] == 0, got
+    assert got["kept"] == [[0], [0, 1], [0, 1], [0, 2], [1, 2]], got
+    assert got["dropped"] == 2, got
 
 
 @nixl_missing
