@@ -376,7 +376,7 @@ class RefBatch:
                 try:
                     payloads[i] = _copy_out(reader, ref)
                 except ShmaskError as exc:
-                    lost[i] = _lost_reason(exc)
+                    lost[i] = lost_reason(exc)
         return self.with_inline(payloads, lost)
 
     def with_inline(self, payloads: Mapping[int, bytes | memoryview],
@@ -489,9 +489,9 @@ def _check_reader(reader: Any) -> None:
         raise TypeError(f"reader must be a shmask.Reader, got {type(reader).__name__}")
 
 
-def _lost_reason(exc: ShmaskError) -> int:
-    """The LOST reason of a chunk a hop could not copy: what its consumer's
-    open raises (Reader.open, KIND_LOST)."""
+def lost_reason(exc: ShmaskError) -> int:
+    """The LOST reason of a chunk a hop could not copy (to_inline here, a
+    remote pull): what its consumer's open raises (Reader.open, KIND_LOST)."""
     if isinstance(exc, StaleChunkError):
         return LOST_STALE
     if isinstance(exc, DoubleReleaseError):

@@ -58,7 +58,7 @@ import orjson
 from ._native import ffi, lib
 from ._native_errors import raise_for
 from .config import Config
-from .errors import DoubleReleaseError, InvalidRefError, ShmaskError, StaleChunkError
+from .errors import InvalidRefError, ShmaskError, StaleChunkError
 from .refs import (
     KIND_SHM,
     LOST_INVALID,
@@ -66,6 +66,7 @@ from .refs import (
     LOST_STALE,
     MODE_SUPPORT,
     RefBatch,
+    lost_reason,
     pack_payload,
 )
 from .segment import Segment, is_valid_name
@@ -905,14 +906,8 @@ class RemotePuller:
             ref = batch[i]
             try:
                 payloads[i] = self._copy(mirror, segment, ref)
-            except StaleChunkError:
-                lost[i] = LOST_STALE
-                continue
-            except DoubleReleaseError:  # released at the producer already (any reader)
-                lost[i] = LOST_RELEASED
-                continue
-            except ShmaskError:
-                lost[i] = LOST_INVALID
+            except ShmaskError as exc:  # stale, released already or malformed: open says which
+                lost[i] = lost_reason(exc)
                 continue
             copied.append((ref.position, ref.seal))
             mirror.give(ref.position, ref.seal)
