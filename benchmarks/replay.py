@@ -17,6 +17,8 @@ dense-mask result first:
   replay            replay_logprobs (forward) and its backward
   read / write      one read of the logits (amax over rows), one write of
                     a dense gradient (zeros_like): the floors
+  support gather    (ids rows) torch's gather of the support's logits
+                    alone: the reads a forward of them cannot avoid
 
 GPU ms per call (CUDA events, median of repeats, each call enqueued while
 the GPU sleeps, so host gaps do not count) and peak memory above the
@@ -175,6 +177,12 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
 
     dense_ms, dense_mb = timed(lambda: dense_mask(logits, targets, offsets, ids, forms, vocab),
                                repeats)
+    # ids rows: the gather of their logits alone (torch's), the reads no
+    # forward of them can do without (a 2-byte logit costs a 32-byte sector)
+    gather_ms = float("nan")
+    if int(forms[0]) == 0:
+        index = ids.view(logits.shape[0], -1).long()
+        gather_ms, _ = timed(lambda: logits.gather(1, index), repeats)
     fwd_ms, fwd_mb = timed(lambda: replay_logprobs(logits, targets, offsets, ids, forms=forms),
                            repeats)
     dense_both_ms, dense_both_mb = timed(dense_both, repeats)
@@ -184,7 +192,8 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
     return {
         "rows": label, "max_abs_error": error, "mean_logp": float(want.mean()),
         "forward_ms": {"dense_mask": dense_ms, "plain_logsoftmax": floors["plain_logsoftmax"],
-                       "replay": fwd_ms, "one_read": floors["one_read"]},
+                       "replay": fwd_ms, "one_read": floors["one_read"],
+                       "support_gather": gather_ms},
         "forward_backward_ms": {"dense_mask": dense_both_ms, "replay": both_ms,
                                 "dense_gradient_write": floors["gradient_write"]},
         "peak_extra_mb": {"dense_mask": dense_mb, "replay": fwd_mb, "dense_mask_both": dense_both_mb,
@@ -192,6 +201,7 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
                           "gradient": floors["gradient_mb"]},
         "host_us": {"forward": forward_host, "forward_backward": both_host},
         "ratios": {"forward_vs_dense": dense_ms / fwd_ms, "forward_vs_read": fwd_ms / floors["one_read"],
+                   "gather_vs_read": gather_ms / floors["one_read"],
                    "both_vs_gradient_write": both_ms / floors["gradient_write"],
                    "memory_dense_vs_replay": dense_mb / max(fwd_mb, 1e-9)},
     }

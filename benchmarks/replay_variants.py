@@ -1,4 +1,4 @@
-"""The replay backward's shape (warps, gradient columns a block) on the GPU:
+"""The replay backward's shape (warps, gradient columns a tile) on the GPU:
 each variant's kernel time for 1,000-id rows and 40% bitmask rows (every
 variant's gradients checked equal to the first's), then the replay
 benchmark (benchmarks/replay.py) with the variant of the lowest worst
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import replay as bench  # noqa: E402
 import shmask.kernels.replay as R  # noqa: E402
 
-VARIANTS = [(warps, block) for warps in (4, 8) for block in (4096, 8192)]
+VARIANTS = [(warps, block) for warps in (4, 8) for block in (2048, 4096, 8192)]
 
 
 def gpu_us(call: Callable[[], object]) -> float:
@@ -30,10 +30,12 @@ def gpu_us(call: Callable[[], object]) -> float:
     return bench.timed(call, 5)[0] * 1000
 
 
-def backward_call(args: tuple, logz: torch.Tensor, grad_out: torch.Tensor,
-                  vocab: int) -> Callable[[], torch.Tensor]:
+def backward_call(args: tuple, grad_out: torch.Tensor, vocab: int) -> Callable[[], torch.Tensor]:
+    """The backward alone, with what a forward kept at the current R.TILE."""
     logits, targets, offsets, ids, temp, _, form = args
-    return lambda: R._backward(logits, 0, vocab, targets, temp, offsets, ids, form, logz, grad_out)
+    _, logz, _, _, saved = R._forward(*args, full=False, save=True)
+    return lambda: R._backward(logits, 0, vocab, targets, temp, offsets, ids, form, logz, saved,
+                               grad_out)
 
 
 def main() -> int:
@@ -49,28 +51,30 @@ def main() -> int:
     sets = {"ids": bench.rows_ids(n, vocab, 1000, gen),
             "bitmask": bench.rows_bitmask(n, vocab, 0.4, gen)}
     print(f"zeros_like {gpu_us(lambda: torch.zeros_like(logits)):.1f} us")
-    calls = {}
+    checked = {}
     for name, (offsets, ids, forms, targets) in sets.items():
-        checked = R._checked(logits, targets, offsets, ids, 1.0, None, forms)
-        _, logz, _, _ = R._forward(*checked, full=False)
-        print(f"{name}: forward {gpu_us(lambda c=checked: R._forward(*c, full=False)):.1f} us")
-        calls[name] = backward_call(checked, logz, torch.ones(n, device="cuda"), vocab)
+        checked[name] = R._checked(logits, targets, offsets, ids, 1.0, None, forms)
+        c = checked[name]
+        print(f"{name}: forward {gpu_us(lambda c=c: R._forward(*c, full=False)):.1f} us, "
+              f"keeping what the backward reads "
+              f"{gpu_us(lambda c=c: R._forward(*c, full=False, save=True)):.1f} us")
     first: dict[str, torch.Tensor] = {}
     results: dict[tuple[int, int], dict[str, float]] = {}
     for warps, block in VARIANTS:
-        R.BACKWARD_WARPS, R.ZERO_BLOCK = warps, block
+        R.BACKWARD_WARPS, R.TILE = warps, block
         row = {}
-        for name, call in calls.items():
+        for name, args in checked.items():
+            call = backward_call(args, torch.ones(n, device="cuda"), vocab)
             grad = call()
             if name in first and not torch.equal(grad, first[name]):
                 raise SystemExit(f"{name}: warps {warps}, block {block} gave another gradient")
             first.setdefault(name, grad)
             row[name] = gpu_us(call)
         results[(warps, block)] = row
-        print(f"backward warps {warps} ZERO_BLOCK {block}: "
+        print(f"backward warps {warps} TILE {block}: "
               + "  ".join(f"{k} {v:.1f}" for k, v in row.items()))
     best = min(results, key=lambda k: max(results[k].values()))
-    R.BACKWARD_WARPS, R.ZERO_BLOCK = best
+    R.BACKWARD_WARPS, R.TILE = best
     print("chosen (lowest worst case):", best)
     measured = bench.run(n, vocab, 1000, 0.4, 5)
     for r in measured:

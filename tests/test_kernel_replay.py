@@ -237,6 +237,66 @@ def test_bitmask_rows_mixed_with_ids_rows() -> None:
     assert torch.equal(whole, got[:1].detach())
 
 
+@pytest.mark.parametrize("tile", [32, 128])
+def test_gradient_tiles_find_their_ids(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward's programs a (token, tile): small tiles (many a row)
+    and small scatter steps, so an ids row's table (kept by the forward)
+    must put every id in its tile: ids on tile edges, tiles with none,
+    tiles with more than a scatter step, a bitmask row beside them. Then a
+    shard at a column that is no tile's or word's edge, with ids below and
+    above it: its gradient is the unsharded gradient's columns."""
+    from shmask.kernels import replay
+
+    monkeypatch.setattr(replay, "TILE", tile)
+    monkeypatch.setattr(replay, "SCATTER", 8)
+    monkeypatch.setattr(replay, "BACKWARD_WORD_BLOCK", 2)
+    gen = torch.Generator().manual_seed(tile)
+    vocab = 700
+    edges = sorted({0, tile - 1, tile, 2 * tile, 3 * tile - 1, vocab - 1})
+    rows = [edges, list(range(tile // 2, tile // 2 + 3 * tile)),  # several tiles whole
+            sorted(torch.randperm(vocab, generator=gen)[:90].tolist()), [vocab - 1],
+            sorted(torch.randperm(vocab, generator=gen)[:400].tolist())]
+    forms = [0, 0, 0, 0, 1]
+    data = [bitmask_words(r, vocab) if f else r for r, f in zip(rows, forms, strict=True)]
+    n = len(rows)
+    offsets = torch.tensor([0] + [len(d) for d in data]).cumsum(0).to(DEVICE)
+    ids = torch.tensor([x for d in data for x in d], dtype=torch.int32, device=DEVICE)
+    form = torch.tensor(forms, dtype=torch.int32, device=DEVICE)
+    targets = targets_in(rows, gen)
+    logits = (torch.randn(n, vocab, generator=gen) * 2).to(DEVICE)
+    weights = torch.randn(n, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    leaf = logits.clone().requires_grad_(True)
+    got = replay_logprobs(leaf, targets, offsets, ids, forms=form)
+    (got.double() * weights).sum().backward()
+    ref_leaf = logits.clone().requires_grad_(True)
+    want = reference_replay_logprobs(ref_leaf, targets, offsets, ids, forms=form)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-5, atol=1e-6)
+    assert ((leaf.grad != 0) == (ref_leaf.grad != 0)).all()
+
+    # a shard of columns [start, start + width): the same columns of the gradient
+    start, width = tile + 37, 2 * tile + 5
+    shard = logits[:, start:start + width].contiguous()
+    _, targets64, offsets64, ids32, temp, ok, form32 = replay._checked(
+        shard, targets, offsets, ids, 1.0, None, form)
+    outputs = tuple(torch.empty(n, device=DEVICE) for _ in range(4))
+    saved = replay._launch_forward(shard, start, vocab, targets64, temp, offsets64, ids32, ok,
+                                   form32, outputs, False, True, True)
+    _, logz = replay_forward(logits, targets, offsets, ids, forms=form)
+    grad = replay._backward(shard, start, vocab, targets64, temp, offsets64, ids32, form32, logz,
+                            saved, weights)
+    torch.testing.assert_close(grad, leaf.grad[:, start:start + width], rtol=1e-6, atol=1e-7)
+    # the table itself: entry j, the first id at or past the shard's column
+    # j x tile (the last entry: past the shard), for the ids rows
+    for t in range(4):
+        row = torch.tensor(rows[t])
+        edges = [start + j * tile for j in range(-(-width // tile))] + [start + width]
+        want_table = [int(offsets[t]) + int((row < e).sum()) for e in edges]
+        assert saved.table[t].tolist() == want_table, (t, saved.table[t].tolist(), want_table)
+
+
 def test_full_vocabulary_logp_and_support_mass_in_the_same_launch() -> None:
     gen = torch.Generator().manual_seed(21)
     vocab = 1500  # a support past one 1024-id block
@@ -363,23 +423,30 @@ COMPILE_SCRIPT = textwrap.dedent("""
         typed = {**common, "logits_ptr": "*" + dtype, "temp_ptr": "*" + acc}
         forward = {**typed, "nnz": "i32", "ok_ptr": "*i8", "form_ptr": "*i32",
                    **{name: "*" + acc for name in ("out_ptr", "logz_ptr", "full_ptr", "mass_ptr")},
+                   "n_tiles": "i32",
                    **{name: "constexpr" for name in ("BLOCK", "WORD_BLOCK", "ROW_BLOCK", "FULL",
-                                                     "PARTIAL", "F64")}}
-        backward = {**typed, "form_ptr": "*i32", "logz_ptr": "*" + acc, "grad_out_ptr": "*" + acc,
-                    "grad_ptr": "*" + dtype, "WORD_BLOCK": "constexpr",
-                    "ZERO_BLOCK": "constexpr", "SCATTER": "constexpr", "F64": "constexpr"}
-        sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64"}
+                                                     "PARTIAL", "F64", "SAVE", "TILE", "NB")}}
+        backward = {**typed, "zs_ptr": "*" + acc, "table_ptr": "*i64", "n_tiles": "i32",
+                    "form_ptr": "*i32", "logz_ptr": "*" + acc, "grad_out_ptr": "*" + acc,
+                    "grad_ptr": "*" + dtype, "TILE": "constexpr", "WORD_BLOCK": "constexpr",
+                    "SCATTER": "constexpr", "F64": "constexpr"}
+        sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64",
+                 "ROW_BLOCK": replay.ZERO_BLOCK, "TILE": replay.TILE, "NB": 64}
         sources = []
-        # int64 ids (read as they are) beside int32, for one dtype
+        # int64 ids (read as they are) beside int32, for one dtype; with
+        # save (a gradient wanted) the kept logits and the tiles' table,
+        # else the first output in their place (never written)
         for ids_type in ("*i32", "*i64") if dtype == "bf16" else ("*i32",):
-            sources += [ASTSource(replay._replay_forward_kernel, {**forward, "ids_ptr": ids_type},
-                                  {**sizes, "ROW_BLOCK": replay.ZERO_BLOCK, "FULL": full,
-                                   "PARTIAL": partial})
-                        for full, partial in ((False, False), (True, False), (False, True))]
+            sources += [ASTSource(replay._replay_forward_kernel,
+                                  {**forward, "ids_ptr": ids_type, "zs_ptr": "*" + acc,
+                                   "table_ptr": "*i64" if save else "*" + acc},
+                                  {**sizes, "FULL": full, "PARTIAL": partial, "SAVE": save})
+                        for full, partial, save in ((False, False, False), (True, False, False),
+                                                    (False, True, False), (False, False, True),
+                                                    (False, True, True))]
             sources.append(ASTSource(replay._replay_backward_kernel,
                                      {**backward, "ids_ptr": ids_type},
-                                     {"WORD_BLOCK": replay.BACKWARD_WORD_BLOCK,
-                                      "ZERO_BLOCK": replay.ZERO_BLOCK,
+                                     {"TILE": replay.TILE, "WORD_BLOCK": replay.BACKWARD_WORD_BLOCK,
                                       "SCATTER": replay.SCATTER, "F64": dtype == "fp64"}))
         for source in sources:
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
@@ -401,7 +468,7 @@ def test_kernels_compile_for_the_h200(tmp_path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert proc.returncode == 0 and "compiled 20" in output, output[-3000:]
+    assert proc.returncode == 0 and "compiled 30" in output, output[-3000:]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="full sizes need the GPU (make test-gpu)")
