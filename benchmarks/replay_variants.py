@@ -1,4 +1,4 @@
-"""The replay backward's shape (warps, gradient columns a tile) on the GPU:
+"""The replay backward's shape (warps, gradient columns a block) on the GPU:
 each variant's kernel time for 1,000-id rows and 40% bitmask rows (every
 variant's gradients checked equal to the first's), then the replay
 benchmark (benchmarks/replay.py) with the variant of the lowest worst
@@ -31,10 +31,10 @@ def gpu_us(call: Callable[[], object]) -> float:
 
 
 def backward_call(args: tuple, grad_out: torch.Tensor, vocab: int) -> Callable[[], torch.Tensor]:
-    """The backward alone, with what a forward kept at the current R.TILE."""
+    """The backward alone, with what a forward kept."""
     logits, targets, offsets, ids, temp, _, form = args
-    _, logz, _, _, saved = R._forward(*args, full=False, save=True)
-    return lambda: R._backward(logits, 0, vocab, targets, temp, offsets, ids, form, logz, saved,
+    _, logz, _, _, zs = R._forward(*args, full=False, save=True)
+    return lambda: R._backward(logits, 0, vocab, targets, temp, offsets, ids, form, logz, zs,
                                grad_out)
 
 
@@ -61,7 +61,7 @@ def main() -> int:
     first: dict[str, torch.Tensor] = {}
     results: dict[tuple[int, int], dict[str, float]] = {}
     for warps, block in VARIANTS:
-        R.BACKWARD_WARPS, R.TILE = warps, block
+        R.BACKWARD_WARPS, R.ZERO_BLOCK = warps, block
         row = {}
         for name, args in checked.items():
             call = backward_call(args, torch.ones(n, device="cuda"), vocab)
@@ -71,10 +71,10 @@ def main() -> int:
             first.setdefault(name, grad)
             row[name] = gpu_us(call)
         results[(warps, block)] = row
-        print(f"backward warps {warps} TILE {block}: "
+        print(f"backward warps {warps} ZERO_BLOCK {block}: "
               + "  ".join(f"{k} {v:.1f}" for k, v in row.items()))
     best = min(results, key=lambda k: max(results[k].values()))
-    R.BACKWARD_WARPS, R.TILE = best
+    R.BACKWARD_WARPS, R.ZERO_BLOCK = best
     print("chosen (lowest worst case):", best)
     measured = bench.run(n, vocab, 1000, 0.4, 5)
     for r in measured:

@@ -238,16 +238,17 @@ def test_bitmask_rows_mixed_with_ids_rows() -> None:
 
 
 @pytest.mark.parametrize("tile", [32, 128])
-def test_gradient_tiles_find_their_ids(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward's programs a (token, tile): small tiles (many a row)
-    and small scatter steps, so an ids row's table (kept by the forward)
-    must put every id in its tile: ids on tile edges, tiles with none,
-    tiles with more than a scatter step, a bitmask row beside them. Then a
-    shard at a column that is no tile's or word's edge, with ids below and
-    above it: its gradient is the unsharded gradient's columns."""
+def test_gradient_blocks_take_their_ids(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward's walk of a row block by block, with small blocks
+    (many a row) and small scatter steps: every id written in its block
+    with the logit the forward kept for it: ids on block edges, blocks
+    with none, blocks with more than a scatter step, a bitmask row beside
+    them. Then a shard at a column that is no block's or word's edge,
+    with ids below and above it: its gradient is the unsharded gradient's
+    columns."""
     from shmask.kernels import replay
 
-    monkeypatch.setattr(replay, "TILE", tile)
+    monkeypatch.setattr(replay, "ZERO_BLOCK", tile)
     monkeypatch.setattr(replay, "SCATTER", 8)
     monkeypatch.setattr(replay, "BACKWARD_WORD_BLOCK", 2)
     gen = torch.Generator().manual_seed(tile)
@@ -282,19 +283,20 @@ def test_gradient_tiles_find_their_ids(tile: int, monkeypatch: pytest.MonkeyPatc
     _, targets64, offsets64, ids32, temp, ok, form32 = replay._checked(
         shard, targets, offsets, ids, 1.0, None, form)
     outputs = tuple(torch.empty(n, device=DEVICE) for _ in range(4))
-    saved = replay._launch_forward(shard, start, vocab, targets64, temp, offsets64, ids32, ok,
-                                   form32, outputs, False, True, True)
+    zs = replay._launch_forward(shard, start, vocab, targets64, temp, offsets64, ids32, ok,
+                                form32, outputs, False, True, True)
     _, logz = replay_forward(logits, targets, offsets, ids, forms=form)
     grad = replay._backward(shard, start, vocab, targets64, temp, offsets64, ids32, form32, logz,
-                            saved, weights)
+                            zs, weights)
     torch.testing.assert_close(grad, leaf.grad[:, start:start + width], rtol=1e-6, atol=1e-7)
-    # the table itself: entry j, the first id at or past the shard's column
-    # j x tile (the last entry: past the shard), for the ids rows
+    # what the forward kept: each held id's scaled logit, -inf for the others
+    assert zs is not None
     for t in range(4):
         row = torch.tensor(rows[t])
-        edges = [start + j * tile for j in range(-(-width // tile))] + [start + width]
-        want_table = [int(offsets[t]) + int((row < e).sum()) for e in edges]
-        assert saved.table[t].tolist() == want_table, (t, saved.table[t].tolist(), want_table)
+        held = (row >= start) & (row < start + width)
+        kept = zs[int(offsets[t]):int(offsets[t + 1])].cpu()
+        assert torch.equal(kept[held], logits[t, row[held]].cpu())
+        assert (kept[~held] == float("-inf")).all()
 
 
 def test_full_vocabulary_logp_and_support_mass_in_the_same_launch() -> None:
@@ -423,30 +425,29 @@ COMPILE_SCRIPT = textwrap.dedent("""
         typed = {**common, "logits_ptr": "*" + dtype, "temp_ptr": "*" + acc}
         forward = {**typed, "nnz": "i32", "ok_ptr": "*i8", "form_ptr": "*i32",
                    **{name: "*" + acc for name in ("out_ptr", "logz_ptr", "full_ptr", "mass_ptr")},
-                   "n_tiles": "i32",
+                   "zs_ptr": "*" + acc,
                    **{name: "constexpr" for name in ("BLOCK", "WORD_BLOCK", "ROW_BLOCK", "FULL",
-                                                     "PARTIAL", "F64", "SAVE", "TILE", "NB")}}
-        backward = {**typed, "zs_ptr": "*" + acc, "table_ptr": "*i64", "n_tiles": "i32",
-                    "form_ptr": "*i32", "logz_ptr": "*" + acc, "grad_out_ptr": "*" + acc,
-                    "grad_ptr": "*" + dtype, "TILE": "constexpr", "WORD_BLOCK": "constexpr",
-                    "SCATTER": "constexpr", "F64": "constexpr"}
+                                                     "PARTIAL", "F64", "SAVE")}}
+        backward = {**typed, "zs_ptr": "*" + acc, "form_ptr": "*i32", "logz_ptr": "*" + acc,
+                    "grad_out_ptr": "*" + acc, "grad_ptr": "*" + dtype,
+                    "WORD_BLOCK": "constexpr", "ZERO_BLOCK": "constexpr", "SCATTER": "constexpr",
+                    "F64": "constexpr"}
         sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64",
-                 "ROW_BLOCK": replay.ZERO_BLOCK, "TILE": replay.TILE, "NB": 64}
+                 "ROW_BLOCK": replay.ZERO_BLOCK}
         sources = []
         # int64 ids (read as they are) beside int32, for one dtype; with
-        # save (a gradient wanted) the kept logits and the tiles' table,
-        # else the first output in their place (never written)
+        # save (a gradient wanted) the kept logits, else the first output
+        # in their place (never written)
         for ids_type in ("*i32", "*i64") if dtype == "bf16" else ("*i32",):
-            sources += [ASTSource(replay._replay_forward_kernel,
-                                  {**forward, "ids_ptr": ids_type, "zs_ptr": "*" + acc,
-                                   "table_ptr": "*i64" if save else "*" + acc},
+            sources += [ASTSource(replay._replay_forward_kernel, {**forward, "ids_ptr": ids_type},
                                   {**sizes, "FULL": full, "PARTIAL": partial, "SAVE": save})
                         for full, partial, save in ((False, False, False), (True, False, False),
                                                     (False, True, False), (False, False, True),
                                                     (False, True, True))]
             sources.append(ASTSource(replay._replay_backward_kernel,
                                      {**backward, "ids_ptr": ids_type},
-                                     {"TILE": replay.TILE, "WORD_BLOCK": replay.BACKWARD_WORD_BLOCK,
+                                     {"WORD_BLOCK": replay.BACKWARD_WORD_BLOCK,
+                                      "ZERO_BLOCK": replay.ZERO_BLOCK,
                                       "SCATTER": replay.SCATTER, "F64": dtype == "fp64"}))
         for source in sources:
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
