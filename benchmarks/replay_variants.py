@@ -63,8 +63,8 @@ def main() -> int:
     for warps, block in VARIANTS:
         R.BACKWARD_WARPS, R.ZERO_BLOCK = warps, block
         row = {}
-        for name, args in checked.items():
-            call = backward_call(args, torch.ones(n, device="cuda"), vocab)
+        for name, given in checked.items():
+            call = backward_call(given, torch.ones(n, device="cuda"), vocab)
             grad = call()
             if name in first and not torch.equal(grad, first[name]):
                 raise SystemExit(f"{name}: warps {warps}, block {block} gave another gradient")
