@@ -473,28 +473,43 @@ def _replay_backward_kernel(
         # in it, while its sectors are still in L2. Zeroing the whole row
         # first sent each value's 2-byte write to a sector already evicted:
         # a read-modify-write of DRAM per support id (the H200 probe: the
-        # backward 2.9 ms against the gradient write's 1.5).
+        # backward 2.9 ms against the gradient write's 1.5). The block's
+        # first SCATTER ids and kept logits are read before its zeros are
+        # written, so the read's latency passes under the zeros' stores
+        # and the barrier; more only where the block holds more.
         p = start  # the next support id to write (ascending: a defined row's)
-        nxt = tl.load(ids_ptr + p, mask=p < end, other=0)  # its id, carried from block to block
+        end = tl.where(defined, end, start)  # an undefined row: zeros alone
         for col0 in range(0, n_cols, ZERO_BLOCK):  # (col0: an int32, the ids' first an int64)
+            block_end = col_start + col0 + ZERO_BLOCK  # global id past this block
+            idx = p + tl.arange(0, SCATTER)
+            live = idx < end
+            ids = tl.load(ids_ptr + idx, mask=live, other=0)
+            z = tl.load(zs_ptr + idx, mask=live, other=0.0)
             cols = col0 + tl.arange(0, ZERO_BLOCK)
             tl.store(grad_row + cols, tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty),
                      mask=cols < n_cols)
             tl.debug_barrier()  # the block's zeros, before its support values land on them
-            if defined:
-                block_end = col_start + col0 + ZERO_BLOCK  # global id past this block
-                while (p < end) & (nxt < block_end):
-                    idx = p + tl.arange(0, SCATTER)
-                    live = idx < end
-                    ids = tl.load(ids_ptr + idx, mask=live, other=block_end)
-                    here = live & (ids < block_end)  # a prefix: the ids ascend
-                    mine = here & (ids >= col_start) & (ids < col_start + n_cols)
-                    z = tl.load(zs_ptr + idx, mask=mine, other=0.0)
-                    value = _gradient(g, ids, target, z, logz, inv_t)
-                    tl.store(grad_row + (ids - col_start), value.to(grad_ptr.dtype.element_ty),
-                             mask=mine)
-                    p += tl.sum(here.to(tl.int32)).to(p.dtype)
-                    nxt = tl.load(ids_ptr + p, mask=p < end, other=0)
+            held = _store_gradient(grad_row, col_start, n_cols, g, target, logz, inv_t, ids, z,
+                                   live & (ids < block_end))
+            p += held.to(p.dtype)
+            while held == SCATTER:  # a block of more than SCATTER ids: the rest of them
+                idx = p + tl.arange(0, SCATTER)
+                live = idx < end
+                ids = tl.load(ids_ptr + idx, mask=live, other=0)
+                z = tl.load(zs_ptr + idx, mask=live, other=0.0)
+                held = _store_gradient(grad_row, col_start, n_cols, g, target, logz, inv_t, ids,
+                                       z, live & (ids < block_end))
+                p += held.to(p.dtype)
+
+
+@triton.jit
+def _store_gradient(grad_row, col_start, n_cols, g, target, logz, inv_t, ids, z, here):
+    """The gradient at the ``here`` ids (a prefix: the ids ascend) that this
+    shard holds, written into its row; how many ``here`` were."""
+    mine = here & (ids >= col_start) & (ids < col_start + n_cols)
+    value = _gradient(g, ids, target, z, logz, inv_t)
+    tl.store(grad_row + (ids - col_start), value.to(grad_row.dtype.element_ty), mask=mine)
+    return tl.sum(here.to(tl.int32))
 
 
 # ---------------------------------------------------------------- reference
