@@ -61,10 +61,12 @@ BLOCK = 1024  # support ids a step of one program (forward)
 # N = 16,384 rows of 40%: 1,967 us against 2,472 at 32 and 2,129 at 128),
 # 32 in the backward, whose tile also holds the values it writes.
 WORD_BLOCK, BACKWARD_WORD_BLOCK = 64, 32
+FULL_BLOCK = 4096  # columns a step of the forward's whole-row read (full=True)
 # The backward's shape, from the H200 (N = 16,384, 1,000-id rows / 40%
-# bitmask rows, us): 4 warps and 4,096 columns a block 2,020 / 2,644; 8
-# warps 1,945 / 2,835 (the bitmask rows' worst case higher); 8,192 columns
-# 2,355 / 2,643 (fewer rows' blocks fit in L2 at once).
+# bitmask rows, us; the walk before its kept logits): 4 warps and 4,096
+# columns a block 2,020 / 2,644; 8 warps 1,945 / 2,835 (the bitmask rows'
+# worst case higher); 8,192 columns 2,355 / 2,643 (fewer rows' blocks fit
+# in L2 at once). benchmarks/replay_variants.py measures them again.
 ZERO_BLOCK = 4096  # gradient columns written a step (an ids row's block)
 SCATTER = 64  # support ids a step of the backward's writes into one block
 BACKWARD_WARPS = 4
@@ -140,7 +142,7 @@ def _launch_forward(logits: torch.Tensor, col_start: int, vocab: int, targets: t
         _replay_forward_kernel[(n,)](
             logits, logits.stride(0), col_start, n_cols, vocab, targets, temp, offsets, ids,
             ids.numel(), ok, form, *outputs, outputs[0] if zs is None else zs, BLOCK=BLOCK,
-            WORD_BLOCK=WORD_BLOCK, ROW_BLOCK=ZERO_BLOCK, FULL=full, PARTIAL=partial,
+            WORD_BLOCK=WORD_BLOCK, ROW_BLOCK=FULL_BLOCK, FULL=full, PARTIAL=partial,
             F64=temp.dtype == torch.float64, SAVE=save)
     return zs
 

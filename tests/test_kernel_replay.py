@@ -433,7 +433,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
                     "WORD_BLOCK": "constexpr", "ZERO_BLOCK": "constexpr", "SCATTER": "constexpr",
                     "F64": "constexpr"}
         sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64",
-                 "ROW_BLOCK": replay.ZERO_BLOCK}
+                 "ROW_BLOCK": replay.FULL_BLOCK}
         sources = []
         # int64 ids (read as they are) beside int32, for one dtype; with
         # save (a gradient wanted) the kept logits, else the first output
