@@ -344,6 +344,12 @@ def load(source: str | None) -> tuple[types.ModuleType, types.ModuleType, types.
         if "sglang" in sys.modules and not sys.modules["sglang"].__file__.startswith(str(tree)):
             raise RuntimeError(f"sglang was imported from {sys.modules['sglang'].__file__} "
                                f"before the tree {tree}")
+        # A machine with torchvision (the device's image) imports it whole
+        # once transformers sees it, and torchvision imports its own pillow
+        # whole: the tree's PIL holds only what the recording opened
+        # (ImageDraw missing), so the machine's pillow goes first.
+        if importlib.util.find_spec("torchvision") is not None:
+            import PIL  # noqa: F401  (the machine's, in sys.modules before the tree)
         sys.path.insert(0, str(tree))
     if os.environ.get(FAKE_CUDA_VARIABLE) == "1":  # the pack's CUDA recording and check
         fake_cuda().__enter__()  # for the rest of the process: SGLang's runtime too
