@@ -349,7 +349,8 @@ def load(source: str | None) -> tuple[types.ModuleType, types.ModuleType, types.
         # whole: the tree's PIL holds only what the recording opened
         # (ImageDraw missing), so the machine's pillow goes first.
         if importlib.util.find_spec("torchvision") is not None:
-            import PIL  # noqa: F401  (the machine's, in sys.modules before the tree)
+            with contextlib.suppress(ImportError):  # (none: the tree's, as before)
+                import PIL  # noqa: F401  (the machine's, in sys.modules before the tree)
         sys.path.insert(0, str(tree))
     if os.environ.get(FAKE_CUDA_VARIABLE) == "1":  # the pack's CUDA recording and check
         fake_cuda().__enter__()  # for the rest of the process: SGLang's runtime too
