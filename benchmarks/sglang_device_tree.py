@@ -344,13 +344,14 @@ def load(source: str | None) -> tuple[types.ModuleType, types.ModuleType, types.
         if "sglang" in sys.modules and not sys.modules["sglang"].__file__.startswith(str(tree)):
             raise RuntimeError(f"sglang was imported from {sys.modules['sglang'].__file__} "
                                f"before the tree {tree}")
-        # A machine with torchvision (the device's image) imports it whole
-        # once transformers sees it, and torchvision imports its own pillow
-        # whole: the tree's PIL holds only what the recording opened
-        # (ImageDraw missing), so the machine's pillow goes first.
-        if importlib.util.find_spec("torchvision") is not None:
-            with contextlib.suppress(ImportError):  # (none: the tree's, as before)
-                import PIL  # noqa: F401  (the machine's, in sys.modules before the tree)
+        # The tree holds what SGLang opened on a machine without
+        # torchvision (the recording's): a machine with it (the device's
+        # image) would send transformers down its vision imports, which
+        # the tree lacks (its PIL has no ImageDraw, its transformers no
+        # sentencepiece tokenizer). Hidden here as the recording had it:
+        # find_spec answers None, and the compat stub stands in.
+        if "torchvision" not in sys.modules:
+            sys.modules["torchvision"] = None  # type: ignore[assignment]
         sys.path.insert(0, str(tree))
     if os.environ.get(FAKE_CUDA_VARIABLE) == "1":  # the pack's CUDA recording and check
         fake_cuda().__enter__()  # for the rest of the process: SGLang's runtime too

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import importlib.machinery
-import importlib.util
 import sys
 import types
 from typing import Any
@@ -83,11 +82,7 @@ try:
 except ImportError:
     pass
 # configs/deepseek_ocr.py imports InterpolationMode from torchvision.transforms,
-# multimodal/internvl_utils.py from torchvision.transforms.functional. Only
-# where torchvision is missing: a GPU machine that has it (the device's
-# image) keeps the real one, which transformers, having seen it, imports
-# whole (pil_to_tensor and the rest, that the stub lacks).
-if importlib.util.find_spec("torchvision") is None:
-    stub_module("torchvision.transforms.functional", _TORCHVISION_WHY,
-                InterpolationMode=_InterpolationMode)
-    stub_module("torchvision.transforms", _TORCHVISION_WHY, InterpolationMode=_InterpolationMode)
+# multimodal/internvl_utils.py from torchvision.transforms.functional.
+stub_module("torchvision.transforms.functional", _TORCHVISION_WHY,
+            InterpolationMode=_InterpolationMode)
+stub_module("torchvision.transforms", _TORCHVISION_WHY, InterpolationMode=_InterpolationMode)
