@@ -334,6 +334,10 @@ def unpack(source: str | os.PathLike[str]) -> Path:
     return target
 
 
+# packages a machine may have that the recording's had not
+HIDDEN_FROM_TRANSFORMERS = ("torchvision", "sentencepiece")
+
+
 def load(source: str | None) -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
     """(released sampler module, patched one, tests/compat/_sglang_sampler)
     from the tree `source` (a zip or a directory; None: the SGLang this
@@ -345,17 +349,21 @@ def load(source: str | None) -> tuple[types.ModuleType, types.ModuleType, types.
             raise RuntimeError(f"sglang was imported from {sys.modules['sglang'].__file__} "
                                f"before the tree {tree}")
         # The tree holds what SGLang opened on a machine without
-        # torchvision (the recording's): a machine with it (the device's
-        # image) would send transformers down its vision imports, which
+        # torchvision and sentencepiece (the recording's): a machine with
+        # them (the device's image) would send transformers down imports
         # the tree lacks (its PIL has no ImageDraw, its transformers no
-        # sentencepiece tokenizer). Hidden here as the recording had it:
-        # find_spec answers None, and the compat stub stands in.
-        if "torchvision" not in sys.modules:
-            sys.modules["torchvision"] = None  # type: ignore[assignment]
+        # sentencepiece tokenizer module). Hidden while transformers looks
+        # (find_spec answers None for a None in sys.modules; it caches the
+        # answer): torchvision for good (the compat stub stands in),
+        # sentencepiece until then (SGLang imports it, the real one is fine).
+        for name in HIDDEN_FROM_TRANSFORMERS:
+            sys.modules.setdefault(name, None)  # type: ignore[arg-type]
         sys.path.insert(0, str(tree))
     if os.environ.get(FAKE_CUDA_VARIABLE) == "1":  # the pack's CUDA recording and check
         fake_cuda().__enter__()  # for the rest of the process: SGLang's runtime too
     install_stubs()
+    if source is not None and sys.modules.get("sentencepiece", 0) is None:
+        del sys.modules["sentencepiece"]  # transformers has asked: SGLang's import finds it
     import _sglang_sampler as harness
 
     released = harness.load_sampler_module(patched=False)
@@ -640,21 +648,27 @@ def sizes(archive: Path) -> list[tuple[str, int]]:
     return sorted(by_top.items(), key=lambda item: -item[1])
 
 
-def check(archive: Path) -> None:
+def check(archive: Path, machine_has: Path | None = None) -> None:
     """The zip alone: a `python -S` child with only the device's packages,
-    this repository and the zip's files runs the smoke (CPU, then fake CUDA).
+    this repository and the zip's files runs the smoke (CPU, then fake CUDA);
+    ``machine_has``: a folder of packages (and their dist-info) the child's
+    machine has besides, as the device's image has torchvision and
+    sentencepiece where the recording had neither.
     This Python is 3.11: the zip's cp312 extension modules (WHEELS) cannot
     load here, so the check's copy of the tree gets this venv's builds of
     the same versions beside them (cp311 names; the device never sees them)."""
     work = Path(tempfile.mkdtemp(prefix="shmask-sglang-check-"))
     try:
-        _check(archive, _site(), work)
+        _check(archive, _site(), work, machine_has)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _check(archive: Path, site: Path, work: Path) -> None:
+def _check(archive: Path, site: Path, work: Path, machine_has: Path | None) -> None:
     base = device_site(site, work / "device-site")
+    if machine_has is not None:
+        for entry in machine_has.iterdir():
+            (base / entry.name).symlink_to(entry.resolve())
     tree = work / "tree"
     with zipfile.ZipFile(archive) as source:
         source.extractall(tree)
@@ -680,6 +694,9 @@ def main() -> int:
     parser.add_argument("--wheels", type=Path, default=Path(tempfile.gettempdir()) / "shmask-cp312-wheels",
                         help="where the cp312 wheels of WHEELS are downloaded (kept)")
     parser.add_argument("--check-only", action="store_true", help="check an existing zip")
+    parser.add_argument("--machine-has", type=Path,
+                        help="a folder of packages the checked machine has besides (the device's "
+                             "torchvision and sentencepiece, say)")
     args = parser.parse_args()
     if not args.check_only:
         pack(args.out, args.wheels)
@@ -687,7 +704,7 @@ def main() -> int:
             print(f"{args.out}: {args.out.stat().st_size / 1e6:.2f} MB, "
                   f"{len(archive.namelist())} files; largest (MB compressed): " + ", ".join(
                       f"{top} {size / 1e6:.2f}" for top, size in sizes(args.out)[:12]))
-    check(args.out)
+    check(args.out, args.machine_has)
     print("checked: the zip alone loads and runs both samplers (CPU and fake CUDA)")
     return 0
 
