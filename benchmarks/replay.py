@@ -179,10 +179,10 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
                                repeats)
     # ids rows: the gather of their logits alone (torch's), the reads no
     # forward of them can do without (a 2-byte logit costs a 32-byte sector)
-    gather_ms = float("nan")
+    gather: dict[str, float] = {}
     if int(forms[0]) == 0:
         index = ids.view(logits.shape[0], -1).long()
-        gather_ms, _ = timed(lambda: logits.gather(1, index), repeats)
+        gather["support_gather"] = timed(lambda: logits.gather(1, index), repeats)[0]
     fwd_ms, fwd_mb = timed(lambda: replay_logprobs(logits, targets, offsets, ids, forms=forms),
                            repeats)
     dense_both_ms, dense_both_mb = timed(dense_both, repeats)
@@ -192,8 +192,7 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
     return {
         "rows": label, "max_abs_error": error, "mean_logp": float(want.mean()),
         "forward_ms": {"dense_mask": dense_ms, "plain_logsoftmax": floors["plain_logsoftmax"],
-                       "replay": fwd_ms, "one_read": floors["one_read"],
-                       "support_gather": gather_ms},
+                       "replay": fwd_ms, "one_read": floors["one_read"], **gather},
         "forward_backward_ms": {"dense_mask": dense_both_ms, "replay": both_ms,
                                 "dense_gradient_write": floors["gradient_write"]},
         "peak_extra_mb": {"dense_mask": dense_mb, "replay": fwd_mb, "dense_mask_both": dense_both_mb,
@@ -201,7 +200,8 @@ def measure(label: str, logits: torch.Tensor, rows: list[torch.Tensor], floors: 
                           "gradient": floors["gradient_mb"]},
         "host_us": {"forward": forward_host, "forward_backward": both_host},
         "ratios": {"forward_vs_dense": dense_ms / fwd_ms, "forward_vs_read": fwd_ms / floors["one_read"],
-                   "gather_vs_read": gather_ms / floors["one_read"],
+                   **({"gather_vs_read": gather["support_gather"] / floors["one_read"]}
+                      if gather else {}),
                    "both_vs_gradient_write": both_ms / floors["gradient_write"],
                    "memory_dense_vs_replay": dense_mb / max(fwd_mb, 1e-9)},
     }

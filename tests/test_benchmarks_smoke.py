@@ -179,4 +179,6 @@ def test_replay_smoke_checks_and_measures_both_row_forms(tmp_path):
     for r in results:
         assert r["max_abs_error"] < 1e-3 and r["mean_logp"] < 0, r
         assert all(v > 0 for v in r["forward_ms"].values()), r
+        # torch's gather of the support: the ids rows' floor, not the bitmask rows'
+        assert ("support_gather" in r["forward_ms"]) == r["rows"].startswith("50-id"), r
         assert set(r["forward_backward_ms"]) == {"dense_mask", "replay", "dense_gradient_write"}
