@@ -127,6 +127,8 @@ def _stubbed_class(module: str, name: str, base: type = object) -> type:
 # Only the names SGLang's modules on the sampler's import path take from them
 # at import (found by recording: a missing one fails the pack with "cannot
 # import name").
+# what the recording's machine had not, whatever this one has (install_stubs)
+RECORDING_LACKED = ("sentencepiece", "torchvision")
 STUBS: dict[str, dict[str, Any]] = {
     # SGLang's CUDA extension, built for another torch (it cannot load):
     # what modules import under is_cuda(); the sampler's two renorms are routed
@@ -178,16 +180,27 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install_stubs() -> None:
     """STUBS for the packages not importable here, and torchvision
     (tests/compat/conftest.py's). transformers is asked first whether
-    sentencepiece is installed (it caches the answer), so that it sees a
-    machine without it, as conftest does for torchvision."""
+    sentencepiece and torchvision are installed (it caches the answers)
+    with both hidden from importlib (a None in sys.modules: find_spec
+    answers None), so that it sees the recording's machine, which had
+    neither, whatever this one has: on one that has them (the device's
+    image) it would import what the tree lacks (its PIL has no ImageDraw,
+    its transformers no sentencepiece tokenizer module). Both then stay
+    stubbed: sentencepiece by STUBS, torchvision by conftest."""
     if any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
         return
+    hidden = [name for name in RECORDING_LACKED if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
     from transformers.utils import import_utils
 
     import_utils.is_sentencepiece_available()
+    import_utils.is_torchvision_available()
     tops = {name.partition(".")[0] for name in STUBS}
     missing = {top for top in tops if importlib.util.find_spec(top) is None}
     sys.meta_path.insert(0, _StubFinder(missing))
+    if "sentencepiece" in hidden:
+        del sys.modules["sentencepiece"]  # the stub finder serves it from here on
     if str(COMPAT) not in sys.path:
         sys.path.append(str(COMPAT))
     import conftest  # noqa: F401  (tests/compat: stubs torchvision at import)
@@ -334,10 +347,6 @@ def unpack(source: str | os.PathLike[str]) -> Path:
     return target
 
 
-# packages a machine may have that the recording's had not
-HIDDEN_FROM_TRANSFORMERS = ("torchvision", "sentencepiece")
-
-
 def load(source: str | None) -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
     """(released sampler module, patched one, tests/compat/_sglang_sampler)
     from the tree `source` (a zip or a directory; None: the SGLang this
@@ -348,22 +357,10 @@ def load(source: str | None) -> tuple[types.ModuleType, types.ModuleType, types.
         if "sglang" in sys.modules and not sys.modules["sglang"].__file__.startswith(str(tree)):
             raise RuntimeError(f"sglang was imported from {sys.modules['sglang'].__file__} "
                                f"before the tree {tree}")
-        # The tree holds what SGLang opened on a machine without
-        # torchvision and sentencepiece (the recording's): a machine with
-        # them (the device's image) would send transformers down imports
-        # the tree lacks (its PIL has no ImageDraw, its transformers no
-        # sentencepiece tokenizer module). Hidden while transformers looks
-        # (find_spec answers None for a None in sys.modules; it caches the
-        # answer): torchvision for good (the compat stub stands in),
-        # sentencepiece until then (SGLang imports it, the real one is fine).
-        for name in HIDDEN_FROM_TRANSFORMERS:
-            sys.modules.setdefault(name, None)  # type: ignore[arg-type]
         sys.path.insert(0, str(tree))
     if os.environ.get(FAKE_CUDA_VARIABLE) == "1":  # the pack's CUDA recording and check
         fake_cuda().__enter__()  # for the rest of the process: SGLang's runtime too
     install_stubs()
-    if source is not None and sys.modules.get("sentencepiece", 0) is None:
-        del sys.modules["sentencepiece"]  # transformers has asked: SGLang's import finds it
     import _sglang_sampler as harness
 
     released = harness.load_sampler_module(patched=False)

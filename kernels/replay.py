@@ -138,6 +138,7 @@ def _launch_forward(logits: torch.Tensor, col_start: int, vocab: int, targets: t
     holds), else None."""
     n, n_cols = logits.shape
     zs = torch.empty(ids.numel(), dtype=temp.dtype, device=logits.device) if save else None
+    # without save the kernel has no zs store (SAVE off): an output stands in
     if n:
         _replay_forward_kernel[(n,)](
             logits, logits.stride(0), col_start, n_cols, vocab, targets, temp, offsets, ids,

@@ -196,8 +196,7 @@ def test_bitmask_rows_mixed_with_ids_rows() -> None:
     data = [bitmask_words(r, vocab) if f else r for r, f in zip(rows, forms, strict=True)]
     data[3][9] |= 1 << 20  # id 308 >= V: undefined
     n = len(rows)
-    offsets = torch.tensor([0] + [len(d) for d in data]).cumsum(0).to(DEVICE)
-    ids = torch.tensor([x for d in data for x in d], dtype=torch.int32, device=DEVICE)
+    offsets, ids = csr(data)
     form = torch.tensor(forms, dtype=torch.int32, device=DEVICE)
     targets = targets_in(rows, gen)
     logits = (torch.randn(n, vocab, generator=gen) * 4).to(DEVICE)
@@ -260,8 +259,7 @@ def test_gradient_blocks_take_their_ids(tile: int, monkeypatch: pytest.MonkeyPat
     forms = [0, 0, 0, 0, 1]
     data = [bitmask_words(r, vocab) if f else r for r, f in zip(rows, forms, strict=True)]
     n = len(rows)
-    offsets = torch.tensor([0] + [len(d) for d in data]).cumsum(0).to(DEVICE)
-    ids = torch.tensor([x for d in data for x in d], dtype=torch.int32, device=DEVICE)
+    offsets, ids = csr(data)
     form = torch.tensor(forms, dtype=torch.int32, device=DEVICE)
     targets = targets_in(rows, gen)
     logits = (torch.randn(n, vocab, generator=gen) * 2).to(DEVICE)
