@@ -10,7 +10,6 @@ before it reads what the kernels before wrote, so the chain stays ordered.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -19,6 +18,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import launch_plan
+from .launch_plan import ON_ROCM, compiled_for_nvidia, launches_interpreted
+
+__all__ = ["after_previous", "compiled_for_nvidia", "launch", "launch_options",
+           "launches_interpreted", "multiprocessors", "pdl_default", "register_cap"]
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -29,22 +32,11 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     launch_plan.record(launch_plan.Launch(kernel, grid, args, kwargs, compiled))
 
 
-def launches_interpreted() -> bool:
-    """Whether Triton runs launches in its interpreter. From Triton 3.4 on
-    (the ``kernels`` extra's floor) that is the knob ``runtime.interpret``:
-    kernels/__init__ sets it when it chose the interpreter, and otherwise it
-    reads TRITON_INTERPRET at each access. A Triton without the knob (older
-    than the floor) interprets as TRITON_INTERPRET said when it was
-    imported: the variable is then the answer."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return bool(getattr(runtime, "interpret", False)) or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def pdl_default(device: torch.device) -> bool:
     """Programmatic dependent launch where the GPU has it (NVIDIA sm90+, not
     ROCm, whose gfx9 parts report major 9 too) and the kernels are compiled
     (Triton's interpreter has no grid dependencies)."""
-    return (device.type == "cuda" and torch.version.hip is None and not launches_interpreted()
+    return (device.type == "cuda" and not ON_ROCM and not launches_interpreted()
             and _capability(device)[0] >= 9)
 
 
@@ -56,12 +48,6 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def launch_options(pdl: bool) -> dict[str, bool]:
     """The launch option of a kernel chained to the one before (``pdl``)."""
     return {"launch_pdl": True} if pdl else {}
-
-
-def compiled_for_nvidia(x: torch.Tensor) -> bool:
-    """Whether kernels on x run compiled for an NVIDIA GPU (PTX and its
-    launch options), not in Triton's interpreter or on ROCm."""
-    return x.is_cuda and torch.version.hip is None and not launches_interpreted()
 
 
 def register_cap(nvidia: bool, registers: int) -> dict[str, int]:

@@ -69,6 +69,11 @@ from . import tuning
 
 log = logging.getLogger(__name__)
 
+# Triton's runtime knobs (3.4+; None before): the interpreter switch, the
+# debug mode and the launch hooks, each read at every call through the
+# object kept here (looking it up is a third of the reading's cost)
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
+ON_ROCM = torch.version.hip is not None
 PLANS_KEPT = 256  # call shapes kept per entry point: an engine's batch sizes
 # Whether a plan's launches go through the native core where they can
 # (NativeLaunches) or one Python call each: read at each replay, so that
@@ -114,21 +119,39 @@ def recording() -> Iterator[list[Launch]]:
 def plans_enabled() -> bool:
     """SHMASK_KERNEL_PLANS off (0, false, no, off, any case) sends every
     launch through Triton's path; read at each call."""
-    return os.environ.get("SHMASK_KERNEL_PLANS", "").strip().lower() not in (
-        "0", "false", "no", "off")
+    value = os.environ.get("SHMASK_KERNEL_PLANS")
+    return value is None or value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def hooks_active() -> bool:
     """Whether Triton would call launch hooks (a profiler): a replay would
     skip them. A Triton whose hooks are not HookChains counts as hooked."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None:
+    if _RUNTIME is None:
         return True
-    for hook in (getattr(runtime, "launch_enter_hook", None),
-                 getattr(runtime, "launch_exit_hook", None)):
+    for hook in (getattr(_RUNTIME, "launch_enter_hook", None),
+                 getattr(_RUNTIME, "launch_exit_hook", None)):
         if hook is not None and getattr(hook, "calls", True):
             return True
     return False
+
+
+def launches_interpreted() -> bool:
+    """Whether Triton runs launches in its interpreter. From Triton 3.4 on
+    (the ``kernels`` extra's floor) that is the knob ``runtime.interpret``,
+    the one Triton itself reads: kernels/__init__ sets it when it chose the
+    interpreter, and otherwise it reads TRITON_INTERPRET at each access. A
+    Triton without the knob (older than the floor) interprets as
+    TRITON_INTERPRET said when it was imported: the variable is then the
+    answer."""
+    if _RUNTIME is not None:
+        return bool(_RUNTIME.interpret)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compiled_for_nvidia(x: torch.Tensor) -> bool:
+    """Whether kernels on x run compiled for an NVIDIA GPU (PTX and its
+    launch options), not in Triton's interpreter or on ROCm."""
+    return x.is_cuda and not ON_ROCM and not launches_interpreted()
 
 
 def call_stream(tensor: torch.Tensor) -> tuple[int, int, int] | None:
@@ -136,12 +159,11 @@ def call_stream(tensor: torch.Tensor) -> tuple[int, int, int] | None:
     device that a plan may serve (the device and stream as Triton's
     launches take them; a plan is filled in place, so it serves one
     thread); None where the call must take Triton's path (see the module
-    docstring)."""
-    from .launch import compiled_for_nvidia  # (launch.py imports this module)
-
+    docstring). Every eager call asks: each check is a read of a kept
+    object or of one variable (its cost is the call's, issue 35)."""
     if not compiled_for_nvidia(tensor) or not plans_enabled() or hooks_active():
         return None
-    if getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "debug", False):
+    if getattr(_RUNTIME, "debug", False):
         return None  # Triton's debug mode recompiles kernels with checks: its own path
     if torch.cuda.is_current_stream_capturing():
         return None
@@ -395,8 +417,7 @@ class NativeLaunches:
         launched) where this process has no CUDA driver loaded; a CUDA error
         raises, naming the kernel (the launches before it were made)."""
         held = self._pointers
-        for index, address in enumerate(pointers):
-            held[index] = address
+        held[0:len(pointers)] = pointers  # (one call: cffi's slice assignment)
         rc = self._lib.shm_launch_plan(
             self._steps, self._n_steps, self._args, self._args_bytes, self._holes,
             self._n_holes, held, self._n_pointers, stream, self.launch_fn, self._failed)
@@ -416,11 +437,13 @@ def pointers(slots: Sequence[torch.Tensor | None]) -> list[int]:
 
 def slots_key(addresses: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What a call shape's key says of its slots: each one's address modulo
-    16 (Triton specializes pointers on 16-byte alignment) and which slots
-    are one tensor (two settings equal as scalars share one constant
-    tensor: a plan made so would hand the first's pointer to both)."""
-    return (tuple(address % 16 for address in addresses),
-            tuple(addresses.index(address) for address in addresses))
+    16 (Triton specializes pointers on 16-byte alignment) and, where two
+    slots are one tensor, the index of the first slot at each one's address
+    (two settings equal as scalars share one constant tensor: a plan made so
+    would hand the first's pointer to both); () when all are apart."""
+    apart = len(set(addresses)) == len(addresses)
+    return (tuple(map((15).__and__, addresses)),
+            () if apart else tuple(map(list(addresses).index, addresses)))
 
 
 class _Unplanned(Exception):

@@ -228,11 +228,15 @@ class _KeptResult:
     Rows holds its tensors), and the reference counts that say only this
     cache holds them."""
 
-    __slots__ = ("capacity", "buffers", "batch", "fields", "alone")
+    __slots__ = ("capacity", "buffers", "storages", "batch", "fields", "held", "alone")
 
     def __init__(self, capacity: int, buffers: tuple[torch.Tensor, ...]) -> None:
         self.capacity = capacity
         self.buffers = buffers
+        # each buffer's storage as the count of its users takes it (a view
+        # of a buffer anywhere is a user): read once, the buffers live as
+        # long as this entry
+        self.storages = tuple(buffer.untyped_storage()._cdata for buffer in buffers)
 
     def hold(self, batch: int, fields: tuple[torch.Tensor | None, ...]) -> None:
         """Keep ``fields``, a result of ``batch`` rows (before any Rows is
@@ -240,6 +244,8 @@ class _KeptResult:
         this cache holds them)."""
         self.batch = batch
         self.fields = fields
+        self.held = tuple(field for field in fields if field is not None)  # (None's count
+        # moves with everything else)
         self.alone = self._counts()
 
     def free(self) -> bool:
@@ -247,14 +253,10 @@ class _KeptResult:
         return self._counts() == self.alone
 
     def _counts(self) -> tuple[int, ...]:
-        counts = []
-        for field in self.fields:
-            if field is not None:  # (None's count moves with everything else)
-                counts.append(sys.getrefcount(field))
-        for buffer in self.buffers:
-            counts.append(sys.getrefcount(buffer))
-            counts.append(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata))
-        return tuple(counts)
+        """The Python references to each field and buffer, and the users of
+        each buffer's storage (every eager call asks: no loop in Python)."""
+        return (*map(sys.getrefcount, self.held), *map(sys.getrefcount, self.buffers),
+                *map(torch._C._storage_Use_Count, self.storages))
 
 
 def pack_rows(

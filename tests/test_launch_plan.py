@@ -252,6 +252,9 @@ def test_a_key_says_which_slots_are_one_tensor() -> None:
     apart = launch_plan.slots_key(launch_plan.pointers([one, other, None]))
     assert shared != apart
     assert apart == launch_plan.slots_key(launch_plan.pointers([other, one, None]))
+    # which slots share, not only that some do
+    assert (launch_plan.slots_key(launch_plan.pointers([one, one, other]))
+            != launch_plan.slots_key(launch_plan.pointers([one, other, other])))
 
 
 def test_a_replay_that_raises_leaves_the_key_to_tritons_path() -> None:
