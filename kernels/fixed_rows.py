@@ -12,7 +12,8 @@ program per output row:
    bits in order, each word's first position the exclusive scan of the
    words' popcounts) and values, ascending, into its matrix row;
 2. ``order="engine"``: the row re-read (in a block of SMALL_SORT entries
-   when it fits, else one of the capacity), each id's weight gathered from the
+   when it fits, else of twice that when it fits, else one of the
+   capacity), each id's weight gathered from the
    input ``weights[b, id]`` (the float32 value every cutoff compared), and
    the row sorted by one int64 key per entry, ``(weight bits << 32) |
    (2^31 - 1 - position)``: a positive float32's bits order as its value,
@@ -54,7 +55,7 @@ def _fixed_rows_kernel(status_ptr, forms_ptr, lengths_ptr, id_offsets_ptr, offse
                        ids_ptr, values_ptr, weights_ptr, weights_stride, batch_rows_ptr,
                        out_ids_ptr, out_values_ptr, out_lengths_ptr, cap, vocab,
                        BLOCK: tl.constexpr, SORT: tl.constexpr, SORT_BLOCK: tl.constexpr,
-                       SMALL_BLOCK: tl.constexpr):
+                       SMALL_BLOCK: tl.constexpr, MIDDLE_BLOCK: tl.constexpr):
     r = tl.program_id(0)
     b = tl.load(batch_rows_ptr + r).to(tl.int64)
     ok = tl.load(status_ptr + b) == 0
@@ -92,10 +93,15 @@ def _fixed_rows_kernel(status_ptr, forms_ptr, lengths_ptr, id_offsets_ptr, offse
         if SORT:
             tl.debug_barrier()  # step 1's stores are read back by other threads
             # A sort costs its block, not the row: rows that fit the small
-            # block (top-k 1000 rows at a cap of 4096) sort 4x fewer keys.
+            # block (top-k 1000 rows at a cap of 4096) sort 4x fewer keys,
+            # and those that fit twice it (top-k 1000 rows with ties past
+            # 1,024, which bf16 weights make common) 2x fewer.
             if length <= SMALL_BLOCK:
                 _sort_row(out_ids_ptr, out_values_ptr, weights_ptr + b * weights_stride, row,
                           length, SMALL_BLOCK)
+            elif length <= MIDDLE_BLOCK:
+                _sort_row(out_ids_ptr, out_values_ptr, weights_ptr + b * weights_stride, row,
+                          length, MIDDLE_BLOCK)
             else:
                 _sort_row(out_ids_ptr, out_values_ptr, weights_ptr + b * weights_stride, row,
                           length, SORT_BLOCK)
@@ -243,7 +249,8 @@ def fixed_rows(rows: Rows, weights: torch.Tensor, batch_rows: torch.Tensor, cap:
     launch(_fixed_rows_kernel, (count,), rows.status, rows.forms, rows.lengths, rows.id_offsets,
            rows.offsets, rows.ids, rows.values, weights, weights.stride(0), batch_rows,
            out_ids, out_values, lengths, cap, rows.vocab, BLOCK=_BLOCK, SORT=in_kernel,
-           SORT_BLOCK=sort_block, SMALL_BLOCK=min(SMALL_SORT, sort_block))
+           SORT_BLOCK=sort_block, SMALL_BLOCK=min(SMALL_SORT, sort_block),
+           MIDDLE_BLOCK=min(2 * SMALL_SORT, sort_block))
     if order == "engine" and not in_kernel:
         _sort_rows(out_ids, out_values, lengths, weights, batch_rows)
     return out_ids, out_values, lengths

@@ -114,19 +114,21 @@ def test_bad_arguments_are_named() -> None:
         fixed_rows(rows, probs, torch.tensor([0.0], device=DEVICE), 8)
 
 
-def test_long_rows_sort_in_the_capacity_block() -> None:
-    """A row longer than SMALL_SORT takes the capacity's block; a short one
-    in the same launch the small block; both in the engine's order."""
+def test_long_rows_sort_in_the_block_they_fit() -> None:
+    """A row longer than twice SMALL_SORT takes the capacity's block, one
+    longer than SMALL_SORT twice SMALL_SORT's, a short one the small block,
+    all in one launch and each in the engine's order."""
     gen = torch.Generator().manual_seed(5)
-    vocab = 4096
-    probs = torch.softmax(torch.randn(2, vocab, generator=gen), -1).to(DEVICE)
-    top_k = torch.tensor([SMALL_SORT + 300, 50], dtype=torch.int32, device=DEVICE)
-    rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=2048,
+    vocab, cap = 4096, 4096
+    probs = torch.softmax(torch.randn(3, vocab, generator=gen), -1).to(DEVICE)
+    top_k = torch.tensor([SMALL_SORT + 300, 2 * SMALL_SORT + 300, 50], dtype=torch.int32,
+                         device=DEVICE)
+    rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=cap,
                    overflow="status")
-    batch_rows = torch.tensor([0, 1], device=DEVICE)
-    ids, values, lengths = fixed_rows(rows, probs, batch_rows, 2048)
-    want = reference_fixed_rows(rows, probs, batch_rows, 2048)
-    assert lengths.tolist() == [SMALL_SORT + 300, 50]
+    batch_rows = torch.tensor([0, 1, 2], device=DEVICE)
+    ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
+    want = reference_fixed_rows(rows, probs, batch_rows, cap)
+    assert lengths.tolist() == [SMALL_SORT + 300, 2 * SMALL_SORT + 300, 50]
     assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
 
 
