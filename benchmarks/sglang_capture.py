@@ -51,8 +51,10 @@ tensors to pinned host memory by SGLang's own `map_device_tensors(async_d2h)`
 mask requests (top_k above the cap): its column there is what its sampler
 would do with such a batch (rows past the cap OVERFLOW), and the issue's
 comparison for the patched top-p-only rows is released top_k 4096. The rows
-of both are compared once per setting (the first distribution; every one
-with --check-all): tokens, statuses, ids (sets; order, which may differ only
+of both are compared per setting on each distribution until one has OK
+rows to compare (a top-p row on a flat distribution is past the cap: its
+fixed fields hold OVERFLOW on both sides; every distribution with
+--check-all): tokens, statuses, ids (sets; order, which may differ only
 among equal weights), logprobs to float32 rounding; mismatches are printed.
 """
 
@@ -298,15 +300,18 @@ def sglang_module_main(args: argparse.Namespace) -> int:
 
             def forward(module: Any, logits: torch.Tensor, info: Any) -> tuple:
                 return harness.run_forward(module, samplers[module], logits, info, torch_seed=None)
-            for index, (dist_name, make) in enumerate(dists.items()):
+            compared: set[str] = set()  # settings whose rows were compared on OK rows
+            for dist_name, make in dists.items():
                 logits = make(0)
                 for set_name, (top_k, top_p, support) in settings.items():
                     info = module_info(harness, logits, top_k, top_p, support)
                     plain = module_info(harness, logits, top_k, top_p, support, masks=False)
-                    if smoke or index == 0 or args.check_all:
+                    if smoke or set_name not in compared or args.check_all:
                         problems, summary = compare_rows(
                             harness, info, forward(patched, logits, info), forward(released, logits, info))
                         problems_total += len(problems)
+                        if summary["ok_rows"]:
+                            compared.add(set_name)
                         print(f"rows {dist_name}, {set_name}: {summary}; {len(problems)} mismatches")
                         for line in problems[:10]:
                             print("   ", line)
