@@ -69,7 +69,7 @@ from . import tuning
 
 log = logging.getLogger(__name__)
 
-# Triton's runtime knobs (3.4+; None before): the interpreter switch, the
+# Triton's runtime knobs (3.4 on; the ``kernels`` extra asks 3.6): the interpreter switch, the
 # debug mode and the launch hooks, each read at every call through the
 # object kept here (looking it up is a third of the reading's cost)
 _RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -137,7 +137,7 @@ def hooks_active() -> bool:
 
 def launches_interpreted() -> bool:
     """Whether Triton runs launches in its interpreter. From Triton 3.4 on
-    (the ``kernels`` extra's floor) that is the knob ``runtime.interpret``,
+    (the ``kernels`` extra asks 3.6) that is the knob ``runtime.interpret``,
     the one Triton itself reads: kernels/__init__ sets it when it chose the
     interpreter, and otherwise it reads TRITON_INTERPRET at each access. A
     Triton without the knob (older than the floor) interprets as

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shmask.kernels import Status, capture  # noqa: E402
+from shmask.kernels import Status, capture, launch_plan  # noqa: E402
 from shmask.kernels.fixed_rows import (  # noqa: E402
     SMALL_SORT,
     SORT_LIMIT,
@@ -114,21 +114,26 @@ def test_bad_arguments_are_named() -> None:
         fixed_rows(rows, probs, torch.tensor([0.0], device=DEVICE), 8)
 
 
-def test_long_rows_sort_in_the_block_they_fit() -> None:
+@pytest.mark.parametrize("cap", [2048, 4096])
+def test_long_rows_sort_in_the_block_they_fit(cap: int) -> None:
     """A row longer than twice SMALL_SORT takes the capacity's block, one
-    longer than SMALL_SORT twice SMALL_SORT's, a short one the small block,
-    all in one launch and each in the engine's order."""
+    longer than SMALL_SORT (up to twice it) twice SMALL_SORT's, a short one
+    the small block, all in one launch and each in the engine's order; at
+    a capacity of twice SMALL_SORT the middle block is the capacity's."""
     gen = torch.Generator().manual_seed(5)
-    vocab, cap = 4096, 4096
-    probs = torch.softmax(torch.randn(3, vocab, generator=gen), -1).to(DEVICE)
-    top_k = torch.tensor([SMALL_SORT + 300, 2 * SMALL_SORT + 300, 50], dtype=torch.int32,
-                         device=DEVICE)
+    vocab = 4096
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1).to(DEVICE)
+    want_lengths = [SMALL_SORT + 1, 2 * SMALL_SORT, min(2 * SMALL_SORT + 300, cap), 50]
+    top_k = torch.tensor(want_lengths, dtype=torch.int32, device=DEVICE)
     rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=cap,
                    overflow="status")
-    batch_rows = torch.tensor([0, 1, 2], device=DEVICE)
-    ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
+    batch_rows = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    with launch_plan.recording() as made:
+        ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
+    assert [launch.kwargs["MIDDLE_BLOCK"] for launch in made] == [2 * SMALL_SORT]
+    assert [launch.kwargs["SORT_BLOCK"] for launch in made] == [cap]
     want = reference_fixed_rows(rows, probs, batch_rows, cap)
-    assert lengths.tolist() == [SMALL_SORT + 300, 2 * SMALL_SORT + 300, 50]
+    assert lengths.tolist() == want_lengths
     assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
 
 

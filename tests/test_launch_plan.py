@@ -237,6 +237,8 @@ def test_launch_hooks_send_calls_to_tritons_path() -> None:
 
 def test_no_plans_without_a_compiled_gpu_or_when_turned_off(monkeypatch) -> None:
     assert launch_plan.call_stream(torch.zeros(4)) is None  # the CPU: the interpreter
+    monkeypatch.delenv("SHMASK_KERNEL_PLANS", raising=False)
+    assert launch_plan.plans_enabled()  # unset: on
     monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
     assert not launch_plan.plans_enabled()
     monkeypatch.setenv("SHMASK_KERNEL_PLANS", "1")
