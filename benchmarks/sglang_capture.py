@@ -45,7 +45,11 @@ and, for the mask, sgl_kernel's renorms; both FlashInfer's kernels from
 flashinfer_ref.py, sglang_device_tree.py says what is stubbed) or pytorch.
 Each path is one whole forward (the logits copied first, as the sampler
 softmaxes in place); "draw alone" is the same forward with no row opted in,
-so a path's mask work is its time less that one. "+ copy": the output's
+so a path's mask work is its time less that one; "patched, shmask draw" is
+the patched forward with SHMASK_DRAW=shmask (shmask's sample() draws and
+captures in one pass: its "mask us" is what the draw and masks together
+add to SGLang's draw alone; its tokens are its own, so its rows are not
+compared). "+ copy": the output's
 tensors to pinned host memory by SGLang's own `map_device_tensors(async_d2h)`
 (the overlap scheduler's copy). Released SGLang's scheduler refuses top-p-only
 mask requests (top_k above the cap): its column there is what its sampler
@@ -181,21 +185,22 @@ def module_info(harness: Any, logits: torch.Tensor, top_k: int, top_p: float, su
 
 
 @contextlib.contextmanager
-def past_cap(value: str | None) -> Iterator[None]:
-    """SHMASK_PAST_CAP for the block (None: as set), read afresh by the patched sampler."""
+def shmask_env(values: dict[str, str] | None) -> Iterator[None]:
+    """SHMASK_* variables for the block (None: as set; e.g. SHMASK_PAST_CAP,
+    SHMASK_DRAW), read afresh by the patched sampler."""
     from shmask.adapters import sglang_sampler
 
-    saved = os.environ.get("SHMASK_PAST_CAP")
-    if value is not None:
-        os.environ["SHMASK_PAST_CAP"] = value
+    saved = {name: os.environ.get(name) for name in values or {}}
+    os.environ.update(values or {})
     sglang_sampler._settings.cache_clear()
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("SHMASK_PAST_CAP", None)
-        else:
-            os.environ["SHMASK_PAST_CAP"] = saved
+        for name, was in saved.items():
+            if was is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = was
         sglang_sampler._settings.cache_clear()
 
 
@@ -256,13 +261,17 @@ def with_sglang_copy(result: tuple) -> Any:
 
 
 def module_paths(forward: Any, released: Any, patched: Any, logits: torch.Tensor, info: Any,
-                 plain: Any, past_cap_paths: bool) -> dict[str, tuple[Any, str | None]]:
-    """path -> (call, SHMASK_PAST_CAP for it): one forward each."""
-    paths = {"draw alone (no masks)": (lambda: forward(released, logits, plain), None),
-             "released": (lambda: forward(released, logits, info), None),
-             "patched": (lambda: forward(patched, logits, info), None)}
+                 plain: Any, past_cap_paths: bool) -> dict[str, tuple[Any, dict[str, str] | None]]:
+    """path -> (call, SHMASK_* variables for it): one forward each. "shmask
+    draw": SHMASK_DRAW=shmask, the draw and the rows from shmask's sample()
+    (its tokens are its own: timed, not compared)."""
+    paths: dict[str, tuple[Any, dict[str, str] | None]] = {
+        "draw alone (no masks)": (lambda: forward(released, logits, plain), None),
+        "released": (lambda: forward(released, logits, info), None),
+        "patched": (lambda: forward(patched, logits, info), None),
+        "patched, shmask draw": (lambda: forward(patched, logits, info), {"SHMASK_DRAW": "shmask"})}
     if past_cap_paths:  # rows past the cap OVERFLOW instead of whole
-        paths["patched, past cap status"] = (paths["patched"][0], "status")
+        paths["patched, past cap status"] = (paths["patched"][0], {"SHMASK_PAST_CAP": "status"})
     for name, (call, env) in list(paths.items())[1:]:
         paths[name + " + copy"] = (lambda c=call: with_sglang_copy(c()), env)
     return paths
@@ -318,7 +327,7 @@ def sglang_module_main(args: argparse.Namespace) -> int:
                     alone = float("nan")
                     for path, (call, env) in module_paths(forward, released, patched, logits, info,
                                                           plain, top_k > cap).items():
-                        with past_cap(env):
+                        with shmask_env(env):
                             if smoke:
                                 call()
                                 gpu, host = float("nan"), float("nan")
