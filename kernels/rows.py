@@ -203,8 +203,9 @@ def _rows(fields: tuple[torch.Tensor | None, ...], vocab: int, max_tokens: int) 
 # RESULTS_KEPT per call shape, in buffers sized for the largest batch seen
 # (a power of two), and hands it to a later call of that shape once nothing
 # else holds any part of it: not the Rows, not any of its tensors, not any
-# view of their memory (Python's reference counts and torch's storage use
-# counts back to what they were when only this cache held them). The later
+# view of their memory, not their storages (Python's reference counts and
+# torch's storage use counts back to what they were when only this cache
+# held them). The later
 # call runs on the same stream, so the GPU runs its writes after all work
 # queued there that used the rows, as the caching allocator orders a freed
 # block's reuse; work the caller queued on another stream must hold the
@@ -228,15 +229,18 @@ class _KeptResult:
     Rows holds its tensors), and the reference counts that say only this
     cache holds them."""
 
-    __slots__ = ("capacity", "buffers", "storages", "batch", "fields", "held", "alone")
+    __slots__ = ("capacity", "buffers", "storages", "handles", "batch", "fields", "held",
+                 "alone")
 
     def __init__(self, capacity: int, buffers: tuple[torch.Tensor, ...]) -> None:
         self.capacity = capacity
         self.buffers = buffers
-        # each buffer's storage as the count of its users takes it (a view
-        # of a buffer anywhere is a user): read once, the buffers live as
-        # long as this entry
-        self.storages = tuple(buffer.untyped_storage()._cdata for buffer in buffers)
+        # each buffer's storage: torch keeps one Python object a storage (a
+        # caller asking for it gets this one, so holding it shows in its
+        # reference count) and counts the storage's users (a view of a buffer
+        # anywhere is one); read once, they live as long as this entry
+        self.storages = tuple(buffer.untyped_storage() for buffer in buffers)
+        self.handles = tuple(storage._cdata for storage in self.storages)
 
     def hold(self, batch: int, fields: tuple[torch.Tensor | None, ...]) -> None:
         """Keep ``fields``, a result of ``batch`` rows (before any Rows is
@@ -253,10 +257,12 @@ class _KeptResult:
         return self._counts() == self.alone
 
     def _counts(self) -> tuple[int, ...]:
-        """The Python references to each field and buffer, and the users of
-        each buffer's storage (every eager call asks: no loop in Python)."""
+        """The Python references to each field, buffer and buffer's storage,
+        and the users of each storage (every eager call asks: no loop in
+        Python)."""
         return (*map(sys.getrefcount, self.held), *map(sys.getrefcount, self.buffers),
-                *map(torch._C._storage_Use_Count, self.storages))
+                *map(sys.getrefcount, self.storages),
+                *map(torch._C._storage_Use_Count, self.handles))
 
 
 def pack_rows(

@@ -49,7 +49,8 @@ def test_a_dropped_result_is_handed_out_again_as_a_new_rows() -> None:
 
 @pytest.mark.parametrize("held", ["rows", "ids", "values", "lengths", "tokens", "selected",
                                   "a view of values", "a view of the per-row arrays",
-                                  "a dtype view of ids"])
+                                  "a dtype view of ids", "the values' storage",
+                                  "the per-row arrays' storage"])
 def test_any_part_held_keeps_the_result_out_of_the_next_call(held: str) -> None:
     first = result()
     first.values.fill_(7.0)
@@ -59,7 +60,9 @@ def test_any_part_held_keeps_the_result_out_of_the_next_call(held: str) -> None:
             "selected": lambda r: r.selected_logprob,
             "a view of values": lambda r: r.values[:5],
             "a view of the per-row arrays": lambda r: r.sizes[1:3],
-            "a dtype view of ids": lambda r: r.ids.view(torch.float32)}[held](first)
+            "a dtype view of ids": lambda r: r.ids.view(torch.float32),
+            "the values' storage": lambda r: r.values.untyped_storage(),
+            "the per-row arrays' storage": lambda r: r.lengths.untyped_storage()}[held](first)
     where = addresses(first)
     del first
     second = result()
