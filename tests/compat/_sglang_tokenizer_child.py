@@ -106,11 +106,11 @@ def batch(rids, chunks, finished):
     return cls(**values)
 
 
-async def main() -> dict:
+async def main(model: Path) -> dict:
     # Resolving server args reads the model's config.json: a tiny local one
-    # (no weights, no tokenizer: skip_tokenizer_init, as the scheduler's
-    # token-id outputs go straight to the tokenizer manager).
-    model = Path(tempfile.mkdtemp(prefix="shmask-compat-model-"))
+    # in ``model``, a directory removed when the child ends (no weights, no
+    # tokenizer: skip_tokenizer_init, as the scheduler's token-id outputs go
+    # straight to the tokenizer manager).
     (model / "config.json").write_text(json.dumps(TINY_CONFIG))
     server_args = ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu")
     runtime_context.publish(server_args, role="tokenizer")
@@ -234,4 +234,5 @@ async def main() -> dict:
 
 
 if __name__ == "__main__":
-    print("result", json.dumps(asyncio.run(main())), flush=True)
+    with tempfile.TemporaryDirectory(prefix="shmask-compat-model-") as folder:
+        print("result", json.dumps(asyncio.run(main(Path(folder)))), flush=True)

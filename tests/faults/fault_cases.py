@@ -96,15 +96,29 @@ def case(name: str):  # type: ignore[no-untyped-def]
     return register
 
 
-# The cases' ipc sockets live in one directory of this run, removed when it
-# ends: a child killed mid-case (the point of most cases) leaves its bound
-# socket's file behind, which would otherwise stay in /tmp.
-_SOCKETS = tempfile.mkdtemp(prefix="shmask-faults-")
-atexit.register(shutil.rmtree, _SOCKETS, True)
+# The cases' ipc sockets live in one directory of this run, removed when the
+# process that made it ends: a child killed mid-case (the point of most
+# cases) leaves its bound socket's file behind, which would otherwise stay
+# in /tmp. It is made at the first endpoint asked for, not at import: a
+# case's child script imports this module too (cases_lifecycle.py runs as
+# one) and, killed, left an empty directory of its own each time. Children
+# started after it find it through the environment.
+_SOCKETS_VARIABLE = "FAULT_CASES_SOCKETS"
+
+
+def _sockets() -> str:
+    made = os.environ.get(_SOCKETS_VARIABLE)
+    if made and os.path.isdir(made):
+        return made
+    made = tempfile.mkdtemp(prefix="shmask-faults-")
+    os.environ[_SOCKETS_VARIABLE] = made
+    owner = os.getpid()  # (a forked child inherits the exit hook: only the owner removes)
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(made, True))
+    return made
 
 
 def _endpoint() -> str:
-    return f"ipc://{_SOCKETS}/{secrets.token_hex(6)}.sock"
+    return f"ipc://{_sockets()}/{secrets.token_hex(6)}.sock"
 
 
 def _gc_cli(prefix: str) -> subprocess.CompletedProcess:
