@@ -139,9 +139,15 @@ def host_us(call: Callable[[], object], calls: int = 10) -> float:
     return statistics.median(batches)
 
 
-def run(n: int, vocab: int, length: int, share: float, repeats: int) -> list[dict]:
+def bench_logits(n: int, vocab: int) -> tuple[torch.Tensor, torch.Generator]:
+    """The replay benchmarks' bf16 logits [n, vocab] (randn x 2, seed 38)
+    and the generator after them, which the rows are then drawn from."""
     gen = torch.Generator(device=DEVICE).manual_seed(38)
-    logits = (torch.randn(n, vocab, generator=gen, device=DEVICE) * 2).to(torch.bfloat16)
+    return (torch.randn(n, vocab, generator=gen, device=DEVICE) * 2).to(torch.bfloat16), gen
+
+
+def run(n: int, vocab: int, length: int, share: float, repeats: int) -> list[dict]:
+    logits, gen = bench_logits(n, vocab)
     results: list[dict] = []
     read_ms, _ = timed(lambda: logits.amax(1), repeats)
     write_ms, write_mb = timed(lambda: torch.zeros_like(logits), repeats)

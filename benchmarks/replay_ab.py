@@ -28,8 +28,7 @@ def main() -> int:
     from shmask.kernels import replay_old as old  # (copied in: the docstring)
 
     n, vocab = 16384, 151936
-    gen = torch.Generator(device="cuda").manual_seed(38)
-    logits = (torch.randn(n, vocab, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    logits, gen = bench.bench_logits(n, vocab)
 
     def ms(call):
         return bench.timed(call, 7)[0]

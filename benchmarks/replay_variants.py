@@ -46,8 +46,7 @@ def main() -> int:
         print("replay_variants: needs CUDA", file=sys.stderr)
         return 2
     n, vocab = 16384, 151936
-    gen = torch.Generator(device="cuda").manual_seed(38)
-    logits = (torch.randn(n, vocab, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    logits, gen = bench.bench_logits(n, vocab)
     sets = {"ids": bench.rows_ids(n, vocab, 1000, gen),
             "bitmask": bench.rows_bitmask(n, vocab, 0.4, gen)}
     print(f"zeros_like {gpu_us(lambda: torch.zeros_like(logits)):.1f} us")
