@@ -56,11 +56,21 @@ demo: $(DEMO_STAMP)
 # runs at large sizes, benchmark smoke runs) to `make test-long`; CI runs both.
 # -rs: every skipped test's reason in the summary, so a log shows what did
 # not run here (GPU-only tests, the package checks, two-host tests without root).
+# Two pytest workers (pytest-xdist), each given whole test files (--dist
+# loadfile: a file's module fixtures are set up once, its tests run in
+# order). Most tests wait on child processes, sockets and sleeps, so two
+# workers halve the suite on 2 cores, and on a busy machine the suite's two
+# processes get twice one's share of the CPUs. Every test keeps to its own
+# segment prefix, ports and temporary files (tests/conftest.py), so tests
+# of two workers never meet. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --ignore=tests/compat -m "not long"
+	$(PY) -m pytest -q -rs $(XDIST) --ignore=tests/compat -m "not long"
 
 test-long: $(STAMP)
-	$(PY) -m pytest -q -rs --ignore=tests/compat -m long
+	$(PY) -m pytest -q -rs $(XDIST) --ignore=tests/compat -m long
 
 # The response writer's floats against orjson for all 2^32 float32 bit
 # patterns (minutes, one process per CPU; `make test` runs a sample).

@@ -223,6 +223,13 @@ SAMPLING_PARAMS = frozenset((
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
+# The receive loop lets the loop's other work in every this many refs of
+# an emission (not only between emissions): on a busy machine the loop has a
+# backlog, and what a /health probe or a new request waits for is a few of
+# the loop's turns, each as long as the work done in it.
+YIELD_EVERY_REFS = 16
+
+
 class ReqState:
     """One request being served: its rows as they arrive (copied out of the
     ring), and the streams that wait on them.
@@ -403,7 +410,10 @@ class TokenizerManager:
                 if len(batch) != len(requests) or len(starts) != len(requests):
                     raise RuntimeError(f"an emission names requests {requests} for "
                                        f"{len(batch)} refs")
-                for ref, slot, start in zip(batch, requests, starts, strict=True):
+                for index, (ref, slot, start) in enumerate(zip(batch, requests, starts,
+                                                                strict=True)):
+                    if index and not index % YIELD_EVERY_REFS:
+                        await asyncio.sleep(0)
                     state = self.states.get(slot)
                     # Waits (off the loop) while the pool has its fill of
                     # jobs: the socket then queues, and the engine behind it.
@@ -1048,7 +1058,14 @@ def start_engine(args: argparse.Namespace, endpoints: dict[str, str]) -> list[su
          *common, *workload, "--emit-every", str(args.emit_every), "--seed", str(args.seed),
          "--step-ms", str(args.step_ms)],
     ]
-    return [subprocess.Popen([sys.executable, *command], env=dict(os.environ))
+    # Each in a session of its own: with the kernel's autogroup scheduling
+    # (a group per session, the default of most distributions), the engine's
+    # decode loop, which runs as fast as it can, then takes its CPU share
+    # from a group of its own and not from this process's event loop (at
+    # load ~4 on 2 cores, /health p99 halved: benchmarks/RESULTS.md). Ctrl-C
+    # in a terminal reaches this process only; stop_engine ends the engine.
+    return [subprocess.Popen([sys.executable, *command], env=dict(os.environ),
+                             start_new_session=True)
             for command in commands]
 
 
