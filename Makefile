@@ -58,9 +58,11 @@ demo: $(DEMO_STAMP)
 # not run here (GPU-only tests, the package checks, two-host tests without root).
 # Two pytest workers (pytest-xdist), each given whole test files (--dist
 # loadfile: a file's module fixtures are set up once, its tests run in
-# order). Most tests wait on child processes, sockets and sleeps, so two
-# workers halve the suite on 2 cores, and on a busy machine the suite's two
-# processes get twice one's share of the CPUs. Every test keeps to its own
+# order): the suite uses both cores of an idle 2-core machine, where one
+# process left one core idle. (On a machine busy with
+# other sessions' work, the kernel's autogroup scheduling gives the suite's
+# session one share of the CPUs however many processes it runs: there the
+# gain is small; benchmarks/RESULTS.md.) Every test keeps to its own
 # segment prefix, ports and temporary files (tests/conftest.py), so tests
 # of two workers never meet. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
