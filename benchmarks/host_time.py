@@ -3,6 +3,7 @@
 REUSE_RESULTS), with the GPU busy, on a CUDA device.
 
     python3 benchmarks/host_time.py            # from the repository root, shmask installed
+    python3 benchmarks/host_time.py --profile  # then each call's own time by function
 
 Per call: 20 calls enqueued behind a ``torch.cuda._sleep`` (so the GPU is
 busy and the host is ahead), host time by ``time.perf_counter`` around
@@ -15,7 +16,9 @@ interpreter, whose time says nothing of an engine's host.
 
 from __future__ import annotations
 
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -92,6 +95,33 @@ def main() -> None:
                if isinstance(state, launch_plan.Plan)]
     print(f"plans: {len(planned)}, of which launched from the core: "
           f"{sum(plan.native is not None for plan in planned)}")
+    if "--profile" in sys.argv:
+        for name, fn in calls.items():
+            profile(name, fn)
+
+
+def profile(name: str, fn, n: int = 2000, top: int = 22) -> None:
+    """Where a call's host time goes (plans, launches from the core,
+    results reused): own time per call by function under cProfile, which
+    inflates every Python call, so read it as shares, not as the call's
+    time. The GPU is kept busy so that no launch waits for room."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    for _ in range(n // 100):
+        torch.cuda._sleep(50_000_000)
+        profiler.enable()
+        for _ in range(100):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    total = sum(entry[2] for entry in stats.values()) / n * 1e6
+    print(f"\n== {name}: profiled own time {total:.1f} us a call; top functions "
+          f"(own us, cumulative us, calls a call):")
+    for (path, line, func), (_, calls_made, own, cumulative, _) in rows:
+        print(f"  {own / n * 1e6:7.2f} {cumulative / n * 1e6:8.2f} {calls_made / n:5.1f}x  "
+              f"{os.path.basename(path)}:{line}:{func}")
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ def run_capture(
     settings = CaptureSettings.of(
         batch, vocab, device, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy, rows=rows,
         sequential=order == "sequential", stream=stream)
-    tokens, seed_rows = _tokens_and_seeds(sampled, seeds, batch, device)
+    tokens, seed_rows = _tokens_and_seeds(sampled, seeds, batch, device, stream)
     result, buffers = empty_rows(batch, vocab, max_tokens, overflow, device, selected=True,
                                 tokens=seed_rows is not None, reuse=where)
     if tokens is None:
@@ -247,17 +247,19 @@ def _launch_stages(
 
 def _tokens_and_seeds(
     sampled: torch.Tensor | None, seeds: torch.Tensor | int | None, batch: int,
-    device: torch.device,
+    device: torch.device, stream: int | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """capture() (no seeds): the sampled tokens as int64 and no seeds;
     sample(): no tokens yet (the result holds room for them) and the
     per-row seeds."""
     if seeds is not None:
-        return None, per_row(seeds, batch, torch.int64, device, "seeds", 0)
+        return None, per_row(seeds, batch, torch.int64, device, "seeds", 0, stream=stream)
     if not isinstance(sampled, torch.Tensor) or sampled.shape != (batch,):
         raise ValueError(f"sampled must be an integer tensor of shape ({batch},)")
     if sampled.dtype.is_floating_point or sampled.dtype == torch.bool:
         raise TypeError(f"sampled must hold integer token ids, got {sampled.dtype}")
+    if sampled.dtype == torch.int64 and sampled.device == device and sampled.is_contiguous():
+        return sampled, None  # what .to().contiguous() returns, without two dispatches
     return sampled.to(device=device, dtype=torch.int64).contiguous(), None
 
 

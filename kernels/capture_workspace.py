@@ -100,11 +100,13 @@ class CaptureSettings:
                 if kept is not None:
                     return kept
         made = cls(
-            top_k=per_row(top_k, batch, torch.int32, device, "top_k", 0),
-            top_p=per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0),
-            min_p=per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0),
-            greedy=per_row(greedy, batch, torch.int8, device, "greedy", False),
-            opt_in=row_mask(rows, batch, device),
+            top_k=per_row(top_k, batch, torch.int32, device, "top_k", 0, stream=stream),
+            top_p=per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0,
+                          stream=stream),
+            min_p=per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0,
+                          stream=stream),
+            greedy=per_row(greedy, batch, torch.int8, device, "greedy", False, stream=stream),
+            opt_in=row_mask(rows, batch, device, stream),
             sequential=sequential,
             need_mass=may_be_on(top_p, lambda p: p < 1.0),
             need_max=may_be_on(min_p, lambda m: m > 0.0) or may_be_on(greedy, bool),

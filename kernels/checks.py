@@ -66,18 +66,21 @@ def per_row(
     default: float | int | bool,
     low: float | None = None,
     high: float | None = None,
+    stream: int | None = None,
 ) -> torch.Tensor:
     """Broadcast a scalar to [B] or check a [B] tensor.
 
     Range checks run on Python scalars only: checking a device tensor would
     cost a host sync per step. Out-of-range tensor values are clamped by the
-    kernels' rules (documented per kernel).
+    kernels' rules (documented per kernel). ``stream``: as constant_rows'.
     """
     if value is None:
         value = default
     if isinstance(value, torch.Tensor):
         if value.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
+        if value.dtype == dtype and value.device == device and value.is_contiguous():
+            return value  # what .to().contiguous() returns, without two dispatches
         return value.to(device=device, dtype=dtype).contiguous()
     if not isinstance(value, numbers.Real):  # a 0-d array, a string, a list...
         raise TypeError(f"{name} must be a number or a tensor of shape ({batch},), "
@@ -86,7 +89,7 @@ def per_row(
         raise ValueError(f"{name}={value!r} is out of range; accepted: >= {low}")
     if high is not None and not (value <= high):
         raise ValueError(f"{name}={value!r} is out of range; accepted: <= {high}")
-    return constant_rows(value, batch, dtype, device)
+    return constant_rows(value, batch, dtype, device, stream)
 
 
 # Broadcast scalars, kept per (value, batch, dtype, device, stream): the
@@ -96,16 +99,21 @@ _CONSTANT_ROWS: dict[tuple[Any, ...], torch.Tensor] = {}
 _CONSTANT_ROWS_KEPT = 64
 
 
-def constant_rows(value: Any, batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def constant_rows(value: Any, batch: int, dtype: torch.dtype, device: torch.device,
+                  stream: int | None = None) -> torch.Tensor:
     """torch.full((batch,), value) that callers only read, made once per
     setting and stream. Not kept while a CUDA graph is being captured (its
-    fill would run only when the graph is replayed)."""
+    fill would run only when the graph is replayed). ``stream``: the current
+    stream where the caller knows it and knows no graph is being captured
+    (an eager call's launch_plan.call_stream): asking torch again costs a
+    few microseconds of host time a setting (issue 35)."""
     device = torch.device(device)
-    stream = 0
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.full((batch,), value, dtype=dtype, device=device)
-        stream = torch.cuda.current_stream(device).cuda_stream
+    if stream is None:
+        stream = 0
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return torch.full((batch,), value, dtype=dtype, device=device)
+            stream = torch.cuda.current_stream(device).cuda_stream
     key = (value, type(value), batch, dtype, device, stream)
     rows = _CONSTANT_ROWS.get(key)
     if rows is None:
@@ -115,10 +123,12 @@ def constant_rows(value: Any, batch: int, dtype: torch.dtype, device: torch.devi
     return rows
 
 
-def row_mask(rows: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
-    """Opt-in mask as int8[B] (1 = materialise the row)."""
+def row_mask(rows: torch.Tensor | None, batch: int, device: torch.device,
+             stream: int | None = None) -> torch.Tensor:
+    """Opt-in mask as int8[B] (1 = materialise the row); ``stream`` as
+    constant_rows'."""
     if rows is None:
-        return constant_rows(1, batch, torch.int8, device)
+        return constant_rows(1, batch, torch.int8, device, stream)
     if rows.shape != (batch,):
         raise ValueError(f"rows must be a bool mask of shape ({batch},), got {tuple(rows.shape)}")
     if rows.dtype != torch.bool:

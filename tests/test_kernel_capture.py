@@ -206,6 +206,30 @@ def test_scalar_settings_are_broadcast_once_per_setting() -> None:
         assert constant_rows(value, 2, torch.int32, torch.device(DEVICE)).cpu().tolist() == [value] * 2
 
 
+def test_settings_of_a_known_stream_and_settings_tensors_taken_as_they_are() -> None:
+    """An eager call that knows its stream hands it down (no query per
+    setting): the broadcast tensor is the one kept for that stream, another
+    stream's is another; a [B] setting already of the kernels' dtype, device
+    and layout is the caller's own tensor (a later in-place update is what
+    the kernels read), any other is converted; a wrong shape is refused."""
+    from shmask.kernels.checks import constant_rows, per_row
+    device = torch.device(DEVICE)
+    kept = constant_rows(0.5, 4, torch.float32, device, 7001)
+    assert constant_rows(0.5, 4, torch.float32, device, 7001) is kept
+    assert constant_rows(0.5, 4, torch.float32, device, 7002) is not kept
+    assert kept.cpu().tolist() == [0.5] * 4
+    assert per_row(0.5, 4, torch.float32, device, "top_p", 1.0, stream=7001) is kept
+    own = torch.full((4,), 0.9, device=device)
+    assert per_row(own, 4, torch.float32, device, "top_p", 1.0) is own
+    as_int64 = torch.full((4,), 20, dtype=torch.int64, device=device)
+    converted = per_row(as_int64, 4, torch.int32, device, "top_k", 0)
+    assert converted.dtype == torch.int32 and converted.tolist() == [20] * 4
+    strided = torch.zeros(8, device=device)[::2]
+    assert per_row(strided, 4, torch.float32, device, "top_p", 1.0).is_contiguous()
+    with pytest.raises(ValueError, match=r"top_p must have shape \(4,\)"):
+        per_row(torch.zeros(5, device=device), 4, torch.float32, device, "top_p", 1.0)
+
+
 def test_edge_rows() -> None:
     vocab = 300
     gen = torch.Generator().manual_seed(11)
