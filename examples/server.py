@@ -170,6 +170,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 import numpy as np
 import orjson
@@ -841,6 +842,15 @@ def build_app(args: argparse.Namespace, endpoints: dict[str, str]) -> tuple[Fast
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await manager.start()
+        # What the first streams would otherwise do on the loop, in the
+        # burst of a load's first requests: start the offload threads (each
+        # start waits on the loop for the new thread to run) and import
+        # anyio's asyncio backend (starlette's first StreamingResponse does).
+        # On a busy 2-core machine those cost the loop 100-200 ms at the
+        # first streams: the slowest /health probes of a run
+        # (benchmarks/RESULTS.md).
+        offload.start_workers()
+        await anyio.sleep(0)
         # Everything made so far (fastapi, uvicorn, numpy, the app) lives as
         # long as the server: frozen, the full collections that requests'
         # garbage sets off no longer walk it, and they stop the loop for

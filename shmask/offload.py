@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -168,6 +170,22 @@ class Offload:
         self._lanes: dict[Hashable, collections.deque[tuple[Future, Callable, tuple]]] = {}
         self._closed = False
         self._completions: _Completions | None = None  # put()'s, made in its loop on first use
+
+    def start_workers(self, timeout: float = 10.0) -> None:
+        """Start every worker thread now (a ThreadPoolExecutor starts one
+        per submit until it has its fill): called at an asyncio program's
+        start, so that no request's first job starts a thread on the event
+        loop, which waits there until the new thread has run (on a busy
+        machine, tens of milliseconds for each). Returns once they have all
+        started, or after `timeout` seconds."""
+        started = threading.Barrier(self.threads, timeout=timeout)
+
+        def meet() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                started.wait()
+
+        jobs = [self._pool.submit(meet) for _ in range(self.threads)]
+        concurrent.futures.wait(jobs, timeout=timeout)
 
     # -- thread-level ---------------------------------------------------------
 

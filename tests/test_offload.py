@@ -56,6 +56,22 @@ def test_keys_run_in_parallel():
             futures[0].result(WAIT_S)
 
 
+def test_start_workers_starts_every_thread_before_any_job():
+    """An asyncio program starts the pool's threads at its start, so that no
+    request's first job starts one on the event loop: every worker is
+    running after the call, and a job submitted after it starts none."""
+    def workers(offload: Offload) -> set[int]:
+        return {thread.ident for thread in offload._pool._threads}
+
+    with Offload(threads=3) as offload:
+        assert workers(offload) == set()
+        offload.start_workers()
+        started = workers(offload)
+        assert len(started) == 3 and all(thread.is_alive() for thread in offload._pool._threads)
+        assert offload.submit("k", threading.get_ident).result(WAIT_S) in started
+        assert workers(offload) == started
+
+
 def test_a_failure_stays_with_its_job():
     def fail() -> None:
         raise ValueError("request 3 is broken")
