@@ -1,5 +1,6 @@
 """Host time of an eager capture / sample / compact call, plans on and off
-(issue 35; kernels/launch_plan.py), results reused or not (kernels/rows.py
+(issue 35; kernels/launch_plan.py), launched one by one from the core or
+as CUDA graphs (launch_plan.GRAPHS), results reused or not (kernels/rows.py
 REUSE_RESULTS), with the GPU busy, on a CUDA device.
 
     python3 benchmarks/host_time.py            # from the repository root, shmask installed
@@ -72,17 +73,20 @@ def main() -> None:
     print(f"host_time: {torch.cuda.get_device_name()}, B={batch} V={vocab}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'call':28} | plans off: GPU us, host us | plans, launches from Python | "
-          f"plans, launches from the core | the same, results not reused")
+          f"plans, launches from the core | the same, results not reused | "
+          f"plans as CUDA graphs")
     for name, fn in calls.items():
         runs: dict[str, list[tuple[float, float]]] = {"off": [], "python": [], "native": [],
-                                                      "native, fresh results": []}
+                                                      "native, fresh results": [], "graphs": []}
         for _ in range(2):
             for mode in runs:
                 os.environ["SHMASK_KERNEL_PLANS"] = "0" if mode == "off" else "1"
-                launch_plan.NATIVE_LAUNCHES = mode.startswith("native")
+                launch_plan.NATIVE_LAUNCHES = mode.startswith("native") or mode == "graphs"
+                launch_plan.GRAPHS = mode == "graphs"
                 rows.REUSE_RESULTS = mode != "native, fresh results"
                 runs[mode].append(measure(fn))
         rows.REUSE_RESULTS = True
+        launch_plan.GRAPHS = True
         best = {mode: min(found, key=lambda r: r[1]) for mode, found in runs.items()}
         print(f"{name:28} | " + " | ".join(f"{gpu:8.1f} {host:8.1f}" for gpu, host in best.values()),
               flush=True)
@@ -94,7 +98,9 @@ def main() -> None:
     planned = [state for module in entry_points for state in module._PLANS._states.values()
                if isinstance(state, launch_plan.Plan)]
     print(f"plans: {len(planned)}, of which launched from the core: "
-          f"{sum(plan.native is not None for plan in planned)}")
+          f"{sum(plan.native is not None for plan in planned)}; graphs made "
+          f"{sum(plan.graphs.captured for plan in planned if plan.graphs)}, calls served by "
+          f"one {sum(plan.graphs.launched for plan in planned if plan.graphs)}")
     if "--profile" in sys.argv:
         for name, fn in calls.items():
             profile(name, fn)

@@ -35,6 +35,13 @@ from call to call, and the plan holds it.
   arguments packed once into bytes, the call's pointers written in, one
   cuLaunchKernelEx a launch. H200: 10-25% less host time a call than the
   launches one Python call each (benchmarks/results/h200_issue35_round4_host_*).
+- A native plan whose call's tensors are at addresses it has replayed
+  before (an engine's buffers that stay put, the kept results) launches
+  them as one CUDA graph it keeps (_Graphs): one cuGraphLaunch in place of
+  a cuLaunchKernelEx a launch. H100: about half the host time of an eager
+  call (benchmarks/results/h100_s29_host_graphs.txt). The call stays
+  eager: a graph only stands for launches the plan would make with those
+  same arguments, and the caller captures nothing.
 
 So every launch of an entry point's stages must go through
 :func:`.launch.launch` (a torch op or a launch made otherwise would be
@@ -79,6 +86,12 @@ PLANS_KEPT = 256  # call shapes kept per entry point: an engine's batch sizes
 # (NativeLaunches) or one Python call each: read at each replay, so that
 # benchmarks/host_time.py compares the two in one process.
 NATIVE_LAUNCHES = True
+# Whether a plan launched from the core replays an address set it has met
+# before as one CUDA graph (_Graphs): read at each replay, for the same
+# comparison.
+GRAPHS = True
+GRAPH_AFTER = 2  # an address set becomes a graph at its second replay
+GRAPHS_KEPT = 4  # graphs a plan keeps (kept results alternate between two)
 _NOT_PLANNED = object()
 
 
@@ -429,6 +442,122 @@ class NativeLaunches:
         raise RuntimeError(f"shmask: cuLaunchKernelEx of {self.names[step]} (launch {step + 1} "
                            f"of {self._n_steps}) failed with CUDA error {-1000 - rc}")
 
+    def capture(self, pointers: Sequence[int], capture_stream: int) -> int:
+        """The launches with the slots at ``pointers`` as one instantiated
+        CUDA graph (its handle), recorded on ``capture_stream``; nothing
+        runs. Raises where the driver cannot (the caller keeps launching)."""
+        from shmask._native import ffi
+
+        if self.launch_fn:
+            raise RuntimeError("a stand-in driver's launches are not captured")
+        held = self._pointers
+        held[0:len(pointers)] = pointers
+        made = ffi.new("uint64_t *")
+        rc = self._lib.shm_launch_plan_graph(
+            self._steps, self._n_steps, self._args, self._args_bytes, self._holes,
+            self._n_holes, held, self._n_pointers, capture_stream, made, self._failed)
+        if rc != 0:
+            raise RuntimeError(f"shmask: a plan's launches could not become a CUDA graph "
+                               f"(code {rc})")
+        return int(made[0])
+
+
+class _Graphs:
+    """A plan's CUDA graphs, one per address set (issue 35): an eager call
+    costs the host a cuLaunchKernelEx a launch (about 2 us each, 5-10 a
+    call); a graph of the same launches costs one cuGraphLaunch. A graph
+    holds its kernels' arguments as they were captured, the call's tensor
+    addresses among them, so it serves only calls whose slots are at those
+    addresses (the key says everything else about them): an engine's
+    buffers that stay put from step to step and the kept results
+    (kernels/rows.py), which alternate between two. An address set becomes
+    a graph at its GRAPH_AFTER-th replay (a set met once, a fresh input
+    each step, costs no capture), at most GRAPHS_KEPT a plan, the least
+    recently used freed. Any failure to capture or launch one leaves the
+    plan to its launches from then on."""
+
+    def __init__(self, native: NativeLaunches) -> None:
+        self.native = native
+        self.graphs: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self.seen: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self.broken = False
+        self.captured = 0  # graphs made (tests, benchmarks)
+        self.launched = 0  # calls served by a graph
+
+    def launch(self, pointers: Sequence[int], stream: int) -> bool:
+        """The plan's launches as this address set's graph, on ``stream``;
+        False where they must be launched one by one (nothing launched)."""
+        if self.broken:
+            return False
+        addresses = tuple(pointers)
+        graph = self.graphs.get(addresses)
+        if graph is None:
+            graph = self._made(addresses)
+            if graph is None:
+                return False
+        else:
+            self.graphs.move_to_end(addresses)
+        rc = self.native._lib.shm_graph_launch(graph, stream)
+        if rc != 0:
+            self.close()
+            if rc == self.native._lib.SHM_E_LAUNCH_PLAN:
+                return False
+            raise RuntimeError(f"shmask: cuGraphLaunch of a plan's graph failed with CUDA "
+                               f"error {-1000 - rc}")
+        self.launched += 1
+        return True
+
+    def _made(self, addresses: tuple[int, ...]) -> int | None:
+        """This address set's graph once it is met often enough, else None."""
+        met = self.seen.pop(addresses, 0) + 1
+        if met < GRAPH_AFTER:
+            self.seen[addresses] = met
+            while len(self.seen) > 4 * GRAPHS_KEPT:
+                self.seen.popitem(last=False)
+            return None
+        try:
+            graph = self.native.capture(addresses, _capture_stream())
+        except Exception as exc:  # noqa: BLE001 - a driver without graphs keeps launching
+            log.debug("shmask plan: launches stay one by one (%s)", exc)
+            self.close()
+            return None
+        self.captured += 1
+        self.graphs[addresses] = graph
+        while len(self.graphs) > GRAPHS_KEPT:
+            self.native._lib.shm_graph_destroy(self.graphs.popitem(last=False)[1])
+        return graph
+
+    def close(self) -> None:
+        """Free every graph; the plan launches one by one from then on."""
+        self.broken = True
+        graphs, self.graphs = self.graphs, OrderedDict()
+        for graph in graphs.values():
+            self.native._lib.shm_graph_destroy(graph)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - at exit the driver may be gone first
+            pass
+
+
+_CAPTURE_STREAMS: dict[int, int] = {}  # device -> the stream captures are recorded on
+
+
+def _capture_stream() -> int:
+    """The current device's capture stream (made once, in its context)."""
+    from shmask._native import ffi
+
+    device = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        made = ffi.new("uint64_t *")
+        rc = _native().shm_capture_stream(made)
+        if rc != 0:
+            raise RuntimeError(f"shmask: no stream to capture a plan's graph on (code {rc})")
+        stream = _CAPTURE_STREAMS[device] = int(made[0])
+    return stream
+
 
 def pointers(slots: Sequence[torch.Tensor | None]) -> list[int]:
     """The slots' addresses (0 for an absent slot)."""
@@ -460,9 +589,11 @@ class Plan:
         # One native call for every launch where the core can make them as
         # Triton's launcher would (else the steps, one Python call each).
         self.native: NativeLaunches | None = None
+        self.graphs: _Graphs | None = None
         why = native_refusal(launches)
         if why is None:
             self.native = NativeLaunches(launches, self.steps, len(slots))
+            self.graphs = _Graphs(self.native)
         else:
             log.debug("shmask plan: launches stay in Python (%s)", why)
 
@@ -485,6 +616,8 @@ class Plan:
     def replay(self, pointers: Sequence[int], stream: int) -> None:
         """The launches, with the slots at ``pointers`` (pointers(slots))."""
         if self.native is not None and NATIVE_LAUNCHES:
+            if GRAPHS and self.graphs is not None and self.graphs.launch(pointers, stream):
+                return
             if self.native.launch(pointers, stream):
                 return
             self.native = None  # no driver in this process: nothing was launched

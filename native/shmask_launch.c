@@ -13,6 +13,7 @@
 #include "shmask_core.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <string.h>
 
 /* The driver API's launch configuration (cuda.h, CUDA 12.0 on; the core is
@@ -106,5 +107,96 @@ int shm_launch_plan(const shm_launch_step *steps, uint32_t n_steps, uint8_t *arg
             return -1000 - rc; /* CUDA error e as -1000 - e, as shm_direct_launch */
         }
     }
+    return SHM_OK;
+}
+
+/* The driver's graph API (cuda.h, CUDA 11.4 on), found as cuLaunchKernelEx
+ * is: capture mode 1 is CU_STREAM_CAPTURE_MODE_THREAD_LOCAL (only this
+ * thread's calls may disturb the capture; other threads' work, an engine's
+ * own graph capture among it, is left alone). */
+typedef int (*cu_begin_capture_fn)(void *stream, int mode);
+typedef int (*cu_end_capture_fn)(void *stream, void **graph);
+typedef int (*cu_instantiate_fn)(void **exec, void *graph, unsigned long long flags);
+typedef int (*cu_graph_launch_fn)(void *exec, void *stream);
+typedef int (*cu_destroy_fn)(void *handle);
+typedef int (*cu_stream_create_fn)(void **stream, unsigned flags);
+enum { CU_CAPTURE_THREAD_LOCAL = 1, CU_STREAM_NON_BLOCKING = 1 };
+
+static struct {
+    cu_begin_capture_fn begin_capture;
+    cu_end_capture_fn end_capture;
+    cu_instantiate_fn instantiate;
+    cu_graph_launch_fn launch;
+    cu_destroy_fn destroy_exec, destroy_graph;
+    cu_stream_create_fn stream_create;
+} graph_api;
+static pthread_once_t graph_api_once = PTHREAD_ONCE_INIT;
+
+/* Once a process: a plan's graph is made only after Triton's path has
+ * launched its kernels, so the driver is loaded by then. */
+static void resolve_graph_api(void) {
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (driver) {
+        graph_api.begin_capture = (cu_begin_capture_fn)dlsym(driver, "cuStreamBeginCapture_v2");
+        graph_api.end_capture = (cu_end_capture_fn)dlsym(driver, "cuStreamEndCapture");
+        graph_api.instantiate = (cu_instantiate_fn)dlsym(driver, "cuGraphInstantiateWithFlags");
+        graph_api.launch = (cu_graph_launch_fn)dlsym(driver, "cuGraphLaunch");
+        graph_api.destroy_exec = (cu_destroy_fn)dlsym(driver, "cuGraphExecDestroy");
+        graph_api.destroy_graph = (cu_destroy_fn)dlsym(driver, "cuGraphDestroy");
+        graph_api.stream_create = (cu_stream_create_fn)dlsym(driver, "cuStreamCreate");
+    }
+}
+
+static int graphs_available(void) {
+    pthread_once(&graph_api_once, resolve_graph_api);
+    return graph_api.begin_capture && graph_api.end_capture && graph_api.instantiate &&
+           graph_api.launch && graph_api.destroy_exec && graph_api.destroy_graph &&
+           graph_api.stream_create && driver_launch();
+}
+
+int shm_launch_plan_graph(const shm_launch_step *steps, uint32_t n_steps, uint8_t *args,
+                          uint32_t args_bytes, const shm_launch_hole *holes, uint32_t n_holes,
+                          const uint64_t *pointers, uint32_t n_pointers,
+                          uint64_t capture_stream, uint64_t *graph_exec, uint32_t *failed_step) {
+    if (!graph_exec || !capture_stream || !graphs_available()) return SHM_E_LAUNCH_PLAN;
+    *graph_exec = 0;
+    void *stream = (void *)(uintptr_t)capture_stream;
+    int rc = graph_api.begin_capture(stream, CU_CAPTURE_THREAD_LOCAL);
+    if (rc) return -1000 - rc;
+    int launched = shm_launch_plan(steps, n_steps, args, args_bytes, holes, n_holes, pointers,
+                                   n_pointers, capture_stream, 0, failed_step);
+    void *graph = NULL;
+    rc = graph_api.end_capture(stream, &graph); /* always: the stream leaves capture */
+    if (launched != SHM_OK) {
+        if (graph) graph_api.destroy_graph(graph);
+        return launched;
+    }
+    if (rc) return -1000 - rc;
+    void *exec = NULL;
+    rc = graph_api.instantiate(&exec, graph, 0);
+    graph_api.destroy_graph(graph); /* the instantiated graph keeps what it needs */
+    if (rc) return -1000 - rc;
+    *graph_exec = (uint64_t)(uintptr_t)exec;
+    return SHM_OK;
+}
+
+int shm_graph_launch(uint64_t graph_exec, uint64_t stream) {
+    if (!graph_exec || !graphs_available()) return SHM_E_LAUNCH_PLAN;
+    int rc = graph_api.launch((void *)(uintptr_t)graph_exec, (void *)(uintptr_t)stream);
+    return rc ? -1000 - rc : SHM_OK;
+}
+
+int shm_graph_destroy(uint64_t graph_exec) {
+    if (!graph_exec || !graphs_available()) return SHM_E_LAUNCH_PLAN;
+    int rc = graph_api.destroy_exec((void *)(uintptr_t)graph_exec);
+    return rc ? -1000 - rc : SHM_OK;
+}
+
+int shm_capture_stream(uint64_t *stream) {
+    if (!stream || !graphs_available()) return SHM_E_LAUNCH_PLAN;
+    void *made = NULL;
+    int rc = graph_api.stream_create(&made, CU_STREAM_NON_BLOCKING);
+    if (rc) return -1000 - rc;
+    *stream = (uint64_t)(uintptr_t)made;
     return SHM_OK;
 }

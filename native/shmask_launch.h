@@ -44,4 +44,29 @@ int shm_launch_plan(const shm_launch_step *steps, uint32_t n_steps, uint8_t *arg
                     const uint64_t *pointers, uint32_t n_pointers, uint64_t stream,
                     uint64_t launch_fn, uint32_t *failed_step);
 
+/* The same launches as one CUDA graph (issue 35: an eager call's launches
+ * cost the host about 2 us each in the driver; a graph's launch costs
+ * about the same for all of them). shm_launch_plan_graph fills the holes
+ * from `pointers` and records the steps, as shm_launch_plan would launch
+ * them, by stream capture (thread-local mode) on `capture_stream`, which
+ * the caller owns and uses for nothing else; nothing runs. *graph_exec is
+ * then an instantiated graph to launch with shm_graph_launch on any
+ * stream of the same context, as often as the call's tensors are at those
+ * same addresses, and to free with shm_graph_destroy. Returns SHM_OK;
+ * SHM_E_LAUNCH_PLAN as shm_launch_plan's, or where the driver lacks
+ * graphs; -1000 - e for CUDA error e (the capture is ended and nothing is
+ * kept). */
+int shm_launch_plan_graph(const shm_launch_step *steps, uint32_t n_steps, uint8_t *args,
+                          uint32_t args_bytes, const shm_launch_hole *holes, uint32_t n_holes,
+                          const uint64_t *pointers, uint32_t n_pointers,
+                          uint64_t capture_stream, uint64_t *graph_exec, uint32_t *failed_step);
+/* A graph of shm_launch_plan_graph, launched on `stream`: SHM_OK or
+ * -1000 - e (SHM_E_LAUNCH_PLAN without a driver). */
+int shm_graph_launch(uint64_t graph_exec, uint64_t stream);
+/* Frees a graph of shm_launch_plan_graph (not launched again after). */
+int shm_graph_destroy(uint64_t graph_exec);
+/* A new non-blocking stream of the calling thread's current context, for
+ * shm_launch_plan_graph's captures: SHM_OK or -1000 - e. */
+int shm_capture_stream(uint64_t *stream);
+
 #endif

@@ -322,3 +322,77 @@ def test_a_key_never_planned_is_not_recorded_again() -> None:
     plans.launch("j", slots, launch_plan.pointers(slots), 0,
                  lambda: call(kernel, slots, held))
     assert len(recorded) == 1  # a new key is recorded
+
+
+class GraphDriver:
+    """A plan's native launches as _Graphs sees them: capture() returns a
+    new graph handle (or raises, as a driver without graphs does) and the
+    core's shm_graph_launch / shm_graph_destroy record what they get (the
+    real driver's graphs run on the GPU: tests/test_rows_every_path.py)."""
+
+    SHM_E_LAUNCH_PLAN = -34
+
+    def __init__(self) -> None:
+        self.captures: list[tuple[int, ...]] = []
+        self.launches: list[tuple[int, int]] = []
+        self.destroyed: list[int] = []
+        self.capture_fails = False
+        self.launch_rc = 0
+        self._lib = self
+
+    def capture(self, pointers, capture_stream: int) -> int:
+        if self.capture_fails:
+            raise RuntimeError("no graphs in this driver")
+        self.captures.append(tuple(pointers))
+        return 1000 + len(self.captures)
+
+    def shm_graph_launch(self, graph: int, stream: int) -> int:
+        self.launches.append((graph, stream))
+        return self.launch_rc
+
+    def shm_graph_destroy(self, graph: int) -> int:
+        self.destroyed.append(graph)
+        return 0
+
+
+def test_an_address_set_becomes_a_graph_at_its_second_replay(monkeypatch) -> None:
+    """A set met once is launched one by one (no capture for a fresh input
+    each step); from its second replay on it is one graph launch; at most
+    GRAPHS_KEPT graphs a plan, the least recently used freed."""
+    monkeypatch.setattr(launch_plan, "_capture_stream", lambda: 77)
+    driver = GraphDriver()
+    graphs = launch_plan._Graphs(driver)  # type: ignore[arg-type]
+    assert not graphs.launch([1, 2], stream=5) and driver.captures == []
+    assert graphs.launch([1, 2], stream=5) and driver.captures == [(1, 2)]
+    assert graphs.launch([1, 2], stream=6) and driver.launches == [(1001, 5), (1001, 6)]
+    assert not graphs.launch([3, 4], stream=5)  # another set: met once
+    for n in range(launch_plan.GRAPHS_KEPT):
+        graphs.launch([10, n], stream=5)
+        graphs.launch([10, n], stream=5)
+    assert len(graphs.graphs) == launch_plan.GRAPHS_KEPT
+    assert driver.destroyed == [1001]  # the least recently used
+    assert (1, 2) not in graphs.graphs and graphs.launched == 2 + launch_plan.GRAPHS_KEPT
+
+
+def test_a_driver_without_graphs_leaves_the_plan_to_its_launches(monkeypatch) -> None:
+    monkeypatch.setattr(launch_plan, "_capture_stream", lambda: 77)
+    driver = GraphDriver()
+    graphs = launch_plan._Graphs(driver)  # type: ignore[arg-type]
+    driver.capture_fails = True
+    assert not graphs.launch([1, 2], stream=5)
+    assert not graphs.launch([1, 2], stream=5)  # the capture failed: launched one by one
+    driver.capture_fails = False
+    assert not graphs.launch([1, 2], stream=5) and not graphs.launch([1, 2], stream=5)
+    assert driver.captures == [] and driver.launches == []
+
+
+def test_a_graph_launch_that_fails_raises_and_frees_the_graphs(monkeypatch) -> None:
+    monkeypatch.setattr(launch_plan, "_capture_stream", lambda: 77)
+    driver = GraphDriver()
+    graphs = launch_plan._Graphs(driver)  # type: ignore[arg-type]
+    graphs.launch([1, 2], stream=5)
+    graphs.launch([1, 2], stream=5)
+    driver.launch_rc = -1000 - 700  # CUDA error 700
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        graphs.launch([1, 2], stream=5)
+    assert driver.destroyed == [1001] and not graphs.launch([1, 2], stream=5)

@@ -169,3 +169,44 @@ def test_planned_calls_match_tritons_path(monkeypatch: pytest.MonkeyPatch) -> No
     if GPU:  # capture and sample: 2 replays each; compact: 2
         assert capture_module._PLANS.replayed - replayed[0] == 4
         assert compact_module._PLANS.replayed - replayed[1] == 2
+
+
+def graphs_launched() -> int:
+    """Calls served by a plan's CUDA graph so far (kernels/launch_plan.py)."""
+    return sum(state.graphs.launched for module in (capture_module, compact_module)
+               for state in module._PLANS._states.values()
+               if getattr(state, "graphs", None) is not None)
+
+
+@pytest.mark.skipif(not GPU, reason="plans' CUDA graphs need the GPU (SHMASK_TEST_GPU=1)")
+def test_buffers_that_stay_put_replay_as_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's buffers stay put from step to step, their contents new
+    each step: from an address set's second replay on a plan launches it
+    as one CUDA graph, and each step's rows (and sample's tokens) are still
+    the bits of Triton's path on that step's contents."""
+    steps = [step_inputs(seed) for seed in (21, 22, 23, 24, 25, 26)]
+    held = {name: value.clone() for name, value in steps[0].items()}
+    seeds = torch.arange(BATCH, device=DEVICE) * 3 + 1
+
+    def calls(step: dict) -> dict:
+        for name, value in step.items():
+            held[name].copy_(value)
+        kw = {k: v for k, v in held.items() if k not in ("probs", "sampled")}
+        drawn = sample(held["probs"], seeds, **kw, max_tokens=MAX_TOKENS)
+        return {"capture": bits(capture(held["probs"], held["sampled"], **kw,
+                                        max_tokens=MAX_TOKENS)),
+                "sample": {**bits(drawn), "tokens": drawn.tokens.cpu().tolist()},
+                "compact": bits(compact(torch.log(held["probs"]), MAX_TOKENS))}
+
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
+    want = [calls(step) for step in steps]
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "1")
+    before = graphs_launched()
+    got = [calls(step) for step in steps]
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name in w:
+            assert g[name] == w[name], f"step {n}: {name}"
+    # calls 1-2 record, 3 replays one by one, 4 on as graphs where the
+    # addresses held (the converted settings and log-probs are the
+    # allocator's: most calls get the same blocks again)
+    assert graphs_launched() - before >= 3
