@@ -50,9 +50,10 @@ computes on the host from the call's values must be in the key.
 
 Triton's path is taken whenever a replay could differ from it: the
 interpreter or no NVIDIA GPU (no compiled launcher), launch hooks installed
-(a profiler wants to see launches), a CUDA graph being captured,
-``SHMASK_KERNEL_PLANS=0``, or a Triton whose internals a plan does not know
-(any error while building one: the key is not planned, logged once).
+(a profiler wants to see launches), a CUDA graph being captured, a
+tensor on another device than the current one, ``SHMASK_KERNEL_PLANS=0``,
+or a Triton whose internals a plan does not know (any error while
+building one: the key is not planned, logged once).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ NATIVE_LAUNCHES = True
 GRAPHS = True
 GRAPH_AFTER = 2  # an address set becomes a graph at its second replay
 GRAPHS_KEPT = 4  # graphs a plan keeps (kept results alternate between two)
+GRAPH_FAILURES = 3  # failed captures after which a plan makes no more graphs
 _NOT_PLANNED = object()
 
 
@@ -182,6 +184,8 @@ def call_stream(tensor: torch.Tensor) -> tuple[int, int, int] | None:
         return None
     active = driver.active
     device = active.get_current_device()
+    if tensor.device.index != device:
+        return None  # Triton launches on the current device's stream: its own path
     return device, active.get_current_stream(device), threading.get_ident()
 
 
@@ -449,17 +453,23 @@ class NativeLaunches:
         from shmask._native import ffi
 
         if self.launch_fn:
-            raise RuntimeError("a stand-in driver's launches are not captured")
+            raise _NoGraphs("a stand-in driver's launches are not captured")
         held = self._pointers
         held[0:len(pointers)] = pointers
         made = ffi.new("uint64_t *")
         rc = self._lib.shm_launch_plan_graph(
             self._steps, self._n_steps, self._args, self._args_bytes, self._holes,
             self._n_holes, held, self._n_pointers, capture_stream, made, self._failed)
+        if rc == self._lib.SHM_E_LAUNCH_PLAN:
+            raise _NoGraphs("the loaded CUDA driver has no graph API")
         if rc != 0:
             raise RuntimeError(f"shmask: a plan's launches could not become a CUDA graph "
-                               f"(code {rc})")
+                               f"(CUDA error {-1000 - rc})")
         return int(made[0])
+
+
+class _NoGraphs(Exception):
+    """This process's driver makes no graphs (said at debug level)."""
 
 
 class _Graphs:
@@ -473,14 +483,17 @@ class _Graphs:
     (kernels/rows.py), which alternate between two. An address set becomes
     a graph at its GRAPH_AFTER-th replay (a set met once, a fresh input
     each step, costs no capture), at most GRAPHS_KEPT a plan, the least
-    recently used freed. Any failure to capture or launch one leaves the
-    plan to its launches from then on."""
+    recently used freed. A driver without graphs, a failed graph launch or
+    GRAPH_FAILURES failed captures leave the plan to its launches from
+    then on; a set whose capture failed is launched one by one this time
+    and may be captured when it is met again."""
 
     def __init__(self, native: NativeLaunches) -> None:
         self.native = native
         self.graphs: OrderedDict[tuple[int, ...], int] = OrderedDict()
         self.seen: OrderedDict[tuple[int, ...], int] = OrderedDict()
         self.broken = False
+        self.failures = 0  # captures that failed
         self.captured = 0  # graphs made (tests, benchmarks)
         self.launched = 0  # calls served by a graph
 
@@ -516,10 +529,20 @@ class _Graphs:
                 self.seen.popitem(last=False)
             return None
         try:
-            graph = self.native.capture(addresses, _capture_stream())
-        except Exception as exc:  # noqa: BLE001 - a driver without graphs keeps launching
-            log.debug("shmask plan: launches stay one by one (%s)", exc)
+            # one capture at a time in the process: the capture stream is
+            # one per device, and a stream captures one graph at a time
+            # (the core runs without the GIL)
+            with _CAPTURE_LOCK:
+                graph = self.native.capture(addresses, _capture_stream())
+        except _NoGraphs as why:
+            log.debug("shmask plan: launches stay one by one (%s)", why)
             self.close()
+            return None
+        except Exception as exc:  # noqa: BLE001 - a failed capture launches one by one
+            self.failures += 1
+            log.debug("shmask plan: a capture failed (%s)", exc)
+            if self.failures >= GRAPH_FAILURES:
+                self.close()
             return None
         self.captured += 1
         self.graphs[addresses] = graph
@@ -542,6 +565,7 @@ class _Graphs:
 
 
 _CAPTURE_STREAMS: dict[int, int] = {}  # device -> the stream captures are recorded on
+_CAPTURE_LOCK = threading.Lock()  # held around a capture (and the stream's making)
 
 
 def _capture_stream() -> int:

@@ -336,13 +336,14 @@ class GraphDriver:
         self.captures: list[tuple[int, ...]] = []
         self.launches: list[tuple[int, int]] = []
         self.destroyed: list[int] = []
-        self.capture_fails = False
+        self.capture_fails: Exception | None = None
         self.launch_rc = 0
         self._lib = self
 
     def capture(self, pointers, capture_stream: int) -> int:
+        assert launch_plan._CAPTURE_LOCK.locked()  # one capture at a time in the process
         if self.capture_fails:
-            raise RuntimeError("no graphs in this driver")
+            raise self.capture_fails
         self.captures.append(tuple(pointers))
         return 1000 + len(self.captures)
 
@@ -378,12 +379,33 @@ def test_a_driver_without_graphs_leaves_the_plan_to_its_launches(monkeypatch) ->
     monkeypatch.setattr(launch_plan, "_capture_stream", lambda: 77)
     driver = GraphDriver()
     graphs = launch_plan._Graphs(driver)  # type: ignore[arg-type]
-    driver.capture_fails = True
+    driver.capture_fails = launch_plan._NoGraphs("no graph API")
     assert not graphs.launch([1, 2], stream=5)
-    assert not graphs.launch([1, 2], stream=5)  # the capture failed: launched one by one
-    driver.capture_fails = False
+    assert not graphs.launch([1, 2], stream=5)  # no graphs: launched one by one
+    driver.capture_fails = None
     assert not graphs.launch([1, 2], stream=5) and not graphs.launch([1, 2], stream=5)
     assert driver.captures == [] and driver.launches == []
+
+
+def test_a_failed_capture_is_tried_again_a_few_times(monkeypatch) -> None:
+    """A capture that fails with a CUDA error launches that call one by one
+    and leaves the plan its graphs; GRAPH_FAILURES of them end its graphs."""
+    monkeypatch.setattr(launch_plan, "_capture_stream", lambda: 77)
+    driver = GraphDriver()
+    graphs = launch_plan._Graphs(driver)  # type: ignore[arg-type]
+    driver.capture_fails = RuntimeError("CUDA error 900")
+    graphs.launch([1, 2], stream=5)
+    assert not graphs.launch([1, 2], stream=5)  # the capture failed
+    driver.capture_fails = None
+    graphs.launch([1, 2], stream=5)
+    assert graphs.launch([1, 2], stream=5) and driver.captures == [(1, 2)]
+    driver.capture_fails = RuntimeError("CUDA error 900")
+    for n in range(launch_plan.GRAPH_FAILURES - 1):  # the first failure was above
+        graphs.launch([3, n], stream=5)
+        assert not graphs.launch([3, n], stream=5)
+        assert graphs.broken == (n == launch_plan.GRAPH_FAILURES - 2)
+    assert driver.destroyed == [1001]
+    assert not graphs.launch([1, 2], stream=5)
 
 
 def test_a_graph_launch_that_fails_raises_and_frees_the_graphs(monkeypatch) -> None:
