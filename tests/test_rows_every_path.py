@@ -179,16 +179,29 @@ def graphs_launched() -> int:
 
 
 @pytest.mark.skipif(not GPU, reason="plans' CUDA graphs need the GPU (SHMASK_TEST_GPU=1)")
-def test_buffers_that_stay_put_replay_as_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_buffers_that_stay_put_replay_as_graphs(stream: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine's buffers stay put from step to step, their contents new
     each step: from an address set's second replay on a plan launches it
     as one CUDA graph, and each step's rows (and sample's tokens) are still
-    the bits of Triton's path on that step's contents."""
+    the bits of Triton's path on that step's contents. "side": the calls
+    run on a stream of their own, each step's new contents written there
+    behind a slow kernel, so a graph launched anywhere but on the caller's
+    stream would read the step before's."""
     steps = [step_inputs(seed) for seed in (21, 22, 23, 24, 25, 26)]
     held = {name: value.clone() for name, value in steps[0].items()}
     seeds = torch.arange(BATCH, device=DEVICE) * 3 + 1
+    side = torch.cuda.Stream() if stream == "side" else torch.cuda.current_stream()
+    side.wait_stream(torch.cuda.current_stream())
 
     def calls(step: dict) -> dict:
+        with torch.cuda.stream(side):
+            return stepped(step)
+
+    def stepped(step: dict) -> dict:
+        if stream == "side":
+            torch.cuda._sleep(20_000_000)  # the copies below land late on this stream
         for name, value in step.items():
             held[name].copy_(value)
         kw = {k: v for k, v in held.items() if k not in ("probs", "sampled")}
