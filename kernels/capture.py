@@ -126,7 +126,7 @@ from .capture_resolve import launch_resolve
 from .capture_window import launch_window
 from .capture_workspace import CaptureSettings, CaptureWorkspace, on_scratch_grown
 from .capture_write import launch_window_write, launch_write
-from .checks import check_matrix, check_max_tokens, per_row
+from .checks import as_contiguous, check_matrix, check_max_tokens, per_row
 from .compact import launch_expand_local
 from .direct import claim_step, launching, publish_into
 from .host import check_into
@@ -258,9 +258,7 @@ def _tokens_and_seeds(
         raise ValueError(f"sampled must be an integer tensor of shape ({batch},)")
     if sampled.dtype.is_floating_point or sampled.dtype == torch.bool:
         raise TypeError(f"sampled must hold integer token ids, got {sampled.dtype}")
-    if sampled.dtype == torch.int64 and sampled.device == device and sampled.is_contiguous():
-        return sampled, None  # what .to().contiguous() returns, without two dispatches
-    return sampled.to(device=device, dtype=torch.int64).contiguous(), None
+    return as_contiguous(sampled, torch.int64, device), None
 
 
 def capture(

@@ -79,9 +79,7 @@ def per_row(
     if isinstance(value, torch.Tensor):
         if value.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
-        if value.dtype == dtype and value.device == device and value.is_contiguous():
-            return value  # what .to().contiguous() returns, without two dispatches
-        return value.to(device=device, dtype=dtype).contiguous()
+        return as_contiguous(value, dtype, device)
     if not isinstance(value, numbers.Real):  # a 0-d array, a string, a list...
         raise TypeError(f"{name} must be a number or a tensor of shape ({batch},), "
                         f"got {type(value).__name__}")
@@ -90,6 +88,15 @@ def per_row(
     if high is not None and not (value <= high):
         raise ValueError(f"{name}={value!r} is out of range; accepted: <= {high}")
     return constant_rows(value, batch, dtype, device, stream)
+
+
+def as_contiguous(value: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``value.to(device=device, dtype=dtype).contiguous()``: the tensor
+    itself where it already is one (as those return it), checked without
+    their two dispatches, a few us of an eager call's host time."""
+    if value.dtype == dtype and value.device == device and value.is_contiguous():
+        return value
+    return value.to(device=device, dtype=dtype).contiguous()
 
 
 # Broadcast scalars, kept per (value, batch, dtype, device, stream): the

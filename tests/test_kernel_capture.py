@@ -214,11 +214,13 @@ def test_settings_of_a_known_stream_and_settings_tensors_taken_as_they_are() -> 
     the kernels read), any other is converted; a wrong shape is refused."""
     from shmask.kernels.checks import constant_rows, per_row
     device = torch.device(DEVICE)
+    # (no broadcast made between a lookup and the one kept before it: the
+    # cache is emptied when full, and other tests fill it)
     kept = constant_rows(0.5, 4, torch.float32, device, 7001)
     assert constant_rows(0.5, 4, torch.float32, device, 7001) is kept
+    assert per_row(0.5, 4, torch.float32, device, "top_p", 1.0, stream=7001) is kept
     assert constant_rows(0.5, 4, torch.float32, device, 7002) is not kept
     assert kept.cpu().tolist() == [0.5] * 4
-    assert per_row(0.5, 4, torch.float32, device, "top_p", 1.0, stream=7001) is kept
     own = torch.full((4,), 0.9, device=device)
     assert per_row(own, 4, torch.float32, device, "top_p", 1.0) is own
     as_int64 = torch.full((4,), 20, dtype=torch.int64, device=device)
