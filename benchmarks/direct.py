@@ -45,8 +45,12 @@ forward it, open every chunk, build the response (to_json, or to_lists with
                     path's with the same rows (the cpu path's when it runs; compact-direct's)
 
 Run: python benchmarks/direct.py [--quick] [--repeats N] [--paths off,capture,...] [--lists]
-[--spin] [--breakdown] [--out FILE]
-(--quick: a small CPU-interpreter smoke run of the same code).
+[--spin] [--breakdown] [--top-p P] [--logit-scale S] [--out FILE]
+(--quick: a small CPU-interpreter smoke run of the same code). The masks are top_k
+1000 rows by default; --top-p P captures top-p-only rows instead (top_k off, the RL
+rollout setting), and --logit-scale S multiplies the step's logits (std ~3 as they
+are: S 8/3 gives the sweep's peaked "s8" rows, supports of a few to tens of ids at
+top_p 0.9; benchmarks/sweep.py).
 """
 
 from __future__ import annotations
@@ -104,10 +108,24 @@ def gpu_step_fn(spec: dict[str, Any]):
             x = x @ square
         logits = states[index % states.shape[0]] @ weights
         logits = logits + x[0, 0].to(logits.dtype) * 0  # the step depends on the work
-        probs = torch.softmax(logits.float(), -1)
+        probs = torch.softmax(logits.float() * spec.get("logit_scale", 1.0), -1)
         return probs, probs.argmax(1)
 
     return step
+
+
+def mask_settings(spec: dict[str, Any]) -> dict[str, Any]:
+    """capture()'s settings for the run: top_k (the default), or top-p only."""
+    if spec.get("top_p") is not None:
+        return {"top_p": spec["top_p"]}
+    return {"top_k": spec["top_k"]}
+
+
+def settings_label(spec: dict[str, Any]) -> str:
+    scale = spec.get("logit_scale", 1.0)
+    kind = (f"top_p {spec['top_p']} only" if spec.get("top_p") is not None
+            else f"top_k {spec['top_k']}")
+    return kind + (f", logits x {scale:g}" if scale != 1.0 else "")
 
 
 def probe() -> float:
@@ -158,7 +176,7 @@ def run_scheduler(spec: dict[str, Any]) -> None:
             kth = probs.topk(spec["top_k"], dim=1).values[:, -1:]
             logprobs = torch.where(probs >= kth, probs.log(), -float("inf"))
             return compact(logprobs, spec["max_tokens"], into=into)
-        return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"],
+        return capture(probs, sampled, **mask_settings(spec), max_tokens=spec["max_tokens"],
                        into=into)
 
     # Warm-up on a throwaway ring: compiles the step, capture and the direct kernel.
@@ -303,7 +321,7 @@ def breakdown(base: dict[str, Any]) -> None:
     probs, sampled = gpu_step_fn(spec)(0)
 
     def captured():
-        return capture(probs, sampled, top_k=spec["top_k"], max_tokens=spec["max_tokens"])
+        return capture(probs, sampled, **mask_settings(spec), max_tokens=spec["max_tokens"])
 
     rows = captured()
     config = shmask.Config(ring_mb=base["ring_mb"], name_prefix=part1.SEGMENT_PREFIX,
@@ -436,7 +454,8 @@ def run_once(path: str, base: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(quick: bool, repeats: int, build: str, spin: bool = False,
-        paths: tuple[str, ...] = PATHS) -> list[dict[str, Any]]:
+        paths: tuple[str, ...] = PATHS, top_p: float | None = None,
+        logit_scale: float = 1.0) -> list[dict[str, Any]]:
     paths = paths + (SPIN_PATHS if spin else ())
     if quick:
         base = {"device": "cpu", "batch": 8, "total_tokens": 12, "tokens": 5, "vocab": 4096,
@@ -447,7 +466,7 @@ def run(quick: bool, repeats: int, build: str, spin: bool = False,
                 "max_tokens": 2048, "matmuls": 0}
     # A ring of 8 emissions: the tokenizer holds one while the next ones arrive.
     base.update({"mode": "support", "width": base["top_k"], "warmup": 0, "seed": 1, "ack": False,
-                 "build": build,
+                 "build": build, "top_p": top_p, "logit_scale": logit_scale,
                  "ring_mb": ring_mb_for(base["batch"], base["tokens"], base["top_k"], copies=8)})
     if not quick:  # calibrate once, so every run does the same work
         base["matmuls"] = calibrate(base)
@@ -490,7 +509,7 @@ def run(quick: bool, repeats: int, build: str, spin: bool = False,
     print_table(
         f"Issue 10 - decode loop on {base['device']}: {base['batch']} requests x "
         f"{base['total_tokens']} tokens, step = {base.get('matmuls')} bf16 matmuls "
-        f"{base['square']}^3 + logits (V = {base['vocab']}), top_k {base['top_k']} support, "
+        f"{base['square']}^3 + logits (V = {base['vocab']}), {settings_label(base)} rows, "
         f"emission every {base['tokens']} tokens, responses by {build} (median of runs)",
         ("path", "runs", "tokens/s", "vs off", "vs capture", "masks us/step", "p50 us", "p99 us",
          "masks cpu us", "emit us/step", "launch p50 us", "probe warm us", "probe after sync us",
@@ -515,8 +534,11 @@ if __name__ == "__main__":
             os.environ.setdefault("TRITON_INTERPRET", "1")
         chosen = (tuple(sys.argv[sys.argv.index("--paths") + 1].split(","))
                   if "--paths" in sys.argv else PATHS)
+        top_p = float(sys.argv[sys.argv.index("--top-p") + 1]) if "--top-p" in sys.argv else None
+        scale = (float(sys.argv[sys.argv.index("--logit-scale") + 1])
+                 if "--logit-scale" in sys.argv else 1.0)
         results = run(quick, 1 if quick else repeats, "lists" if "--lists" in sys.argv else "json",
-                      spin="--spin" in sys.argv, paths=chosen)
+                      spin="--spin" in sys.argv, paths=chosen, top_p=top_p, logit_scale=scale)
         if "--out" in sys.argv:
             Path(sys.argv[sys.argv.index("--out") + 1]).write_text(json.dumps(results, indent=1))
         if "--breakdown" in sys.argv:

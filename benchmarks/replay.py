@@ -4,7 +4,7 @@ runs by hand, side by side in one run.
     python3 benchmarks/replay.py [--tokens N] [--json PATH]   # the H200
     python3 benchmarks/replay.py --smoke                      # CPU, Triton's interpreter
 
-N tokens x V = 151,936 bf16 logits (default N = 16,384), two row sets:
+N tokens x V = 151,936 logits (bf16, or fp32 with --dtype; default N = 16,384), two row sets:
 supports of 1,000 ids (the ids form) and top-p-only supports as bitmask
 rows (~40% of the vocabulary each). Paths, each checked against the
 dense-mask result first:
@@ -139,15 +139,21 @@ def host_us(call: Callable[[], object], calls: int = 10) -> float:
     return statistics.median(batches)
 
 
-def bench_logits(n: int, vocab: int) -> tuple[torch.Tensor, torch.Generator]:
-    """The replay benchmarks' bf16 logits [n, vocab] (randn x 2, seed 38)
-    and the generator after them, which the rows are then drawn from."""
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def bench_logits(n: int, vocab: int, dtype: torch.dtype = torch.bfloat16
+                 ) -> tuple[torch.Tensor, torch.Generator]:
+    """The replay benchmarks' logits [n, vocab] (randn x 2, seed 38; bf16 by
+    default, fp32 as trainers that upcast the head's output for the loss
+    hold them) and the generator after them, which the rows are drawn from."""
     gen = torch.Generator(device=DEVICE).manual_seed(38)
-    return (torch.randn(n, vocab, generator=gen, device=DEVICE) * 2).to(torch.bfloat16), gen
+    return (torch.randn(n, vocab, generator=gen, device=DEVICE) * 2).to(dtype), gen
 
 
-def run(n: int, vocab: int, length: int, share: float, repeats: int) -> list[dict]:
-    logits, gen = bench_logits(n, vocab)
+def run(n: int, vocab: int, length: int, share: float, repeats: int,
+        dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    logits, gen = bench_logits(n, vocab, dtype)
     results: list[dict] = []
     read_ms, _ = timed(lambda: logits.amax(1), repeats)
     write_ms, write_mb = timed(lambda: torch.zeros_like(logits), repeats)
@@ -219,15 +225,18 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=1000, help="ids per ids-form row")
     parser.add_argument("--share", type=float, default=0.4, help="bitmask rows' kept share")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                        help="the logits' dtype (a 1,000-id row's gather reads one 32-byte "
+                             "sector an id in either: fp32 halves its share of one read)")
     parser.add_argument("--smoke", action="store_true", help="N=4, V=2000 (CPU: the interpreter)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     n, vocab, length, repeats = ((4, 2000, 50, 1) if args.smoke else
                                  (args.tokens, 151_936, args.length, args.repeats))
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton's interpreter)"
-    print(f"replay: {name}; torch {torch.__version__}; N={n} V={vocab}; "
+    print(f"replay: {name}; torch {torch.__version__}; N={n} V={vocab} {args.dtype}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
-    results = run(n, vocab, length, args.share, repeats)
+    results = run(n, vocab, length, args.share, repeats, DTYPES[args.dtype])
     for r in results:
         print(f"\n{r['rows']} (max |replay - dense| {r['max_abs_error']:.2e}, "
               f"mean logp_S {r['mean_logp']:.3f})")
@@ -236,7 +245,7 @@ def main() -> int:
         print("  ratios               " + "  ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "tokens": n, "vocab": vocab,
-                                               "results": results}, indent=1))
+                                               "dtype": args.dtype, "results": results}, indent=1))
     return 0
 
 

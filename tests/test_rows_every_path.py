@@ -223,3 +223,65 @@ def test_buffers_that_stay_put_replay_as_graphs(stream: str,
     # addresses held (the converted settings and log-probs are the
     # allocator's: most calls get the same blocks again)
     assert graphs_launched() - before >= 3
+
+
+@pytest.mark.skipif(not GPU, reason="plans' CUDA graphs need the GPU (SHMASK_TEST_GPU=1)")
+def test_two_threads_replay_their_own_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads, as two engines' samplers in one process, each with its
+    own stream and buffers refilled every step, call in lock step: each
+    thread's plans make and launch their own graphs (captures take turns
+    on the one capture stream), and every step's rows and tokens are the
+    bits of Triton's path on that thread's contents."""
+    import threading
+
+    seeds = torch.arange(BATCH, device=DEVICE) * 3 + 1
+    inputs = {t: [step_inputs(seed) for seed in range(40 + 10 * t, 46 + 10 * t)] for t in (0, 1)}
+
+    def run(t: int, out: list, barrier: threading.Barrier | None) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(side):
+            held = {name: value.clone() for name, value in inputs[t][0].items()}
+            for step in inputs[t]:
+                if barrier is not None:
+                    barrier.wait(timeout=120)  # both threads' calls overlap
+                torch.cuda._sleep(5_000_000)  # the new contents land late on this stream
+                for name, value in step.items():
+                    held[name].copy_(value)
+                kw = {k: v for k, v in held.items() if k not in ("probs", "sampled")}
+                drawn = sample(held["probs"], seeds, **kw, max_tokens=MAX_TOKENS)
+                out.append({"capture": bits(capture(held["probs"], held["sampled"], **kw,
+                                                    max_tokens=MAX_TOKENS)),
+                            "sample": {**bits(drawn), "tokens": drawn.tokens.cpu().tolist()},
+                            "compact": bits(compact(torch.log(held["probs"]), MAX_TOKENS))})
+
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
+    want: dict[int, list] = {0: [], 1: []}
+    for t in (0, 1):
+        run(t, want[t], None)
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "1")
+    before = graphs_launched()
+    got: dict[int, list] = {0: [], 1: []}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def guarded(t: int) -> None:
+        try:
+            run(t, got[t], barrier)
+        except BaseException as error:  # reported below, with the thread's number
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    for t in (0, 1):
+        assert len(got[t]) == len(want[t])
+        for n, (g, w) in enumerate(zip(got[t], want[t], strict=True)):
+            for name in w:
+                assert g[name] == w[name], f"thread {t}, step {n}: {name}"
+    # each thread's plans: calls 4 on as graphs, as with one thread
+    assert graphs_launched() - before >= 6

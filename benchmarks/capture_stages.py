@@ -1,0 +1,138 @@
+"""Issue 35: where a top-p-only call's GPU time goes, per distribution of the
+sweep (benchmarks/sweep.py): per kernel, and per row the paths the rows
+took.
+
+    python3 benchmarks/capture_stages.py [--json PATH] [--dists REGEX]   # GPU
+
+B = 256, V = 151,936, the sweep's distributions at scales 0.5-8 (fp32 and
+bf16-derived), capture top_p 0.6 / 0.9 / 0.99 and sample top_p 0.9. Per
+call: GPU us (host ahead, as the sweep times it), then from the call's
+workspace: window rows (a support the sample put past WINDOW_MIN), wide
+brackets (a window row whose sample missed its cutoff by more than the
+inner pivots: refined), rows resolved from their whole row (not window, a
+cutoff under the bound's floor: resolve's serial passes), the largest
+candidate count of the other rows, the support's median and largest size;
+then each kernel's mean GPU us a call (torch.profiler, 10 calls).
+
+Under programmatic dependent launch (sm90+, the default) a kernel starts
+while the one before ends and waits for it inside: its profiled time holds
+that wait, so the kernels add up to more than the call and a kernel after
+a slow one looks slow. ``--no-pdl`` launches them one after another (each
+kernel's own time; the call's GPU time then holds the gaps PDL hides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep  # noqa: E402  (first: it picks the kernels, installed or this checkout's)
+from _common import gpu_and_host_us  # noqa: E402
+from shmask.kernels import capture_workspace  # noqa: E402
+
+BATCH, VOCAB, MAX_TOKENS = 256, 151_936, 8192
+SCALES = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0)
+PATHS = [("capture", "p0.6"), ("capture", "p0.9"), ("sample", "p0.9"), ("capture", "p0.99")]
+
+
+@contextlib.contextmanager
+def workspaces_seen() -> Iterator[list]:
+    """The workspaces capture's calls allocate (or take from the kept ones),
+    newest last: the rows' paths are read from the last call's."""
+    seen: list = []
+    cls = capture_workspace.CaptureWorkspace
+    allocate = cls.__dict__["allocate"]
+
+    def watched(owner, *args, **kwargs):
+        workspace = allocate.__func__(owner, *args, **kwargs)
+        seen.append(workspace)
+        return workspace
+
+    cls.allocate = classmethod(watched)
+    try:
+        yield seen
+    finally:
+        cls.allocate = allocate
+
+
+def kernel_us(call, runs: int = 10) -> dict[str, float]:
+    """Mean GPU us a call of each kernel the call launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            call()
+        torch.cuda.synchronize()
+    parts: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in event.key:
+            total = getattr(event, "device_time_total", None) or event.cuda_time_total
+            name = event.key.removeprefix("_").removesuffix("_kernel")
+            parts[name] = parts.get(name, 0.0) + total / runs
+    return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+
+def row_paths(ws, rows) -> dict[str, int]:
+    lo, window = ws.lo.cpu(), ws.window.cpu() != 0
+    cutoff, n_cand = ws.cutoff.cpu(), ws.n_cand.cpu()
+    sizes = rows.sizes.cpu().float()
+    others = ~window
+    return {"window": int(window.sum()), "wide": int(ws.wide_count.cpu()[0]),
+            "whole_row": int((others & (cutoff < lo) & (lo > 1)).sum()),
+            "cand_max_others": int(n_cand[others].max()) if bool(others.any()) else 0,
+            "size_median": int(sizes.median()), "size_max": int(sizes.max())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dists", default="", help="regex: the distributions to run")
+    parser.add_argument("--json", help="write every row here too")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch the kernels one after another: each kernel's own time")
+    args = parser.parse_args()
+    if args.no_pdl:
+        # the stages' launcher (the package's name "capture" is the function)
+        importlib.import_module("shmask.kernels.capture").pdl_default = lambda device: False
+    if not torch.cuda.is_available():
+        raise SystemExit("capture_stages.py measures the GPU: run it on the device")
+    print(f"capture_stages: {torch.cuda.get_device_name()}, B={BATCH} V={VOCAB}, "
+          f"{'kernels one after another' if args.no_pdl else 'programmatic dependent launch'}")
+    dists = sweep.distributions(BATCH, VOCAB, SCALES)
+    results = []
+    with workspaces_seen() as seen:
+        for name, logits in dists.items():
+            if name == "mix" or (args.dists and not re.search(args.dists, name)):
+                continue
+            inputs = sweep.InputSet(logits(0), 0, sorted({s for _, s in PATHS}))
+            for kind, settings in PATHS:
+                call = sweep.make_call(sweep.SweepPath(f"{kind} {settings}", kind, settings),
+                                       inputs, None, MAX_TOKENS, 0)
+                gpu, host = gpu_and_host_us([call], 5, 20)
+                rows = call()
+                torch.cuda.synchronize()
+                result = {"dist": name, "path": f"{kind} {settings}", "gpu_us": gpu,
+                          "host_us": host, **row_paths(seen[-1], rows),
+                          "kernels_us": kernel_us(call)}
+                results.append(result)
+                top = " ".join(f"{k}:{v:.1f}" for k, v in list(result["kernels_us"].items())[:8])
+                print(f"{name:9s} {kind:7s} {settings:5s} GPU {gpu:6.1f} us | window "
+                      f"{result['window']:3d} wide {result['wide']:3d} whole-row "
+                      f"{result['whole_row']:2d} cand max {result['cand_max_others']:5d} | "
+                      f"size median {result['size_median']:6d} max {result['size_max']:6d} | "
+                      f"{top}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                               "pdl": not args.no_pdl, "results": results},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
