@@ -288,6 +288,61 @@ def test_bracket_search_is_the_clamped_bisection(ways: int) -> None:
         assert torch.equal(searched, bisected), (n, (searched != bisected).nonzero()[:4])
 
 
+@triton.jit
+def _row_floor_kernel(w_ptr, vocab, targets_ptr, start_ptr, hi_ptr, mass_ptr, out_ptr,
+                      FIT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr):
+    """Program i: resolve's whole-row narrowing (_row_floor) over row i."""
+    i = tl.program_id(0)
+    tl.store(out_ptr + i, capture_resolve._row_floor(
+        w_ptr + i * vocab, vocab, tl.load(targets_ptr + i), tl.load(start_ptr + i),
+        tl.load(hi_ptr + i), tl.load(mass_ptr + i) != 0, FIT, BLOCK, WAYS))
+
+
+def test_whole_row_floor_never_passes_the_cutoff() -> None:
+    """The whole-row passes of a row the sample misled (_row_floor: counts
+    and sums above 7 probes a pass over the whole row, four blocks loaded a
+    step) end at a floor at or under the exact cutoff t (the largest key
+    whose count, or mass, of the row's finite w > 0 at or above it reaches
+    the target) and narrow it: over the row's two steps of blocks and its
+    partial one, bad values left out, counts and masses, targets halfway
+    between two cumulative sums (away from float32's rounding)."""
+    gen = torch.Generator().manual_seed(38)
+    rows, vocab, fit = 24, 5000, 64
+    w = torch.rand(rows, vocab, generator=gen) ** 6
+    w[3, 100], w[4, 4999], w[5, 2050] = float("nan"), float("inf"), -1.0  # bad: left out
+    good = torch.isfinite(w) & (w > 0)
+    keys = torch.where(good, w, 0.0).view(torch.int32)
+    targets, cutoffs, starts, his, mass = [], [], [], [], []
+    for r in range(rows):
+        k = keys[r][good[r]].sort(descending=True).values
+        v = k.view(torch.float32).double()
+        use_mass = r % 2 == 0
+        reach = v.cumsum(0) if use_mass else torch.arange(1, k.numel() + 1).double()
+        # (a mass target among the row's larger values: the gap between two
+        # cumulative sums, w ~ 0.6 there, stands well above float32's rounding)
+        at = int(torch.randint(40, 400 if use_mass else k.numel() - 40, (1,), generator=gen))
+        while k[at] == k[at - 1]:  # a position where the key changes: t is k[at]
+            at += 1
+        targets.append(float((reach[at - 1] + reach[at]) / 2))
+        cutoffs.append(int(k[at]))
+        his.append(int(k[int(torch.randint(0, 30, (1,), generator=gen))]))
+        starts.append(1 if r % 3 else int(k[-1]))
+        mass.append(int(use_mass))
+    device_args = [torch.tensor(x, dtype=dt, device=DEVICE) for x, dt in
+                   ((targets, torch.float32), (starts, torch.int32), (his, torch.int32),
+                    (mass, torch.int32))]
+    out = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    _row_floor_kernel[(rows,)](w.to(DEVICE), vocab, *device_args, out, FIT=fit,
+                               BLOCK=tuning.FLOOR_BLOCK, WAYS=tuning.FLOOR_WAYS)
+    floors = out.cpu()
+    for r in range(rows):
+        t, f = cutoffs[r], int(floors[r])
+        assert starts[r] <= f <= t, (r, f, t)
+        # at least one pass narrowed [start, hi) by WAYS: the floor sits in
+        # the eighth of the span that holds t
+        assert t - f <= (his[r] - starts[r]) // tuning.FLOOR_WAYS + 1, (r, f, t)
+
+
 def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> None:
     """Window rows whose bracket (the ids between the two pivots around the
     top-p cutoff) holds more ids than the resolve program keeps in registers
