@@ -17,8 +17,8 @@ then each kernel's mean GPU us a call (torch.profiler, 10 calls).
 Under programmatic dependent launch (sm90+, the default) a kernel starts
 while the one before ends and waits for it inside: its profiled time holds
 that wait, so the kernels add up to more than the call and a kernel after
-a slow one looks slow. ``--no-pdl`` launches them one after another (each
-kernel's own time; the call's GPU time then holds the gaps PDL hides).
+a slow one looks slow. ``--no-pdl`` launches them one after another: each
+kernel's own time, adding up to the call's.
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ PATHS = [("capture", "p0.6"), ("capture", "p0.9"), ("sample", "p0.9"), ("capture
 
 @contextlib.contextmanager
 def workspaces_seen() -> Iterator[list]:
-    """The workspaces capture's calls allocate (or take from the kept ones),
-    newest last: the rows' paths are read from the last call's."""
-    seen: list = []
+    """The workspace of capture's last call (allocated, or taken from the
+    kept ones: every call asks), as the list's one item: the rows' paths
+    are read from it."""
+    seen: list = [None]
     cls = capture_workspace.CaptureWorkspace
     allocate = cls.__dict__["allocate"]
 
     def watched(owner, *args, **kwargs):
-        workspace = allocate.__func__(owner, *args, **kwargs)
-        seen.append(workspace)
-        return workspace
+        seen[-1] = allocate.__func__(owner, *args, **kwargs)
+        return seen[-1]
 
     cls.allocate = classmethod(watched)
     try:
@@ -73,7 +73,9 @@ def kernel_us(call, runs: int = 10) -> dict[str, float]:
     parts: dict[str, float] = {}
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in event.key:
-            total = getattr(event, "device_time_total", None) or event.cuda_time_total
+            total = getattr(event, "device_time_total", None)
+            if total is None:  # torch before device_time_total
+                total = event.cuda_time_total
             name = event.key.removeprefix("_").removesuffix("_kernel")
             parts[name] = parts.get(name, 0.0) + total / runs
     return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
@@ -84,6 +86,8 @@ def row_paths(ws, rows) -> dict[str, int]:
     cutoff, n_cand = ws.cutoff.cpu(), ws.n_cand.cpu()
     sizes = rows.sizes.cpu().float()
     others = ~window
+    # "whole_row": a row whose cutoff lies under its floor took resolve's
+    # whole-row passes (a row of bad values would count too: the sweep has none)
     return {"window": int(window.sum()), "wide": int(ws.wide_count.cpu()[0]),
             "whole_row": int((others & (cutoff < lo) & (lo > 1)).sum()),
             "cand_max_others": int(n_cand[others].max()) if bool(others.any()) else 0,

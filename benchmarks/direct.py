@@ -48,9 +48,11 @@ Run: python benchmarks/direct.py [--quick] [--repeats N] [--paths off,capture,..
 [--spin] [--breakdown] [--top-p P] [--logit-scale S] [--out FILE]
 (--quick: a small CPU-interpreter smoke run of the same code). The masks are top_k
 1000 rows by default; --top-p P captures top-p-only rows instead (top_k off, the RL
-rollout setting), and --logit-scale S multiplies the step's logits (std ~3 as they
-are: S 8/3 gives the sweep's peaked "s8" rows, supports of a few to tens of ids at
-top_p 0.9; benchmarks/sweep.py).
+rollout setting; capture's paths only, the compact paths mask top_k), and
+--logit-scale S multiplies the step's logits (std ~3 as they are: S 8/3 gives the
+sweep's peaked "s8" rows, supports of a few to tens of ids at top_p 0.9;
+benchmarks/sweep.py). The ring is sized for 1,000-id rows either way: wider rows
+travel inline, and the table's "inline" column counts them.
 """
 
 from __future__ import annotations
@@ -413,7 +415,7 @@ def breakdown(base: dict[str, Any]) -> None:
                 lambda: publisher._launch(handles.size, True), between=prepared)
             results["GPU: store kernel, 256 x 1000 rows (us)"] = gpu_timed(
                 lambda: publisher._launch(handles.size, True), between=prepared)
-            results["GPU: capture, top_k 1000 (us)"] = gpu_timed(captured)
+            results[f"GPU: capture, {settings_label(spec)} (us)"] = gpu_timed(captured)
             results["probe (warm)"] = timed(probe, between=lambda: None)
             results["probe (after a sync)"] = timed(probe)
 
@@ -457,6 +459,9 @@ def run(quick: bool, repeats: int, build: str, spin: bool = False,
         paths: tuple[str, ...] = PATHS, top_p: float | None = None,
         logit_scale: float = 1.0) -> list[dict[str, Any]]:
     paths = paths + (SPIN_PATHS if spin else ())
+    if top_p is not None and any(path in AS_CAPTURE for path in paths):
+        raise SystemExit("--top-p sets capture's masks; the compact paths mask top_k: "
+                         f"leave out {', '.join(p for p in paths if p in AS_CAPTURE)}")
     if quick:
         base = {"device": "cpu", "batch": 8, "total_tokens": 12, "tokens": 5, "vocab": 4096,
                 "hidden": 64, "square": 64, "top_k": 100, "max_tokens": 256, "matmuls": 1}
@@ -545,5 +550,6 @@ if __name__ == "__main__":
             base = {"device": "cpu" if quick else "cuda", "batch": 8 if quick else 256,
                     "vocab": 4096 if quick else 151_936, "hidden": 64 if quick else 4096,
                     "square": 64, "top_k": 100 if quick else 1000, "seed": 1,
-                    "max_tokens": 256 if quick else 2048, "ring_mb": 64 if quick else 512}
+                    "max_tokens": 256 if quick else 2048, "ring_mb": 64 if quick else 512,
+                    "top_p": top_p, "logit_scale": scale}
             breakdown(base)

@@ -1,15 +1,16 @@
 """Tuning constants of compaction's and capture's kernels, in one place.
 
-None changes a row's support, status or form: each sets how work is
-shared out (columns a program, warps, registers) or how close capture's
-sampled estimates start (margins, pivots), and resolve checks every
-estimate exactly. A window row's Z (so its logprobs) is a float32 sum
-grouped by its bracket (the mass above it, then the ids in it), and the
-bracket follows the sample's estimate, whose sums' order follows the
-bound's warps: a constant can move some logprobs of such a row by an ulp
-(BOUND_WINDOW_WARPS 4 -> 8 on an H100: one row of 256, 8,871 of its
-147k values, 9.5e-7; benchmarks/RESULTS.md, "The stages, the decode
-loop..."). Every path of one configuration gives the same bits. The
+Each sets how work is shared out (columns a program, warps, registers) or
+how close capture's sampled estimates start (margins, pivots), and
+resolve checks every estimate exactly: rows stay exact under any value.
+Their last bits need not: a window row's Z is a float32 sum grouped by
+its bracket (the mass above it, then the ids in it) and its top-p target
+is met by a float32 subtraction of that mass, and the bracket follows the
+sample's estimate, whose sums' order follows the bound's warps. So a
+constant can move such a row's logprobs by an ulp, or a cutoff within
+float32 rounding of its target to the next key (benchmarks/RESULTS.md,
+"The stages, the decode loop with top-p-only rows, the replay at fp32").
+Every path of one configuration gives the same bits. The
 launchers read them at each call (``tuning.NAME``), so a test may shrink
 one to reach a rare path on a small input. The measurements behind the
 values (H200, Triton 3.6) are in benchmarks/kernels_notes.md.
