@@ -151,7 +151,7 @@ def main() -> None:
     for run in range(args.exit_runs):
         exit_s, events, output, returncode, outlived = server_test.signal_under_load(
             signal.SIGTERM, args.stalled, args.tokens)
-        ended = sum(b"shutting down" in stream[-1][1] for stream in events)
+        ended = sum(b"shutting down" in stream["last"] for stream in events)
         exits.append(exit_s)
         print(f"exit run {run}: {exit_s * 1000:.0f} ms from SIGTERM to exit (status {returncode}; "
               f"{ended}/{len(events)} streams ended saying so; {args.stalled} stalled clients; "
