@@ -305,6 +305,26 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+def kernel_us(call, runs: int) -> dict[str, float]:
+    """Each GPU activity's mean device us over ``runs`` calls of ``call``
+    (torch.profiler), by its name, largest first (capture_bf16.py and
+    capture_stages.py)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            call()
+        torch.cuda.synchronize()
+    parts: dict[str, float] = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None)
+        if total is None:  # torch before device_time_total
+            total = event.cuda_time_total
+        if total > 0:
+            parts[event.key] = parts.get(event.key, 0.0) + total / runs
+    return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+
 def gpu_and_host_us(calls, reps: int, per_rep: int) -> tuple[float, float]:
     """(GPU us, host us) per call of ``calls`` (run in turn), medians of
     ``reps``: the GPU is kept busy by a sleep kernel long enough to cover

@@ -78,7 +78,7 @@ def import_kernels():
 
 kernels = import_kernels()
 import triton  # noqa: E402
-from _common import gpu_and_host_us  # noqa: E402
+from _common import gpu_and_host_us, kernel_us  # noqa: E402
 from cuda_graphs import captured_graph  # noqa: E402
 from kernel_baselines import read_once  # noqa: E402
 from shmask.kernels.capture import reference_support  # noqa: E402
@@ -278,17 +278,7 @@ def breakdown(name: str, call, runs: int = 8) -> str:
     for _ in range(20):
         call()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            call()
-        torch.cuda.synchronize()
-    parts = []
-    for event in prof.key_averages():
-        total = getattr(event, "device_time_total", 0)
-        if total > 0:
-            parts.append((total / runs, event.key[:40]))
-    parts.sort(reverse=True)
-    return f"{name}: " + ", ".join(f"{key}={us:.1f}" for us, key in parts)
+    return f"{name}: " + ", ".join(f"{key[:40]}={us:.1f}" for key, us in kernel_us(call, runs).items())
 
 
 # ------------------------------------------------------------------ anchors

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep  # noqa: E402  (first: it picks the kernels, installed or this checkout's)
-from _common import gpu_and_host_us  # noqa: E402
+from _common import gpu_and_host_us, kernel_us  # noqa: E402
 from shmask.kernels import capture_workspace  # noqa: E402
 
 BATCH, VOCAB, MAX_TOKENS = 256, 151_936, 8192
@@ -64,21 +64,11 @@ def workspaces_seen() -> Iterator[list]:
         cls.allocate = allocate
 
 
-def kernel_us(call, runs: int = 10) -> dict[str, float]:
-    """Mean GPU us a call of each kernel the call launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            call()
-        torch.cuda.synchronize()
-    parts: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in event.key:
-            total = getattr(event, "device_time_total", None)
-            if total is None:  # torch before device_time_total
-                total = event.cuda_time_total
-            name = event.key.removeprefix("_").removesuffix("_kernel")
-            parts[name] = parts.get(name, 0.0) + total / runs
-    return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+def stage_us(call, runs: int = 10) -> dict[str, float]:
+    """Mean GPU us a call of each kernel the call launches, by its stage's
+    name (copies left out)."""
+    return {key.removeprefix("_").removesuffix("_kernel"): us
+            for key, us in kernel_us(call, runs).items() if "Memcpy" not in key}
 
 
 def row_paths(ws, rows) -> dict[str, int]:
@@ -123,7 +113,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 result = {"dist": name, "path": f"{kind} {settings}", "gpu_us": gpu,
                           "host_us": host, **row_paths(seen[-1], rows),
-                          "kernels_us": kernel_us(call)}
+                          "kernels_us": stage_us(call)}
                 results.append(result)
                 top = " ".join(f"{k}:{v:.1f}" for k, v in list(result["kernels_us"].items())[:8])
                 print(f"{name:9s} {kind:7s} {settings:5s} GPU {gpu:6.1f} us | window "

@@ -182,6 +182,22 @@ def graphs_launched(thread: int | None = None) -> int:
                and (thread is None or key[2] == thread))
 
 
+def refilled_step(held: dict, step: dict, seeds: torch.Tensor, late_cycles: int) -> dict:
+    """An engine's step on buffers that stay put: ``step``'s contents
+    copied into ``held`` on the current stream (behind a sleep kernel of
+    ``late_cycles`` if any, so they land late), then capture, sample and
+    compact of them, as bits."""
+    if late_cycles:
+        torch.cuda._sleep(late_cycles)
+    for name, value in step.items():
+        held[name].copy_(value)
+    kw = {k: v for k, v in held.items() if k not in ("probs", "sampled")}
+    drawn = sample(held["probs"], seeds, **kw, max_tokens=MAX_TOKENS)
+    return {"capture": bits(capture(held["probs"], held["sampled"], **kw, max_tokens=MAX_TOKENS)),
+            "sample": {**bits(drawn), "tokens": drawn.tokens.cpu().tolist()},
+            "compact": bits(compact(torch.log(held["probs"]), MAX_TOKENS))}
+
+
 @pytest.mark.skipif(not GPU, reason="plans' CUDA graphs need the GPU (SHMASK_TEST_GPU=1)")
 @pytest.mark.parametrize("stream", ["default", "side"])
 def test_buffers_that_stay_put_replay_as_graphs(stream: str,
@@ -200,20 +216,8 @@ def test_buffers_that_stay_put_replay_as_graphs(stream: str,
     side.wait_stream(torch.cuda.current_stream())
 
     def calls(step: dict) -> dict:
-        with torch.cuda.stream(side):
-            return stepped(step)
-
-    def stepped(step: dict) -> dict:
-        if stream == "side":
-            torch.cuda._sleep(20_000_000)  # the copies below land late on this stream
-        for name, value in step.items():
-            held[name].copy_(value)
-        kw = {k: v for k, v in held.items() if k not in ("probs", "sampled")}
-        drawn = sample(held["probs"], seeds, **kw, max_tokens=MAX_TOKENS)
-        return {"capture": bits(capture(held["probs"], held["sampled"], **kw,
-                                        max_tokens=MAX_TOKENS)),
-                "sample": {**bits(drawn), "tokens": drawn.tokens.cpu().tolist()},
-                "compact": bits(compact(torch.log(held["probs"]), MAX_TOKENS))}
+        with torch.cuda.stream(side):  # "side": the copies land late on this stream
+            return refilled_step(held, step, seeds, 20_000_000 if stream == "side" else 0)
 
     monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
     want = [calls(step) for step in steps]
@@ -249,15 +253,7 @@ def test_two_threads_replay_their_own_graphs(monkeypatch: pytest.MonkeyPatch) ->
             for step in inputs[t]:
                 if barrier is not None:
                     barrier.wait(timeout=120)  # both threads' calls overlap
-                torch.cuda._sleep(5_000_000)  # the new contents land late on this stream
-                for name, value in step.items():
-                    held[name].copy_(value)
-                kw = {k: v for k, v in held.items() if k not in ("probs", "sampled")}
-                drawn = sample(held["probs"], seeds, **kw, max_tokens=MAX_TOKENS)
-                out.append({"capture": bits(capture(held["probs"], held["sampled"], **kw,
-                                                    max_tokens=MAX_TOKENS)),
-                            "sample": {**bits(drawn), "tokens": drawn.tokens.cpu().tolist()},
-                            "compact": bits(compact(torch.log(held["probs"]), MAX_TOKENS))})
+                out.append(refilled_step(held, step, seeds, 5_000_000))  # contents land late
         launched[t] = graphs_launched(threading.get_ident()) - before
 
     monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")

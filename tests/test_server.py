@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -603,17 +604,24 @@ def start_server(tokens: int, log, name_prefix: str | None = None) -> tuple[subp
         time.sleep(0.1)
 
 
-async def read_stream(client: httpx.AsyncClient, url: str, rid: int, events: list) -> None:
-    """Appends (arrival time, event) per SSE event until the stream ends."""
+async def stream_bytes(client: httpx.AsyncClient, url: str, rid: int) -> AsyncIterator[bytes]:
+    """The bytes of request `rid`'s incremental stream at the load's
+    settings, as they arrive, until it ends."""
     async with client.stream("POST", url + "/generate",
                              json=load_body(rid, stream=True, incremental=True)) as reply:
         assert reply.status_code == 200
-        pending = b""
         async for data in reply.aiter_bytes():
-            pending += data
-            *complete, pending = pending.split(b"\n\n")
-            now = time.monotonic()
-            events.extend((now, event) for event in complete)
+            yield data
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, rid: int, events: list) -> None:
+    """Appends (arrival time, event) per SSE event until the stream ends."""
+    pending = b""
+    async for data in stream_bytes(client, url, rid):
+        pending += data
+        *complete, pending = pending.split(b"\n\n")
+        now = time.monotonic()
+        events.extend((now, event) for event in complete)
     assert pending == b""
 
 
@@ -622,21 +630,18 @@ async def read_stream_end(client: httpx.AsyncClient, url: str, rid: int, seen: d
     seen["last"]) until the stream ends: what the signal tests look at,
     at a fraction of read_stream's CPU (no event kept or split apart), so a
     client starved on a busy machine still drains its backlog quickly."""
-    async with client.stream("POST", url + "/generate",
-                             json=load_body(rid, stream=True, incremental=True)) as reply:
-        assert reply.status_code == 200
-        pending = b""  # the bytes after the last event's end: the next event's start
-        async for data in reply.aiter_bytes():
-            buf = pending + data
-            ends = buf.count(b"\n\n")
-            if ends:
-                end = buf.rfind(b"\n\n")
-                start = buf.rfind(b"\n\n", 0, end)
-                seen["last"] = buf[start + 2 if start >= 0 else 0:end]
-                seen["count"] += ends
-                pending = buf[end + 2:]
-            else:
-                pending = buf
+    pending = b""  # the bytes after the last event's end: the next event's start
+    async for data in stream_bytes(client, url, rid):
+        buf = pending + data
+        ends = buf.count(b"\n\n")
+        if ends:
+            end = buf.rfind(b"\n\n")
+            start = buf.rfind(b"\n\n", 0, end)
+            seen["last"] = buf[start + 2 if start >= 0 else 0:end]
+            seen["count"] += ends
+            pending = buf[end + 2:]
+        else:
+            pending = buf
     assert pending == b""
 
 
