@@ -106,7 +106,11 @@ WINDOW_SEARCH_WAYS = 4
 # counting and summing the ids above FLOOR_WAYS - 1 probes, narrow the
 # cutoff until the ids above the floor fit in FLOOR_FIT (or four passes)
 FLOOR_WAYS = 8
-FLOOR_BLOCK = 512  # columns a block of those passes (four a step; lane sums of each probe)
+FLOOR_BLOCK = 512  # columns a block of those passes (lane sums of each probe)
+# blocks a step of those passes, their loads in flight together (the H100,
+# resolve on bf16 s5 top_p 0.99 with two such rows: 176 us at 16, 187 at 8,
+# 212 at 4; 236 with the tile and four blocks a step before)
+FLOOR_LOADS = 16
 # ids above the floor that end those passes: a row past RESOLVE_BLOCK
 # reads the rest of its candidates from memory in each search pass; a
 # pass over the whole row (~100 us in one program on the H200) costs more

@@ -290,26 +290,28 @@ def test_bracket_search_is_the_clamped_bisection(ways: int) -> None:
 
 @triton.jit
 def _row_floor_kernel(w_ptr, vocab, targets_ptr, start_ptr, hi_ptr, mass_ptr, out_ptr,
-                      FIT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr):
+                      FIT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr,
+                      LOADS: tl.constexpr):
     """Program i: resolve's whole-row narrowing (_row_floor) over row i."""
     i = tl.program_id(0)
     tl.store(out_ptr + i, capture_resolve._row_floor(
         w_ptr + i * vocab, vocab, tl.load(targets_ptr + i), tl.load(start_ptr + i),
-        tl.load(hi_ptr + i), tl.load(mass_ptr + i) != 0, FIT, BLOCK, WAYS))
+        tl.load(hi_ptr + i), tl.load(mass_ptr + i) != 0, FIT, BLOCK, WAYS, LOADS))
 
 
 def test_whole_row_floor_never_passes_the_cutoff() -> None:
     """The whole-row passes of a row the sample misled (_row_floor: counts
-    and sums above 7 probes a pass over the whole row, four blocks loaded a
-    step) end at a floor at or under the exact cutoff t (the largest key
+    and sums above 7 probes a pass over the whole row, FLOOR_LOADS blocks
+    loaded a step) end at a floor at or under the exact cutoff t (the largest key
     whose count, or mass, of the row's finite w > 0 at or above it reaches
     the target) and narrow it: over the row's two steps of blocks and its
     partial one, bad values left out, counts and masses, targets halfway
     between two cumulative sums (away from float32's rounding)."""
     gen = torch.Generator().manual_seed(38)
-    rows, vocab, fit = 24, 5000, 64
+    rows, fit = 24, 64
+    vocab = 2 * tuning.FLOOR_LOADS * tuning.FLOOR_BLOCK + 904  # two steps and a partial one
     w = torch.rand(rows, vocab, generator=gen) ** 6
-    w[3, 100], w[4, 4999], w[5, 2050] = float("nan"), float("inf"), -1.0  # bad: left out
+    w[3, 100], w[4, vocab - 1], w[5, 2050] = float("nan"), float("inf"), -1.0  # bad: left out
     good = torch.isfinite(w) & (w > 0)
     keys = torch.where(good, w, 0.0).view(torch.int32)
     targets, cutoffs, starts, his, mass = [], [], [], [], []
@@ -333,7 +335,8 @@ def test_whole_row_floor_never_passes_the_cutoff() -> None:
                     (mass, torch.int32))]
     out = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
     _row_floor_kernel[(rows,)](w.to(DEVICE), vocab, *device_args, out, FIT=fit,
-                               BLOCK=tuning.FLOOR_BLOCK, WAYS=tuning.FLOOR_WAYS)
+                               BLOCK=tuning.FLOOR_BLOCK, WAYS=tuning.FLOOR_WAYS,
+                               LOADS=tuning.FLOOR_LOADS)
     floors = out.cpu()
     for r in range(rows):
         t, f = cutoffs[r], int(floors[r])
@@ -341,6 +344,31 @@ def test_whole_row_floor_never_passes_the_cutoff() -> None:
         # at least one pass narrowed [start, hi) by WAYS: the floor sits in
         # the eighth of the span that holds t
         assert t - f <= (his[r] - starts[r]) // tuning.FLOOR_WAYS + 1, (r, f, t)
+        # and exactly where the passes' probes put it: a block left out or
+        # summed twice moves a probe's count or mass, and with it the floor
+        k = keys[r][good[r]]
+        assert f == _floor_by_passes(k.long(), k.view(torch.float32).double(), targets[r],
+                                     starts[r], his[r], mass[r] == 1, fit), (r, f)
+
+
+def _floor_by_passes(keys: torch.Tensor, values: torch.Tensor, target: float, lo: int, hi: int,
+                     use_mass: bool, fit: int) -> int:
+    """_row_floor's passes over exact counts and float64 masses: the probes
+    lo + span j / WAYS, the last reaching kept, until the ids above it fit."""
+    ways = tuning.FLOOR_WAYS
+    for _ in range(4):
+        if hi - lo <= 1:
+            break
+        probes = [lo + ((hi - lo) * j) // ways for j in range(ways)]
+        counts = [int((keys >= p).sum()) for p in probes]
+        reach = [float(values[keys >= p].sum()) if use_mass else float(c)
+                 for p, c in zip(probes, counts, strict=True)]
+        last = max(j for j in range(ways) if j == 0 or reach[j] >= target)
+        hi = min([hi] + [p for j, p in enumerate(probes) if j > 0 and reach[j] < target])
+        lo = probes[last]
+        if counts[last] <= fit:
+            break
+    return lo
 
 
 def test_window_rows_bracketed_by_pivots(monkeypatch: pytest.MonkeyPatch) -> None:
