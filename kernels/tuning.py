@@ -113,7 +113,9 @@ FLOOR_BLOCK = 512  # columns a block of those passes (lane sums of each probe)
 FLOOR_LOADS = 16
 # ids above the floor that end those passes: a row past RESOLVE_BLOCK
 # reads the rest of its candidates from memory in each search pass; a
-# pass over the whole row (~100 us in one program on the H200) costs more
+# pass over the whole row costs more (~100 us in one program on the H200
+# when this was set; 40 on the H100 since FLOOR_LOADS). The sweep's misled
+# rows fit after one pass: 4096 and 65536 took the same time on them.
 FLOOR_FIT = 16384
 
 # ----------------------------------------------------------- capture: write
