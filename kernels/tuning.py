@@ -6,9 +6,11 @@ resolve checks every estimate exactly: rows stay exact under any value.
 Their last bits need not: a window row's Z is a float32 sum grouped by
 its bracket (the mass above it, then the ids in it) and its top-p target
 is met by a float32 subtraction of that mass, and the bracket follows the
-sample's estimate, whose sums' order follows the bound's warps. So a
-constant can move such a row's logprobs by an ulp, or a cutoff within
-float32 rounding of its target to the next key (benchmarks/RESULTS.md,
+sample's estimate, whose sums' order follows the bound's warps; a row
+resolved from its whole row sums Z over candidates that start at the
+floor its passes found (their sums' order follows FLOOR_* and the
+passes' tile). So a constant can move such a row's logprobs by an ulp,
+or a cutoff within float32 rounding of its target to the next key (benchmarks/RESULTS.md,
 "The stages, the decode loop with top-p-only rows, the replay at fp32").
 Every path of one configuration gives the same bits. The
 launchers read them at each call (``tuning.NAME``), so a test may shrink
