@@ -62,13 +62,17 @@ BLOCK = 1024  # support ids a step of one program (forward)
 # 32 in the backward, whose tile also holds the values it writes.
 WORD_BLOCK, BACKWARD_WORD_BLOCK = 64, 32
 FULL_BLOCK = 4096  # columns a step of the forward's whole-row read (full=True)
-# The backward's shape, from the H200 (N = 16,384, 1,000-id rows / 40%
-# bitmask rows, us; the walk before its kept logits): 4 warps and 4,096
-# columns a block 2,020 / 2,644; 8 warps 1,945 / 2,835 (the bitmask rows'
-# worst case higher); 8,192 columns 2,355 / 2,643 (fewer rows' blocks fit
-# in L2 at once). benchmarks/replay_variants.py measures them again.
-ZERO_BLOCK = 4096  # gradient columns written a step (an ids row's block)
-SCATTER = 64  # support ids a step of the backward's writes into one block
+# The backward's shape. An ids row holds BACKWARD_CHUNK support ids and
+# their values in registers and writes ZERO_BLOCK columns a step; on the
+# H100 (N = 16,384, 1,000 / 4,096 / 1 ids a row / 40% bitmask rows, us;
+# the committed walk before it, reading each block's ids after its zeros:
+# 2,022 / 2,198 / 1,568 / 3,618): 4 warps, 2,048 columns 1,902 / 2,106 /
+# 1,565 / 3,587; 4,096 columns 1,948 / 2,152 / 1,563 / 3,585; 8,192 1,998
+# / 2,318; 8 warps 1,908-1,945 / 2,080-2,167 (no better); chunks of 2,048
+# ids 1,848 / 2,080 but the bitmask rows 4,191 (registers: one kernel
+# serves both forms). benchmarks/replay_variants.py measures them again.
+ZERO_BLOCK = 2048  # gradient columns written a step (an ids row's block)
+BACKWARD_CHUNK = 1024  # support ids (and their values) a program of the backward holds at once
 BACKWARD_WARPS = 4
 IDS, BITMASK = 0, 1  # a row's form (shmask.kernels.Form)
 
@@ -178,7 +182,7 @@ def _backward(logits: torch.Tensor, col_start: int, vocab: int, targets: torch.T
         _replay_backward_kernel[(n,)](
             logits, logits.stride(0), col_start, n_cols, vocab, targets, temp, offsets, ids, zs,
             form, logz, grad_out.to(temp.dtype).contiguous(), grad,
-            WORD_BLOCK=BACKWARD_WORD_BLOCK, ZERO_BLOCK=ZERO_BLOCK, SCATTER=SCATTER,
+            WORD_BLOCK=BACKWARD_WORD_BLOCK, ZERO_BLOCK=ZERO_BLOCK, CHUNK=BACKWARD_CHUNK,
             F64=temp.dtype == torch.float64, num_warps=BACKWARD_WARPS)
     return grad
 
@@ -442,7 +446,7 @@ def _gradient(g, ids, target, z, logz, inv_t):
 def _replay_backward_kernel(
     logits_ptr, stride_row, col_start, n_cols, vocab, target_ptr, temp_ptr, offsets_ptr, ids_ptr,
     zs_ptr, form_ptr, logz_ptr, grad_out_ptr, grad_ptr, WORD_BLOCK: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr, SCATTER: tl.constexpr, F64: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, CHUNK: tl.constexpr, F64: tl.constexpr,
 ):
     """Program per token: its gradient row (this shard's columns),
     g (1[v = a] - exp(z_v / T - logsumexp)) / T at the support's ids and 0
@@ -476,43 +480,34 @@ def _replay_backward_kernel(
         # in it, while its sectors are still in L2. Zeroing the whole row
         # first sent each value's 2-byte write to a sector already evicted:
         # a read-modify-write of DRAM per support id (the H200 probe: the
-        # backward 2.9 ms against the gradient write's 1.5). The block's
-        # first SCATTER ids and kept logits are read before its zeros are
-        # written, so the read's latency passes under the zeros' stores
-        # and the barrier; more only where the block holds more.
-        p = start  # the next support id to write (ascending: a defined row's)
+        # backward 2.9 ms against the gradient write's 1.5). The support is
+        # read CHUNK ids at a time (one read for a row of up to CHUNK ids)
+        # and its values held in registers; each block then takes its ids
+        # by a mask, so no block waits on a read or a count of its ids.
         end = tl.where(defined, end, start)  # an undefined row: zeros alone
-        for col0 in range(0, n_cols, ZERO_BLOCK):  # (col0: an int32, the ids' first an int64)
-            block_end = col_start + col0 + ZERO_BLOCK  # global id past this block
-            idx = p + tl.arange(0, SCATTER)
+        zeros = tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty)
+        zeroed = tl.zeros([], dtype=tl.int32)  # columns [0, zeroed) written
+        for first in range(start, end, CHUNK):
+            idx = first + tl.arange(0, CHUNK)
             live = idx < end
             ids = tl.load(ids_ptr + idx, mask=live, other=0)
             z = tl.load(zs_ptr + idx, mask=live, other=0.0)
+            col = ids - col_start  # the id's column in this shard (int64 ids stay int64)
+            mine = live & (col >= 0) & (col < n_cols)
+            value = _gradient(g, ids, target, z, logz, inv_t).to(grad_ptr.dtype.element_ty)
+            # ids in a block an earlier chunk zeroed (its barrier passed)
+            tl.store(grad_row + col, value, mask=mine & (col < zeroed))
+            last = tl.max(tl.where(mine, col, -1))  # ascending: the chunk's last held column
+            while zeroed <= last:
+                cols = zeroed + tl.arange(0, ZERO_BLOCK)
+                tl.store(grad_row + cols, zeros, mask=cols < n_cols)
+                tl.debug_barrier()  # the block's zeros, before its support values land on them
+                tl.store(grad_row + col, value,
+                         mask=mine & (col >= zeroed) & (col < zeroed + ZERO_BLOCK))
+                zeroed += ZERO_BLOCK
+        for col0 in range(zeroed, n_cols, ZERO_BLOCK):  # past the last held id: zeros alone
             cols = col0 + tl.arange(0, ZERO_BLOCK)
-            tl.store(grad_row + cols, tl.zeros([ZERO_BLOCK], dtype=grad_ptr.dtype.element_ty),
-                     mask=cols < n_cols)
-            tl.debug_barrier()  # the block's zeros, before its support values land on them
-            held = _store_gradient(grad_row, col_start, n_cols, g, target, logz, inv_t, ids, z,
-                                   live & (ids < block_end))
-            p += held.to(p.dtype)
-            while held == SCATTER:  # a block of more than SCATTER ids: the rest of them
-                idx = p + tl.arange(0, SCATTER)
-                live = idx < end
-                ids = tl.load(ids_ptr + idx, mask=live, other=0)
-                z = tl.load(zs_ptr + idx, mask=live, other=0.0)
-                held = _store_gradient(grad_row, col_start, n_cols, g, target, logz, inv_t, ids,
-                                       z, live & (ids < block_end))
-                p += held.to(p.dtype)
-
-
-@triton.jit
-def _store_gradient(grad_row, col_start, n_cols, g, target, logz, inv_t, ids, z, here):
-    """The gradient at the ``here`` ids (a prefix: the ids ascend) that this
-    shard holds, written into its row; how many ``here`` were."""
-    mine = here & (ids >= col_start) & (ids < col_start + n_cols)
-    value = _gradient(g, ids, target, z, logz, inv_t)
-    tl.store(grad_row + (ids - col_start), value.to(grad_row.dtype.element_ty), mask=mine)
-    return tl.sum(here.to(tl.int32))
+            tl.store(grad_row + cols, zeros, mask=cols < n_cols)
 
 
 # ---------------------------------------------------------------- reference

@@ -239,16 +239,16 @@ def test_bitmask_rows_mixed_with_ids_rows() -> None:
 @pytest.mark.parametrize("tile", [32, 128])
 def test_gradient_blocks_take_their_ids(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward's walk of a row block by block, with small blocks
-    (many a row) and small scatter steps: every id written in its block
+    (many a row) and small chunks of ids: every id written in its block
     with the logit the forward kept for it: ids on block edges, blocks
-    with none, blocks with more than a scatter step, a bitmask row beside
-    them. Then a shard at a column that is no block's or word's edge,
+    with none, blocks that chunks share, chunks that span many blocks, a
+    bitmask row beside them. Then a shard at a column that is no block's or word's edge,
     with ids below and above it: its gradient is the unsharded gradient's
     columns."""
     from shmask.kernels import replay
 
     monkeypatch.setattr(replay, "ZERO_BLOCK", tile)
-    monkeypatch.setattr(replay, "SCATTER", 8)
+    monkeypatch.setattr(replay, "BACKWARD_CHUNK", 8)
     monkeypatch.setattr(replay, "BACKWARD_WORD_BLOCK", 2)
     gen = torch.Generator().manual_seed(tile)
     vocab = 700
@@ -428,7 +428,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
                                                      "PARTIAL", "F64", "SAVE")}}
         backward = {**typed, "zs_ptr": "*" + acc, "form_ptr": "*i32", "logz_ptr": "*" + acc,
                     "grad_out_ptr": "*" + acc, "grad_ptr": "*" + dtype,
-                    "WORD_BLOCK": "constexpr", "ZERO_BLOCK": "constexpr", "SCATTER": "constexpr",
+                    "WORD_BLOCK": "constexpr", "ZERO_BLOCK": "constexpr", "CHUNK": "constexpr",
                     "F64": "constexpr"}
         sizes = {"BLOCK": replay.BLOCK, "WORD_BLOCK": replay.WORD_BLOCK, "F64": dtype == "fp64",
                  "ROW_BLOCK": replay.FULL_BLOCK}
@@ -446,7 +446,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
                                      {**backward, "ids_ptr": ids_type},
                                      {"WORD_BLOCK": replay.BACKWARD_WORD_BLOCK,
                                       "ZERO_BLOCK": replay.ZERO_BLOCK,
-                                      "SCATTER": replay.SCATTER, "F64": dtype == "fp64"}))
+                                      "CHUNK": replay.BACKWARD_CHUNK, "F64": dtype == "fp64"}))
         for source in sources:
             kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
             assert "cubin" in kernel.asm
