@@ -12,8 +12,10 @@ program per output row:
    bits in order, each word's first position the exclusive scan of the
    words' popcounts) and values, ascending, into its matrix row;
 2. ``order="engine"``: the row re-read (in a block of SMALL_SORT entries
-   when it fits, else of twice that when it fits, else one of the
-   capacity), each id's weight gathered from the
+   when it fits, else of twice that when it fits; a longer row in parts
+   of SORT_PART entries, a program each, which a second launch merges:
+   an entry's place is its place in its part plus, in each other part,
+   the count of keys above its own), each id's weight gathered from the
    input ``weights[b, id]`` (the float32 value every cutoff compared), and
    the row sorted by one int64 key per entry, ``(weight bits << 32) |
    (2^31 - 1 - position)``: a positive float32's bits order as its value,
@@ -53,6 +55,14 @@ _BLOCK = 1024
 # s1, every row 4,096 ids) 188.7 / 186.9 / 198.7. 16 is faster on the short
 # rows but slower on the full ones, the worst case; 8 is no slower on any.
 SORT_WARPS = 8
+# Rows longer than the middle block sort in parts of SORT_PART entries, a
+# program a part (PART_WARPS warps), and a second launch merges them. On an
+# H100 (B 256, cap 4,096, us; the rows the same bits): top_k 4096 rows 187.8
+# in one program a row -> 117.8 in parts of 1,024 at 16 warps (132.6 at 8,
+# 174.1 at 4; parts of 512: 140.9 at 8), the mix's 175.6 -> 81.1; top_k
+# 1000 rows pay the two launches, 70.8 -> 81.2 at most.
+SORT_PART = 1024
+PART_WARPS = 16
 _POSITION_MASK = 0x7FFFFFFF
 
 
@@ -60,8 +70,8 @@ _POSITION_MASK = 0x7FFFFFFF
 def _fixed_rows_kernel(status_ptr, forms_ptr, lengths_ptr, id_offsets_ptr, offsets_ptr,
                        ids_ptr, values_ptr, weights_ptr, weights_stride, batch_rows_ptr,
                        out_ids_ptr, out_values_ptr, out_lengths_ptr, cap, vocab,
-                       BLOCK: tl.constexpr, SORT: tl.constexpr, SORT_BLOCK: tl.constexpr,
-                       SMALL_BLOCK: tl.constexpr, MIDDLE_BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, SORT: tl.constexpr, SMALL_BLOCK: tl.constexpr,
+                       MIDDLE_BLOCK: tl.constexpr):
     r = tl.program_id(0)
     b = tl.load(batch_rows_ptr + r).to(tl.int64)
     ok = tl.load(status_ptr + b) == 0
@@ -108,9 +118,7 @@ def _fixed_rows_kernel(status_ptr, forms_ptr, lengths_ptr, id_offsets_ptr, offse
             elif length <= MIDDLE_BLOCK:
                 _sort_row(out_ids_ptr, out_values_ptr, weights_ptr + b * weights_stride, row,
                           length, MIDDLE_BLOCK)
-            else:
-                _sort_row(out_ids_ptr, out_values_ptr, weights_ptr + b * weights_stride, row,
-                          length, SORT_BLOCK)
+            # a longer row: the part kernels below sort it
 
 
 @triton.jit
@@ -130,6 +138,72 @@ def _sort_row(out_ids_ptr, out_values_ptr, weights_row_ptr, row, length, BLOCK: 
     tl.debug_barrier()  # every thread has read before any overwrites
     tl.store(out_ids_ptr + row + j, sorted_ids, mask=inside)
     tl.store(out_values_ptr + row + j, sorted_values, mask=inside)
+
+
+@triton.jit
+def _part_sort_kernel(lengths_ptr, out_ids_ptr, out_values_ptr, weights_ptr, weights_stride,
+                      batch_rows_ptr, keys_ptr, part_ids_ptr, part_values_ptr, cap,
+                      LONG: tl.constexpr, PART: tl.constexpr, SORT_BLOCK: tl.constexpr):
+    """Part q (entries [q PART, (q + 1) PART)) of a row longer than LONG,
+    ascending in its matrix row: sorted by the row's keys (descending),
+    the keys (-1 past the row) and the part's ids and values in that order
+    into the row's slots of the scratch matrices."""
+    r = tl.program_id(0)
+    q = tl.program_id(1)
+    length = tl.load(lengths_ptr + r)
+    if length > LONG:
+        b = tl.load(batch_rows_ptr + r).to(tl.int64)
+        row = r.to(tl.int64) * cap
+        j = q * PART + tl.arange(0, PART)
+        inside = j < length
+        ids = tl.load(out_ids_ptr + row + j, mask=inside, other=0)
+        weight = tl.load(weights_ptr + b * weights_stride + ids, mask=inside, other=0)
+        bits = weight.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.sort(tl.where(inside, (bits << 32) | (0x7FFFFFFF - j), -1), descending=True)
+        real = key >= 0
+        source = 0x7FFFFFFF - (key & 0x7FFFFFFF)
+        slot = r.to(tl.int64) * SORT_BLOCK + q * PART + tl.arange(0, PART)
+        tl.store(keys_ptr + slot, key)
+        tl.store(part_ids_ptr + slot, tl.load(out_ids_ptr + row + source, mask=real), mask=real)
+        tl.store(part_values_ptr + slot, tl.load(out_values_ptr + row + source, mask=real),
+                 mask=real)
+
+
+@triton.jit
+def _part_merge_kernel(lengths_ptr, out_ids_ptr, out_values_ptr, keys_ptr, part_ids_ptr,
+                       part_values_ptr, cap, LONG: tl.constexpr, PART: tl.constexpr,
+                       PARTS: tl.constexpr, SORT_BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """Part q's entries of a row longer than LONG to their places in the
+    row's engine order: an entry's place is its index in its sorted part
+    plus, in every other part, the count of keys above its own (a binary
+    search of that part's descending keys; keys are unique: the position
+    is in them)."""
+    r = tl.program_id(0)
+    q = tl.program_id(1)
+    length = tl.load(lengths_ptr + r)
+    if length > LONG:
+        base = r.to(tl.int64) * SORT_BLOCK
+        i = tl.arange(0, PART)
+        key = tl.load(keys_ptr + base + q * PART + i)
+        real = key >= 0
+        place = i
+        for p in tl.static_range(PARTS):
+            # the first index of part p whose key is below this one
+            lo = tl.zeros([PART], dtype=tl.int32)
+            hi = tl.full([PART], PART, tl.int32)
+            search = tl.where((q != p) & (length > p * PART), real, False)
+            for _ in tl.static_range(STEPS):  # log2(PART) + 1: hi - lo from PART to 0
+                open_ = search & (lo < hi)
+                mid = (lo + hi) // 2
+                above = tl.load(keys_ptr + base + p * PART + mid, mask=open_, other=-1) > key
+                lo = tl.where(open_ & above, mid + 1, lo)
+                hi = tl.where(open_ & ~above, mid, hi)
+            place += tl.where(search, lo, 0)
+        slot = base + q * PART + i
+        row = r.to(tl.int64) * cap
+        tl.store(out_ids_ptr + row + place, tl.load(part_ids_ptr + slot, mask=real), mask=real)
+        tl.store(out_values_ptr + row + place, tl.load(part_values_ptr + slot, mask=real),
+                 mask=real)
 
 
 @triton.jit
@@ -252,11 +326,26 @@ def fixed_rows(rows: Rows, weights: torch.Tensor, batch_rows: torch.Tensor, cap:
         return out_ids, out_values, lengths
     in_kernel = order == "engine" and cap <= SORT_LIMIT
     sort_block = triton.next_power_of_2(cap) if in_kernel else 1
+    middle = min(2 * SMALL_SORT, sort_block)
+    # rows past the middle block: sorted in parts, a program each, then merged
+    part = min(SORT_PART, sort_block)
+    parts = sort_block // part if in_kernel and sort_block > middle else 0
     launch(_fixed_rows_kernel, (count,), rows.status, rows.forms, rows.lengths, rows.id_offsets,
            rows.offsets, rows.ids, rows.values, weights, weights.stride(0), batch_rows,
            out_ids, out_values, lengths, cap, rows.vocab, BLOCK=_BLOCK, SORT=in_kernel,
-           SORT_BLOCK=sort_block, SMALL_BLOCK=min(SMALL_SORT, sort_block),
-           MIDDLE_BLOCK=min(2 * SMALL_SORT, sort_block), num_warps=SORT_WARPS)
+           SMALL_BLOCK=min(SMALL_SORT, sort_block), MIDDLE_BLOCK=middle, num_warps=SORT_WARPS)
+    if parts:
+        # one allocation: each entry's key (int64), then ids, then values
+        scratch = torch.empty(count * sort_block * 4, dtype=torch.int32, device=device)
+        keys = scratch[:2 * count * sort_block].view(torch.int64)
+        part_ids = scratch[2 * count * sort_block:3 * count * sort_block]
+        part_values = scratch[3 * count * sort_block:].view(torch.float32)
+        launch(_part_sort_kernel, (count, parts), lengths, out_ids, out_values, weights,
+               weights.stride(0), batch_rows, keys, part_ids, part_values, cap, LONG=middle,
+               PART=part, SORT_BLOCK=sort_block, num_warps=PART_WARPS)
+        launch(_part_merge_kernel, (count, parts), lengths, out_ids, out_values, keys, part_ids,
+               part_values, cap, LONG=middle, PART=part, PARTS=parts,
+               SORT_BLOCK=sort_block, STEPS=part.bit_length(), num_warps=PART_WARPS)
     if order == "engine" and not in_kernel:
         _sort_rows(out_ids, out_values, lengths, weights, batch_rows)
     return out_ids, out_values, lengths

@@ -116,10 +116,11 @@ def test_bad_arguments_are_named() -> None:
 
 @pytest.mark.parametrize("cap", [2048, 4096])
 def test_long_rows_sort_in_the_block_they_fit(cap: int) -> None:
-    """A row longer than twice SMALL_SORT takes the capacity's block, one
-    longer than SMALL_SORT (up to twice it) twice SMALL_SORT's, a short one
-    the small block, all in one launch and each in the engine's order; at
-    a capacity of twice SMALL_SORT the middle block is the capacity's."""
+    """A row longer than twice SMALL_SORT sorts in parts (two launches
+    after the first), one longer than SMALL_SORT (up to twice it) in twice
+    SMALL_SORT's block, a short one in the small block, each in the
+    engine's order; at a capacity of twice SMALL_SORT the middle block is
+    the capacity's and there are no parts."""
     gen = torch.Generator().manual_seed(5)
     vocab = 4096
     probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1).to(DEVICE)
@@ -130,10 +131,38 @@ def test_long_rows_sort_in_the_block_they_fit(cap: int) -> None:
     batch_rows = torch.tensor([0, 1, 2, 3], device=DEVICE)
     with launch_plan.recording() as made:
         ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
-    assert [launch.kwargs["MIDDLE_BLOCK"] for launch in made] == [2 * SMALL_SORT]
-    assert [launch.kwargs["SORT_BLOCK"] for launch in made] == [cap]
+    assert made[0].kwargs["MIDDLE_BLOCK"] == 2 * SMALL_SORT
+    # past the middle block the long rows sort in parts, then merge
+    assert [launch.kernel.__name__ for launch in made[1:]] == (
+        ["_part_sort_kernel", "_part_merge_kernel"] if cap > 2 * SMALL_SORT else [])
+    assert all(launch.kwargs["SORT_BLOCK"] == cap for launch in made[1:])
     want = reference_fixed_rows(rows, probs, batch_rows, cap)
     assert lengths.tolist() == want_lengths
+    assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
+
+
+def test_parts_merge_into_the_engine_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long rows sorted in many small parts and merged: a row whose equal
+    weights span every part (their order is by id across the parts), a
+    row that ends inside a part, a row of parts whole; every entry in the
+    reference's place. A merge that forgets one other part's count fails."""
+    from shmask.kernels import fixed_rows as module
+
+    monkeypatch.setattr(module, "SORT_PART", 256)
+    gen = torch.Generator().manual_seed(8)
+    vocab = 4096
+    probs = torch.softmax(torch.randn(3, vocab, generator=gen), -1)
+    probs[0, 200:3900:2] = probs[0, 200]  # ~1,850 equal weights across the row
+    probs = (probs / probs.sum(-1, keepdim=True)).to(DEVICE)
+    top_k = torch.tensor([3000, 2 * SMALL_SORT + 301, 4096], dtype=torch.int32, device=DEVICE)
+    rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=4096,
+                   overflow="status")
+    batch_rows = torch.tensor([2, 0, 1], device=DEVICE)
+    with launch_plan.recording() as made:
+        ids, values, lengths = fixed_rows(rows, probs, batch_rows, 4096)
+    assert made[1].grid == (3, 4096 // 256)
+    want = reference_fixed_rows(rows, probs, batch_rows, 4096)
+    assert lengths.tolist() == want[2].tolist() and min(lengths.tolist()) > 2 * SMALL_SORT
     assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
 
 
