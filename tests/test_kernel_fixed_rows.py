@@ -142,27 +142,32 @@ def test_long_rows_sort_in_the_block_they_fit(cap: int) -> None:
 
 
 def test_parts_merge_into_the_engine_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Long rows sorted in many small parts and merged: a row whose equal
-    weights span every part (their order is by id across the parts), a
-    row that ends inside a part, a row of parts whole; every entry in the
-    reference's place. A merge that forgets one other part's count fails."""
+    """Long rows sorted in many small parts and merged (the blocks shrunk so
+    the interpreter's rows are small): a row whose equal weights span
+    every part (their order is by id across the parts), a row that ends
+    inside a part, a row of parts whole, a row one past the middle block;
+    every entry in the reference's place. A merge that forgets one other
+    part's count fails."""
     from shmask.kernels import fixed_rows as module
 
-    monkeypatch.setattr(module, "SORT_PART", 256)
+    monkeypatch.setattr(module, "SMALL_SORT", 32)
+    monkeypatch.setattr(module, "SORT_PART", 64)
     gen = torch.Generator().manual_seed(8)
-    vocab = 4096
-    probs = torch.softmax(torch.randn(3, vocab, generator=gen), -1)
-    probs[0, 200:3900:2] = probs[0, 200]  # ~1,850 equal weights across the row
+    vocab, cap = 1024, 512
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1)
+    probs[0, 40:1000:4] = probs[0].max() / 2  # 240 equal weights, all kept, across the row
     probs = (probs / probs.sum(-1, keepdim=True)).to(DEVICE)
-    top_k = torch.tensor([3000, 2 * SMALL_SORT + 301, 4096], dtype=torch.int32, device=DEVICE)
-    rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=4096,
+    top_k = torch.tensor([300, 2 * 32 + 1, 400, cap], dtype=torch.int32, device=DEVICE)
+    rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=cap,
                    overflow="status")
-    batch_rows = torch.tensor([2, 0, 1], device=DEVICE)
+    batch_rows = torch.tensor([3, 0, 2, 1], device=DEVICE)
     with launch_plan.recording() as made:
-        ids, values, lengths = fixed_rows(rows, probs, batch_rows, 4096)
-    assert made[1].grid == (3, 4096 // 256)
-    want = reference_fixed_rows(rows, probs, batch_rows, 4096)
-    assert lengths.tolist() == want[2].tolist() and min(lengths.tolist()) > 2 * SMALL_SORT
+        ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
+    assert made[1].grid == (4, cap // 64)
+    want = reference_fixed_rows(rows, probs, batch_rows, cap)
+    assert lengths.tolist() == want[2].tolist()
+    assert lengths.tolist()[0] == cap and lengths.tolist()[3] == 2 * 32 + 1
+    assert min(lengths.tolist()) > 2 * 32 and lengths.tolist()[2] % 64 != 0
     assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
 
 
