@@ -146,14 +146,15 @@ def test_parts_merge_into_the_engine_order(monkeypatch: pytest.MonkeyPatch) -> N
     the interpreter's rows are small): a row whose equal weights span
     every part (their order is by id across the parts), a row that ends
     inside a part, a row of parts whole, a row one past the middle block;
-    every entry in the reference's place. A merge that forgets one other
-    part's count fails."""
+    every entry in the reference's place; a capacity that is no power of
+    two (the output rows and the parts' scratch rows of other strides). A
+    merge that forgets one other part's count fails."""
     from shmask.kernels import fixed_rows as module
 
     monkeypatch.setattr(module, "SMALL_SORT", 32)
     monkeypatch.setattr(module, "SORT_PART", 64)
     gen = torch.Generator().manual_seed(8)
-    vocab, cap = 1024, 512
+    vocab, cap = 1024, 480  # parts of a 512-entry sort block
     probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1)
     probs[0, 40:1000:4] = probs[0].max() / 2  # 240 equal weights, all kept, across the row
     probs = (probs / probs.sum(-1, keepdim=True)).to(DEVICE)
@@ -163,7 +164,7 @@ def test_parts_merge_into_the_engine_order(monkeypatch: pytest.MonkeyPatch) -> N
     batch_rows = torch.tensor([3, 0, 2, 1], device=DEVICE)
     with launch_plan.recording() as made:
         ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
-    assert made[1].grid == (4, cap // 64)
+    assert made[1].grid == (4, 512 // 64)
     want = reference_fixed_rows(rows, probs, batch_rows, cap)
     assert lengths.tolist() == want[2].tolist()
     assert lengths.tolist()[0] == cap and lengths.tolist()[3] == 2 * 32 + 1
