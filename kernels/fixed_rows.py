@@ -49,11 +49,12 @@ SORT_LIMIT = 16384
 # Rows this short sort in a block of this size, whatever the capacity.
 SMALL_SORT = 1024
 _BLOCK = 1024
-# Warps a program of the kernel. On an H100 (B 256, cap 4,096, one row a
-# program; rows the same bits at every value), us at 4 / 8 / 16 warps:
-# top_k 1000 rows 34.7-80.0 / 27.3-72.8 / 26.2-50.8; top_k 4096 rows (fp32
-# s1, every row 4,096 ids) 188.7 / 186.9 / 198.7. 16 is faster on the short
-# rows but slower on the full ones, the worst case; 8 is no slower on any.
+# Warps a program of the first kernel. On an H100 (B 256, cap 4,096, one
+# row a program; rows the same bits at every value), us at 4 / 8 / 16
+# warps: top_k 1000 rows 34.7-80.0 / 27.3-72.8 / 26.2-50.8; top_k 4096 rows
+# (fp32 s1, every row 4,096 ids) 188.7 / 186.9 / 198.7. 8 was chosen while
+# this kernel still sorted rows past the middle block (the parts now do):
+# 16 is not measured with the parts.
 SORT_WARPS = 8
 # Rows longer than the middle block sort in parts of SORT_PART entries, a
 # program a part (PART_WARPS warps), and a second launch merges them. On an
@@ -127,17 +128,24 @@ def _sort_row(out_ids_ptr, out_values_ptr, weights_row_ptr, row, length, BLOCK: 
     in place by descending weight (ties by ascending id)."""
     j = tl.arange(0, BLOCK)
     inside = j < length
-    ids = tl.load(out_ids_ptr + row + j, mask=inside, other=0)
-    weight = tl.load(weights_row_ptr + ids, mask=inside, other=0)
-    bits = weight.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(inside, (bits << 32) | (0x7FFFFFFF - j), -1)
-    key = tl.sort(key, descending=True)
-    source = 0x7FFFFFFF - (key & 0x7FFFFFFF)
+    _, source = _sorted_keys(out_ids_ptr, weights_row_ptr, row, j, inside)
     sorted_ids = tl.load(out_ids_ptr + row + source, mask=inside)
     sorted_values = tl.load(out_values_ptr + row + source, mask=inside)
     tl.debug_barrier()  # every thread has read before any overwrites
     tl.store(out_ids_ptr + row + j, sorted_ids, mask=inside)
     tl.store(out_values_ptr + row + j, sorted_values, mask=inside)
+
+
+@triton.jit
+def _sorted_keys(out_ids_ptr, weights_row_ptr, row, j, inside):
+    """The row's entries at positions ``j`` (where ``inside``) as keys
+    ``(weight bits << 32) | (2^31 - 1 - position)``, sorted descending (-1
+    for the others, last), and each sorted key's position in the row."""
+    ids = tl.load(out_ids_ptr + row + j, mask=inside, other=0)
+    weight = tl.load(weights_row_ptr + ids, mask=inside, other=0)
+    bits = weight.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.sort(tl.where(inside, (bits << 32) | (0x7FFFFFFF - j), -1), descending=True)
+    return key, 0x7FFFFFFF - (key & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -155,13 +163,9 @@ def _part_sort_kernel(lengths_ptr, out_ids_ptr, out_values_ptr, weights_ptr, wei
         b = tl.load(batch_rows_ptr + r).to(tl.int64)
         row = r.to(tl.int64) * cap
         j = q * PART + tl.arange(0, PART)
-        inside = j < length
-        ids = tl.load(out_ids_ptr + row + j, mask=inside, other=0)
-        weight = tl.load(weights_ptr + b * weights_stride + ids, mask=inside, other=0)
-        bits = weight.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
-        key = tl.sort(tl.where(inside, (bits << 32) | (0x7FFFFFFF - j), -1), descending=True)
+        key, source = _sorted_keys(out_ids_ptr, weights_ptr + b * weights_stride, row, j,
+                                   j < length)
         real = key >= 0
-        source = 0x7FFFFFFF - (key & 0x7FFFFFFF)
         slot = r.to(tl.int64) * SORT_BLOCK + q * PART + tl.arange(0, PART)
         tl.store(keys_ptr + slot, key)
         tl.store(part_ids_ptr + slot, tl.load(out_ids_ptr + row + source, mask=real), mask=real)
