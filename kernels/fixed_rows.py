@@ -10,7 +10,9 @@ program per output row:
 
 1. its ids (an ids row copied, a bitmask row expanded: per word its set
    bits in order, each word's first position the exclusive scan of the
-   words' popcounts) and values, ascending, into its matrix row;
+   words' popcounts) and values, ascending, into its matrix row, and
+   zeros past its length; an ids row that sorts in parts (below) is left
+   where it is, in the rows' CSR, for the parts to read;
 2. ``order="engine"``: the row re-read (in a block of SMALL_SORT entries
    when it fits, else of twice that when it fits; a longer row in parts
    of SORT_PART entries, a program each, which a second launch merges:
@@ -25,16 +27,20 @@ program per output row:
    round to one logprob.
 
 Rows that are not OK get length 0 and nothing written. Entries past a row's
-length are zero (the matrices start zeroed), so a copy of them is
-deterministic.
+length are zero (the first kernel writes them: the matrices are not
+zeroed first), so a copy of them is deterministic. Calls of one shape
+replay their launches from a plan (kernels/launch_plan.py), as capture's do.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import launch_plan
 from .float_bits import popcount
 from .launch import launch
 from .rows import WORD_BITS, Rows, Status, bitmask_words
@@ -51,11 +57,11 @@ SMALL_SORT = 1024
 _BLOCK = 1024
 # Warps a program of the first kernel. On an H100 (B 256, cap 4,096, one
 # row a program; rows the same bits at every value), us at 4 / 8 / 16
-# warps: top_k 1000 rows 34.7-80.0 / 27.3-72.8 / 26.2-50.8; top_k 4096 rows
-# (fp32 s1, every row 4,096 ids) 188.7 / 186.9 / 198.7. 8 was chosen while
-# this kernel still sorted rows past the middle block (the parts now do):
-# 16 is not measured with the parts.
-SORT_WARPS = 8
+# warps when it still sorted every row: top_k 1000 rows 34.7-80.0 /
+# 27.3-72.8 / 26.2-50.8, top_k 4096 rows (fp32 s1) 188.7 / 186.9 / 198.7.
+# With the parts taking the rows past the middle block, 8 / 16: top_k 1000
+# rows 27.4-70.7 / 25.9-47.8, top_k 4096 rows 106.1 / 105.9 (the whole call).
+SORT_WARPS = 16
 # Rows longer than the middle block sort in parts of SORT_PART entries, a
 # program a part (PART_WARPS warps), and a second launch merges them. On an
 # H100 (B 256, cap 4,096, us; the rows the same bits): top_k 4096 rows 187.8
@@ -64,6 +70,9 @@ SORT_WARPS = 8
 # 1000 rows pay the two launches, 70.8 -> 81.2 at most.
 SORT_PART = 1024
 PART_WARPS = 16
+# Warps a program of the merge. 8 on an H100: top_k 4096 rows (fp32 s1)
+# 109.8 us a call against 106.1, the mix's 66.1 against 67.1.
+MERGE_WARPS = 16
 _POSITION_MASK = 0x7FFFFFFF
 
 
@@ -72,20 +81,28 @@ def _fixed_rows_kernel(status_ptr, forms_ptr, lengths_ptr, id_offsets_ptr, offse
                        ids_ptr, values_ptr, weights_ptr, weights_stride, batch_rows_ptr,
                        out_ids_ptr, out_values_ptr, out_lengths_ptr, cap, vocab,
                        BLOCK: tl.constexpr, SORT: tl.constexpr, SMALL_BLOCK: tl.constexpr,
-                       MIDDLE_BLOCK: tl.constexpr):
+                       MIDDLE_BLOCK: tl.constexpr, LONG_DIRECT: tl.constexpr):
     r = tl.program_id(0)
     b = tl.load(batch_rows_ptr + r).to(tl.int64)
     ok = tl.load(status_ptr + b) == 0
     length = tl.where(ok, tl.minimum(tl.load(lengths_ptr + b), cap), 0)
     tl.store(out_lengths_ptr + r, length)
+    # the matrices come uninitialised: zeros past the row's length
+    for first in range((length // BLOCK) * BLOCK, cap, BLOCK):
+        j = first + tl.arange(0, BLOCK)
+        past = (j >= length) & (j < cap)
+        tl.store(out_ids_ptr + r.to(tl.int64) * cap + j, 0, mask=past)
+        tl.store(out_values_ptr + r.to(tl.int64) * cap + j, 0.0, mask=past)
     if length > 0:
         id_start = tl.load(id_offsets_ptr + b).to(tl.int64)
         start = tl.load(offsets_ptr + b).to(tl.int64)
         row = r.to(tl.int64) * cap
         if tl.load(forms_ptr + b) == 0:  # Form.IDS: the ids as they are
-            for first in range(0, length, BLOCK):
+            # (a row the parts sort straight from the CSR: nothing here)
+            copied = tl.where(LONG_DIRECT & (length > MIDDLE_BLOCK), 0, length)
+            for first in range(0, copied, BLOCK):
                 j = first + tl.arange(0, BLOCK)
-                inside = j < length
+                inside = j < copied
                 tl.store(out_ids_ptr + row + j, tl.load(ids_ptr + id_start + j, mask=inside),
                          mask=inside)
                 tl.store(out_values_ptr + row + j, tl.load(values_ptr + start + j, mask=inside),
@@ -128,7 +145,7 @@ def _sort_row(out_ids_ptr, out_values_ptr, weights_row_ptr, row, length, BLOCK: 
     in place by descending weight (ties by ascending id)."""
     j = tl.arange(0, BLOCK)
     inside = j < length
-    _, source = _sorted_keys(out_ids_ptr, weights_row_ptr, row, j, inside)
+    _, source = _sorted_keys(out_ids_ptr + row, weights_row_ptr, j, inside)
     sorted_ids = tl.load(out_ids_ptr + row + source, mask=inside)
     sorted_values = tl.load(out_values_ptr + row + source, mask=inside)
     tl.debug_barrier()  # every thread has read before any overwrites
@@ -137,11 +154,12 @@ def _sort_row(out_ids_ptr, out_values_ptr, weights_row_ptr, row, length, BLOCK: 
 
 
 @triton.jit
-def _sorted_keys(out_ids_ptr, weights_row_ptr, row, j, inside):
-    """The row's entries at positions ``j`` (where ``inside``) as keys
-    ``(weight bits << 32) | (2^31 - 1 - position)``, sorted descending (-1
-    for the others, last), and each sorted key's position in the row."""
-    ids = tl.load(out_ids_ptr + row + j, mask=inside, other=0)
+def _sorted_keys(row_ids_ptr, weights_row_ptr, j, inside):
+    """The row's entries (its ascending ids at ``row_ids_ptr``) at positions
+    ``j`` (where ``inside``) as keys ``(weight bits << 32) | (2^31 - 1 -
+    position)``, sorted descending (-1 for the others, last), and each
+    sorted key's position in the row."""
+    ids = tl.load(row_ids_ptr + j, mask=inside, other=0)
     weight = tl.load(weights_row_ptr + ids, mask=inside, other=0)
     bits = weight.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64)
     key = tl.sort(tl.where(inside, (bits << 32) | (0x7FFFFFFF - j), -1), descending=True)
@@ -149,28 +167,33 @@ def _sorted_keys(out_ids_ptr, weights_row_ptr, row, j, inside):
 
 
 @triton.jit
-def _part_sort_kernel(lengths_ptr, out_ids_ptr, out_values_ptr, weights_ptr, weights_stride,
+def _part_sort_kernel(lengths_ptr, forms_ptr, id_offsets_ptr, offsets_ptr, ids_ptr, values_ptr,
+                      out_ids_ptr, out_values_ptr, weights_ptr, weights_stride,
                       batch_rows_ptr, keys_ptr, part_ids_ptr, part_values_ptr, cap,
                       LONG: tl.constexpr, PART: tl.constexpr, SORT_BLOCK: tl.constexpr):
     """Part q (entries [q PART, (q + 1) PART)) of a row longer than LONG,
-    ascending in its matrix row: sorted by the row's keys (descending),
-    the keys (-1 past the row) and the part's ids and values in that order
-    into the row's slots of the scratch matrices."""
+    ascending (an ids row in the rows' CSR, a bitmask row in its matrix
+    row, where the first kernel expanded it): sorted by the row's keys (descending), the keys (-1 past
+    the row) and the part's ids and values in that order into the row's
+    slots of the scratch matrices."""
     r = tl.program_id(0)
     q = tl.program_id(1)
     length = tl.load(lengths_ptr + r)
     if length > LONG:
         b = tl.load(batch_rows_ptr + r).to(tl.int64)
         row = r.to(tl.int64) * cap
+        row_ids_ptr = out_ids_ptr + row
+        row_values_ptr = out_values_ptr + row
+        if tl.load(forms_ptr + b) == 0:  # Form.IDS: the first kernel left it in the CSR
+            row_ids_ptr = ids_ptr + tl.load(id_offsets_ptr + b).to(tl.int64)
+            row_values_ptr = values_ptr + tl.load(offsets_ptr + b).to(tl.int64)
         j = q * PART + tl.arange(0, PART)
-        key, source = _sorted_keys(out_ids_ptr, weights_ptr + b * weights_stride, row, j,
-                                   j < length)
+        key, source = _sorted_keys(row_ids_ptr, weights_ptr + b * weights_stride, j, j < length)
         real = key >= 0
         slot = r.to(tl.int64) * SORT_BLOCK + q * PART + tl.arange(0, PART)
         tl.store(keys_ptr + slot, key)
-        tl.store(part_ids_ptr + slot, tl.load(out_ids_ptr + row + source, mask=real), mask=real)
-        tl.store(part_values_ptr + slot, tl.load(out_values_ptr + row + source, mask=real),
-                 mask=real)
+        tl.store(part_ids_ptr + slot, tl.load(row_ids_ptr + source, mask=real), mask=real)
+        tl.store(part_values_ptr + slot, tl.load(row_values_ptr + source, mask=real), mask=real)
 
 
 @triton.jit
@@ -323,9 +346,10 @@ def fixed_rows(rows: Rows, weights: torch.Tensor, batch_rows: torch.Tensor, cap:
     _check(rows, weights, batch_rows, cap, order)
     count = batch_rows.numel()
     device = rows.ids.device
-    out_ids = torch.zeros((count, cap), dtype=torch.int32, device=device)
-    out_values = torch.zeros((count, cap), dtype=torch.float32, device=device)
-    lengths = torch.zeros(count, dtype=torch.int32, device=device)
+    # not zeroed: the first kernel writes every entry (zeros past a length)
+    out_ids = torch.empty((count, cap), dtype=torch.int32, device=device)
+    out_values = torch.empty((count, cap), dtype=torch.float32, device=device)
+    lengths = torch.empty(count, dtype=torch.int32, device=device)
     if count == 0:
         return out_ids, out_values, lengths
     in_kernel = order == "engine" and cap <= SORT_LIMIT
@@ -334,25 +358,75 @@ def fixed_rows(rows: Rows, weights: torch.Tensor, batch_rows: torch.Tensor, cap:
     # rows past the middle block: sorted in parts, a program each, then merged
     part = min(SORT_PART, sort_block)
     parts = sort_block // part if in_kernel and sort_block > middle else 0
-    launch(_fixed_rows_kernel, (count,), rows.status, rows.forms, rows.lengths, rows.id_offsets,
-           rows.offsets, rows.ids, rows.values, weights, weights.stride(0), batch_rows,
-           out_ids, out_values, lengths, cap, rows.vocab, BLOCK=_BLOCK, SORT=in_kernel,
-           SMALL_BLOCK=min(SMALL_SORT, sort_block), MIDDLE_BLOCK=middle, num_warps=SORT_WARPS)
-    if parts:
-        # one allocation: each entry's key (int64), then ids, then values
-        scratch = torch.empty(count * sort_block * 4, dtype=torch.int32, device=device)
-        keys = scratch[:2 * count * sort_block].view(torch.int64)
-        part_ids = scratch[2 * count * sort_block:3 * count * sort_block]
-        part_values = scratch[3 * count * sort_block:].view(torch.float32)
-        launch(_part_sort_kernel, (count, parts), lengths, out_ids, out_values, weights,
-               weights.stride(0), batch_rows, keys, part_ids, part_values, cap, LONG=middle,
-               PART=part, SORT_BLOCK=sort_block, num_warps=PART_WARPS)
-        launch(_part_merge_kernel, (count, parts), lengths, out_ids, out_values, keys, part_ids,
-               part_values, cap, LONG=middle, PART=part, PARTS=parts,
-               SORT_BLOCK=sort_block, STEPS=part.bit_length(), num_warps=PART_WARPS)
+    # the parts' one allocation: each entry's key (int64), then ids, then values
+    scratch = (torch.empty(count * sort_block * 4, dtype=torch.int32, device=device)
+               if parts else None)
+    shape = _Shape(cap, rows.vocab, sort_block, middle, part, parts, in_kernel)
+    # A call shape's launches replay from a plan after two calls
+    # (kernels/launch_plan.py): the host time of an eager call, as capture's
+    # (the torch sort past SORT_LIMIT runs after them, on its own path).
+    where = launch_plan.call_stream(weights)
+    if where is None:
+        _launch(rows, weights, batch_rows, out_ids, out_values, lengths, scratch, shape)
+    else:
+        slots = (rows.status, rows.forms, rows.lengths, rows.id_offsets, rows.offsets, rows.ids,
+                 rows.values, weights, batch_rows, out_ids, out_values, lengths, scratch)
+        addresses = launch_plan.pointers(slots)
+        key = (*where, weights.dtype, weights.stride(0), batch_rows.dtype, count, shape,
+               _constants(), launch_plan.slots_key(addresses), launch_plan.tuning_state())
+        _PLANS.launch(key, slots, addresses, where[1], lambda: _launch(
+            rows, weights, batch_rows, out_ids, out_values, lengths, scratch, shape))
     if order == "engine" and not in_kernel:
         _sort_rows(out_ids, out_values, lengths, weights, batch_rows)
     return out_ids, out_values, lengths
+
+
+_PLANS = launch_plan.Plans("fixed_rows")
+
+
+class _Shape(NamedTuple):
+    """A call's launch shape (fixed_rows computes it; part of a plan's key)."""
+
+    cap: int
+    vocab: int
+    sort_block: int
+    middle: int  # the longest row the first kernel sorts
+    part: int
+    parts: int  # 0: no row sorts in parts
+    in_kernel: bool  # the engine order sorted by the kernels
+
+
+def _constants() -> tuple[Any, ...]:
+    """This module's launch constants (read at each call: tests change them)."""
+    return _BLOCK, SMALL_SORT, SORT_WARPS, SORT_PART, PART_WARPS, MERGE_WARPS
+
+
+def _launch(rows: Rows, weights: torch.Tensor, batch_rows: torch.Tensor, out_ids: torch.Tensor,
+            out_values: torch.Tensor, lengths: torch.Tensor, scratch: torch.Tensor | None,
+            shape: _Shape) -> None:
+    """fixed_rows' launches (every one through .launch.launch: a plan
+    replays what they record)."""
+    count = batch_rows.numel()
+    launch(_fixed_rows_kernel, (count,), rows.status, rows.forms, rows.lengths, rows.id_offsets,
+           rows.offsets, rows.ids, rows.values, weights, weights.stride(0), batch_rows,
+           out_ids, out_values, lengths, shape.cap, shape.vocab, BLOCK=_BLOCK,
+           SORT=shape.in_kernel, SMALL_BLOCK=min(SMALL_SORT, shape.sort_block),
+           MIDDLE_BLOCK=shape.middle, LONG_DIRECT=bool(shape.parts), num_warps=SORT_WARPS)
+    if scratch is None:
+        return
+    entries = count * shape.sort_block
+    keys = scratch[:2 * entries].view(torch.int64)
+    part_ids = scratch[2 * entries:3 * entries]
+    part_values = scratch[3 * entries:].view(torch.float32)
+    launch(_part_sort_kernel, (count, shape.parts), lengths, rows.forms, rows.id_offsets,
+           rows.offsets, rows.ids, rows.values, out_ids, out_values, weights,
+           weights.stride(0), batch_rows, keys, part_ids, part_values, shape.cap,
+           LONG=shape.middle, PART=shape.part, SORT_BLOCK=shape.sort_block,
+           num_warps=PART_WARPS)
+    launch(_part_merge_kernel, (count, shape.parts), lengths, out_ids, out_values, keys,
+           part_ids, part_values, shape.cap, LONG=shape.middle, PART=shape.part,
+           PARTS=shape.parts, SORT_BLOCK=shape.sort_block, STEPS=shape.part.bit_length(),
+           num_warps=MERGE_WARPS)
 
 
 def _sort_rows(out_ids: torch.Tensor, out_values: torch.Tensor, lengths: torch.Tensor,

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shmask.kernels import Status, capture, launch_plan  # noqa: E402
+from shmask.kernels import Form, Status, capture, launch_plan  # noqa: E402
 from shmask.kernels.fixed_rows import (  # noqa: E402
     SMALL_SORT,
     SORT_LIMIT,
@@ -115,7 +115,7 @@ def test_bad_arguments_are_named() -> None:
 
 
 @pytest.mark.parametrize("cap", [2048, 4096])
-def test_long_rows_sort_in_the_block_they_fit(cap: int) -> None:
+def test_long_rows_sort_in_the_block_they_fit(monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
     """A row longer than twice SMALL_SORT sorts in parts (two launches
     after the first), one longer than SMALL_SORT (up to twice it) in twice
     SMALL_SORT's block, a short one in the small block, each in the
@@ -129,6 +129,8 @@ def test_long_rows_sort_in_the_block_they_fit(cap: int) -> None:
     rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=cap,
                    overflow="status")
     batch_rows = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    # Triton's path, so the launches are recorded (a plan replays unrecorded)
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
     with launch_plan.recording() as made:
         ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
     assert made[0].kwargs["MIDDLE_BLOCK"] == 2 * SMALL_SORT
@@ -141,27 +143,34 @@ def test_long_rows_sort_in_the_block_they_fit(cap: int) -> None:
     assert torch.equal(ids.cpu(), want[0]) and torch.equal(values.cpu(), want[1])
 
 
-def test_parts_merge_into_the_engine_order(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("vocab,form", [(1024, Form.BITMASK), (16384, Form.IDS)])
+def test_parts_merge_into_the_engine_order(monkeypatch: pytest.MonkeyPatch, vocab: int,
+                                           form: Form) -> None:
     """Long rows sorted in many small parts and merged (the blocks shrunk so
     the interpreter's rows are small): a row whose equal weights span
     every part (their order is by id across the parts), a row that ends
     inside a part, a row of parts whole, a row one past the middle block;
     every entry in the reference's place; a capacity that is no power of
-    two (the output rows and the parts' scratch rows of other strides). A
-    merge that forgets one other part's count fails."""
+    two (the output rows and the parts' scratch rows of other strides).
+    Both forms: bitmask rows (expanded by the first kernel) and ids rows
+    (the parts read them from the rows' CSR). A merge that forgets one
+    other part's count fails, and so do parts that read an ids row's
+    matrix row the first kernel left unwritten."""
     from shmask.kernels import fixed_rows as module
 
     monkeypatch.setattr(module, "SMALL_SORT", 32)
     monkeypatch.setattr(module, "SORT_PART", 64)
     gen = torch.Generator().manual_seed(8)
-    vocab, cap = 1024, 480  # parts of a 512-entry sort block
+    cap = 480  # parts of a 512-entry sort block
     probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1)
     probs[0, 40:1000:4] = probs[0].max() / 2  # 240 equal weights, all kept, across the row
     probs = (probs / probs.sum(-1, keepdim=True)).to(DEVICE)
     top_k = torch.tensor([300, 2 * 32 + 1, 400, cap], dtype=torch.int32, device=DEVICE)
     rows = capture(probs, probs.argmax(-1).to(torch.int32), top_k=top_k, max_tokens=cap,
                    overflow="status")
+    assert rows.forms.tolist() == [form] * 4
     batch_rows = torch.tensor([3, 0, 2, 1], device=DEVICE)
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")  # Triton's path: recorded
     with launch_plan.recording() as made:
         ids, values, lengths = fixed_rows(rows, probs, batch_rows, cap)
     assert made[1].grid == (4, 512 // 64)

@@ -31,12 +31,16 @@ import shmask
 
 capture_module = importlib.import_module("shmask.kernels.capture")
 compact_module = importlib.import_module("shmask.kernels.compact")
+fixed_rows_module = importlib.import_module("shmask.kernels.fixed_rows")
 
 GPU = os.environ.get("SHMASK_TEST_GPU") == "1"
 DEVICE = "cuda" if GPU else "cpu"
 VOCAB = 151936 if GPU else 3000
 BATCH = 12
 MAX_TOKENS = 64
+# fixed_rows' capacity: on the GPU the window rows pass its middle block
+# and sort in parts
+FIXED_CAP = 4096 if GPU else 256
 
 
 def step_inputs(seed: int) -> dict:
@@ -140,21 +144,27 @@ def test_rows_identical_on_every_path(prefix: str, mode: str,
 
 
 def test_planned_calls_match_tritons_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Calls of one shape, each on new inputs: the rows are the bits of
-    Triton's path with a fresh workspace every call, when the workspace is
-    kept from call to call and (compiled, on the GPU) from the third call
-    on the launches replay from a plan (kernels/launch_plan.py)."""
+    """Calls of one shape, each on new inputs: the rows (capture, sample,
+    compact, and fixed_rows of the captured rows) are the bits of Triton's
+    path with a fresh workspace every call, when the workspace is kept
+    from call to call and (compiled, on the GPU) from the third call on
+    the launches replay from a plan (kernels/launch_plan.py)."""
     if not GPU:
         monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     steps = [step_inputs(seed) for seed in (3, 4, 5, 6)]
     seeds = torch.arange(BATCH, device=DEVICE) * 5 + 2
 
+    batch_rows = torch.arange(BATCH, device=DEVICE)
+
     def calls(step: dict) -> dict:
         kw = {k: v for k, v in step.items() if k not in ("probs", "sampled")}
         probs = step["probs"]
-        return {"capture": bits(capture(probs, step["sampled"], **kw, max_tokens=MAX_TOKENS)),
+        captured = capture(probs, step["sampled"], **kw, max_tokens=MAX_TOKENS)
+        fixed = fixed_rows_module.fixed_rows(captured, probs, batch_rows, FIXED_CAP)
+        return {"capture": bits(captured),
                 "sample": bits(sample(probs, seeds, **kw, max_tokens=MAX_TOKENS)),
-                "compact": bits(compact(torch.log(probs), MAX_TOKENS))}
+                "compact": bits(compact(torch.log(probs), MAX_TOKENS)),
+                "fixed_rows": [t.cpu().view(torch.int32).tolist() for t in fixed]}
 
     monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
     want = []
@@ -162,14 +172,18 @@ def test_planned_calls_match_tritons_path(monkeypatch: pytest.MonkeyPatch) -> No
         release_scratch()
         want.append(calls(step))
     monkeypatch.setenv("SHMASK_KERNEL_PLANS", "1")
-    replayed = capture_module._PLANS.replayed, compact_module._PLANS.replayed
+    replayed = (capture_module._PLANS.replayed, compact_module._PLANS.replayed,
+                fixed_rows_module._PLANS.replayed)
     got = [calls(step) for step in steps]
     for n, (g, w) in enumerate(zip(got, want, strict=True)):
         for name in w:
             assert g[name] == w[name], f"call {n}: {name}"
-    if GPU:  # capture and sample: 2 replays each; compact: 2
+    if GPU:  # capture and sample: 2 replays each; compact and fixed_rows: 2
         assert capture_module._PLANS.replayed - replayed[0] == 4
         assert compact_module._PLANS.replayed - replayed[1] == 2
+        assert fixed_rows_module._PLANS.replayed - replayed[2] == 2
+        lengths = got[-1]["fixed_rows"][2]
+        assert max(lengths) > 2 * fixed_rows_module.SMALL_SORT  # rows sorted in parts
 
 
 def graphs_launched(thread: int | None = None) -> int:
