@@ -26,7 +26,7 @@ program per output row:
    weight, not the logprob, keeps the engine's order where two weights
    round to one logprob.
 
-Rows that are not OK get length 0 and nothing written. Entries past a row's
+Rows that are not OK get length 0 and only zeros. Entries past a row's
 length are zero (the first kernel writes them: the matrices are not
 zeroed first), so a copy of them is deterministic. Calls of one shape
 replay their launches from a plan (kernels/launch_plan.py), as capture's do.
@@ -372,8 +372,10 @@ def fixed_rows(rows: Rows, weights: torch.Tensor, batch_rows: torch.Tensor, cap:
         slots = (rows.status, rows.forms, rows.lengths, rows.id_offsets, rows.offsets, rows.ids,
                  rows.values, weights, batch_rows, out_ids, out_values, lengths, scratch)
         addresses = launch_plan.pointers(slots)
+        # (the rows' dtypes too: a Rows is the caller's, not made here)
         key = (*where, weights.dtype, weights.stride(0), batch_rows.dtype, count, shape,
-               _constants(), launch_plan.slots_key(addresses), launch_plan.tuning_state())
+               *(slot.dtype for slot in slots[:7]), _constants(),
+               launch_plan.slots_key(addresses), launch_plan.tuning_state())
         _PLANS.launch(key, slots, addresses, where[1], lambda: _launch(
             rows, weights, batch_rows, out_ids, out_values, lengths, scratch, shape))
     if order == "engine" and not in_kernel:
