@@ -87,16 +87,16 @@ def _fixed_rows_kernel(status_ptr, forms_ptr, lengths_ptr, id_offsets_ptr, offse
     ok = tl.load(status_ptr + b) == 0
     length = tl.where(ok, tl.minimum(tl.load(lengths_ptr + b), cap), 0)
     tl.store(out_lengths_ptr + r, length)
+    row = r.to(tl.int64) * cap
     # the matrices come uninitialised: zeros past the row's length
     for first in range((length // BLOCK) * BLOCK, cap, BLOCK):
         j = first + tl.arange(0, BLOCK)
         past = (j >= length) & (j < cap)
-        tl.store(out_ids_ptr + r.to(tl.int64) * cap + j, 0, mask=past)
-        tl.store(out_values_ptr + r.to(tl.int64) * cap + j, 0.0, mask=past)
+        tl.store(out_ids_ptr + row + j, 0, mask=past)
+        tl.store(out_values_ptr + row + j, 0.0, mask=past)
     if length > 0:
         id_start = tl.load(id_offsets_ptr + b).to(tl.int64)
         start = tl.load(offsets_ptr + b).to(tl.int64)
-        row = r.to(tl.int64) * cap
         if tl.load(forms_ptr + b) == 0:  # Form.IDS: the ids as they are
             # (a row the parts sort straight from the CSR: nothing here)
             copied = tl.where(LONG_DIRECT & (length > MIDDLE_BLOCK), 0, length)
@@ -173,9 +173,9 @@ def _part_sort_kernel(lengths_ptr, forms_ptr, id_offsets_ptr, offsets_ptr, ids_p
                       LONG: tl.constexpr, PART: tl.constexpr, SORT_BLOCK: tl.constexpr):
     """Part q (entries [q PART, (q + 1) PART)) of a row longer than LONG,
     ascending (an ids row in the rows' CSR, a bitmask row in its matrix
-    row, where the first kernel expanded it): sorted by the row's keys (descending), the keys (-1 past
-    the row) and the part's ids and values in that order into the row's
-    slots of the scratch matrices."""
+    row, where the first kernel expanded it): sorted by the row's keys
+    (descending), the keys (-1 past the row) and the part's ids and
+    values in that order into the row's slots of the scratch matrices."""
     r = tl.program_id(0)
     q = tl.program_id(1)
     length = tl.load(lengths_ptr + r)

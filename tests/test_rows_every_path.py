@@ -153,7 +153,6 @@ def test_planned_calls_match_tritons_path(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     steps = [step_inputs(seed) for seed in (3, 4, 5, 6)]
     seeds = torch.arange(BATCH, device=DEVICE) * 5 + 2
-
     batch_rows = torch.arange(BATCH, device=DEVICE)
 
     def calls(step: dict) -> dict:
