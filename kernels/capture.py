@@ -45,7 +45,11 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    share; min-p: min_p x the sampled max; top-k <= K_FLOOR_ONLY: top-k's
    and min-p's floors alone). The mass estimates count the sample's
    largest value once, not 1/share times, when no other sampled id ties it
-   (SAMPLE_HEAVY: most likely the row's only one of its size). A window row (top-k off, top-p on, a support
+   (SAMPLE_HEAVY: most likely the row's only one of its size). The bound
+   skips searches whose floor would not be used: a top-k <= K_FLOOR_ONLY
+   row's top-p floor, and a top-p-only row's mass floors where its count
+   floor (P_KEEP) already holds the mass floor's share and keeps too few
+   ids for a window row (peaked rows). A window row (top-k off, top-p on, a support
    the sample puts past WINDOW_MIN ids) gets 8 pivots instead, around
    the key whose sampled share reaches top_p, spread by the width of [lo, hi)
    (hi: the key whose sampled share reaches top_p - P_MARGIN;

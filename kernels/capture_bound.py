@@ -114,23 +114,8 @@ def _bound_kernel(
     # reaches 1 (top_p 0.99): a share of 1 is the sample's whole mass, whose
     # floor, its smallest key, keeps nearly every id of the row
     above = tl.minimum(top_p + P_MARGIN, (1.0 + top_p) * 0.5)
-    if p_on:
-        if p_window:
-            floor_p, hi, center = _sample_keys_reaching3(
-                key, w_mass, above * total, (top_p - P_MARGIN) * total, top_p * total)
-            hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
-        else:
-            floor_p = _sample_key_reaching(key, w_mass, above * total, True)
-        if ~k_on:
-            # and low enough to keep P_KEEP ids by the sample's count: a
-            # heavy token in the sample, weighed ~1/share times its share
-            # (HEAVY off, or a tied top value), puts the mass floor above a
-            # peaked row's cutoff (the
-            # whole-row search); P_KEEP candidates are in resolve's registers
-            floor_p = tl.minimum(floor_p, _sample_key_reaching(key, w, P_KEEP * share, False))
     floor_m = tl.where(min_p > 0.0, (min_p * top.to(tl.float32, bitcast=True))
                        .to(tl.int32, bitcast=True), 0)
-    lo = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
     # A top-k of at most K_FLOOR_ONLY ids: its floor alone, whose candidates
     # (the support plus a little, whatever top-p keeps) fit in resolve's
     # registers; a top-p floor above it would come from a sample that can
@@ -143,12 +128,43 @@ def _bound_kernel(
     if SEQUENTIAL:
         only_k = k_on
         floor_km = tl.maximum(floor_k, 1)
+    if p_on & ~only_k:  # (a row that takes top-k's floor alone needs no top-p floor)
+        # A top-p-only row's floor is also low enough to keep P_KEEP ids by
+        # the sample's count (floor_c): a heavy token in the sample, weighed
+        # ~1/share times its share (HEAVY off, or a tied top value), puts
+        # the mass floor above a peaked row's cutoff (the whole-row search);
+        # P_KEEP candidates are in resolve's registers.
+        floor_c = tl.full([], INF_KEY, tl.int32)
+        settled = tl.zeros([], dtype=tl.int1)
+        if ~k_on:
+            floor_c = _sample_key_reaching(key, w, P_KEEP * share, False)
+            # Where the mass at or above floor_c already reaches the mass
+            # floor's share, the mass floor (the largest such key) lies at
+            # or above floor_c, so the floor is floor_c; and a row whose
+            # floor keeps too few ids to be a window row needs no pivots.
+            # Then the mass searches (most of the bound's time) are skipped,
+            # with the floor and window flag they would give: peaked rows.
+            settled = tl.sum(tl.where(key >= floor_c, w_mass, 0.0), axis=0) >= above * total
+            if p_window:
+                lo_c = tl.maximum(floor_c, tl.maximum(floor_m, 1))
+                settled = settled & ~_keeps_window_rows(key, lo_c, share, WINDOW_MIN)
+        if settled:
+            floor_p = floor_c
+        else:
+            if p_window:
+                floor_p, hi, center = _sample_keys_reaching3(
+                    key, w_mass, above * total, (top_p - P_MARGIN) * total, top_p * total)
+                hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
+            else:
+                floor_p = _sample_key_reaching(key, w_mass, above * total, True)
+            floor_p = tl.minimum(floor_p, floor_c)
+    lo = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
     lo = tl.where(only_k, floor_km, lo)
     greedy = tl.load(greedy_ptr + row) != 0
     lo = tl.where(greedy, tl.maximum(top, 1), lo)
     window = tl.zeros([], dtype=tl.int32)
     if WINDOW:
-        many = tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
+        many = _keeps_window_rows(key, lo, share, WINDOW_MIN)
         window = (may_be_window & ~greedy & many & (hi > lo)).to(tl.int32)
         if (window != 0) & p_window:
             # The pivots' spread: the width of [lo, hi), or twice that of
@@ -164,6 +180,12 @@ def _bound_kernel(
     if WINDOW:
         if row == 0:
             tl.store(wide_count_ptr, 0)  # _window_bracket_kernel counts the wide rows
+
+
+@triton.jit
+def _keeps_window_rows(key, lo, share, WINDOW_MIN: tl.constexpr):
+    """Whether the sample puts more than WINDOW_MIN ids of the row at or above lo."""
+    return tl.sum((key >= lo).to(tl.float32), axis=0) > WINDOW_MIN * share
 
 
 @triton.jit

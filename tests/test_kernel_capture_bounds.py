@@ -878,6 +878,26 @@ def kept(monkeypatch: pytest.MonkeyPatch) -> dict:
     return kept
 
 
+def test_a_window_row_past_its_count_floor_gets_its_pivots(kept: dict) -> None:
+    """The bound skips a top-p-only row's mass searches when the mass above
+    its count floor (P_KEEP ids) reaches top-p's floor share, unless that
+    floor makes it a window row: a row of three heavy ids and 7,997 tied
+    light ones (whose tie puts past WINDOW_MIN ids at the count floor) is a
+    window row, and its pivots are the mass searches' (the cutoff between
+    the inner ones: a bracket that is not wide), not the skip's defaults."""
+    vocab = 8000  # the sample is the whole row
+    probs = torch.full((2, vocab), 0.04 / (vocab - 3))
+    probs[:, :3] = torch.tensor([0.5, 0.3, 0.16])
+    probs[1] = probs[1].flip(0)
+    got = run_both(probs, probs.argmax(1), top_p=0.9, max_tokens=100)
+    ws = kept["ws"]
+    assert got.sizes.cpu().tolist() == [3, 3]
+    assert ws.window.cpu().tolist() == [1, 1]
+    record = capture_workspace.BRACKET.value
+    wide = ws.bracket.cpu().view(2, record)[:, capture_workspace.B_WIDE.value]
+    assert wide.tolist() == [0, 0]
+
+
 def assert_no_whole_row_search(ws) -> None:
     """Every row's cutoff at or above its sampled floor (none needed the
     whole-row search) and its candidates within resolve's registers."""
