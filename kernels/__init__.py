@@ -80,6 +80,7 @@ with _interpreter_scope():
     from .capture import capture, reference_capture, top_p_within_rounding
     from .compact import compact, reference_compact
     from .direct import DirectPublisher, publish, publisher_for, reference_direct
+    from .fixed_masks import reference_rows_from_fixed, rows_from_fixed
     from .host import HostRows, HostStaging
     from .replay import (
         ReplayOutput,
@@ -108,10 +109,12 @@ __all__ = [
     "reference_compact",
     "reference_direct",
     "reference_replay_logprobs",
+    "reference_rows_from_fixed",
     "reference_sample",
     "replay_forward",
     "replay_logprobs",
     "replay_logprobs_vocab_parallel",
+    "rows_from_fixed",
     "sample",
     "top_p_within_rounding",
     "use_interpreter",

@@ -238,12 +238,21 @@ class MaskPublisher:
         self._handles = np.zeros(0, np.int64)
         self._zeros = np.zeros(0, np.float32)
         self._last: StepMasks | None = None
+        # A step the GPU is storing (publish_device), taken before any other
+        # step touches the queues
+        self._device_step: Any = None
 
     def publish_step(self, masks: Any) -> StepMasks | None:
         """Write one step's masks (vLLM's batch SamplingMaskLists) into the
         ring. The result answers `slice_request(req_index, num_positions)`
-        like the SamplingMaskLists it replaces. None passes through."""
+        like the SamplingMaskLists it replaces. None passes through, and so
+        does a step the model runner already published from the GPU (a
+        StepMasks: shmask/adapters/vllm_gpu.py)."""
         self.finish_step()
+        if isinstance(masks, StepMasks):
+            self._last = masks
+            return masks
+        self.take_device_step()
         if masks is None:
             return None
         token_ids = np.asarray(masks.token_ids)
@@ -279,6 +288,38 @@ class MaskPublisher:
         self._last = StepMasks(batch, rows_per_request, self._mask_lists, self.leaving)
         return self._last
 
+    def publish_device(self, rows: Any, tensors: Any) -> Any:
+        """One step's device rows (``rows_from_fixed`` of vLLM's
+        SamplingMaskTensors, one row per request) stored into the ring by
+        the GPU, or None where that cannot be (no GPU-direct publisher: the
+        caller keeps vLLM's own path). The previous device step is taken
+        first: its kernel ran before this step's sampler, and its queues are
+        this step's."""
+        from .vllm_gpu import DeviceStep, device_publisher
+
+        self.take_device_step()
+        publisher = device_publisher(self.writer)
+        if publisher is None:
+            return None
+        requests = rows.lengths.numel()
+        self._grow(requests, requests)
+        handles = self._handles[:requests]
+        publisher.publish(handles, rows, "selected")  # GPU-direct; its own CPU path past that
+        self._device_step = DeviceStep(self, handles, tensors)
+        return self._device_step
+
+    def take_device_step(self) -> StepMasks | None:
+        """Take the step the GPU stored last (its rows are in their queues
+        once its kernel finished: the take waits for that); its StepMasks,
+        also kept for its ``tolists``."""
+        step, self._device_step = self._device_step, None
+        return None if step is None else step.take()
+
+    def _step_of(self, handles: np.ndarray) -> StepMasks:
+        """The chunks of one request a queue, taken as one batch."""
+        batch = self.writer.take_batch(handles)
+        return StepMasks(batch, np.ones(handles.size, np.int64), self._mask_lists, self.leaving)
+
     def _reset_queues(self) -> None:
         # Whatever a failed step left staged must not leak into the next one.
         for queue in self._queues:
@@ -294,6 +335,12 @@ class MaskPublisher:
 
     def close(self) -> None:
         self.finish_step()
+        try:
+            untaken = self.take_device_step()  # published, never handed to the scheduler
+            if untaken is not None:
+                untaken._discard_unclaimed(self._reader)
+        except ShmaskError as exc:
+            log.warning("the last device step's masks could not be given back: %s", exc)
         self._reader.close()
         for queue in self._queues:
             queue.close()

@@ -22,7 +22,7 @@ PATCH = ROOT / "shmask" / "integrations" / "vllm.patch"
 GUIDE = ROOT / "docs" / "integrations" / "vllm.md"
 SITE = Path(vllm.__file__).resolve().parents[1]  # the directory holding vllm/
 PATCHED = ["vllm/v1/core/sched/scheduler.py", "vllm/v1/engine/core.py",
-           "vllm/v1/engine/output_processor.py"]
+           "vllm/v1/engine/output_processor.py", "vllm/v1/worker/gpu/sample/sampler.py"]
 
 
 def test_installed_release_is_the_one_patched():
@@ -267,3 +267,41 @@ def test_the_engine_core_says_where_its_outputs_go(patched_tree, prefix):
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got == {"adapter": True, "local_client": True, "order": True,
                    "headless": "10.1.2.3:5571", "local": None}
+
+
+_SAMPLER_PROBE = textwrap.dedent("""
+    import importlib.util, inspect, json, sys
+    tree = sys.argv[1]
+    name = "vllm.v1.worker.gpu.sample.sampler"
+    spec = importlib.util.spec_from_file_location(
+        name, tree + "/vllm/v1/worker/gpu/sample/sampler.py")
+    sampler = importlib.util.module_from_spec(spec)
+    sys.modules[name] = sampler
+    spec.loader.exec_module(sampler)
+    from shmask.adapters import vllm_gpu
+    # every method that makes vLLM's masks passes them through published()
+    makers = [f for f in vars(sampler.Sampler).values() if inspect.isfunction(f)
+              and "from_logits" in f.__code__.co_names]
+    source = inspect.getsource(makers[0]) if makers else ""
+    print(json.dumps({
+        "adapter": sampler.shmask_vllm_gpu is vllm_gpu,
+        "makers": len(makers),
+        "passed": all("published" in f.__code__.co_names for f in makers),
+        "order": 0 < source.index("SamplingMaskTensors.from_logits(")
+                 < source.index("shmask_vllm_gpu.published(sampling_mask_tensors)")
+                 < source.index("SamplerOutput("),
+    }))
+""")
+
+
+def test_the_sampler_passes_vllms_masks_to_the_gpu_publisher(patched_tree, prefix):
+    """The sampler.py hunk runs in the released Sampler: the masks vLLM's
+    compaction makes go through ``vllm_gpu.published`` before the
+    SamplerOutput carries them to AsyncOutput (tests/compat/
+    test_vllm_gpu_publish.py runs what published does with them)."""
+    env = {**os.environ, "SHMASK_NAME_PREFIX": prefix}
+    result = subprocess.run([sys.executable, "-c", _SAMPLER_PROBE, str(patched_tree)],
+                            env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got == {"adapter": True, "makers": 1, "passed": True, "order": True}
