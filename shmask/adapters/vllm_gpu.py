@@ -68,6 +68,8 @@ def published(tensors: Any) -> Any:
     if tensors is None or publisher is None or getattr(tensors, "rows_per_request", 1) != 1:
         return tensors
     try:
+        if device_publisher(publisher.writer) is None:
+            return tensors  # no launch for a step that keeps vLLM's path
         from shmask.kernels import rows_from_fixed
 
         rows = rows_from_fixed(tensors.token_ids, tensors.packed_mask, tensors.counts,
