@@ -173,3 +173,34 @@ def test_a_writer_without_gpu_direct_keeps_vllms_path(config, monkeypatch):
     finally:
         publisher.close()
         writer.close()
+
+
+def test_a_full_ring_still_delivers_every_mask(engine_core):
+    """Steps whose references are held (nothing resolved or released) fill
+    the 1 MiB ring: rows the GPU cannot store divert to the CPU path, and
+    past that ride inline in their references. Every request still gets
+    vLLM's mask."""
+    from shmask.refs import KIND_INLINE
+
+    rng = np.random.default_rng(11)
+    sampled = [1] * 8
+    held = []
+    for _ in range(24):
+        tensors = vllm_tensors(step_logits(rng, [int(n) for n in rng.integers(1, 300, 8)]),
+                               sampled, 64)
+        step = vllm_gpu.published(tensors)
+        assert isinstance(step, vllm_gpu.DeviceStep)
+        masks = shmask_vllm.publish_step(step.tolists())
+        outputs = [EngineCoreOutput(f"req-{i}", [7], new_sampling_mask=masks.slice_request(i, 1))
+                   for i in range(8)]
+        held.append((outputs, masks, vllm_own(tensors, sampled)))
+    stats = publisher_for(engine_core.writer).stats
+    inline = sum(int(np.sum(m.batch.entries["kind"] == KIND_INLINE)) for _, m, _ in held)
+    # both fallbacks ran (else the test proves nothing)
+    assert stats["diverted_rows"] > 0 and inline > 0, (stats, inline)
+    resolver = shmask_vllm.MaskResolver()
+    for outputs, _, want in held:
+        received, _ = through_ipc(outputs)
+        assert resolver.resolve_outputs(received) == []
+        assert {o.request_id: o.new_sampling_mask.to_nested_list() for o in received} == want
+    resolver.close()
