@@ -169,7 +169,7 @@ def main() -> None:
     vllm_adapter._publisher = publisher  # the engine core's, in this process
     resolver = vllm_adapter.MaskResolver(shmask.Reader(writer.config), mask_lists=lists_type)
 
-    def released(logits: Any) -> tuple[float, list[Any], Any]:
+    def released(logits: Any) -> tuple[float, float, list[Any], Any]:
         began = time.perf_counter()
         on_host = masks_type.from_logits(logits, cu, num_sampled, max_kept).to_cpu_nonblocking()
         enqueue = time.perf_counter() - began
@@ -177,9 +177,9 @@ def main() -> None:
         began = time.perf_counter()
         lists = on_host.tolists()
         slices = [lists.slice_request(i, 1) for i in range(requests)]
-        return enqueue + time.perf_counter() - began, slices, lists
+        return enqueue, time.perf_counter() - began, slices, lists
 
-    def patched_cpu(logits: Any) -> tuple[float, list[Any], Any]:
+    def patched_cpu(logits: Any) -> tuple[float, float, list[Any], Any]:
         began = time.perf_counter()
         tensors = masks_type.from_logits(logits, cu, num_sampled, max_kept)
         on_host = tensors.to_cpu_nonblocking()
@@ -188,9 +188,9 @@ def main() -> None:
         began = time.perf_counter()
         step = publisher.publish_step(on_host.tolists())
         slices = [step.slice_request(i, 1) for i in range(requests)]
-        return enqueue + time.perf_counter() - began, slices, None
+        return enqueue, time.perf_counter() - began, slices, None
 
-    def patched_gpu(logits: Any) -> tuple[float, list[Any], Any]:
+    def patched_gpu(logits: Any) -> tuple[float, float, list[Any], Any]:
         began = time.perf_counter()
         tensors = vllm_gpu.published(masks_type.from_logits(logits, cu, num_sampled, max_kept))
         on_host = tensors.to_cpu_nonblocking()
@@ -200,16 +200,17 @@ def main() -> None:
         began = time.perf_counter()
         step = publisher.publish_step(on_host.tolists())
         slices = [step.slice_request(i, 1) for i in range(requests)]
-        return enqueue + time.perf_counter() - began, slices, None
+        return enqueue, time.perf_counter() - began, slices, None
 
     paths = {"released": released, "patched, CPU": patched_cpu, "patched, GPU": patched_gpu}
-    times: dict[str, list[float]] = {name: [] for name in paths}
+    parts = ("enqueue", "after the event", "total")
+    times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in parts} for n in paths}
     checked = 0
     for step in range(WARMUP + args.steps):
         logits = steps[step % len(steps)]
         want = None
         for name, run in paths.items():
-            seconds, slices, lists = run(logits)
+            enqueue, after, slices, lists = run(logits)
             if lists is not None:
                 want = [lists.slice_request(i, 1).to_nested_list() for i in range(requests)]
             else:
@@ -217,8 +218,10 @@ def main() -> None:
                 assert got == want, f"{name}: a request's ids differ from vLLM's own"
                 checked += requests
             if step >= WARMUP:
-                times[name].append(seconds * 1e6)
-    stats = publisher.writer.default_publisher.stats if publisher.writer.default_publisher else {}
+                for part, seconds in zip(parts, (enqueue, after, enqueue + after)):
+                    times[name][part].append(seconds * 1e6)
+    direct = publisher.writer.default_publisher
+    stats = direct.stats if direct is not None else {}
     publisher.close()
     resolver.close()
     writer.close()
@@ -226,13 +229,16 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreter)"
     print(f"vLLM 0.33.0 masks, {requests} requests x {supports} ids, V={args.vocab}, "
           f"{args.steps} steps, {name}; every request's ids checked ({checked} slices)")
-    print("engine-core CPU per step (us, median; min-max):")
-    medians = {}
+    print("engine-core CPU per step, us (median; min-max): the launches and copies queued,")
+    print("then after the step's event (lists or take, publish_step, the slices), and both:")
+    medians = {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()}
     for label, samples in times.items():
-        medians[label] = statistics.median(samples)
-        print(f"  {label:14s} {medians[label]:9.1f}  ({min(samples):.1f}-{max(samples):.1f})")
+        print(f"  {label:14s} " + "  ".join(
+            f"{part} {medians[label][part]:8.1f} ({min(samples[part]):.0f}-"
+            f"{max(samples[part]):.0f})" for part in parts))
     for label in ("patched, CPU", "patched, GPU"):
-        print(f"  {label} / released: {medians[label] / medians['released']:.2f}x")
+        print(f"  {label} / released: " + ", ".join(
+            f"{part} {medians[label][part] / medians['released'][part]:.2f}x" for part in parts))
     print(f"GPU-direct publisher: {stats}")
     if args.json:
         args.json.write_text(json.dumps({"medians_us": medians, "requests": requests,
