@@ -218,7 +218,7 @@ def main() -> None:
                 assert got == want, f"{name}: a request's ids differ from vLLM's own"
                 checked += requests
             if step >= WARMUP:
-                for part, seconds in zip(parts, (enqueue, after, enqueue + after)):
+                for part, seconds in zip(parts, (enqueue, after, enqueue + after), strict=True):
                     times[name][part].append(seconds * 1e6)
     direct = publisher.writer.default_publisher
     stats = direct.stats if direct is not None else {}
