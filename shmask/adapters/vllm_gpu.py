@@ -60,8 +60,8 @@ VLLM_COMPACT_WIDTH = 2048
 def published(tensors: Any) -> Any:
     """vLLM's ``SamplingMaskTensors`` of one step, or a :class:`DeviceStep`
     standing for them once the GPU stores them into the ring (module
-    docstring says when). Never raises for a mask: on a shmask error the
-    step keeps vLLM's path."""
+    docstring says when). A shmask error, or tensors it refuses (a
+    ValueError naming the field), leave the step on vLLM's path, logged."""
     from . import vllm
 
     publisher = vllm._publisher  # the engine core's, where it shares this process
