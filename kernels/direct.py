@@ -698,14 +698,17 @@ def _handle_array(slots: np.ndarray | Sequence[Any]) -> np.ndarray:
     return np.array([getattr(s, "handle", s) for s in slots], np.int64)
 
 
-def publisher_for(writer: DevicePort) -> DirectPublisher:
+def publisher_for(writer: DevicePort, max_tokens: int | None = None) -> DirectPublisher:
     """The Writer's DirectPublisher, made on first use: GPU-direct where
     CUDA is present and SHMASK_GPU_DIRECT is not "off", else one that
-    takes the CPU path (said once, in a warning)."""
+    takes the CPU path (said once, in a warning). ``max_tokens``: the ids
+    each queue is given room for before a step, if this call makes it
+    (default: the Writer's SHMASK_MAX_TOKENS)."""
     publisher = writer.default_publisher
     if publisher is None:
         attached = writer.attached
-        publisher = attached if isinstance(attached, DirectPublisher) else DirectPublisher(writer)
+        publisher = attached if isinstance(attached, DirectPublisher) else DirectPublisher(
+            writer, max_tokens=max_tokens)
         writer.default_publisher = publisher
     return publisher
 

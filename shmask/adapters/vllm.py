@@ -288,23 +288,20 @@ class MaskPublisher:
         self._last = StepMasks(batch, rows_per_request, self._mask_lists, self.leaving)
         return self._last
 
-    def publish_device(self, rows: Any, tensors: Any) -> Any:
+    def publish_device(self, direct: Any, rows: Any, tensors: Any) -> Any:
         """One step's device rows (``rows_from_fixed`` of vLLM's
         SamplingMaskTensors, one row per request) stored into the ring by
-        the GPU, or None where that cannot be (no GPU-direct publisher: the
-        caller keeps vLLM's own path). The previous device step is taken
+        ``direct``, the Writer's GPU-direct publisher; returns the
+        DeviceStep that stands for them. The previous device step is taken
         first: its kernel ran before this step's sampler, and its queues are
         this step's."""
-        from .vllm_gpu import DeviceStep, device_publisher
+        from .vllm_gpu import DeviceStep
 
         self.take_device_step()
-        publisher = device_publisher(self.writer)
-        if publisher is None:
-            return None
         requests = rows.lengths.numel()
         self._grow(requests, requests)
         handles = self._handles[:requests]
-        publisher.publish(handles, rows, "selected")  # GPU-direct; its own CPU path past that
+        direct.publish(handles, rows, "selected")  # GPU-direct; its own CPU path past that
         self._device_step = DeviceStep(self, handles, tensors)
         return self._device_step
 

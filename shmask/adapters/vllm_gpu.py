@@ -68,31 +68,27 @@ def published(tensors: Any) -> Any:
     if tensors is None or publisher is None or getattr(tensors, "rows_per_request", 1) != 1:
         return tensors
     try:
-        if device_publisher(publisher.writer) is None:
+        direct = device_publisher(publisher.writer)
+        if direct is None:
             return tensors  # no launch for a step that keeps vLLM's path
         from shmask.kernels import rows_from_fixed
 
         rows = rows_from_fixed(tensors.token_ids, tensors.packed_mask, tensors.counts,
                                int(tensors.vocab_size))
-        step = publisher.publish_device(rows, tensors)
+        return publisher.publish_device(direct, rows, tensors)
     except (ShmaskError, ValueError) as exc:
         log.error("sampling masks of this step left on vLLM's path: %s", exc)
         return tensors
-    return tensors if step is None else step
 
 
 def device_publisher(writer: Writer) -> Any:
-    """The Writer's GPU-direct publisher (made on first use with room for
-    one compact row of vLLM's width a queue), or None where the GPU cannot
-    store rows (no CUDA, SHMASK_GPU_DIRECT=off, an inline transport)."""
-    from shmask.kernels import DirectPublisher
+    """The Writer's GPU-direct publisher (``kernels.publisher_for``, made
+    with room for one compact row of vLLM's width a queue), or None where
+    the GPU cannot store rows (no CUDA, SHMASK_GPU_DIRECT=off, an inline
+    transport)."""
+    from shmask.kernels import publisher_for
 
-    publisher = writer.default_publisher
-    if publisher is None:
-        attached = writer.attached
-        publisher = attached if isinstance(attached, DirectPublisher) else DirectPublisher(
-            writer, max_tokens=VLLM_COMPACT_WIDTH)
-        writer.default_publisher = publisher
+    publisher = publisher_for(writer, max_tokens=VLLM_COMPACT_WIDTH)
     return publisher if publisher.active else None
 
 
