@@ -226,6 +226,8 @@ int shm_direct_step(shm_ring *ring, shm_direct *direct, const int64_t *handles,
     for (uint64_t i = 0; i < batch; i++) {
         uint64_t slot = (uint64_t)handles[i] & HANDLE_SLOT_MASK;
         shm_queue *q = &ring->queues[slot];
+        q->direct_words = words;
+        q->direct_nnz = mode == SHM_MODE_SUPPORT ? nnz : 0;
         /* Room for one more row of the largest size asked for; a queue that
          * cannot grow now (ring full) diverts its row to the CPU path. */
         if (!fits(q, q->rows + 1, q->words + words, q->nnz + nnz) && ring_usable(ring)) {

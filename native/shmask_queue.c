@@ -482,7 +482,10 @@ _Static_assert(offsetof(shm_ref_entry, rows) == 4 && offsetof(shm_ref_entry, pos
 
 /* Entry i of a take's output: a ring chunk of queue q's rows at `position`. */
 static void put_ring_ref(shm_ref_entry *e, uint64_t position, uint64_t record_bytes,
-                         uint64_t seal, const shm_queue *q) {
+                         uint64_t seal, const shm_queue *q, shm_take_totals *totals) {
+    totals->chunks += 1;
+    totals->rows += q->rows;
+    totals->payload_bytes += shm_payload_bytes(q->mode, q->rows, q->words, q->nnz);
     e->kind = SHM_REF_KIND_RING;
     e->seal = seal;
     e->position = position;
@@ -496,12 +499,12 @@ static void put_ring_ref(shm_ref_entry *e, uint64_t position, uint64_t record_by
 /* The next buffer holds the last take's rows plus a quarter. */
 static void size_next_buffer(shm_queue *q) {
     q->next_rows = q->rows + q->rows / 4 + 1;
-    q->next_nnz = q->nnz + q->nnz / 4 + 1;
-    q->next_words = q->words + q->words / 4 + 1;
+    q->next_nnz = max_u64(q->nnz + q->nnz / 4 + 1, q->direct_nnz);
+    q->next_words = max_u64(q->words + q->words / 4 + 1, q->direct_words);
 }
 
 int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
-                        uint64_t now_ns, int final, shm_ref_entry *out) {
+                        uint64_t now_ns, int final, shm_ref_entry *out, shm_take_totals *totals) {
     if (start == 0)
         for (uint64_t i = 0; i < count; i++)
             if (queue_slot(ring, handles[i]) < 0) return SHM_E_BAD_SLOT;
@@ -531,7 +534,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
             /* A ref to where the rows were: its reader gets StaleChunkError. */
             shm_layout layout;
             shm_record_layout(q->mode, q->rows, q->words, q->nnz, &layout);
-            put_ring_ref(e, q->lost_position, layout.record_bytes, 0, q);
+            put_ring_ref(e, q->lost_position, layout.record_bytes, 0, q, totals);
             drop_buffer(ring, q);
             q->lost = 0;
             continue;
@@ -541,7 +544,7 @@ int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, 
         if (!q->in_ring) return (int64_t)i;
         shm_layout layout;
         shm_record_layout(q->mode, q->rows_capacity, q->words_capacity, q->nnz_capacity, &layout);
-        put_ring_ref(e, q->position, layout.record_bytes, seal, q);
+        put_ring_ref(e, q->position, layout.record_bytes, seal, q, totals);
         size_next_buffer(q);
         /* The published record is the reader's now: forget it, don't discard. */
         forget_buffer(q);

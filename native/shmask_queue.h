@@ -86,6 +86,15 @@ typedef struct {
 #define SHM_REF_KIND_INLINE 2
 #define SHM_REF_KIND_LOST 3
 
+/* What one take published into the ring (the Writer's stats): ring
+ * entries (lost ones too), their rows, and their payload bytes as an inline
+ * payload would count them (shm_payload_bytes). Added to, never reset. */
+typedef struct {
+    uint64_t chunks;
+    uint64_t rows;
+    uint64_t payload_bytes;
+} shm_take_totals;
+
 /* One emission: validates every handle, then publishes the ring buffers of
  * handles[start..count) in place and writes each chunk's entry (kind 0
  * empty or 1 ring, mode, position, record size, rows, nnz, words, vocab;
@@ -93,9 +102,9 @@ typedef struct {
  * a fresh ring buffer sized for the next emission (or drops it when
  * `final`). Returns count, or i when queue i stages in private memory (the
  * caller packs it with shm_queue_pack_private and calls again from i + 1),
- * or a negative error. */
+ * or a negative error. Each ring entry is added to `totals`. */
 int64_t shm_take_queues(shm_ring *ring, const int64_t *handles, uint64_t count, uint64_t start,
-                        uint64_t now_ns, int final, shm_ref_entry *out);
+                        uint64_t now_ns, int final, shm_ref_entry *out, shm_take_totals *totals);
 /* Bytes of an inline payload: lengths | flags (padded to 4) | ids | logprobs. */
 uint64_t shm_payload_bytes(uint32_t mode, uint64_t rows, uint64_t words, uint64_t nnz);
 /* Copies a privately staged queue's rows (the inline payload above) into

@@ -56,7 +56,9 @@ typedef struct {
     uint32_t lost;         /* rows were in a segment truncated under us: never
                             * copied out (they may be zero pages); the take sends
                             * a ring ref that readers reject as stale */
-    uint64_t pad[2];
+    uint64_t direct_words; /* the largest row a GPU-direct step asked room for */
+    uint64_t direct_nnz;   /* (its id words, its nnz): each next buffer holds one,
+                            * so a steady step stores without growing a buffer */
 } shm_queue;
 
 /* The producer's private state: everything it created, kept in its own

@@ -52,6 +52,11 @@ class ShmReclaimResult(CData):
     blocked_state: int
     pad: int
 
+class ShmTakeTotals(CData):
+    chunks: int
+    rows: int
+    payload_bytes: int
+
 class ShmInfo(CData):
     capacity: int
     epoch: int
@@ -113,6 +118,8 @@ class _NativeFFI:
     def new(self, cdecl: Literal["shm_view *"], init: Any = None) -> ShmView: ...
     @overload
     def new(self, cdecl: Literal["shm_reclaim_result *"], init: Any = None) -> ShmReclaimResult: ...
+    @overload
+    def new(self, cdecl: Literal["shm_take_totals *"], init: Any = None) -> ShmTakeTotals: ...
     @overload
     def new(self, cdecl: Literal["shm_info *"], init: Any = None) -> ShmInfo: ...
     @overload
@@ -247,7 +254,7 @@ class _Lib:
     def shm_queue_relocate(self, ring: CData, slot: int, allow_ring: int, /) -> int: ...
     def shm_take_queues(
         self, ring: CData, handles: CData, count: int, start: int, now_ns: int, final: int,
-        out: CData, /,
+        out: CData, totals: ShmTakeTotals, /,
     ) -> int: ...
     def shm_queue_pack_private(self, ring: CData, slot: int, out: CData, out_len: int, /) -> int: ...
     def shm_map(self, fd: int, bytes: int, populate: int, errno_out: IntPointer, /) -> CData: ...

@@ -197,6 +197,7 @@ class Writer:
         self._layout = ffi.new("shm_layout *")
         self._any_flags = ffi.new("uint32_t *")
         self._seal = ffi.new("uint64_t *")
+        self._take_totals = ffi.new("shm_take_totals *")
 
     # ------------------------------------------- the device port (DevicePort)
     @property
@@ -417,7 +418,7 @@ class Writer:
         self.reclaim()
         if metrics.enabled():  # once per emission: nothing per step or per row
             metrics.sync(self.stats, self._synced, self.ring_usage(), self.segment_name)
-        return RefBatch.build(segments, entries, inline_chunks)
+        return RefBatch._of_own_entries(segments, entries, inline_chunks)
 
     # ------------------------------------------------------------ lifecycle
     def reclaim(self, move_staging: bool = False) -> None:
@@ -675,10 +676,12 @@ class Writer:
         start = 0
         c_handles = ffi.from_buffer("int64_t[]", handles)
         c_entries = ffi.from_buffer("shm_ref_entry[]", entries)
+        totals = self._take_totals  # the core adds up what it published (stats)
+        totals.chunks = totals.rows = totals.payload_bytes = 0
         now = time.monotonic_ns()
         while start < count:
             done = lib.shm_take_queues(self._ring, c_handles, count, start, now, int(final),
-                                       c_entries)
+                                       c_entries, totals)
             if done < 0:
                 raise_for(int(done), "take_batch")
             if done == count:
@@ -691,15 +694,9 @@ class Writer:
             inline_chunks.append(bytes(ref.payload))
             inline_offset += len(ref.payload)
             start = i + 1
-        shm = entries["kind"] == KIND_SHM
-        n_shm = int(np.count_nonzero(shm))
-        if n_shm:
-            taken = entries if n_shm == count else entries[shm]
-            rows = taken["rows"].astype(np.uint64)
-            self.stats.chunks += n_shm
-            self.stats.rows += int(rows.sum())
-            self.stats.payload_bytes += int(payload_bytes(taken["mode"], rows, taken["words"],
-                                                          taken["nnz"]).sum())
+        self.stats.chunks += totals.chunks
+        self.stats.rows += totals.rows
+        self.stats.payload_bytes += totals.payload_bytes
         return entries, inline_chunks
 
     def _take_private(self, slot: int) -> ChunkRef:

@@ -645,6 +645,29 @@ def test_queues_are_sized_from_the_rows_seen_so_a_first_emission_grows_twice(pre
             chunk.release()
 
 
+def test_a_row_a_take_grows_each_queue_once(prefix: str) -> None:
+    """vLLM's shape: one row a queue, then the take, every step. The buffer
+    a take gives for the next emission holds a row of the largest size the
+    publisher asks room for, so only the first step grows (a growth is a
+    relocation in the ring and native time on the engine's thread)."""
+    config = shmask.Config(ring_mb=4, name_prefix=prefix, max_tokens=MAX_TOKENS)
+    probs = torch.softmax(torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(15))
+                          * 4, -1).to(DEVICE)
+    rows = capture(probs, probs.argmax(1), top_k=40, max_tokens=MAX_TOKENS)  # 40 < 64 words
+    want = reference_direct(rows)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue() for _ in range(BATCH)]
+        handles = np.array([q.handle for q in queues], np.int64)
+        publisher = DirectPublisher(writer)
+        for _ in range(6):
+            publisher.publish(handles, rows)
+            for b, ref in enumerate(writer.take_batch(queues)):
+                chunk = reader.open(ref)
+                assert chunk_rows(chunk) == expected_rows([want[b]]), f"queue {b}"
+                chunk.release()
+        assert publisher.stats["grown"] == BATCH and publisher.stats["diverted_rows"] == 0
+
+
 def small_compact_rows(vocab: int, lengths: list[int], seed: int):
     """compact() rows of the given support sizes at vocabulary ``vocab``
     (kernel max_tokens MAX_TOKENS): a row of L < V / 32 travels as L ids."""

@@ -68,6 +68,37 @@ def test_scrape_counts_producer_and_reader(registry, prefix):
     assert ("shmask_ring_capacity_bytes", ring) not in samples  # cleared at close
 
 
+def test_take_batch_counts_what_it_published(prefix):
+    """The producer counters (Writer.stats, which the metrics report) after
+    takes of queues in both modes, one left empty: the core adds up each
+    ring chunk's rows and payload bytes as it publishes them."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        support = writer.open_queue("support")
+        selected = [writer.open_queue("selected") for _ in range(2)]
+        queues = [support, *selected]
+        expected = {"chunks": 0, "rows": 0, "payload_bytes": 0}
+        for step in range(3):
+            width = step + 2
+            writer.append_step([support], np.array([width], np.int32),
+                               np.arange(width, dtype=np.int32), np.zeros(width, np.float32))
+            writing = selected if step == 0 else selected[:1]
+            writer.append_step(writing, np.full(len(writing), 3, np.int32),
+                               np.arange(3 * len(writing), dtype=np.int32),
+                               np.zeros(len(writing), np.float32))
+            batch = writer.take_batch(queues)
+            shm = batch.entries[batch.entries["kind"] == shmask.refs.KIND_SHM]
+            assert len(shm) == (3 if step == 0 else 2)  # the third queue had no rows
+            expected["chunks"] += len(shm)
+            expected["rows"] += int(shm["rows"].sum())
+            expected["payload_bytes"] += int(shmask.refs.payload_bytes(
+                shm["mode"], shm["rows"].astype(np.uint64), shm["words"].astype(np.uint64),
+                shm["nnz"]).sum())
+            reader.discard_batch(batch)
+            assert {key: getattr(writer.stats, key) for key in expected} == expected
+        assert expected["rows"] == 3 + 2 * 2 and expected["payload_bytes"] > 0
+
+
 def test_multiprocess_mode_adds_up_across_processes(tmp_path, prefix):
     """Two producers and a reader, each its own process, with
     PROMETHEUS_MULTIPROC_DIR: the aggregated scrape sums them."""

@@ -167,6 +167,37 @@ def test_split_gives_each_entry_as_its_own_batch(writer):
             assert shmask.ChunkRef.from_bytes(part).rows == whole[i].rows
 
 
+def test_a_takes_batch_is_what_build_and_parsing_give(writer, reader):
+    """Writer.take_batch packs its own entries without parsing them back:
+    the same bytes, entries, segments and inline payloads as build() and
+    from_bytes() give, with inline chunks among ring ones."""
+    rng = np.random.default_rng(3)
+    batch = _batch(writer, 5, rng)
+    inline = shmask.refs.ChunkRef.from_bytes(shmask.RefBatch.from_refs([writer.publish(
+        np.array([2], np.int32), np.array([7, 9], np.int32), np.zeros(2, np.float32))]
+    ).to_inline(reader)[0].to_bytes())
+    entries = np.concatenate((np.array(batch.entries), np.zeros(1, ENTRY_DTYPE)))
+    entries[-1] = (shmask.refs.KIND_INLINE, inline.mode, 0, inline.rows, 0,
+                   len(inline.payload), inline.nnz, inline.words, inline.vocab, 0)
+    own = shmask.RefBatch._of_own_entries(batch.segments, entries, [inline.payload])
+    built = shmask.RefBatch.build(batch.segments, entries, [inline.payload])
+    assert own.to_bytes() == built.to_bytes()
+    parsed = shmask.RefBatch.from_bytes(own.to_bytes())
+    assert own.segments == parsed.segments and np.array_equal(own.entries, parsed.entries)
+    assert own[5].payload == parsed[5].payload == inline.payload
+    assert_chunk_equal(reader.open(own[5]), [2], [7, 9], np.zeros(2, np.float32))
+    reader.discard_batch(batch)
+
+
+def test_one_entry_prefix_makes_each_ring_entry_its_own_batch(writer):
+    batch = _batch(writer, 4, np.random.default_rng(4))
+    prefix = batch.one_entry_prefix()
+    for i in range(len(batch)):
+        assert prefix + batch.entries[i].tobytes() == batch.select([i]).to_bytes()
+        assert shmask.ChunkRef.from_bytes(prefix + batch.entries[i].tobytes()).to_bytes() == \
+            batch[i].to_bytes()
+
+
 # ------------------------------------------------ issue 33: select takes indices or a mask
 def test_select_takes_a_boolean_mask_of_every_request(writer, reader):
     """Item 1: `batch.select(owner == k)` picks the requests where the mask

@@ -367,17 +367,16 @@ class StepMasks:
         self._rows = rows_per_request.tolist()
         entries = batch.entries
         self._kinds = entries["kind"].tolist()
-        self._claimed = np.zeros(len(batch), bool)
+        self._claimed = bytearray(len(batch))  # 1 once sliced
         self._mask_lists = mask_lists
         # A request's reference is a batch of one: the batch's header (one
         # entry, no inline bytes) and segment table, then its 48-byte entry.
-        # That prefix is built once with the core's own builder, and every
-        # ring request's reference laid out at once, a row each: a slice is
-        # then a view of its row (no bytes joined, no RefBatch round trip).
-        ring = np.flatnonzero(entries["kind"] == KIND_SHM)
+        # Every ring request's reference is laid out at once, a row each: a
+        # slice is then a view of its row (no bytes joined, no RefBatch
+        # round trip).
         self._refs = np.zeros((0, 0), REF_DTYPE)
-        if ring.size:
-            prefix = np.frombuffer(batch.select(ring[:1]).to_bytes()[:-_ENTRY_BYTES], REF_DTYPE)
+        if KIND_SHM in self._kinds:
+            prefix = np.frombuffer(batch.one_entry_prefix(), REF_DTYPE)
             self._refs = np.empty((len(entries), prefix.size + _ENTRY_BYTES), REF_DTYPE)
             self._refs[:, :prefix.size] = prefix
             self._refs[:, prefix.size:] = np.ascontiguousarray(entries).view(REF_DTYPE).reshape(
@@ -402,7 +401,7 @@ class StepMasks:
         if self._claimed[req_idx]:
             # Two references to one chunk would release it twice.
             raise InvalidRowsError(f"request {req_idx}'s mask was sliced already this step")
-        self._claimed[req_idx] = True
+        self._claimed[req_idx] = 1
         if self._kinds[req_idx] == KIND_SHM:
             ref = self._refs[req_idx]
             if self._remote is not None:
@@ -414,7 +413,8 @@ class StepMasks:
 
     def _discard_unclaimed(self, reader: Reader) -> int:
         kinds = np.asarray(self._kinds, np.uint8)
-        unclaimed = np.flatnonzero(~self._claimed & (kinds == KIND_SHM))
+        claimed = np.frombuffer(self._claimed, np.uint8)
+        unclaimed = np.flatnonzero((claimed == 0) & (kinds == KIND_SHM))
         if unclaimed.size == 0:
             return 0
         return reader.discard_batch(self.batch.select(unclaimed))
