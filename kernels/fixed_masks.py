@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_plan
 from .launch import launch
-from .rows import Form, Rows, Status, bitmask_words
+from .rows import Form, Rows, Status, bitmask_words, empty_rows
 
 __all__ = ["reference_rows_from_fixed", "rows_from_fixed"]
 
@@ -69,24 +70,37 @@ def rows_from_fixed(token_ids: torch.Tensor, packed_mask: torch.Tensor, counts: 
     are not trusted to index its matrices."""
     _checked(token_ids, packed_mask, counts, vocab)
     rows, width = token_ids.shape
-    device = token_ids.device
-    words = bitmask_words(vocab)
-    small = torch.empty(6 * rows + 2, dtype=torch.int32, device=device)
-    offsets, id_offsets = small[:rows + 1], small[rows + 1:2 * rows + 2]
-    lengths, status, sizes, forms = small[2 * rows + 2:].view(4, rows).unbind(0)
-    ids = torch.empty(max(rows * words, 1), dtype=torch.int32, device=device)
-    selected = torch.empty(max(rows, 1), dtype=torch.float32, device=device)
-    if rows:
+    # An engine calls this every step: from the third call of a shape the
+    # launch replays from a plan into result buffers kept per shape
+    # (kernels/launch_plan.py, rows.empty_rows), one native launch of host
+    # time instead of Triton's binding of 18 arguments.
+    where = launch_plan.call_stream(token_ids) if rows else None
+    result, buffers = empty_rows(rows, vocab, max(width, 1), "status", token_ids.device,
+                                 selected=True, tokens=False, values=False, reuse=where)
+    if not rows:
+        result.offsets.zero_()
+        result.id_offsets.zero_()
+        return result
+
+    def launches() -> None:
         launch(_rows_from_fixed_kernel, (rows,),
                token_ids, token_ids.stride(0), width, packed_mask, packed_mask.stride(0),
-               counts, rows, vocab, offsets, id_offsets, lengths, status, sizes, forms, ids,
-               selected, ROWS_BLOCK=triton.next_power_of_2(rows), BLOCK=_BLOCK,
-               num_warps=4)
-    else:
-        small.zero_()
-    return Rows(offsets, lengths, status, sizes, forms, id_offsets, ids,
-                torch.empty(0, dtype=torch.float32, device=device), vocab, selected[:rows],
-                None, max_tokens=max(width, 1))
+               counts, rows, vocab, result.offsets, result.id_offsets, result.lengths,
+               result.status, result.sizes, result.forms, result.ids, result.selected_logprob,
+               ROWS_BLOCK=triton.next_power_of_2(rows), BLOCK=_BLOCK, num_warps=4)
+
+    if where is None:
+        launches()
+        return result
+    slots = (token_ids, packed_mask, counts, *buffers[:2])
+    addresses = launch_plan.pointers(slots)
+    key = (*where, rows, width, vocab, token_ids.stride(0), packed_mask.stride(0),
+           launch_plan.slots_key(addresses), launch_plan.tuning_state())
+    _PLANS.launch(key, slots, addresses, where[1], launches)
+    return result
+
+
+_PLANS = launch_plan.Plans("rows_from_fixed")
 
 
 @triton.jit

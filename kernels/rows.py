@@ -106,24 +106,25 @@ def values_capacity(batch: int, vocab: int, max_tokens: int, overflow: str) -> i
 
 
 def empty_rows(batch: int, vocab: int, max_tokens: int, overflow: str, device: torch.device,
-               *, selected: bool, tokens: bool,
+               *, selected: bool, tokens: bool, values: bool = True,
                reuse: Hashable | None = None) -> tuple[Rows, tuple[torch.Tensor, ...]]:
     """A result for kernels to fill, and its three allocations (a plan's
     slots, kernels/launch_plan.py): the per-row arrays (offsets, id
     offsets, lengths, statuses, sizes, forms; ``selected``: selected
     logprobs; ``tokens``: sample's tokens), each at a multiple of 16 bytes
     (what Triton specializes pointers on) and cut by one split; the ids;
-    the values. Three, not one: a caller that keeps only the small arrays
-    (the tokens) does not keep the values' B x V entries alive.
+    the values (none without ``values``: rows that carry no values).
+    Three, not one: a caller that keeps only the small arrays (the tokens)
+    does not keep the values' B x V entries alive.
 
     ``reuse``: the call's (device, stream, thread) where a later call may
     take this result's memory once nothing else holds it (see
     ``REUSE_RESULTS``); None: fresh allocations."""
     if reuse is None or not REUSE_RESULTS:
-        buffers = _allocate(batch, vocab, max_tokens, overflow, device, selected, tokens)
-        return _rows(_cut(buffers, batch, vocab, max_tokens, overflow, selected, tokens), vocab,
-                     max_tokens), buffers
-    key = (reuse, vocab, max_tokens, overflow, selected, tokens)
+        buffers = _allocate(batch, vocab, max_tokens, overflow, device, selected, tokens, values)
+        return _rows(_cut(buffers, batch, vocab, max_tokens, overflow, selected, tokens, values),
+                     vocab, max_tokens), buffers
+    key = (reuse, vocab, max_tokens, overflow, selected, tokens, values)
     kept = _results.get(key)
     if not kept or kept[0].capacity < batch:
         with _RESULTS_LOCK:  # (other threads add and drop their own shapes)
@@ -134,11 +135,11 @@ def empty_rows(batch: int, vocab: int, max_tokens: int, overflow: str, device: t
         if entry.free():
             if entry.batch != batch:
                 entry.hold(batch, _cut(entry.buffers, batch, vocab, max_tokens, overflow,
-                                       selected, tokens))
+                                       selected, tokens, values))
             return _rows(entry.fields, vocab, max_tokens), entry.buffers
     capacity = triton.next_power_of_2(batch)
-    buffers = _allocate(capacity, vocab, max_tokens, overflow, device, selected, tokens)
-    fields = _cut(buffers, batch, vocab, max_tokens, overflow, selected, tokens)
+    buffers = _allocate(capacity, vocab, max_tokens, overflow, device, selected, tokens, values)
+    fields = _cut(buffers, batch, vocab, max_tokens, overflow, selected, tokens, values)
     if len(kept) < RESULTS_KEPT:
         entry = _KeptResult(capacity, buffers)
         entry.hold(batch, fields)
@@ -153,18 +154,20 @@ def _small_words(batch: int, selected: bool, tokens: bool) -> dict[str, int]:
 
 
 def _allocate(batch: int, vocab: int, max_tokens: int, overflow: str, device: torch.device,
-              selected: bool, tokens: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              selected: bool, tokens: bool,
+              values: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """empty_rows' three allocations for ``batch`` rows (the per-row arrays
     each padded to 16 bytes)."""
     words = sum(n + -n % 4 for n in _small_words(batch, selected, tokens).values())
     return (torch.empty(words, dtype=torch.int32, device=device),
             torch.empty(batch * bitmask_words(vocab), dtype=torch.int32, device=device),
-            torch.empty(values_capacity(batch, vocab, max_tokens, overflow), dtype=torch.float32,
-                        device=device))
+            torch.empty(values_capacity(batch, vocab, max_tokens, overflow) if values else 0,
+                        dtype=torch.float32, device=device))
 
 
 def _cut(buffers: tuple[torch.Tensor, ...], batch: int, vocab: int, max_tokens: int,
-         overflow: str, selected: bool, tokens: bool) -> tuple[torch.Tensor | None, ...]:
+         overflow: str, selected: bool, tokens: bool,
+         has_values: bool) -> tuple[torch.Tensor | None, ...]:
     """The tensors of a Rows of ``batch`` rows (in _FIELDS' order) over
     buffers made for at least as many."""
     small, ids, values = buffers
@@ -178,7 +181,7 @@ def _cut(buffers: tuple[torch.Tensor, ...], batch: int, vocab: int, max_tokens: 
     parts = small.split(pieces)
     arrays = {name: parts[i] for name, i in zip(words, index, strict=True)}
     ids_needed = batch * bitmask_words(vocab)
-    values_needed = values_capacity(batch, vocab, max_tokens, overflow)
+    values_needed = values_capacity(batch, vocab, max_tokens, overflow) if has_values else 0
     return (arrays["offsets"], arrays["lengths"], arrays["status"], arrays["sizes"],
             arrays["forms"], arrays["id_offsets"],
             ids if ids.shape[0] == ids_needed else ids[:ids_needed],

@@ -86,3 +86,28 @@ def test_no_rows() -> None:
     token_ids, packed, counts = fixed_masks([], 4, 100)
     rows = rows_from_fixed(token_ids, packed, counts, 100)
     assert rows.id_offsets.tolist() == [0] and rows.lengths.numel() == 0
+
+
+def test_steps_of_one_shape_keep_each_result_while_it_is_held() -> None:
+    """An engine's steps: one shape, new masks each step, the last step's
+    rows still held (the GPU-direct publisher keeps them until the next
+    step) while the next are made. From the third call the launch replays
+    from a plan into kept buffers (on CUDA): no step's rows may change
+    under its holder, and every step's rows are its own."""
+    from shmask.kernels import fixed_masks as module
+
+    vocab, width = 3001, 64
+    replayed = module._PLANS.replayed
+    held = []
+    for step in range(6):
+        rng = np.random.default_rng(step)
+        sizes = rng.integers(0, vocab, 5).tolist() + [width, 2]
+        supports = [np.sort(rng.choice(vocab, size=s, replace=False)) for s in sizes]
+        masks = fixed_masks(supports, width, vocab)
+        rows = rows_from_fixed(*masks, vocab)
+        held = [*held[-1:], (rows, reference_rows_from_fixed(*masks, vocab))]
+        for got, want in held:  # the step before, made before this one, unchanged
+            assert_rows_equal(got, want)
+    assert held[0][0].ids.data_ptr() != held[1][0].ids.data_ptr()
+    if DEVICE == "cuda":
+        assert module._PLANS.replayed - replayed >= 3
