@@ -8,6 +8,7 @@ tests/compat/test_vllm_gpu_publish.py."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -88,26 +89,39 @@ def test_no_rows() -> None:
     assert rows.id_offsets.tolist() == [0] and rows.lengths.numel() == 0
 
 
-def test_steps_of_one_shape_keep_each_result_while_it_is_held() -> None:
+def test_steps_of_one_shape_keep_each_result_while_it_is_held(monkeypatch) -> None:
     """An engine's steps: one shape, new masks each step, the last step's
     rows still held (the GPU-direct publisher keeps them until the next
-    step) while the next are made. From the third call the launch replays
-    from a plan into kept buffers (on CUDA): no step's rows may change
-    under its holder, and every step's rows are its own."""
+    step) while the next are made. Results are kept per shape and reused
+    once nothing holds them (on CUDA the launch also replays from a plan
+    from the third call): no step's rows may change under their holder,
+    and every step's rows are its own. On the CPU the call is made to look
+    plannable, so the kept results are used there too (a plan needs
+    compiled kernels: none is recorded, the launch takes Triton's path)."""
     from shmask.kernels import fixed_masks as module
 
+    if DEVICE == "cpu":
+        monkeypatch.setattr(module.launch_plan, "call_stream",
+                            lambda tensor: ("cpu", 0, threading.get_ident()))
+        monkeypatch.setattr(module._PLANS, "wants_recording", lambda key: False)
     vocab, width = 3001, 64
     replayed = module._PLANS.replayed
-    held = []
+    previous = None
+    addresses = []
     for step in range(6):
         rng = np.random.default_rng(step)
         sizes = rng.integers(0, vocab, 5).tolist() + [width, 2]
         supports = [np.sort(rng.choice(vocab, size=s, replace=False)) for s in sizes]
         masks = fixed_masks(supports, width, vocab)
         rows = rows_from_fixed(*masks, vocab)
-        held = [*held[-1:], (rows, reference_rows_from_fixed(*masks, vocab))]
-        for got, want in held:  # the step before, made before this one, unchanged
-            assert_rows_equal(got, want)
-    assert held[0][0].ids.data_ptr() != held[1][0].ids.data_ptr()
+        addresses.append(rows.ids.data_ptr())
+        assert_rows_equal(rows, reference_rows_from_fixed(*masks, vocab))
+        if previous is not None:  # made before this step, held through it: unchanged
+            assert_rows_equal(*previous)
+        previous = (rows, reference_rows_from_fixed(*masks, vocab))
+        del rows
+    # two results a shape, alternating: the one held is never handed out
+    assert addresses[0::2] == [addresses[0]] * 3 and addresses[1::2] == [addresses[1]] * 3
+    assert addresses[0] != addresses[1]
     if DEVICE == "cuda":
         assert module._PLANS.replayed - replayed >= 3
