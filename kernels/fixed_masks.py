@@ -52,6 +52,8 @@ def _checked(token_ids: torch.Tensor, packed_mask: torch.Tensor, counts: torch.T
     if counts.dim() != 1 or counts.dtype != torch.int32 or counts.numel() != rows:
         raise ValueError(f"counts must be int32 [{rows}], got {counts.dtype} "
                          f"{list(counts.shape)}")
+    if rows > 1 and counts.stride(0) != 1:  # the kernel reads counts[r] at r
+        raise ValueError(f"counts must be contiguous (stride 1), got stride {counts.stride(0)}")
     for name, tensor in (("token_ids", token_ids), ("packed_mask", packed_mask)):
         if tensor.shape[0] and tensor.shape[1] > 1 and tensor.stride(1) != 1:
             raise ValueError(f"{name}'s rows must be contiguous (stride 1), got "

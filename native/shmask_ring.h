@@ -56,9 +56,10 @@ typedef struct {
     uint32_t lost;         /* rows were in a segment truncated under us: never
                             * copied out (they may be zero pages); the take sends
                             * a ring ref that readers reject as stale */
-    uint64_t direct_words; /* the largest row a GPU-direct step asked room for */
-    uint64_t direct_nnz;   /* (its id words, its nnz): each next buffer holds one,
-                            * so a steady step stores without growing a buffer */
+    uint64_t direct_words; /* the row size the last GPU-direct step asked room for */
+    uint64_t direct_nnz;   /* (id words, nnz; written by each step, so this line is
+                            * the step's too): each next buffer holds one such
+                            * row, so a steady step stores without growing */
 } shm_queue;
 
 /* The producer's private state: everything it created, kept in its own

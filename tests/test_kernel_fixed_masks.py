@@ -81,6 +81,9 @@ def test_bad_layouts_are_refused_with_the_field_named() -> None:
         rows_from_fixed(token_ids, packed, counts.repeat(2), 100)
     with pytest.raises(ValueError, match="vocab must be an int >= 1"):
         rows_from_fixed(token_ids, packed, counts, 0)
+    two_ids, two_packed, two_counts = fixed_masks([np.array([1]), np.array([2, 3])], 4, 100)
+    with pytest.raises(ValueError, match="counts must be contiguous"):
+        rows_from_fixed(two_ids, two_packed, two_counts.repeat_interleave(2)[::2], 100)
 
 
 def test_no_rows() -> None:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmask
-from shmask.refs import ENTRY_DTYPE
+from shmask.refs import ENTRY_DTYPE, RefBatch
 
 
 def _batch(writer, n, rng):
@@ -189,10 +189,19 @@ def test_a_takes_batch_is_what_build_and_parsing_give(writer, reader):
     reader.discard_batch(batch)
 
 
-def test_one_entry_prefix_makes_each_ring_entry_its_own_batch(writer):
-    batch = _batch(writer, 4, np.random.default_rng(4))
+def test_one_entry_prefix_makes_each_ring_entry_its_own_batch(writer, reader):
+    """Also from a batch with an inline entry and two segments (the prefix
+    is the header and the whole segment table, as select keeps it)."""
+    taken = _batch(writer, 4, np.random.default_rng(4))
+    inline = RefBatch.from_refs([writer.publish(
+        np.array([2], np.int32), np.array([7, 9], np.int32), np.zeros(2, np.float32))]
+    ).to_inline(reader)
+    entries = np.concatenate((np.array(taken.entries), np.array(inline.entries)))
+    entries["segment"][1] = 1
+    batch = RefBatch.build([*taken.segments, ("/shmask-other", 3, 0)], entries,
+                           [bytes(inline[0].payload)])
     prefix = batch.one_entry_prefix()
-    for i in range(len(batch)):
+    for i in range(len(taken)):
         assert prefix + batch.entries[i].tobytes() == batch.select([i]).to_bytes()
         assert shmask.ChunkRef.from_bytes(prefix + batch.entries[i].tobytes()).to_bytes() == \
             batch[i].to_bytes()
