@@ -314,6 +314,11 @@ void shm_direct_diverted_rows(const shm_ring *ring, const shm_direct *direct,
     }
 }
 
+void shm_direct_forget_sizes(shm_ring *ring) {
+    for (uint64_t slot = 0; slot < ring->n_queues; slot++)
+        ring->queues[slot].direct_words = ring->queues[slot].direct_nnz = 0;
+}
+
 int shm_direct_reserve(shm_ring *ring, uint64_t slot, uint64_t rows, uint64_t words,
                        uint64_t nnz) {
     if (slot >= ring->n_queues || !ring->queues[slot].mode) return SHM_E_BAD_SLOT;

@@ -132,6 +132,9 @@ int shm_direct_pull_all(shm_ring *ring, shm_direct *direct, uint64_t *bad_slot);
 /* Marks out[i] = 1 for each row i of a step whose queue's entry is diverted. */
 void shm_direct_diverted_rows(const shm_ring *ring, const shm_direct *direct,
                               const int64_t *handles, uint64_t batch, uint8_t *out);
+/* The publisher is gone: every queue sizes its next buffers from its own
+ * rows again, not from the room the GPU-direct steps asked for. */
+void shm_direct_forget_sizes(shm_ring *ring);
 /* Gives the queue of `slot` room for `rows` more rows of `words` id words
  * and `nnz` support entries, growing it in the ring (SHM_FULL: no room now;
  * the next rows divert again). A privately staged queue is left alone. */

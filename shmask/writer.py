@@ -217,6 +217,8 @@ class Writer:
     def detach_direct(self, publisher: DeviceAttachment) -> None:
         if self._direct is publisher:
             self._direct = None
+            if not self.closed:  # the CPU path sizes buffers from the rows again
+                lib.shm_direct_forget_sizes(self._ring)
         if self._publisher is publisher:
             self._publisher = None
 

@@ -649,7 +649,8 @@ def test_a_row_a_take_grows_each_queue_once(prefix: str) -> None:
     """vLLM's shape: one row a queue, then the take, every step. The buffer
     a take gives for the next emission holds a row of the largest size the
     publisher asks room for, so only the first step grows (a growth is a
-    relocation in the ring and native time on the engine's thread)."""
+    relocation in the ring and native time on the engine's thread); once
+    the publisher is gone, buffers are sized from the rows again."""
     config = shmask.Config(ring_mb=4, name_prefix=prefix, max_tokens=MAX_TOKENS)
     probs = torch.softmax(torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(15))
                           * 4, -1).to(DEVICE)
@@ -661,11 +662,22 @@ def test_a_row_a_take_grows_each_queue_once(prefix: str) -> None:
         publisher = DirectPublisher(writer)
         for _ in range(6):
             publisher.publish(handles, rows)
-            for b, ref in enumerate(writer.take_batch(queues)):
+            batch = writer.take_batch(queues)
+            for b, ref in enumerate(batch):
                 chunk = reader.open(ref)
                 assert chunk_rows(chunk) == expected_rows([want[b]]), f"queue {b}"
                 chunk.release()
         assert publisher.stats["grown"] == BATCH and publisher.stats["diverted_rows"] == 0
+        direct_records = batch.entries["record_bytes"].copy()
+        # Once the publisher is gone the CPU path sizes buffers from its own
+        # rows again: after one take of 3-id rows, records are that small.
+        publisher.close()
+        for _ in range(2):
+            writer.append_step(handles, np.full(BATCH, 3, np.int32),
+                               np.arange(3 * BATCH, dtype=np.int32), np.zeros(3 * BATCH, np.float32))
+            batch = writer.take_batch(queues)
+            reader.discard_batch(batch)
+        assert np.all(batch.entries["record_bytes"] < direct_records)
 
 
 def small_compact_rows(vocab: int, lengths: list[int], seed: int):
