@@ -324,6 +324,19 @@ class RefBatch:
         return (_HEADER.pack(MAGIC, VERSION, len(self._segments), 1, 0)
                 + self._data[_HEADER.size:table_end])
 
+    def one_entry_batches(self) -> np.ndarray:
+        """Each entry as its own one-entry batch, a row each (uint8
+        [len, prefix + 48]): one_entry_prefix() then the entry. A ring or
+        empty entry's row is its whole batch; an inline entry's lacks its
+        payload (split() and the vLLM adapter put those in whole)."""
+        prefix = np.frombuffer(self.one_entry_prefix(), np.uint8)
+        count, width = len(self._entries), ENTRY_DTYPE.itemsize
+        out = np.empty((count, prefix.size + width), np.uint8)
+        out[:, :prefix.size] = prefix
+        out[:, prefix.size:] = np.ascontiguousarray(self._entries).view(np.uint8).reshape(
+            count, width)
+        return out
+
     @property
     def hosts(self) -> set[int]:
         """The hosts (shmask.host_id()) whose rings this batch points into."""
@@ -334,18 +347,10 @@ class RefBatch:
         """Each entry as its own one-entry batch (what `self[i].to_bytes()`
         gives), built with a few numpy copies instead of one batch per entry:
         for engines that carry one reference per request."""
-        data = self._data
-        count = len(self._entries)
-        entries_at = len(data) - len(self._inline) - count * ENTRY_DTYPE.itemsize
-        magic, version, n_segments, _, _ = _HEADER.unpack_from(data)
-        prefix = _HEADER.pack(magic, version, n_segments, 1, 0) + data[_HEADER.size:entries_at]
-        size = len(prefix) + ENTRY_DTYPE.itemsize
-        out = np.empty((count, size), np.uint8)
-        out[:, :len(prefix)] = np.frombuffer(prefix, np.uint8)
-        out[:, len(prefix):] = np.frombuffer(data, np.uint8, count * ENTRY_DTYPE.itemsize,
-                                             entries_at).reshape(count, ENTRY_DTYPE.itemsize)
+        out = self.one_entry_batches()
+        size = out.shape[1]
         blob = out.tobytes()
-        refs = [blob[i * size:(i + 1) * size] for i in range(count)]
+        refs = [blob[i * size:(i + 1) * size] for i in range(len(out))]
         for i in np.flatnonzero(self._entries["kind"] == KIND_INLINE).tolist():
             refs[i] = self[i].to_bytes()  # an inline entry carries its payload
         return refs

@@ -365,22 +365,14 @@ class StepMasks:
                  leaving: Leaving | None = None) -> None:
         self.batch = batch
         self._rows = rows_per_request.tolist()
-        entries = batch.entries
-        self._kinds = entries["kind"].tolist()
+        self._kinds = batch.entries["kind"].tolist()
         self._claimed = bytearray(len(batch))  # 1 once sliced
         self._mask_lists = mask_lists
-        # A request's reference is a batch of one: the batch's header (one
-        # entry, no inline bytes) and segment table, then its 48-byte entry.
-        # Every ring request's reference is laid out at once, a row each: a
-        # slice is then a view of its row (no bytes joined, no RefBatch
-        # round trip).
-        self._refs = np.zeros((0, 0), REF_DTYPE)
-        if KIND_SHM in self._kinds:
-            prefix = np.frombuffer(batch.one_entry_prefix(), REF_DTYPE)
-            self._refs = np.empty((len(entries), prefix.size + _ENTRY_BYTES), REF_DTYPE)
-            self._refs[:, :prefix.size] = prefix
-            self._refs[:, prefix.size:] = np.ascontiguousarray(entries).view(REF_DTYPE).reshape(
-                len(entries), _ENTRY_BYTES)
+        # A request's reference is a batch of one: every ring request's laid
+        # out at once (RefBatch.one_entry_batches), a row each; a slice is
+        # then a view of its row (no bytes joined, no RefBatch round trip).
+        self._refs = (batch.one_entry_batches() if KIND_SHM in self._kinds
+                      else np.zeros((0, 0), REF_DTYPE))
         # for a front-end on another host: each ring reference behind the
         # export's descriptor (shmask.remote_refs)
         self._remote = (None if leaving is None
