@@ -34,4 +34,31 @@ int64_t shm_copy_rows_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
                            const int64_t *row_at, int32_t *row_lengths, uint64_t row_lengths_len,
                            int32_t *results);
 
+/* A step's references as vLLM's frontend receives them: `count` references
+ * of `stride` bytes back to back in `table`, each a batch of one ring entry
+ * (its header and segment table, then its shm_ref_entry as its last
+ * bytes). The caller has checked reference 0's leading stride - 48 bytes
+ * (a canonical one-entry batch naming one segment: the ring at `base`).
+ * Reference i is taken only if its leading bytes equal reference 0's, its
+ * entry is a ring entry of segment 0 with a valid mode, and it keeps
+ * `keep[i]` rows (keep NULL: all its rows) in 1..min(rows,
+ * SHM_COPY_MAX_ROWS); anything else is SHM_E_COPY_SKIPPED, left for the
+ * usual open to explain.
+ *
+ * shm_ref_table_sizes: the ids (saturating) and rows the taken references
+ * say they hold, to size out and row_lengths; SHM_E_COPY_SKIPPED when the
+ * stride holds no entry.
+ * shm_copy_ref_table: each taken reference copied and released as
+ * shm_copy_rows_many does it. starts and row_first are running cursors
+ * (count + 1 each): reference i's ids are out[starts[i]:starts[i + 1]], its
+ * rows' lengths row_lengths[row_first[i]:row_first[i + 1]] (both empty for
+ * a reference not copied). Returns the ids written. */
+int shm_ref_table_sizes(const uint8_t *table, uint64_t count, uint64_t stride,
+                        const uint32_t *keep, uint64_t *ids, uint64_t *rows);
+int64_t shm_copy_ref_table(void *base, uint64_t mapped_bytes, uint64_t capacity,
+                           const uint8_t *table, uint64_t count, uint64_t stride,
+                           const uint32_t *keep, uint64_t max_tokens, int32_t *out,
+                           uint64_t out_len, int64_t *starts, int64_t *row_first,
+                           int32_t *row_lengths, uint64_t row_lengths_len, int32_t *results);
+
 #endif

@@ -280,6 +280,64 @@ class Reader:
             metrics.sync(self.stats, self._synced)
         return out[:cursor], starts, first_row, row_lengths, copied
 
+    def copy_ref_table(self, table: np.ndarray, segment: tuple[str, int, int],
+                       keep: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+        """copy_rows for a step of one-entry references as a frontend
+        receives them (one per request): ``table`` is uint8 [count, stride],
+        row i reference i's bytes. The caller has checked row 0 as a
+        canonical batch of one ring entry whose one segment is ``segment``
+        (name, epoch, host). The core takes each row whose leading
+        ``stride - 48`` bytes equal row 0's and whose entry is a ring entry
+        of that segment with a valid mode, keeping ``keep[i]`` rows (None:
+        all its rows), with copy_rows' checks (shm_copy_ref_table,
+        native/shmask_copy.h). Returns ``(ids, starts, row_first,
+        row_lengths, copied)``: row i's ids are ``ids[starts[i]:starts[i +
+        1]]``, its rows' lengths ``row_lengths[row_first[i]:row_first[i +
+        1]]``. A row not copied was neither read nor released: open it as
+        usual, to use it or to raise why not."""
+        if table.dtype != np.uint8 or table.ndim != 2 or not table.flags.c_contiguous:
+            raise ValueError(f"the reference table is a C-contiguous uint8 [count, stride] "
+                             f"array, got {table.dtype} {table.shape}")
+        count, stride = table.shape
+        if keep is not None:
+            keep = np.ascontiguousarray(keep, np.uint32)
+            if keep.shape != (count,):
+                raise ValueError(f"keep has shape {keep.shape}; the table has {count} rows")
+        copied = np.zeros(count, bool)
+        none = (np.zeros(0, np.int32), np.zeros(count + 1, np.int64),
+                np.zeros(count + 1, np.int64), np.zeros(0, np.int32), copied)
+        name, epoch, host = segment
+        if count == 0 or (host and host != self._host):
+            return none
+        try:
+            attached = self._attach(name)
+        except ShmaskError:
+            return none  # the usual open says why
+        if attached.epoch != epoch:
+            return none
+        table_c = ffi.from_buffer("uint8_t[]", table)
+        keep_c = ffi.NULL if keep is None else ffi.from_buffer("uint32_t[]", keep)
+        sizes = ffi.new("uint64_t[2]")
+        lib.shm_ref_table_sizes(table_c, count, stride, keep_c, sizes, sizes + 1)
+        # Sized by the references' own counts (untrusted) within _COPY_MAX_IDS:
+        # a reference past the room is skipped by the core, left to its open.
+        out = np.empty(min(int(sizes[0]), _COPY_MAX_IDS), np.int32)
+        row_lengths = np.empty(int(sizes[1]), np.int32)  # <= SHM_COPY_MAX_ROWS a reference
+        starts = np.empty(count + 1, np.int64)
+        row_first = np.empty(count + 1, np.int64)
+        results = np.empty(count, np.int32)
+        written = lib.shm_copy_ref_table(
+            attached.base, attached.size, attached.capacity, table_c, count, stride, keep_c,
+            self.config.max_tokens, ffi.from_buffer("int32_t[]", out), out.size,
+            ffi.from_buffer("int64_t[]", starts), ffi.from_buffer("int64_t[]", row_first),
+            ffi.from_buffer("int32_t[]", row_lengths), row_lengths.size,
+            ffi.from_buffer("int32_t[]", results))
+        np.equal(results, lib.SHM_OK, out=copied)
+        self._opens += int(np.count_nonzero(copied))
+        if metrics.enabled():
+            metrics.sync(self.stats, self._synced)
+        return out[:written], starts, row_first, row_lengths, copied
+
     def _open_other(self, ref: ChunkRef) -> Chunk:
         if not isinstance(ref, ChunkRef):
             raise InvalidRefError(f"Reader.open takes a ChunkRef, got {type(ref).__name__}")

@@ -128,6 +128,34 @@ def test_one_bad_reference_costs_only_its_own_output(pair, reader):
     assert outputs[2].new_sampling_mask.token_ids.tolist() == [4]
 
 
+def test_one_message_of_two_rings_and_several_positions(pair, config, reader):
+    """resolve_outputs copies the leader's step as one table; a reference of
+    another ring, one with several positions, a plain mask: each resolves as
+    resolve() would resolve it alone, and every record goes back."""
+    publisher, resolver = pair
+    with shmask.Writer(config) as other_writer:
+        other = shmask_vllm.MaskPublisher(other_writer, mask_lists=Masks)
+        step = publisher.publish_step(batch([[1], [2, 3], [4], [5, 6, 7], [8, 9]],
+                                            positions=[1, 3, 1]))
+        second = other.publish_step(batch([[11], [12, 13]]))
+        outputs = [_Output("a", step.slice_request(0, 1)), _Output("b", second.slice_request(0, 1)),
+                   _Output("c", step.slice_request(1, 2)), _Output("d", Masks(np.array([7], np.int32))),
+                   _Output("e", second.slice_request(1, 1)), _Output("f", step.slice_request(2, 1))]
+        # the same size: only their bytes tell the two rings' references apart
+        assert outputs[0].new_sampling_mask.token_ids.size == outputs[1].new_sampling_mask.token_ids.size
+        sent = [o.new_sampling_mask.token_ids.tobytes() for o in outputs if o.request_id != "d"]
+        assert resolver.resolve_outputs(outputs) == []
+        got = {o.request_id: o.new_sampling_mask.to_nested_list() for o in outputs}
+        assert got == {"a": [[1]], "b": [[11]], "c": [[2, 3], [4]], "d": [[7]], "e": [[12, 13]],
+                       "f": [[8, 9]]}
+        np.testing.assert_array_equal(outputs[2].new_sampling_mask.offsets, [0, 2, 3])
+        assert outputs[0].new_sampling_mask.offsets is None
+        for data in sent:  # every record given back
+            with pytest.raises(shmask.DoubleReleaseError):
+                reader.open(shmask.ChunkRef.from_bytes(data))
+        other.close()
+
+
 # ------------------------------------------- arrays for in-process consumers
 def test_arrays_mode_equals_lists_position_for_position(writer, reader):
     """The same step resolved in lists mode (the default: vLLM's own type)

@@ -1,8 +1,8 @@
-"""Reader.copy_rows (native/shmask_copy.c): many chunks' leading rows copied
-out of a real ring and released in one native call a segment, with
-Reader.open's checks; what it does not copy it neither reads nor releases,
-so the usual open still says what was wrong (the vLLM frontend relies on
-that: shmask/adapters/vllm.py resolve_outputs)."""
+"""Reader.copy_rows and Reader.copy_ref_table (native/shmask_copy.c): many
+chunks' leading rows copied out of a real ring and released in one native
+call, with Reader.open's checks; what they do not copy they neither read
+nor release, so the usual open still says what was wrong (the vLLM frontend
+relies on that: shmask/adapters/vllm.py resolve_outputs)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import shmask
 from shmask.errors import DoubleReleaseError, InvalidRefError, RowDroppedError
-from shmask.refs import RefBatch
+from shmask.refs import ENTRY_DTYPE, RefBatch
 
 VOCAB = 1000
 
@@ -119,3 +119,78 @@ def test_keep_outside_the_rows_is_not_copied(ring) -> None:
     assert not result[4].any()
     with pytest.raises(ValueError, match="shape"):
         reader.copy_rows(batch, np.array([1]))
+
+
+# ---------------------------------------------- a step's references as a table
+def table_rows_of(result, i: int) -> list[list[int]]:
+    ids, starts, row_first, row_lengths, copied = result
+    assert copied[i]
+    lengths = row_lengths[row_first[i]:row_first[i + 1]].tolist()
+    bounds = np.cumsum([starts[i], *lengths]).tolist()
+    assert bounds[-1] == starts[i + 1]
+    return [ids[a:b].tolist() for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def test_a_step_table_is_copied_and_released(ring) -> None:
+    """One-entry references side by side (what vLLM's frontend receives,
+    one per request): every row's rows copied, bitmask rows decoded, each
+    record released; keep trims positions."""
+    writer, reader = ring
+    batch = publish(writer, [
+        [([3, 7, 9], 0, False), ([1, 500, 999], 0, True), ([5], 0, False)],
+        [([2], 0, False), ([0, 31, 32], 0, True), ([6, 8], 0, False)],
+    ])
+    table = batch.one_entry_batches()
+    result = reader.copy_ref_table(table, batch.segments[0], np.array([1, 2, 2]))
+    assert result[4].all()
+    assert table_rows_of(result, 0) == [[3, 7, 9]]
+    assert table_rows_of(result, 1) == [[1, 500, 999], [0, 31, 32]]
+    assert table_rows_of(result, 2) == [[5], [6, 8]]
+    for ref in batch:
+        with pytest.raises(DoubleReleaseError):
+            reader.open(ref)
+    assert not reader.copy_ref_table(table, batch.segments[0])[4].any()
+
+
+def test_a_table_row_unlike_the_first_is_left_to_its_own_open(ring) -> None:
+    """Only rows whose header and segment table equal row 0's byte for byte,
+    with a ring entry of segment 0 in a valid mode, are taken; the others
+    (and a dropped row, a forged seal or count) are neither read nor
+    released, and the rest of the step is copied."""
+    writer, reader = ring
+    batch = publish(writer, [[([i], 0, False) for i in range(3, 11)] + [(None, 1, False)]])
+    table = batch.one_entry_batches()
+    entries = table[:, -ENTRY_DTYPE.itemsize:].copy().view(ENTRY_DTYPE).reshape(-1)
+    prefix = table.shape[1] - ENTRY_DTYPE.itemsize
+    table[1, 8] ^= 1  # its header differs from the leader's
+    entries["segment"][2] = 1  # a segment its header does not name
+    entries["mode"][3] = 9  # no such mode
+    entries["kind"][4] = 2  # inline
+    entries["seal"][5] ^= 1  # another record's seal
+    entries["nnz"][6] = 2**63  # a forged count: sizes nothing, copies nothing
+    table[:, prefix:] = entries.view(np.uint8).reshape(len(entries), -1)
+    result = reader.copy_ref_table(table, batch.segments[0])
+    assert result[4].tolist() == [True] + [False] * 6 + [True, False]
+    assert table_rows_of(result, 0) == [[3]] and table_rows_of(result, 7) == [[10]]
+    assert result[0].size == 2  # the forged count took no room
+    for i in range(1, 7):  # the real records are untouched
+        with reader.open(batch[i]) as chunk:
+            assert chunk.rows == 1
+    with reader.open(batch[8]) as chunk:  # OVERFLOW: still there, its open says why
+        with pytest.raises(RowDroppedError):
+            chunk.check_rows(0, 1)
+
+
+def test_a_table_of_another_segment_or_shape_copies_nothing(ring) -> None:
+    writer, reader = ring
+    batch = publish(writer, [[([3], 0, False), ([4], 0, False)]])
+    table = batch.one_entry_batches()
+    name, epoch, host = batch.segments[0]
+    assert not reader.copy_ref_table(table, (name, epoch + 1, host))[4].any()  # an old ring
+    assert not reader.copy_ref_table(table[:, -ENTRY_DTYPE.itemsize:].copy(),
+                                     batch.segments[0])[4].any()  # no room for a header
+    with pytest.raises(ValueError, match="uint8"):
+        reader.copy_ref_table(table.view(np.int8), batch.segments[0])
+    with pytest.raises(ValueError, match="shape"):
+        reader.copy_ref_table(table, batch.segments[0], np.array([1]))
+    assert table_rows_of(reader.copy_ref_table(table, batch.segments[0]), 1) == [[4]]

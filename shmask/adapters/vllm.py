@@ -89,6 +89,8 @@ VLLM_MAX_TOKENS = 1 << 22
 VLLM_QUEUE_ROWS = 4
 _ENTRY_BYTES = ENTRY_DTYPE.itemsize
 _REMOTE_MAGIC = b"SMRR"  # a reference from another host's ring (shmask.remote_refs)
+# Step headers a resolver remembers (one per engine core's ring and epoch).
+_LEADERS_KEPT = 64
 
 
 class _MaskLists(NamedTuple):
@@ -429,6 +431,8 @@ class MaskResolver:
                               f"{', '.join(MASK_FORMATS)}")
         self._resolved_type = (arrays_mask_type(self._mask_lists) if self.mask_format == "arrays"
                                else self._mask_lists)
+        # a step reference's header and segment table, checked -> its segment
+        self._leaders: dict[bytes, tuple[str, int, int]] = {}
 
     def resolve(self, mask: Any) -> Any:
         """The SamplingMaskLists vLLM would have sent (in arrays mode, the
@@ -447,55 +451,113 @@ class MaskResolver:
             output.new_sampling_mask = self.resolve(output.new_sampling_mask)
 
     def resolve_outputs(self, outputs: Sequence[Any]) -> list[str]:
-        """resolve_output for every EngineCoreOutput of one message, parsing
-        the references of one producer as one batch. Returns the ids of the
-        requests that failed here and were still running in the engine core
-        (the frontend aborts them there). Never raises: each reference is its
-        own request's (``_resolve_into``).
+        """resolve_output for every EngineCoreOutput of one message, the
+        references of one producer's step copied out together. Returns the
+        ids of the requests that failed here and were still running in the
+        engine core (the frontend aborts them there). Never raises: each
+        reference is its own request's (``_resolve_into``).
 
-        Each reference is a batch of one, and validating a batch costs the
-        same for one entry as for hundreds (measured: 17 us of the ~27 us a
-        lone resolve takes). References that share the leader's header and
-        segment table differ only in their 48-byte entry, so their entries
-        are joined and validated once by RefBatch.build; any other reference
-        (inline, another engine's ring) is resolved on its own, and so is
-        every reference of the group when the joined batch does not validate
-        (one garbled entry must not cost the others their masks)."""
-        # the outputs carrying a reference (is_ref), and each one's bytes,
-        # in one pass (None: not 1-D; that one fails alone below)
+        A step's references share their header and segment table and differ
+        only in their 48-byte entry: they are laid side by side as one
+        table and the native core copies and releases them all in one call
+        (Reader.copy_ref_table), after the leader's header was checked once
+        (and remembered: the next steps repeat it). Any other reference
+        (inline, another engine's ring, one the core would not take) is
+        resolved on its own, which says what was wrong with it."""
+        # the outputs carrying a reference (is_ref), in one pass
         pending: list[Any] = []
-        datas: list[bytes | None] = []
+        refs: list[np.ndarray] = []
+        kept: list[Any] = []
         for output in outputs:
-            token_ids = getattr(output.new_sampling_mask, "token_ids", None)
+            mask = output.new_sampling_mask
+            token_ids = getattr(mask, "token_ids", None)
             if isinstance(token_ids, np.ndarray) and token_ids.dtype == REF_DTYPE:
                 pending.append(output)
-                datas.append(token_ids.tobytes() if token_ids.ndim == 1 else None)
+                refs.append(token_ids)
+                kept.append(getattr(mask, "cu_num_generated_tokens", None))
         failed: list[str] = []
         if not pending:
             return failed
-        # One message comes from one engine core: from another host, all its
-        # references are remote (one that is not grouped below is opened alone).
-        first = next((data for data in datas if data is not None), b"")
-        if first.startswith(_REMOTE_MAGIC):
-            self._pull_remote(pending, datas)
-        done: set[int] = set()
-        in_batch: dict[int, int] = {}  # output -> its entry of the joined batch, if not copied
         try:
-            joined = self._parse_together(datas)
-        except Exception:  # noqa: BLE001 - then each reference is parsed on its own
-            joined = None
-        if joined is not None:
-            grouped, batch = joined
-            done = self._copy_together(pending, grouped, batch)
-            in_batch = {i: j for j, i in enumerate(grouped) if i not in done}
+            done = self._copy_step(pending, refs, kept)
+        except Exception:  # noqa: BLE001 - then each reference is resolved on its own
+            done = set()
         for index, output in enumerate(pending):
-            if index in done:
-                continue
-            entry = in_batch.get(index)
-            ref: Any = ((lambda o=output: _chunk_ref(_ref_bytes(o.new_sampling_mask)))
-                        if entry is None else (lambda entry=entry: batch[entry]))
-            self._resolve_into(output, ref, failed)
+            if index not in done:
+                self._resolve_into(
+                    output, lambda o=output: _chunk_ref(_ref_bytes(o.new_sampling_mask)), failed)
         return failed
+
+    def _copy_step(self, pending: list[Any], refs: list[np.ndarray],
+                   kept: list[Any]) -> set[int]:
+        """The step's references copied out and released by one native call;
+        returns the indices (into pending) of the outputs resolved so."""
+        first = refs[0]
+        if first.ndim != 1:
+            return set()
+        if first[:4].tobytes() == _REMOTE_MAGIC:
+            # One message comes from one engine core: from another host,
+            # all its references are remote, pulled in one pull; they come
+            # back inline and are each resolved on their own.
+            self._pull_remote(pending, [r.tobytes() if r.ndim == 1 else None for r in refs])
+            return set()
+        stride = first.size
+        segment = self._leader_segment(first)
+        if segment is None:
+            return set()
+        # the references laid out as the leader (1-D, its length), one table
+        grouped = [i for i, ref in enumerate(refs) if ref.ndim == 1 and ref.size == stride]
+        table = np.concatenate([refs[i] for i in grouped]).reshape(len(grouped), stride)
+        keep = None
+        if any(cu is not None for cu in kept):  # several positions (speculative decoding)
+            entries = np.ascontiguousarray(table[:, stride - _ENTRY_BYTES:]).view(ENTRY_DTYPE)
+            keep = entries["rows"].reshape(-1).astype(np.uint32)
+            for j, i in enumerate(grouped):
+                if kept[i] is not None:
+                    try:
+                        keep[j] = _kept_positions(kept[i])
+                    except Exception:  # noqa: BLE001 - the usual path says what was wrong
+                        keep[j] = 0  # never copied
+        ids, starts, row_first, row_lengths, copied = self.reader.copy_ref_table(
+            table, segment, keep)
+        resolved = self._resolved_type
+        bounds = starts.tolist()
+        which = range(len(grouped)) if copied.all() else np.flatnonzero(copied).tolist()
+        if row_first[-1] == len(which):  # one position each (no speculative decoding)
+            for j in which:
+                pending[grouped[j]].new_sampling_mask = resolved(ids[bounds[j]:bounds[j + 1]])
+        else:
+            rows = row_first.tolist()
+            for j in which:
+                lengths = row_lengths[rows[j]:rows[j + 1]]
+                # several positions: vLLM's int64 offsets
+                offsets = None
+                if len(lengths) > 1:
+                    offsets = np.zeros(len(lengths) + 1, np.int64)
+                    np.cumsum(lengths, out=offsets[1:])
+                pending[grouped[j]].new_sampling_mask = resolved(
+                    ids[bounds[j]:bounds[j + 1]], offsets)
+        return {grouped[j] for j in which}
+
+    def _leader_segment(self, first: np.ndarray) -> tuple[str, int, int] | None:
+        """The segment of a step's first reference if it is a canonical
+        batch of one ring entry naming one segment (the form StepMasks
+        sends), else None. Its header and segment table are checked once
+        and remembered by their bytes (the entry itself the core checks)."""
+        data = first.tobytes()
+        prefix = data[:-_ENTRY_BYTES]
+        segment = self._leaders.get(prefix)
+        if segment is not None:
+            return segment
+        leader = RefBatch.from_bytes(data)
+        if not (len(leader) == 1 and len(leader.segments) == 1
+                and leader.entries["kind"][0] == KIND_SHM
+                and RefBatch.build(leader.segments, leader.entries).to_bytes() == data):
+            return None
+        if len(self._leaders) >= _LEADERS_KEPT:  # a ring per engine core: a few at most
+            self._leaders.clear()
+        segment = self._leaders[prefix] = leader.segments[0]
+        return segment
 
     def _pull_remote(self, pending: list[Any], datas: list[bytes | None]) -> None:
         """References from an engine core on another host (SHMASK_REMOTE=nixl
@@ -516,59 +578,6 @@ class MaskResolver:
                 pending[i].new_sampling_mask = self._mask_lists(
                     np.frombuffer(ref, REF_DTYPE), None, mask.cu_num_generated_tokens)
                 datas[i] = ref
-
-    def _parse_together(self, datas: list[bytes | None]) -> tuple[list[int], RefBatch] | None:
-        # The references that share the leader's header and segment table,
-        # joined into one batch (validated once): which outputs, and the batch.
-        first = next((data for data in datas if data is not None), None)
-        if first is None:
-            return None
-        leader = RefBatch.from_bytes(first)
-        prefix = first[:-_ENTRY_BYTES]
-        # Only a canonical batch of one ring entry (no inline area) has its
-        # entry as its last 48 bytes: rebuild the leader to make sure.
-        if not (len(leader) == 1 and leader.entries["kind"][0] == KIND_SHM
-                and RefBatch.build(leader.segments, leader.entries).to_bytes() == first):
-            return None
-        # (a reference that is not 1-D is in no group: it fails on its own)
-        grouped = [i for i, data in enumerate(datas) if data is not None
-                   and len(data) == len(first) and data[:-_ENTRY_BYTES] == prefix]
-        entries = np.frombuffer(b"".join(datas[i][-_ENTRY_BYTES:]  # type: ignore[index]
-                                         for i in grouped), ENTRY_DTYPE)
-        return grouped, RefBatch.build(leader.segments, entries)
-
-    def _copy_together(self, pending: list[Any], grouped: list[int], batch: RefBatch) -> set[int]:
-        """The joined batch's rows copied out and released by one native
-        call a segment (Reader.copy_rows); returns the indices (into
-        pending) of the outputs resolved so. The rest (a bad, late or
-        dropped-row reference among them) take _resolve_into, whose open
-        raises what was wrong: copy_rows neither read nor released them."""
-        keep = batch.entries["rows"].astype(np.uint32)
-        for j, i in enumerate(grouped):
-            kept = pending[i].new_sampling_mask.cu_num_generated_tokens
-            if kept is not None:
-                try:
-                    keep[j] = _kept_positions(kept)
-                except Exception:  # noqa: BLE001 - the usual path says what was wrong
-                    keep[j] = 0  # never copied
-        ids, starts, first, lengths, copied = self.reader.copy_rows(batch, keep)
-        resolved = self._resolved_type
-        sums = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=sums[1:])
-        ends = starts + sums[first[1:]] - sums[first[:-1]]
-        which = np.flatnonzero(copied).tolist()
-        outputs = [pending[grouped[j]] for j in which]
-        bounds = zip(starts[copied].tolist(), ends[copied].tolist(), strict=True)
-        if np.all(keep[copied] == 1):  # one position each (no speculative decoding)
-            for output, (start, end) in zip(outputs, bounds, strict=True):
-                output.new_sampling_mask = resolved(ids[start:end])
-        else:
-            for output, j, (start, end), n in zip(outputs, which, bounds,
-                                                  keep[copied].tolist(), strict=True):
-                # several positions (speculative decoding): vLLM's int64 offsets
-                offsets = None if n == 1 else sums[first[j]:first[j] + n + 1] - sums[first[j]]
-                output.new_sampling_mask = resolved(ids[start:end], offsets)
-        return {grouped[j] for j in which}
 
     def _resolve_into(self, output: Any, ref: Any, failed: list[str]) -> None:
         """One output's mask, resolved in place. A bad or late reference, or a
