@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -481,7 +481,9 @@ class MaskResolver:
         try:
             done = self._copy_step(pending, refs, kept)
         except Exception:  # noqa: BLE001 - then each reference is resolved on its own
-            done = set()
+            done = ()
+        if len(done) == len(pending):  # the usual step: every reference copied together
+            return failed
         for index, output in enumerate(pending):
             if index not in done:
                 self._resolve_into(
@@ -489,7 +491,7 @@ class MaskResolver:
         return failed
 
     def _copy_step(self, pending: list[Any], refs: list[np.ndarray],
-                   kept: list[Any]) -> set[int]:
+                   kept: list[Any]) -> Collection[int]:
         """The step's references copied out and released by one native call;
         returns the indices (into pending) of the outputs resolved so."""
         first = refs[0]
@@ -509,7 +511,7 @@ class MaskResolver:
         grouped = [i for i, ref in enumerate(refs) if ref.ndim == 1 and ref.size == stride]
         table = np.concatenate([refs[i] for i in grouped]).reshape(len(grouped), stride)
         keep = None
-        if any(cu is not None for cu in kept):  # several positions (speculative decoding)
+        if kept.count(None) != len(kept):  # several positions (speculative decoding)
             entries = np.ascontiguousarray(table[:, stride - _ENTRY_BYTES:]).view(ENTRY_DTYPE)
             keep = entries["rows"].reshape(-1).astype(np.uint32)
             for j, i in enumerate(grouped):
@@ -537,6 +539,8 @@ class MaskResolver:
                     np.cumsum(lengths, out=offsets[1:])
                 pending[grouped[j]].new_sampling_mask = resolved(
                     ids[bounds[j]:bounds[j + 1]], offsets)
+        if len(which) == len(pending):
+            return range(len(pending))  # every one (grouped is all of pending, in order)
         return {grouped[j] for j in which}
 
     def _leader_segment(self, first: np.ndarray) -> tuple[str, int, int] | None:
