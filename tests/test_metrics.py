@@ -99,6 +99,33 @@ def test_take_batch_counts_what_it_published(prefix):
         assert expected["rows"] == 3 + 2 * 2 and expected["payload_bytes"] > 0
 
 
+def test_a_take_counts_ring_chunks_around_a_private_one(prefix):
+    """A queue staged in private memory (its row larger than the ring) goes
+    inline in the middle of a take: the core's totals of the ring chunks
+    on either side of it add up across the calls the take makes (none is
+    lost or counted twice), and the inline chunk is counted as inline."""
+    config = shmask.Config(ring_mb=1, name_prefix=prefix, full_wait_ms=1, max_tokens=1 << 19)
+    with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
+        queues = [writer.open_queue("selected") for _ in range(3)]
+        big = 300_000  # 1.2 MB of ids: no room in a 1 MiB ring
+        writer.append_step(queues, np.array([2, big, 3], np.int32),
+                           np.arange(5 + big, dtype=np.int32), np.zeros(3, np.float32))
+        batch = writer.take_batch(queues)
+        kinds = batch.entries["kind"].tolist()
+        assert kinds == [shmask.refs.KIND_SHM, shmask.refs.KIND_INLINE, shmask.refs.KIND_SHM]
+        every = batch.entries  # the inline entry's counts are its payload's
+        stats = writer.stats
+        assert (stats.chunks, stats.rows, stats.inline_chunks) == (3, 3, 1)
+        assert stats.payload_bytes == int(shmask.refs.payload_bytes(
+            every["mode"], every["rows"].astype(np.uint64), every["words"].astype(np.uint64),
+            every["nnz"]).sum())
+        nnz = []
+        for ref in batch:
+            with reader.open(ref) as chunk:
+                nnz.append(chunk.nnz)
+        assert nnz == [2, big, 3]
+
+
 def test_multiprocess_mode_adds_up_across_processes(tmp_path, prefix):
     """Two producers and a reader, each its own process, with
     PROMETHEUS_MULTIPROC_DIR: the aggregated scrape sums them."""
