@@ -654,7 +654,11 @@ def test_a_row_a_take_grows_each_queue_once(prefix: str) -> None:
     config = shmask.Config(ring_mb=4, name_prefix=prefix, max_tokens=MAX_TOKENS)
     probs = torch.softmax(torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(15))
                           * 4, -1).to(DEVICE)
-    rows = capture(probs, probs.argmax(1), top_k=40, max_tokens=MAX_TOKENS)  # 40 < 64 words
+    # Rows of 5-40 ids (support mode, ids rows: 40 < 64 words): each step
+    # asks room for the largest, more than a small queue's own quarter of
+    # slack, so both of the step's floors (id words and values) count.
+    top_k = torch.tensor([5 + 5 * b for b in range(BATCH)], device=DEVICE)
+    rows = capture(probs, probs.argmax(1), top_k=top_k, max_tokens=MAX_TOKENS)
     want = reference_direct(rows)
     with shmask.Writer(config) as writer, shmask.Reader(config) as reader:
         queues = [writer.open_queue() for _ in range(BATCH)]
