@@ -40,10 +40,11 @@ int64_t shm_copy_rows_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
  * bytes). The caller has checked reference 0's leading stride - 48 bytes
  * (a canonical one-entry batch naming one segment: the ring at `base`).
  * Reference i is taken only if its leading bytes equal reference 0's, its
- * entry is a ring entry of segment 0 with a valid mode, and it keeps
- * `keep[i]` rows (keep NULL: all its rows) in 1..min(rows,
- * SHM_COPY_MAX_ROWS); anything else is SHM_E_COPY_SKIPPED, left for the
- * usual open to explain.
+ * entry is a ring entry of segment 0 with a valid mode, of at most
+ * SHM_COPY_MAX_ROWS rows and `max_ids` ids (a bound on what references
+ * may size), and it keeps `keep[i]` rows (keep NULL: all its rows) in
+ * 1..rows; anything else is SHM_E_COPY_SKIPPED, left for the usual open
+ * to explain.
  *
  * shm_ref_table_sizes: the ids (saturating) and rows the taken references
  * say they hold, to size out and row_lengths; SHM_E_COPY_SKIPPED when the
@@ -54,11 +55,11 @@ int64_t shm_copy_rows_many(void *base, uint64_t mapped_bytes, uint64_t capacity,
  * rows' lengths row_lengths[row_first[i]:row_first[i + 1]] (both empty for
  * a reference not copied). Returns the ids written. */
 int shm_ref_table_sizes(const uint8_t *table, uint64_t count, uint64_t stride,
-                        const uint32_t *keep, uint64_t *ids, uint64_t *rows);
+                        const uint32_t *keep, uint64_t max_ids, uint64_t *ids, uint64_t *rows);
 int64_t shm_copy_ref_table(void *base, uint64_t mapped_bytes, uint64_t capacity,
                            const uint8_t *table, uint64_t count, uint64_t stride,
-                           const uint32_t *keep, uint64_t max_tokens, int32_t *out,
-                           uint64_t out_len, int64_t *starts, int64_t *row_first,
+                           const uint32_t *keep, uint64_t max_ids, uint64_t max_tokens,
+                           int32_t *out, uint64_t out_len, int64_t *starts, int64_t *row_first,
                            int32_t *row_lengths, uint64_t row_lengths_len, int32_t *results);
 
 #endif

@@ -375,12 +375,14 @@ class _Lib:
         row_at: CData, row_lengths: CData, row_lengths_len: int, results: CData, /,
     ) -> int: ...
     def shm_ref_table_sizes(
-        self, table: CData, count: int, stride: int, keep: CData, ids: CData, rows: CData, /,
+        self, table: CData, count: int, stride: int, keep: CData, max_ids: int, ids: CData,
+        rows: CData, /,
     ) -> int: ...
     def shm_copy_ref_table(
         self, base: CData, mapped_bytes: int, capacity: int, table: CData, count: int,
-        stride: int, keep: CData, max_tokens: int, out: CData, out_len: int, starts: CData,
-        row_first: CData, row_lengths: CData, row_lengths_len: int, results: CData, /,
+        stride: int, keep: CData, max_ids: int, max_tokens: int, out: CData, out_len: int,
+        starts: CData, row_first: CData, row_lengths: CData, row_lengths_len: int,
+        results: CData, /,
     ) -> int: ...
     def shm_direct_cancel(self, direct: CData, /) -> None: ...
     def shm_direct_diverted_done(self, direct: CData, /) -> None: ...

@@ -318,9 +318,10 @@ class Reader:
         table_c = ffi.from_buffer("uint8_t[]", table)
         keep_c = ffi.NULL if keep is None else ffi.from_buffer("uint32_t[]", keep)
         sizes = ffi.new("uint64_t[2]")
-        lib.shm_ref_table_sizes(table_c, count, stride, keep_c, sizes, sizes + 1)
-        # Sized by the references' own counts (untrusted) within _COPY_MAX_IDS:
-        # a reference past the room is skipped by the core, left to its open.
+        # Sized by the references' own counts (untrusted): one of more than
+        # _COPY_MAX_IDS ids is not taken, and within the total's bound one
+        # past the room is skipped by the core; each is left to its open.
+        lib.shm_ref_table_sizes(table_c, count, stride, keep_c, _COPY_MAX_IDS, sizes, sizes + 1)
         out = np.empty(min(int(sizes[0]), _COPY_MAX_IDS), np.int32)
         row_lengths = np.empty(int(sizes[1]), np.int32)  # <= SHM_COPY_MAX_ROWS a reference
         starts = np.empty(count + 1, np.int64)
@@ -328,7 +329,7 @@ class Reader:
         results = np.empty(count, np.int32)
         written = lib.shm_copy_ref_table(
             attached.base, attached.size, attached.capacity, table_c, count, stride, keep_c,
-            self.config.max_tokens, ffi.from_buffer("int32_t[]", out), out.size,
+            _COPY_MAX_IDS, self.config.max_tokens, ffi.from_buffer("int32_t[]", out), out.size,
             ffi.from_buffer("int64_t[]", starts), ffi.from_buffer("int64_t[]", row_first),
             ffi.from_buffer("int32_t[]", row_lengths), row_lengths.size,
             ffi.from_buffer("int32_t[]", results))

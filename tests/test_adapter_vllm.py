@@ -156,6 +156,30 @@ def test_one_message_of_two_rings_and_several_positions(pair, config, reader):
         other.close()
 
 
+def test_what_fails_after_the_step_copy_fails_alone(pair, monkeypatch):
+    """A reference whose positions are malformed is left out of the step's
+    copy (its own open says why), and a request whose mask cannot be built
+    after the copy fails alone: the others keep their rows, and no released
+    record is opened twice."""
+    publisher, resolver = pair
+    step = publisher.publish_step(batch([[1], [2], [3], [4]]))
+    outputs = [_Output(f"r{i}", step.slice_request(i, 1)) for i in range(4)]
+    bad = outputs[1].new_sampling_mask
+    outputs[1].new_sampling_mask = Masks(bad.token_ids, None, [1, 2])  # not [0, n]
+    made = resolver._resolved_type
+
+    def refuse_three(ids, *rest):
+        if ids.tolist() == [3]:
+            raise RuntimeError("no mask for request r2")
+        return made(ids, *rest)
+
+    monkeypatch.setattr(resolver, "_resolved_type", refuse_three)
+    assert sorted(resolver.resolve_outputs(outputs)) == ["r1", "r2"]
+    assert "cu_num_generated_tokens" in outputs[1].error.message
+    assert "RuntimeError: no mask for request r2" in outputs[2].error.message
+    assert [o.new_sampling_mask.to_nested_list() for o in (outputs[0], outputs[3])] == [[[1]], [[4]]]
+
+
 # ------------------------------------------- arrays for in-process consumers
 def test_arrays_mode_equals_lists_position_for_position(writer, reader):
     """The same step resolved in lists mode (the default: vLLM's own type)

@@ -167,7 +167,7 @@ def test_a_table_row_unlike_the_first_is_left_to_its_own_open(ring) -> None:
     entries["mode"][3] = 9  # no such mode
     entries["kind"][4] = 2  # inline
     entries["seal"][5] ^= 1  # another record's seal
-    entries["nnz"][6] = 2**63  # a forged count: sizes nothing, copies nothing
+    entries["nnz"][6] = 2**63  # a forged count: not taken, so it sizes nothing
     table[:, prefix:] = entries.view(np.uint8).reshape(len(entries), -1)
     result = reader.copy_ref_table(table, batch.segments[0])
     assert result[4].tolist() == [True] + [False] * 6 + [True, False]
@@ -194,3 +194,18 @@ def test_a_table_of_another_segment_or_shape_copies_nothing(ring) -> None:
     with pytest.raises(ValueError, match="shape"):
         reader.copy_ref_table(table, batch.segments[0], np.array([1]))
     assert table_rows_of(reader.copy_ref_table(table, batch.segments[0]), 1) == [[4]]
+
+
+@pytest.mark.parametrize("rows", [65, 200])
+def test_a_record_of_more_rows_than_the_core_copies_is_left_alone(ring, rows) -> None:
+    """A genuine record of more than SHM_COPY_MAX_ROWS rows, kept whole or
+    trimmed to its first row: not copied (its geometry would not fit the
+    core's buffer), not released; its own open reads it."""
+    writer, reader = ring
+    batch = publish(writer, [[([r % 50], 0, False)] for r in range(rows)])
+    table = batch.one_entry_batches()
+    for keep in (None, np.array([1])):
+        result = reader.copy_ref_table(table, batch.segments[0], keep)
+        assert not result[4].any() and result[0].size == 0
+    with reader.open(batch[0]) as chunk:
+        assert chunk.rows == rows

@@ -479,7 +479,7 @@ class MaskResolver:
         if not pending:
             return failed
         try:
-            done = self._copy_step(pending, refs, kept)
+            done = self._copy_step(pending, refs, kept, failed)
         except Exception:  # noqa: BLE001 - then each reference is resolved on its own
             done = ()
         if len(done) == len(pending):  # the usual step: every reference copied together
@@ -490,10 +490,11 @@ class MaskResolver:
                     output, lambda o=output: _chunk_ref(_ref_bytes(o.new_sampling_mask)), failed)
         return failed
 
-    def _copy_step(self, pending: list[Any], refs: list[np.ndarray],
-                   kept: list[Any]) -> Collection[int]:
+    def _copy_step(self, pending: list[Any], refs: list[np.ndarray], kept: list[Any],
+                   failed: list[str]) -> Collection[int]:
         """The step's references copied out and released by one native call;
-        returns the indices (into pending) of the outputs resolved so."""
+        returns the indices (into pending) of the outputs resolved so (or
+        failed: into ``failed``, as _resolve_into fails them)."""
         first = refs[0]
         if first.ndim != 1:
             return set()
@@ -522,23 +523,27 @@ class MaskResolver:
                         keep[j] = 0  # never copied
         ids, starts, row_first, row_lengths, copied = self.reader.copy_ref_table(
             table, segment, keep)
+        # From here on the copied records are released: each output gets its
+        # rows, or fails alone (never a second open of a released record).
         resolved = self._resolved_type
         bounds = starts.tolist()
         which = range(len(grouped)) if copied.all() else np.flatnonzero(copied).tolist()
-        if row_first[-1] == len(which):  # one position each (no speculative decoding)
-            for j in which:
-                pending[grouped[j]].new_sampling_mask = resolved(ids[bounds[j]:bounds[j + 1]])
-        else:
-            rows = row_first.tolist()
-            for j in which:
+        single = row_first[-1] == len(which)  # one position each (no speculative decoding)
+        rows = row_first.tolist()
+        for j in which:
+            output = pending[grouped[j]]
+            try:
+                if single:
+                    output.new_sampling_mask = resolved(ids[bounds[j]:bounds[j + 1]])
+                    continue
                 lengths = row_lengths[rows[j]:rows[j + 1]]
-                # several positions: vLLM's int64 offsets
-                offsets = None
+                offsets = None  # several positions: vLLM's int64 offsets
                 if len(lengths) > 1:
                     offsets = np.zeros(len(lengths) + 1, np.int64)
                     np.cumsum(lengths, out=offsets[1:])
-                pending[grouped[j]].new_sampling_mask = resolved(
-                    ids[bounds[j]:bounds[j + 1]], offsets)
+                output.new_sampling_mask = resolved(ids[bounds[j]:bounds[j + 1]], offsets)
+            except Exception as exc:  # noqa: BLE001 - this request's alone
+                _fail(output, exc, failed, stand_in=self._mask_lists is _MaskLists)
         if len(which) == len(pending):
             return range(len(pending))  # every one (grouped is all of pending, in order)
         return {grouped[j] for j in which}
