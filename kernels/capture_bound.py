@@ -89,12 +89,14 @@ def _bound_kernel(
         w_mass = tl.where(lone, w * share, w)
     total = tl.sum(w_mass, axis=0)
 
+    # A greedy row's floor is its max (below): it needs none of the searches.
+    greedy = tl.load(greedy_ptr + row) != 0
     top_k = tl.load(top_k_ptr + row)
     k_on = (top_k >= 1) & (top_k < vocab)
     expect = top_k.to(tl.float32) * share
     need = K_SLACK * expect + 3.0 * tl.sqrt(expect) + 4.0
     floor_k = tl.zeros([], dtype=tl.int32)
-    if k_on:
+    if k_on & ~greedy:
         floor_k = _sample_key_reaching(key, w, need, False)
     top_p = tl.load(top_p_ptr + row)
     p_on = top_p < 1.0
@@ -128,7 +130,7 @@ def _bound_kernel(
     if SEQUENTIAL:
         only_k = k_on
         floor_km = tl.maximum(floor_k, 1)
-    if p_on & ~only_k:  # (a row that takes top-k's floor alone needs no top-p floor)
+    if p_on & ~only_k & ~greedy:  # (a row that takes top-k's floor alone needs no top-p floor)
         # A top-p-only row's floor is also low enough to keep P_KEEP ids by
         # the sample's count (floor_c): a heavy token in the sample, weighed
         # ~1/share times its share (HEAVY off, or a tied top value), puts
@@ -160,7 +162,6 @@ def _bound_kernel(
             floor_p = tl.minimum(floor_p, floor_c)
     lo = tl.maximum(tl.maximum(floor_k, floor_p), tl.maximum(floor_m, 1))
     lo = tl.where(only_k, floor_km, lo)
-    greedy = tl.load(greedy_ptr + row) != 0
     lo = tl.where(greedy, tl.maximum(top, 1), lo)
     window = tl.zeros([], dtype=tl.int32)
     if WINDOW:
