@@ -194,10 +194,13 @@ def consume_sglang(message: list[tuple[bytes, list[int]]], carrier: str) -> list
 
 
 def consume_vllm(message: list[tuple[bytes, list[int]]], resolver: Any) -> list[str]:
-    """One EngineCoreOutputs message's references through resolve_outputs."""
+    """One EngineCoreOutputs message's references through resolve_outputs.
+    Every other request says it keeps its one position, as a request
+    trimmed by speculative decoding says how many it keeps, so forged
+    entries also meet the step copy's kept-position path."""
     outputs = [SimpleNamespace(request_id=f"r{i}", finish_reason=None, error=None,
                                new_sampling_mask=vllm_adapter._MaskLists(
-                                   np.frombuffer(ref, np.uint8), None, None))
+                                   np.frombuffer(ref, np.uint8), None, [0, 1] if i % 2 else None))
                for i, (ref, _) in enumerate(message)]
     try:
         failed = resolver.resolve_outputs(outputs) or []
