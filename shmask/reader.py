@@ -335,6 +335,7 @@ class Reader:
             ffi.from_buffer("int32_t[]", results))
         np.equal(results, lib.SHM_OK, out=copied)
         self._opens += int(np.count_nonzero(copied))
+        lib.shm_guard_front()  # as open does every 256 opens: a step's worth
         if metrics.enabled():
             metrics.sync(self.stats, self._synced)
         return out[:written], starts, row_first, row_lengths, copied

@@ -147,6 +147,41 @@ def test_files_of_other_users_are_never_touched_nor_fatal(prefix):
 # ---------------------------------------------------------------- 3. SIGBUS
 
 
+def test_a_step_copied_from_a_truncated_ring_fails_each_request_cleanly(prefix):
+    """vLLM's frontend copies a step's references in one native call
+    (Reader.copy_ref_table): with the ring cut under it, the call survives
+    (the guarded mapping reads as zeros), copies nothing, and every request
+    fails alone, saying the segment was truncated."""
+    result = _run(f"""
+        from types import SimpleNamespace
+        from shmask.adapters import vllm as va
+        config = shmask.Config(ring_mb=1, name_prefix={prefix!r})
+        writer, reader = shmask.Writer(config), shmask.Reader(config)
+        publisher = va.MaskPublisher(writer, mask_lists=va._MaskLists)
+        resolver = va.MaskResolver(reader, mask_lists=va._MaskLists)
+        def step():
+            rows = [np.arange(5 + i, dtype=np.int32) for i in range(8)]
+            offsets = np.cumsum([0] + [r.size for r in rows])
+            masks = publisher.publish_step(va._MaskLists(np.concatenate(rows), offsets, None))
+            return [SimpleNamespace(request_id=f"r{{i}}", finish_reason=None, error=None,
+                                    new_sampling_mask=masks.slice_request(i, 1))
+                    for i in range(8)]
+        first = step()
+        print("before:", resolver.resolve_outputs(first), [o.new_sampling_mask.token_ids.size
+                                                           for o in first])
+        outputs = step()
+        os.truncate("/dev/shm" + writer.segment_name, 0)
+        failed = resolver.resolve_outputs(outputs)
+        print("failed:", len(failed), sorted({{o.error.message.split("(")[1].split(":")[0]
+                                             for o in outputs}}))
+        print("survived")
+    """, prefix)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "before: [] [5, 6, 7, 8, 9, 10, 11, 12]" in result.stdout
+    assert "failed: 8 ['StaleChunkError']" in result.stdout
+    assert "survived" in result.stdout
+
+
 def test_truncated_segment_does_not_kill_reader_or_producer(prefix):
     """os.truncate of the ring under a held chunk: to_lists raises, opens
     raise, the producer carries on inline; nobody dies of SIGBUS."""
