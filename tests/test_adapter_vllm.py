@@ -180,6 +180,20 @@ def test_what_fails_after_the_step_copy_fails_alone(pair, monkeypatch):
     assert [o.new_sampling_mask.to_nested_list() for o in (outputs[0], outputs[3])] == [[[1]], [[4]]]
 
 
+def test_a_reference_of_another_shape_fails_alone(pair):
+    """A reference that is not 1-D (2-D of the step's length, or 0-d) among
+    a step's: it fails alone, saying so; the others keep their rows."""
+    publisher, resolver = pair
+    step = publisher.publish_step(batch([[1], [2], [3], [4]]))
+    outputs = [_Output(f"r{i}", step.slice_request(i, 1)) for i in range(4)]
+    ref = outputs[1].new_sampling_mask.token_ids
+    outputs[1].new_sampling_mask = Masks(ref.reshape(-1, 1))  # len() is the step's stride
+    outputs[3].new_sampling_mask = Masks(np.array(7, np.uint8))
+    assert sorted(resolver.resolve_outputs(outputs)) == ["r1", "r3"]
+    assert all("1-D" in outputs[i].error.message for i in (1, 3))
+    assert [outputs[i].new_sampling_mask.to_nested_list() for i in (0, 2)] == [[[1]], [[3]]]
+
+
 # ------------------------------------------- arrays for in-process consumers
 def test_arrays_mode_equals_lists_position_for_position(writer, reader):
     """The same step resolved in lists mode (the default: vLLM's own type)

@@ -508,9 +508,15 @@ class MaskResolver:
         segment = self._leader_segment(first)
         if segment is None:
             return set()
-        # the references laid out as the leader (1-D, its length), one table
-        grouped = [i for i, ref in enumerate(refs) if ref.ndim == 1 and ref.size == stride]
-        table = np.concatenate([refs[i] for i in grouped]).reshape(len(grouped), stride)
+        # the references laid out as the leader (1-D, its length), one table;
+        # the usual step's are all so, checked by one C-level pass of len()
+        # (np.concatenate then refuses one that is not 1-D: each resolves alone)
+        grouped: Sequence[int] = range(len(refs))
+        same = refs
+        if list(map(len, refs)).count(stride) != len(refs):
+            grouped = [i for i, ref in enumerate(refs) if ref.ndim == 1 and ref.size == stride]
+            same = [refs[i] for i in grouped]
+        table = np.concatenate(same).reshape(len(grouped), stride)
         keep = None
         if kept.count(None) != len(kept):  # several positions (speculative decoding)
             entries = np.ascontiguousarray(table[:, stride - _ENTRY_BYTES:]).view(ENTRY_DTYPE)
