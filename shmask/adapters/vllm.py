@@ -535,7 +535,7 @@ class MaskResolver:
         bounds = starts.tolist()
         which = range(len(grouped)) if copied.all() else np.flatnonzero(copied).tolist()
         single = row_first[-1] == len(which)  # one position each (no speculative decoding)
-        rows = row_first.tolist()
+        rows = [] if single else row_first.tolist()
         for j in which:
             output = pending[grouped[j]]
             try:
@@ -577,7 +577,7 @@ class MaskResolver:
     def _pull_remote(self, pending: list[Any], datas: list[bytes | None]) -> None:
         """References from an engine core on another host (SHMASK_REMOTE=nixl
         there): their rows pulled through NIXL in one pull per engine core,
-        each reference then an inline one (in `pending` and `datas`). A pull
+        each reference then an inline one (in `pending`). A pull
         that fails (NIXL missing here, its agent down) leaves them remote:
         each then fails alone, saying why."""
         remote = [i for i, data in enumerate(datas)
@@ -592,7 +592,6 @@ class MaskResolver:
                 mask = pending[i].new_sampling_mask
                 pending[i].new_sampling_mask = self._mask_lists(
                     np.frombuffer(ref, REF_DTYPE), None, mask.cu_num_generated_tokens)
-                datas[i] = ref
 
     def _resolve_into(self, output: Any, ref: Any, failed: list[str]) -> None:
         """One output's mask, resolved in place. A bad or late reference, or a
