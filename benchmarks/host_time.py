@@ -61,11 +61,19 @@ def main() -> None:
     logp = torch.log(probs)
     top_k = torch.full((batch,), 1000, dtype=torch.int32, device="cuda")
     top_p = torch.full((batch,), 0.9, device="cuda")
+    # an engine's tensors as it has them (SGLang: int32 drawn tokens, a bool
+    # opt-in mask; int64 top_k), read by the kernels without a cast
+    engine = dict(top_k=top_k.long(), top_p=top_p, rows=torch.ones(batch, dtype=torch.bool,
+                                                                    device="cuda"),
+                  greedy=torch.zeros(batch, dtype=torch.bool, device="cuda"))
+    tokens32 = tokens.int()
     calls = {
         "capture top_p 0.9": lambda: kernels.capture(probs, tokens, top_p=0.9, max_tokens=8192),
         "capture top_k 1000": lambda: kernels.capture(probs, tokens, top_k=1000, max_tokens=8192),
         "capture [B] top_k+top_p": lambda: kernels.capture(probs, tokens, top_k=top_k,
                                                            top_p=top_p, max_tokens=8192),
+        "capture [B] engine dtypes": lambda: kernels.capture(probs, tokens32, max_tokens=8192,
+                                                             **engine),
         "sample top_p 0.9": lambda: kernels.sample(probs, 7, top_p=0.9, max_tokens=8192),
         "sample top_k 1000": lambda: kernels.sample(probs, 7, top_k=1000, max_tokens=8192),
         "compact": lambda: kernels.compact(logp, 8192),

@@ -200,7 +200,7 @@ def run_capture(
     slots = (probs, tokens, seed_rows, settings.top_k, settings.top_p, settings.min_p,
              settings.greedy, settings.opt_in, *buffers)
     addresses = launch_plan.pointers(slots)
-    key = (*where, id(ws), probs.dtype, batch, vocab, probs.stride(0), tokens.dtype,
+    key = (*where, id(ws), probs.dtype, batch, vocab, probs.stride(0), tokens.dtype, settings.dtypes,
            seed_rows is None, settings.sequential, settings.need_mass, settings.need_max,
            settings.window, max_tokens, overflow, support, pdl,
            launch_plan.slots_key(addresses), launch_plan.tuning_state())
@@ -262,7 +262,9 @@ def _tokens_and_seeds(
         raise ValueError(f"sampled must be an integer tensor of shape ({batch},)")
     if sampled.dtype.is_floating_point or sampled.dtype == torch.bool:
         raise TypeError(f"sampled must hold integer token ids, got {sampled.dtype}")
-    return as_contiguous(sampled, torch.int64, device), None
+    # int32 (SGLang's drawn tokens) is read as it is: no cast launched a call
+    dtype = sampled.dtype if sampled.dtype == torch.int32 else torch.int64
+    return as_contiguous(sampled, dtype, device), None
 
 
 def capture(

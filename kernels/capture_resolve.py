@@ -275,7 +275,11 @@ def _resolve_kernel(
                                                       best_score, best_id, first_id)
         token = tl.where(greedy, first_id, best_id)
     else:
-        token = tl.load(token_ptr + row).to(tl.int32)
+        # checked at the caller's width (int32 or int64), before the cast:
+        # an int64 id past 2**31 must not wrap to a valid one
+        drawn = tl.load(token_ptr + row)
+        token_in = (drawn >= 0) & (drawn < vocab)
+        token = tl.where(token_in, drawn, -1).to(tl.int32)
     token_ok = (token >= 0) & (token < vocab)
     w_y = tl.load(probs_ptr + row.to(tl.int64) * stride_row + token,
                   mask=token_ok, other=0.0).to(tl.float32)

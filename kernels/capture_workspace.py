@@ -63,11 +63,11 @@ class CaptureSettings:
     arguments say before any kernel runs (no host sync): which sums the
     candidate mark may need and whether window rows may occur."""
 
-    top_k: torch.Tensor  # int32[B]; off where < 1 or >= V
+    top_k: torch.Tensor  # int32[B] or the caller's int64[B]; off where < 1 or >= V
     top_p: torch.Tensor  # float32[B]; off where 1
     min_p: torch.Tensor  # float32[B]; off where 0
-    greedy: torch.Tensor  # int8[B]
-    opt_in: torch.Tensor  # int8[B]: rows materialised
+    greedy: torch.Tensor  # int8[B] or the caller's bool[B]
+    opt_in: torch.Tensor  # int8[B] or the caller's bool[B]: rows materialised
     sequential: bool  # order "sequential": top-p's target is a share of the top-k mass
     need_mass: bool  # some row may have top-p on
     need_max: bool  # some row may have min-p on or be greedy
@@ -75,6 +75,12 @@ class CaptureSettings:
     # masses, or a min-p-only one, whose cutoff the row's max gives;
     # written by the window write; sample's drawn by the window draw)
     window: bool
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The per-row tensors' dtypes that may vary (a compiled kernel and
+        so a plan is made for each)."""
+        return self.top_k.dtype, self.greedy.dtype, self.opt_in.dtype
 
     @classmethod
     def of(cls, batch: int, vocab: int, device: torch.device, *,
@@ -100,12 +106,14 @@ class CaptureSettings:
                 if kept is not None:
                     return kept
         made = cls(
-            top_k=per_row(top_k, batch, torch.int32, device, "top_k", 0, stream=stream),
+            top_k=per_row(top_k, batch, torch.int32, device, "top_k", 0, stream=stream,
+                          accept=(torch.int64,)),
             top_p=per_row(top_p, batch, torch.float32, device, "top_p", 1.0, low=0.0, high=1.0,
                           stream=stream),
             min_p=per_row(min_p, batch, torch.float32, device, "min_p", 0.0, low=0.0, high=1.0,
                           stream=stream),
-            greedy=per_row(greedy, batch, torch.int8, device, "greedy", False, stream=stream),
+            greedy=per_row(greedy, batch, torch.int8, device, "greedy", False, stream=stream,
+                           accept=(torch.bool,)),
             opt_in=row_mask(rows, batch, device, stream),
             sequential=sequential,
             need_mass=may_be_on(top_p, lambda p: p < 1.0),

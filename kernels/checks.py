@@ -67,18 +67,24 @@ def per_row(
     low: float | None = None,
     high: float | None = None,
     stream: int | None = None,
+    accept: tuple[torch.dtype, ...] = (),
 ) -> torch.Tensor:
     """Broadcast a scalar to [B] or check a [B] tensor.
 
     Range checks run on Python scalars only: checking a device tensor would
     cost a host sync per step. Out-of-range tensor values are clamped by the
     kernels' rules (documented per kernel). ``stream``: as constant_rows'.
+    ``accept``: other dtypes the kernels read as they are, so a tensor of
+    one of them is handed on without a cast (a launch and an allocation of
+    host time per call: an engine's int64 top_k or bool greedy).
     """
     if value is None:
         value = default
     if isinstance(value, torch.Tensor):
         if value.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
+        if value.dtype in accept:
+            dtype = value.dtype
         return as_contiguous(value, dtype, device)
     if not isinstance(value, numbers.Real):  # a 0-d array, a string, a list...
         raise TypeError(f"{name} must be a number or a tensor of shape ({batch},), "
@@ -132,7 +138,9 @@ def constant_rows(value: Any, batch: int, dtype: torch.dtype, device: torch.devi
 
 def row_mask(rows: torch.Tensor | None, batch: int, device: torch.device,
              stream: int | None = None) -> torch.Tensor:
-    """Opt-in mask as int8[B] (1 = materialise the row); ``stream`` as
+    """Opt-in mask as [B] (nonzero = materialise the row): the caller's bool
+    mask itself where it is contiguous on ``device`` (the kernels read it as
+    it is: no cast launched a call), else int8 ones; ``stream`` as
     constant_rows'."""
     if rows is None:
         return constant_rows(1, batch, torch.int8, device, stream)
@@ -140,4 +148,4 @@ def row_mask(rows: torch.Tensor | None, batch: int, device: torch.device,
         raise ValueError(f"rows must be a bool mask of shape ({batch},), got {tuple(rows.shape)}")
     if rows.dtype != torch.bool:
         raise TypeError(f"rows must be a bool mask, got {rows.dtype}")
-    return rows.to(device=device, dtype=torch.int8)
+    return as_contiguous(rows, torch.bool, torch.device(device))

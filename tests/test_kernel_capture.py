@@ -281,6 +281,63 @@ def test_min_p_only_and_opted_out_rows_untouched() -> None:
         assert got.row(b)[0].cpu().tolist() == (expect if rows[b] else [])
 
 
+def _same_bits(got, want) -> None:
+    """Every field of two Rows bit for bit (ids and values up to their ends)."""
+    ends = {"ids": int(want.id_offsets[-1]), "values": int(want.offsets[-1])}
+    for field in ("offsets", "id_offsets", "lengths", "status", "sizes", "forms",
+                  "selected_logprob", "tokens", "ids", "values"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            a, b = a[:ends.get(field, len(a))].cpu(), b[:ends.get(field, len(b))].cpu()
+            if a.dtype.is_floating_point:
+                a, b = a.view(torch.int32), b.view(torch.int32)  # NaNs compared by their bits
+            assert torch.equal(a, b), field
+
+
+def test_engine_dtypes_read_as_they_are() -> None:
+    """Engines hand the sampler's tensors as they have them: int32 drawn
+    tokens (SGLang), int64 top_k, bool greedy and opt-in masks. The kernels
+    read those as they are (no cast launched a call: CaptureSettings and
+    the sampled tokens are the caller's own tensors) and give the same bits
+    as the canonical dtypes; an int64 token past 2**31 is INVALID (as the
+    reference says), not wrapped to a valid id."""
+    from shmask.kernels import sample
+    from shmask.kernels.capture import _tokens_and_seeds
+    from shmask.kernels.capture_workspace import CaptureSettings
+    gen = torch.Generator().manual_seed(23)
+    batch, vocab = 8, 700
+    probs = dyadic_probs(batch, vocab, gen, scale=2.0).to(DEVICE)
+    top_k = torch.tensor([0, 5, 50, 0, 700, 20, 0, 3], dtype=torch.int64, device=DEVICE)
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 0.9, 1.0, 0.95, 1.0], device=DEVICE)
+    greedy = torch.tensor([False, False, True, False, False, False, False, True], device=DEVICE)
+    rows = torch.tensor([True, True, True, False, True, True, True, True], device=DEVICE)
+    sampled = probs.argmax(1).to(torch.int32)
+    sampled[6] = 3  # maybe outside its support
+    settings = CaptureSettings.of(batch, vocab, probs.device, top_k=top_k, top_p=top_p,
+                                  min_p=None, greedy=greedy, rows=rows, sequential=False)
+    assert settings.top_k is top_k and settings.greedy is greedy and settings.opt_in is rows
+    assert _tokens_and_seeds(sampled, None, batch, probs.device, None)[0] is sampled
+    canonical = dict(top_k=top_k.to(torch.int32), top_p=top_p, greedy=greedy.to(torch.int8),
+                     max_tokens=64)
+    got = capture(probs, sampled, top_k=top_k, top_p=top_p, greedy=greedy, rows=rows,
+                  max_tokens=64)
+    want = capture(probs, sampled.to(torch.int64), rows=rows, **canonical)
+    _same_bits(got, want)
+    assert_same(got, reference_capture(probs.cpu(), sampled.cpu(), top_k=top_k.cpu(),
+                                       top_p=top_p.cpu(), greedy=greedy.cpu(), rows=rows.cpu(),
+                                       max_tokens=64))
+    _same_bits(sample(probs, 7, top_k=top_k, top_p=top_p, greedy=greedy, rows=rows, max_tokens=64),
+               sample(probs, 7, rows=rows, **canonical))
+    wide = sampled.to(torch.int64)
+    wide[0] += 1 << 32  # a valid id once wrapped to 32 bits
+    wide[1] -= 1 << 32
+    beyond = capture(probs, wide, top_k=top_k, top_p=top_p, max_tokens=64)
+    assert beyond.status[:2].cpu().tolist() == [Status.INVALID] * 2
+    assert_same(beyond, reference_capture(probs.cpu(), wide.cpu(), top_k=top_k.cpu(),
+                                          top_p=top_p.cpu(), max_tokens=64))
+
+
 def test_bad_arguments_are_named() -> None:
     probs = torch.rand(2, 5, device=DEVICE)
     sampled = torch.zeros(2, dtype=torch.int64, device=DEVICE)
