@@ -114,7 +114,8 @@ kernel two or more launches back wrote, may come first.
 
 ``into=``: a call that cannot have window rows stores each row into the
 ring from the write kernel as it computes it (GPU-direct); one that may
-publishes its rows after the window write (the store kernel), so a row's
+publishes its rows after the window write (and, in sample, the drawn
+tokens) through the store kernel, so a row's
 bits are the same on every path (tests/test_rows_every_path.py).
 """
 
@@ -255,7 +256,8 @@ def _tokens_and_seeds(
     sampled: torch.Tensor | None, seeds: torch.Tensor | int | None, batch: int,
     device: torch.device, stream: int | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """capture() (no seeds): the sampled tokens as int64 and no seeds;
+    """capture() (no seeds): the sampled tokens (int32 as they are, any
+    other integer dtype as int64) and no seeds;
     sample(): no tokens yet (the result holds room for them) and the
     per-row seeds."""
     if seeds is not None:

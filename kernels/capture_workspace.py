@@ -67,7 +67,7 @@ class CaptureSettings:
     top_p: torch.Tensor  # float32[B]; off where 1
     min_p: torch.Tensor  # float32[B]; off where 0
     greedy: torch.Tensor  # int8[B] or the caller's bool[B]
-    opt_in: torch.Tensor  # int8[B] or the caller's bool[B]: rows materialised
+    opt_in: torch.Tensor  # bool[B] (the caller's mask), or int8 ones for none: rows materialised
     sequential: bool  # order "sequential": top-p's target is a share of the top-k mass
     need_mass: bool  # some row may have top-p on
     need_max: bool  # some row may have min-p on or be greedy

@@ -140,8 +140,8 @@ def row_mask(rows: torch.Tensor | None, batch: int, device: torch.device,
              stream: int | None = None) -> torch.Tensor:
     """Opt-in mask as [B] (nonzero = materialise the row): the caller's bool
     mask itself where it is contiguous on ``device`` (the kernels read it as
-    it is: no cast launched a call), else int8 ones; ``stream`` as
-    constant_rows'."""
+    it is: no cast launched a call), else a contiguous bool copy on
+    ``device``; int8 ones for no mask; ``stream`` as constant_rows'."""
     if rows is None:
         return constant_rows(1, batch, torch.int8, device, stream)
     if rows.shape != (batch,):
