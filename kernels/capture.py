@@ -91,7 +91,11 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    each chunk. Then ``Z`` (past the first RESOLVE_BLOCK candidates, block
    by block, the same in capture and sample), the selected logprob or, for
    :mod:`.sample`, the Gumbel-max draw (sample_draw.py); status, length,
-   form. A window row's draw is not resolve's: the window write makes it (6).
+   form. A window row's draw is not resolve's:
+4b. window draw (sample only, launched when some row may be top-p only;
+   program per chunk): the race over a window row's support in the chunk
+   from one read, folded into the row's best by an atomic max; the write
+   kernel makes it the row's token and selected logprob.
 5. write (capture_write.py, as 6; program per row): the support's logprobs
    at offsets[b] and its ids or bitmask words at id_offsets[b], both
    computed from the lengths and forms of the rows before (a bitmask row is
@@ -100,12 +104,7 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
 6. window write (launched only when some row may be top-p only; program per
    chunk): one contiguous read of a window row's chunk writes its support's
    bitmask words (or ids) and ``log(w) - log(Z)`` at the row's offsets plus
-   the counts of the chunks before, which resolve found. In :mod:`.sample`
-   it also draws (the window draw, sample_draw.py): the race over the
-   support in the chunk, from the same read, folded into the row's best by
-   an atomic max;
-6b. drawn tokens (sample with window rows; program per row): the best
-   made the row's token and selected logprob.
+   the counts of the chunks before, which resolve found.
 
 On sm90+ GPUs every kernel is launched as a programmatic dependent of the
 one before (after_previous): it starts while that one ends and waits for it
@@ -114,8 +113,7 @@ kernel two or more launches back wrote, may come first.
 
 ``into=``: a call that cannot have window rows stores each row into the
 ring from the write kernel as it computes it (GPU-direct); one that may
-publishes its rows after the window write (and, in sample, the drawn
-tokens) through the store kernel, so a row's
+publishes its rows after the window write (the store kernel), so a row's
 bits are the same on every path (tests/test_rows_every_path.py).
 """
 
@@ -138,7 +136,7 @@ from .direct import claim_step, launching, publish_into
 from .host import check_into
 from .launch import pdl_default
 from .rows import Rows, Status, empty_rows, pack_rows
-from .sample_draw import launch_drawn_tokens
+from .sample_draw import launch_window_draw
 
 __all__ = ["ORDERS", "capture", "reference_capture", "top_p_within_rounding"]
 
@@ -232,6 +230,8 @@ def _launch_stages(
                         pdl=pdl)
     launch_resolve(probs, settings, ws, tokens, seed_rows, result, max_tokens, overflow, pdl)
     drawn = settings.window and seed_rows is not None
+    if settings.window and seed_rows is not None:
+        launch_window_draw(probs, ws, seed_rows, pdl)
     # into= on the GPU-direct path: the table is prepared for this step now
     # and the write kernel stores each row into the ring as it computes it;
     # a call that may have window rows (their data are the window write's)
@@ -239,13 +239,10 @@ def _launch_stages(
     # gives a row the same bits.
     direct = None if settings.window else claim_step(target, batch, vocab)
     with launching(direct, "capture's write kernel"):
-        launch_write(probs, settings, ws, tokens, result, direct, support=support, pdl=pdl)
+        launch_write(probs, settings, ws, tokens, result, direct, support=support, drawn=drawn,
+                     pdl=pdl)
     if settings.window:
-        # sample: the window write draws too, then the drawn rows' tokens
-        launch_window_write(probs, ws, result, seed_rows if drawn else None, pdl)
-    if drawn:
-        assert result.selected_logprob is not None
-        launch_drawn_tokens(probs, ws, tokens, result.selected_logprob, pdl)
+        launch_window_write(probs, ws, result, pdl)
     if direct is not None:
         direct.launched(result)
     elif target is not None and not settings.window:

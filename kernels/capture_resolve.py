@@ -261,8 +261,8 @@ def _resolve_kernel(
         # again (L2-hot), DRAW_BLOCK at a time: a Philox state for each of
         # BLOCK lanes at once would double the program's registers. A window
         # row's support reaches past its candidates: its draw is the window
-        # write's (compiled with DRAW, in its one read of each chunk), and
-        # _drawn_tokens_kernel finishes its token and selected logprob.
+        # draw's (_window_draw_kernel, one read of each chunk), and the
+        # write kernel finishes its token and selected logprob.
         seed = tl.load(seed_ptr + row)
         best_score = tl.full([], float("-inf"), tl.float32)
         best_id = tl.zeros([], dtype=tl.int32) + vocab

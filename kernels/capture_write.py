@@ -19,16 +19,17 @@ from .float_bits import INF_KEY, log_any, popcount
 from .launch import after_previous, compiled_for_nvidia, launch, launch_options, register_cap
 from .ring import ring_arrive, ring_claim, ring_commit
 from .rows import Rows
-from .sample_draw import _race_part
 
 
 def launch_write(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
                  tokens: torch.Tensor, rows: Rows, direct: Claim | None, support: bool,
-                 pdl: bool) -> None:
+                 drawn: bool, pdl: bool) -> None:
     """_write_kernel over the rows, after resolve: rows.offsets,
     rows.id_offsets, and every row's data but a window row's in rows.ids and
     rows.values; ``direct`` (a claimed GPU-direct step) each row into the
-    ring too, its values (``support``) or its selected logprob."""
+    ring too, its values (``support``) or its selected logprob; ``drawn``
+    (sample, after the window draw) a window row's token and selected
+    logprob from the race's best."""
     batch = probs.shape[0]
     # without PDL on the GPU-direct path (its ring stores and arrival have
     # not been measured chained)
@@ -37,33 +38,30 @@ def launch_write(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
         ws.cand_ids, ws.cand_vals, ws.n_cand, ws.window_ok, rows.vocab, batch,
         ws.cutoff, ws.logz, rows.lengths, rows.status, rows.forms, settings.greedy, tokens,
         rows.offsets, rows.id_offsets, rows.ids, rows.values, rows.selected_logprob,
+        probs, probs.stride(0), ws.draw, ws.best,
         0 if direct is None else direct.publisher.table,
         ws.counts if direct is None else direct.publisher.arrivals,  # (not read without direct)
         BLOCK=tuning.WRITE_BLOCK,
         ROWS_BLOCK=min(tuning.WRITE_ROWS_BLOCK, triton.next_power_of_2(batch)),
-        num_warps=tuning.WRITE_WARPS, DIRECT=direct is not None, SUPPORT=support,
+        num_warps=tuning.WRITE_WARPS, DIRECT=direct is not None, SUPPORT=support, DRAWN=drawn,
         PDL=chained,
         **launch_options(chained),
     )
 
 
 def launch_window_write(probs: torch.Tensor, ws: CaptureWorkspace, rows: Rows,
-                        seeds: torch.Tensor | None, pdl: bool) -> None:
+                        pdl: bool) -> None:
     """_window_write_kernel over every (row, chunk), after the write set the
-    offsets; rows with window_ok 0 (and, with ``seeds``, draw 0) return at
-    once (``pdl``: launched as a programmatic dependent of the write, which
-    began after resolve, the writer of window_ok and draw, ended).
-    ``seeds`` (sample): the window draw too, its race's best of each chunk
-    into ws.best (sample_draw.launch_drawn_tokens then makes the tokens)."""
+    offsets; rows with window_ok 0 return at once (``pdl``: launched as a
+    programmatic dependent of the write, which began after resolve, the
+    writer of window_ok, ended)."""
     batch, vocab = probs.shape
     # popc and lg2.approx are PTX: NVIDIA's compiled kernels only
     nvidia = compiled_for_nvidia(probs)
     launch(_window_write_kernel, (batch, ws.n_chunks),
         probs, probs.stride(0), vocab, ws.window_ok, ws.cutoff, ws.logz, rows.forms, ws.before,
-        ws.n_chunks, rows.offsets, rows.id_offsets, rows.ids, rows.values, ws.draw,
-        ws.draw if seeds is None else seeds, ws.best,  # (neither read without seeds)
-        CHUNK=tuning.CHUNK, SUB=tuning.WINDOW_WRITE_SUB, DRAW=seeds is not None, FAST=nvidia,
-        PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
+        ws.n_chunks, rows.offsets, rows.id_offsets, rows.ids, rows.values, CHUNK=tuning.CHUNK,
+        SUB=tuning.WINDOW_WRITE_SUB, FAST=nvidia, PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
         **register_cap(nvidia, tuning.WINDOW_WRITE_REGISTERS), **launch_options(pdl),
     )
 
@@ -72,9 +70,10 @@ def launch_window_write(probs: torch.Tensor, ws: CaptureWorkspace, rows: Rows,
 def _write_kernel(
     cand_ids_ptr, cand_vals_ptr, n_cand_ptr, window_ok_ptr, vocab, batch,
     cutoff_ptr, logz_ptr, lengths_ptr, status_ptr, forms_ptr, greedy_ptr, token_ptr,
-    offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, selected_ptr, table, arrivals,
+    offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, selected_ptr,
+    probs_ptr, stride_row, draw_ptr, best_ptr, table, arrivals,
     BLOCK: tl.constexpr, ROWS_BLOCK: tl.constexpr,
-    DIRECT: tl.constexpr, SUPPORT: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, SUPPORT: tl.constexpr, DRAWN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program b places row b's support: values at offsets[b], and at
     id_offsets[b] its ids (ids form) or its bitmask words (bitmask form).
@@ -86,9 +85,22 @@ def _write_kernel(
     of the row's data is made a second time into its queue's buffer in the
     ring (where it fits: ``ring_claim``), then its length, flags and counts
     (``ring_commit``), and the program arrives (``ring_arrive``); SUPPORT
-    says whether the ring gets the values or the selected logprob."""
+    says whether the ring gets the values or the selected logprob.
+
+    DRAWN (sample with window rows): a row the window draw raced over gets
+    its token (the best's id) and its selected logprob, log w_y - log Z as
+    resolve takes it for every other row."""
     after_previous(PDL)
     row = tl.program_id(0)
+    if DRAWN:
+        if tl.load(draw_ptr + row) != 0:
+            token = (2147483647 - (tl.load(best_ptr + row) & 0xFFFFFFFF)).to(tl.int32)
+            # (a drawn row has an id at or above its cutoff: the race's best
+            # is one; the mask only keeps a load in the row whatever it holds)
+            w_y = tl.load(probs_ptr + row.to(tl.int64) * stride_row + token,
+                          mask=(token >= 0) & (token < vocab), other=0.0).to(tl.float32)
+            tl.store(token_ptr + row, token)
+            tl.store(selected_ptr + row, log_any(w_y) - tl.load(logz_ptr + row))
     n_words = (vocab + 31) // 32
     offset = tl.zeros([], dtype=tl.int32)
     id_offset = tl.zeros([], dtype=tl.int32)
@@ -201,9 +213,8 @@ def _or_in_word(word_a, bits_a, word_b, bits_b):
 @triton.jit
 def _window_write_kernel(
     probs_ptr, stride_row, vocab, window_ok_ptr, cutoff_ptr, logz_ptr, forms_ptr, before_ptr,
-    n_chunks, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, draw_ptr, seed_ptr,
-    best_ptr, CHUNK: tl.constexpr, SUB: tl.constexpr, DRAW: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr,
+    n_chunks, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, CHUNK: tl.constexpr,
+    SUB: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c), window rows only: the support in columns
     [c*CHUNK, (c+1)*CHUNK) of row b, every finite w at or above the row's
@@ -212,15 +223,7 @@ def _window_write_kernel(
     at id_offsets[b], and ``log(w) - log(Z)`` at offsets[b] + before[b, c] +
     the rank in the chunk (the set bits of the words before and below it).
     before, the support's ids in the chunks before c, comes from resolve,
-    so no pass counts them first.
-
-    DRAW (sample): the window draw in the same pass, for the rows resolve
-    marked in draw (window rows that are not INVALID, also those not
-    written: SKIPPED or OVERFLOW): the race over the chunk's support,
-    SUB columns a step (``_race_part``: the columns again as quads for
-    Philox, from L1/L2, not DRAM), the chunk's best folded into the row's
-    by one atomic max (before, a kernel of its own read every window row
-    again)."""
+    so no pass counts them first."""
     tl.static_assert(CHUNK % SUB == 0, "the window write takes a chunk in whole steps")
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -229,82 +232,49 @@ def _window_write_kernel(
         # write kernel, overlapping its end: window_ok is resolve's, which
         # finished before the write kernel began (read from L2: ".cg")
         on = tl.load(window_ok_ptr + row, cache_modifier=".cg") != 0
-        if DRAW:
-            on = on | (tl.load(draw_ptr + row, cache_modifier=".cg") != 0)
         _prefetch_chunk(probs_ptr, stride_row, tl.where(on, vocab, 0), row, chunk, CHUNK)
     after_previous(PDL)
-    write = tl.load(window_ok_ptr + row) != 0
-    if DRAW:
-        drawn = tl.load(draw_ptr + row) != 0
-        if write | drawn:
-            cutoff = tl.load(cutoff_ptr + row)
-            seed = tl.load(seed_ptr + row)
-            best = tl.zeros([], dtype=tl.int64)
-            base = tl.load(before_ptr + row * n_chunks + chunk)
-            for part in tl.range(0, CHUNK // SUB):
-                if write:
-                    base = _write_part(probs_ptr, stride_row, vocab, row, chunk, part, cutoff,
-                                       logz_ptr, offsets_ptr, id_offsets_ptr, forms_ptr, base,
-                                       out_ids_ptr, out_vals_ptr, CHUNK, SUB, FAST)
-                if drawn:
-                    best = tl.maximum(best, _race_part(
-                        probs_ptr, stride_row, vocab, row, chunk * CHUNK + part * SUB, cutoff,
-                        seed, SUB))
-            if best != 0:
-                tl.atomic_max(best_ptr + row, best)
-    elif write:
+    if tl.load(window_ok_ptr + row) != 0:
         cutoff = tl.load(cutoff_ptr + row)
+        logz = tl.load(logz_ptr + row)
+        dst = tl.load(offsets_ptr + row).to(tl.int64)
+        id_dst = tl.load(id_offsets_ptr + row).to(tl.int64)
+        bitmask = tl.load(forms_ptr + row) != 0
         base = tl.load(before_ptr + row * n_chunks + chunk)
         # SUB columns a step, not the whole chunk at once: a thread holds
         # half the values, so more programs share a multiprocessor.
         for part in tl.range(0, CHUNK // SUB):
-            base = _write_part(probs_ptr, stride_row, vocab, row, chunk, part, cutoff, logz_ptr,
-                               offsets_ptr, id_offsets_ptr, forms_ptr, base, out_ids_ptr,
-                               out_vals_ptr, CHUNK, SUB, FAST)
-
-
-@triton.jit
-def _write_part(probs_ptr, stride_row, vocab, row, chunk, part, cutoff, logz_ptr, offsets_ptr,
-                id_offsets_ptr, forms_ptr, base, out_ids_ptr, out_vals_ptr, CHUNK: tl.constexpr,
-                SUB: tl.constexpr, FAST: tl.constexpr):
-    """One step of the window write: columns [chunk*CHUNK + part*SUB, + SUB)
-    of a window row, their words (or ids) and values; ``base``, the
-    support's ids before these columns in the row's chunk, is returned
-    with theirs added."""
-    logz = tl.load(logz_ptr + row)
-    dst = tl.load(offsets_ptr + row).to(tl.int64)
-    id_dst = tl.load(id_offsets_ptr + row).to(tl.int64)
-    bitmask = tl.load(forms_ptr + row) != 0
-    word_idx, bit_idx, cols, w, key = _chunk_tile(
-        probs_ptr, stride_row, vocab, row, chunk * (CHUNK // SUB) + part, SUB)
-    # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
-    keep = (key >= cutoff) & (key < INF_KEY)
-    words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-    below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
-    if FAST:
-        per_word = _popc(words)
-        in_word = _popc(below)
-    else:
-        per_word = popcount(words.to(tl.uint32, bitcast=True))
-        in_word = popcount(below.to(tl.uint32, bitcast=True))
-    rank = base + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word
-    if FAST:
-        logw = _log_approx(w)
-    else:
-        logw = log_any(w)
-    # The scattered stores as flat vectors, in the tile's own order: the
-    # compiler keeps the load's layout (lanes along a word's 32 columns,
-    # whose kept values land side by side); stored as the [words, 32] tile,
-    # they would go through shared memory into lanes running down 32 words.
-    rank = tl.reshape(rank, [SUB])
-    keep = tl.reshape(keep, [SUB])
-    tl.store(out_vals_ptr + dst + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
-    if bitmask:
-        word = (chunk * CHUNK + part * SUB) // 32 + word_idx
-        tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
-    else:
-        tl.store(out_ids_ptr + id_dst + rank, tl.reshape(cols, [SUB]), mask=keep)
-    return base + tl.sum(per_word, axis=0)
+            word_idx, bit_idx, cols, w, key = _chunk_tile(
+                probs_ptr, stride_row, vocab, row, chunk * (CHUNK // SUB) + part, SUB)
+            # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+            keep = (key >= cutoff) & (key < INF_KEY)
+            words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+            below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
+            if FAST:
+                per_word = _popc(words)
+                in_word = _popc(below)
+            else:
+                per_word = popcount(words.to(tl.uint32, bitcast=True))
+                in_word = popcount(below.to(tl.uint32, bitcast=True))
+            rank = base + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word
+            base += tl.sum(per_word, axis=0)
+            if FAST:
+                logw = _log_approx(w)
+            else:
+                logw = log_any(w)
+            # The scattered stores as flat vectors, in the tile's own order:
+            # the compiler keeps the load's layout (lanes along a word's 32
+            # columns, whose kept values land side by side); stored as the
+            # [words, 32] tile, they would go through shared memory into
+            # lanes running down 32 words.
+            rank = tl.reshape(rank, [SUB])
+            keep = tl.reshape(keep, [SUB])
+            tl.store(out_vals_ptr + dst + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
+            if bitmask:
+                word = (chunk * CHUNK + part * SUB) // 32 + word_idx
+                tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
+            else:
+                tl.store(out_ids_ptr + id_dst + rank, tl.reshape(cols, [SUB]), mask=keep)
 
 
 @triton.jit

@@ -1,8 +1,7 @@
 """Sample's device code: the draw that resolve makes for :func:`.sample.sample`
 (the resolve kernel compiled with SAMPLE, kernels/capture_resolve.py), and
 the window draw, the same race over a window row's support (its
-candidates are only the ids around its cutoff), made by the window write
-in its one read of the row (``_race_part``), and the tokens it drew.
+candidates are only the ids around its cutoff) from one read of the row.
 
 An exponential race (equivalent to Gumbel-max): over the row's support,
 token = argmax ``w_i / E_i`` with ``E_i = -log(u_i)`` and ``u_i`` component
@@ -20,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .capture_workspace import CaptureWorkspace
-from .float_bits import INF_KEY, log_any
+from .float_bits import INF_KEY
 from .launch import after_previous, launch, launch_options
 
 
@@ -52,63 +52,58 @@ def _draw(v, ids, live, hit, seed, rowmax, vocab, best_score, best_id, first_id)
     return best_score, best_id, first_id
 
 
-def launch_drawn_tokens(probs: torch.Tensor, ws: CaptureWorkspace, tokens: torch.Tensor,
-                        selected: torch.Tensor, pdl: bool) -> None:
-    """_drawn_tokens_kernel over the rows, after the window write raced over
-    the rows resolve marked in ws.draw (sample's window rows): each one's
-    token and selected logprob from the race's best in ws.best."""
+def launch_window_draw(probs: torch.Tensor, ws: CaptureWorkspace, seeds: torch.Tensor,
+                       pdl: bool) -> None:
+    """_window_draw_kernel over every (row, chunk), after resolve: ws.best
+    of each row resolve marked in ws.draw (sample's window rows)."""
     batch, vocab = probs.shape
-    launch(_drawn_tokens_kernel, (batch,),
-        ws.draw, ws.best, probs, probs.stride(0), vocab, ws.logz, tokens, selected, PDL=pdl,
-        num_warps=1, **launch_options(pdl),
+    launch(_window_draw_kernel, (batch, ws.n_chunks),
+        probs, probs.stride(0), vocab, ws.draw, ws.cutoff, seeds, ws.best, CHUNK=tuning.CHUNK,
+        SUB=tuning.WINDOW_WRITE_SUB, PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
+        **launch_options(pdl),
     )
 
 
 @triton.jit
-def _race_part(probs_ptr, stride_row, vocab, row, start, cutoff, seed, SUB: tl.constexpr):
-    """The exponential race of _draw over the support in columns [start,
-    start + SUB) of row (window rows: every finite w at or above cutoff),
-    the same score a column as _draw's, its best packed as ``score bits <<
-    32 | 2^31 - 1 - id`` (0 where no column is in the support). Scores are
-    >= 0, so their bits order as they do: an atomic max of packed bests
-    keeps the largest score and the smallest id among equal ones, as the
-    candidates' draw does."""
+def _window_draw_kernel(
+    probs_ptr, stride_row, vocab, draw_ptr, cutoff_ptr, seed_ptr, best_ptr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (b, c), sample's window rows only (their support reaches past
+    their candidates): the exponential race of _draw over the support in
+    columns [c*CHUNK, (c+1)*CHUNK) of row b, from one read, the same score
+    a column as _draw's; the chunk's best (score, then the smallest id) is
+    folded into the row's by one atomic max of ``score bits << 32 |
+    2^31 - 1 - id`` (scores are >= 0, so their bits order as they do). The
+    write kernel turns the row's best into its token."""
     # a tile row's four columns share one Philox evaluation only while
-    # they are the four of one i div 4 (_uniforms): start and SUB whole quads
-    tl.static_assert(SUB % 4 == 0)
-    lane = tl.arange(0, 4)
-    # a [SUB / 4, 4] tile: row j holds columns 4j .. 4j + 3, whose uniforms
-    # are one Philox evaluation's four words (_uniforms)
-    quad = start + 4 * tl.arange(0, SUB // 4)
-    cols = quad[:, None] + lane[None, :]
-    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
-                other=0.0).to(tl.float32)
-    key = w.to(tl.int32, bitcast=True)
-    # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
-    hit = (key >= cutoff) & (key < INF_KEY)
-    u0, u1, u2, u3 = tl.rand4x(seed, quad // 4)
-    u = tl.where(lane[None, :] == 0, u0[:, None],
-                 tl.where(lane[None, :] == 1, u1[:, None],
-                          tl.where(lane[None, :] == 2, u2[:, None], u3[:, None])))
-    score = w / -tl.log(u)
-    packed = ((score.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-              | (2147483647 - cols).to(tl.int64))
-    return tl.max(tl.max(tl.where(hit, packed, 0), axis=1), axis=0)
-
-
-@triton.jit
-def _drawn_tokens_kernel(draw_ptr, best_ptr, probs_ptr, stride_row, vocab, logz_ptr, token_ptr,
-                         selected_ptr, PDL: tl.constexpr):
-    """Program b: a row the window write raced over gets its token (the
-    best's id) and its selected logprob, log w_y - log Z as resolve takes
-    it for every other row."""
-    after_previous(PDL)
+    # they are the four of one i div 4 (_uniforms): chunks and steps whole
+    tl.static_assert(SUB % 4 == 0 and CHUNK % SUB == 0)
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    after_previous(PDL)
     if tl.load(draw_ptr + row) != 0:
-        token = (2147483647 - (tl.load(best_ptr + row) & 0xFFFFFFFF)).to(tl.int32)
-        # (a drawn row has an id at or above its cutoff: the race's best is
-        # one; the mask only keeps a load in the row whatever it holds)
-        w_y = tl.load(probs_ptr + row.to(tl.int64) * stride_row + token,
-                      mask=(token >= 0) & (token < vocab), other=0.0).to(tl.float32)
-        tl.store(token_ptr + row, token)
-        tl.store(selected_ptr + row, log_any(w_y) - tl.load(logz_ptr + row))
+        cutoff = tl.load(cutoff_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        best = tl.zeros([], dtype=tl.int64)
+        lane = tl.arange(0, 4)
+        for part in range(0, CHUNK // SUB):
+            # a [SUB / 4, 4] tile: row j holds columns 4j .. 4j + 3, whose
+            # uniforms are one Philox evaluation's four words (_uniforms)
+            quad = chunk * CHUNK + part * SUB + 4 * tl.arange(0, SUB // 4)
+            cols = quad[:, None] + lane[None, :]
+            w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                        other=0.0).to(tl.float32)
+            key = w.to(tl.int32, bitcast=True)
+            # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+            hit = (key >= cutoff) & (key < INF_KEY)
+            u0, u1, u2, u3 = tl.rand4x(seed, quad // 4)
+            u = tl.where(lane[None, :] == 0, u0[:, None],
+                         tl.where(lane[None, :] == 1, u1[:, None],
+                                  tl.where(lane[None, :] == 2, u2[:, None], u3[:, None])))
+            score = w / -tl.log(u)
+            packed = ((score.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                      | (2147483647 - cols).to(tl.int64))
+            best = tl.maximum(best, tl.max(tl.max(tl.where(hit, packed, 0), axis=1), axis=0))
+        if best != 0:
+            tl.atomic_max(best_ptr + row, best)

@@ -143,7 +143,7 @@ def test_window_rows_draw_the_token_the_candidates_draw(monkeypatch: pytest.Monk
                                                         dtype: torch.dtype) -> None:
     """Top-p-only rows of thousands of ids: as window rows (their candidates
     only the ids around the cutoff) the window draw races over the whole
-    support (in the window write, one chunk a program), and the drawn-tokens kernel finishes the token
+    support, one chunk a program, and the write kernel finishes the token
     and selected logprob; as candidate rows resolve draws. Same seeds, same
     tokens, the same selected logprob, and the support is capture's for
     the token (a row under 20,000 ids spans three chunks)."""
@@ -168,10 +168,10 @@ def test_window_rows_draw_the_token_the_candidates_draw(monkeypatch: pytest.Monk
 
 
 def test_window_rows_not_written_draw_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The window write draws a window row's token in its read of the row;
-    a row it does not write (SKIPPED: opted out; OVERFLOW as a status: past
-    max_tokens) is still drawn, the same token as when the row is written,
-    and its selected logprob the same."""
+    """A window row that the window write does not write (SKIPPED: opted
+    out; OVERFLOW as a status: past max_tokens) is still drawn by the
+    window draw: the same token as when the row is written, and its
+    selected logprob the same."""
     gen = torch.Generator().manual_seed(33)
     batch, vocab = 4, 20000
     probs = torch.softmax(torch.randn(batch, vocab, generator=gen) * 1.5, -1).to(DEVICE)
