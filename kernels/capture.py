@@ -200,8 +200,8 @@ def run_capture(
     slots = (probs, tokens, seed_rows, settings.top_k, settings.top_p, settings.min_p,
              settings.greedy, settings.opt_in, *buffers)
     addresses = launch_plan.pointers(slots)
-    key = (*where, id(ws), probs.dtype, batch, vocab, probs.stride(0), tokens.dtype, settings.dtypes,
-           seed_rows is None, settings.sequential, settings.need_mass, settings.need_max,
+    key = (*where, id(ws), probs.dtype, batch, vocab, probs.stride(0), tokens.dtype,
+           settings.dtypes, seed_rows is None, settings.sequential, settings.need_mass, settings.need_max,
            settings.window, max_tokens, overflow, support, pdl,
            launch_plan.slots_key(addresses), launch_plan.tuning_state())
     _PLANS.launch(key, slots, addresses, where[1], lambda: _launch_stages(

@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from row_bits import bits  # noqa: E402  (tests/row_bits.py)
 from shmask.kernels import Status, capture, reference_capture  # noqa: E402
 from shmask.kernels.capture import reference_support  # noqa: E402
 
@@ -281,20 +282,6 @@ def test_min_p_only_and_opted_out_rows_untouched() -> None:
         assert got.row(b)[0].cpu().tolist() == (expect if rows[b] else [])
 
 
-def _same_bits(got, want) -> None:
-    """Every field of two Rows bit for bit (ids and values up to their ends)."""
-    ends = {"ids": int(want.id_offsets[-1]), "values": int(want.offsets[-1])}
-    for field in ("offsets", "id_offsets", "lengths", "status", "sizes", "forms",
-                  "selected_logprob", "tokens", "ids", "values"):
-        a, b = getattr(got, field), getattr(want, field)
-        assert (a is None) == (b is None), field
-        if a is not None:
-            a, b = a[:ends.get(field, len(a))].cpu(), b[:ends.get(field, len(b))].cpu()
-            if a.dtype.is_floating_point:
-                a, b = a.view(torch.int32), b.view(torch.int32)  # NaNs compared by their bits
-            assert torch.equal(a, b), field
-
-
 def test_engine_dtypes_read_as_they_are() -> None:
     """Engines hand the sampler's tensors as they have them: int32 drawn
     tokens (SGLang), int64 top_k, bool greedy and opt-in masks. The kernels
@@ -323,12 +310,13 @@ def test_engine_dtypes_read_as_they_are() -> None:
     got = capture(probs, sampled, top_k=top_k, top_p=top_p, greedy=greedy, rows=rows,
                   max_tokens=64)
     want = capture(probs, sampled.to(torch.int64), rows=rows, **canonical)
-    _same_bits(got, want)
+    assert bits(got) == bits(want)
     assert_same(got, reference_capture(probs.cpu(), sampled.cpu(), top_k=top_k.cpu(),
                                        top_p=top_p.cpu(), greedy=greedy.cpu(), rows=rows.cpu(),
                                        max_tokens=64))
-    _same_bits(sample(probs, 7, top_k=top_k, top_p=top_p, greedy=greedy, rows=rows, max_tokens=64),
-               sample(probs, 7, rows=rows, **canonical))
+    drawn = sample(probs, 7, top_k=top_k, top_p=top_p, greedy=greedy, rows=rows, max_tokens=64)
+    again = sample(probs, 7, rows=rows, **canonical)
+    assert bits(drawn) == bits(again) and torch.equal(drawn.tokens, again.tokens)
     wide = sampled.to(torch.int64)
     wide[0] += 1 << 32  # a valid id once wrapped to 32 bits
     wide[1] -= 1 << 32

@@ -23,6 +23,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from row_bits import bits  # tests/row_bits.py
 from shmask.kernels import HostStaging, Status, capture, compact, publish, sample, tuning
 from shmask.kernels.capture_workspace import release_scratch
 from shmask.kernels.direct import reference_direct
@@ -66,19 +67,6 @@ def step_inputs(seed: int) -> dict:
     on = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "rows": rows, "greedy": greedy}
     return {"probs": probs.to(DEVICE), "sampled": sampled.to(DEVICE),
             **{name: value.to(DEVICE) for name, value in on.items()}}
-
-
-def bits(rows) -> dict:
-    """Everything a row is, as exact bits (floats as their uint32 patterns)."""
-    def raw(t):
-        t = t.cpu()
-        return t.view(torch.int32).tolist() if t.dtype == torch.float32 else t.tolist()
-    return {"status": raw(rows.status), "lengths": raw(rows.lengths), "forms": raw(rows.forms),
-            "sizes": raw(rows.sizes), "offsets": raw(rows.offsets),
-            "id_offsets": raw(rows.id_offsets),
-            "ids": raw(rows.ids[:int(rows.id_offsets[-1])]),
-            "values": raw(rows.values[:int(rows.offsets[-1])]),
-            "selected": None if rows.selected_logprob is None else raw(rows.selected_logprob)}
 
 
 def ring_rows(reader: shmask.Reader, writer: shmask.Writer, queues: list) -> list:
