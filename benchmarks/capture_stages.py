@@ -3,9 +3,12 @@ sweep (benchmarks/sweep.py): per kernel, and per row the paths the rows
 took.
 
     python3 benchmarks/capture_stages.py [--json PATH] [--dists REGEX]   # GPU
+        [--paths 'capture k1000,sample p0.9,...'] [--tuning NAME=VALUE] [--no-pdl]
 
 B = 256, V = 151,936, the sweep's distributions at scales 0.5-8 (fp32 and
-bf16-derived), capture top_p 0.6 / 0.9 / 0.99 and sample top_p 0.9. Per
+bf16-derived), capture top_p 0.6 / 0.9 / 0.99 and sample top_p 0.9 (or
+--paths: any of the sweep's settings, top-k ones included; --tuning as
+sweep.py's: an integer of kernels/tuning.py set for the run). Per
 call: GPU us (host ahead, as the sweep times it), then from the call's
 workspace: window rows (a support the sample put past WINDOW_MIN), wide
 brackets (a window row whose sample missed its cutoff by more than the
@@ -72,13 +75,14 @@ def stage_us(call, runs: int = 10) -> dict[str, float]:
 
 
 def row_paths(ws, rows) -> dict[str, int]:
-    lo, window = ws.lo.cpu(), ws.window.cpu() != 0
-    cutoff, n_cand = ws.cutoff.cpu(), ws.n_cand.cpu()
+    lo, cutoff, n_cand = ws.lo.cpu(), ws.cutoff.cpu(), ws.n_cand.cpu()
+    # (a call that cannot have window rows, top-k on every row, has no window arrays)
+    window = (ws.window.cpu() != 0 if ws.window.numel() else torch.zeros_like(lo, dtype=torch.bool))
     sizes = rows.sizes.cpu().float()
     others = ~window
     # "whole_row": a row whose cutoff lies under its floor took resolve's
     # whole-row passes (a row of bad values would count too: the sweep has none)
-    return {"window": int(window.sum()), "wide": int(ws.wide_count.cpu()[0]),
+    return {"window": int(window.sum()), "wide": int(ws.wide_count.cpu()[0]) if ws.wide_count.numel() else 0,
             "whole_row": int((others & (cutoff < lo) & (lo > 1)).sum()),
             "cand_max_others": int(n_cand[others].max()) if bool(others.any()) else 0,
             "size_median": int(sizes.median()), "size_max": int(sizes.max())}
@@ -90,22 +94,34 @@ def main() -> int:
     parser.add_argument("--json", help="write every row here too")
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch the kernels one after another: each kernel's own time")
+    parser.add_argument("--paths", default=",".join(f"{k} {s}" for k, s in PATHS),
+                        help="comma-separated 'capture SETTINGS' or 'sample SETTINGS' "
+                             "(sweep.py's settings names: p0.9, k1000, k1000 p0.9, ...)")
+    parser.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
+                        help="set an integer constant of kernels/tuning.py (as sweep.py's)")
     args = parser.parse_args()
+    tuned = sweep.set_tuning(args.tuning)
+    paths = [tuple(name.strip().split(" ", 1)) for name in args.paths.split(",")]
+    for kind, settings in paths:
+        if kind not in ("capture", "sample") or settings not in sweep.SETTINGS:
+            raise SystemExit(f"--paths: {kind} {settings!r} is not capture or sample with one "
+                             f"of sweep.py's settings ({', '.join(sweep.SETTINGS)})")
     if args.no_pdl:
         # the stages' launcher (the package's name "capture" is the function)
         importlib.import_module("shmask.kernels.capture").pdl_default = lambda device: False
     if not torch.cuda.is_available():
         raise SystemExit("capture_stages.py measures the GPU: run it on the device")
     print(f"capture_stages: {torch.cuda.get_device_name()}, B={BATCH} V={VOCAB}, "
-          f"{'kernels one after another' if args.no_pdl else 'programmatic dependent launch'}")
+          f"{'kernels one after another' if args.no_pdl else 'programmatic dependent launch'}"
+          + "".join(f"; tuning.{name} = {value}" for name, value in tuned.items()))
     dists = sweep.distributions(BATCH, VOCAB, SCALES)
     results = []
     with workspaces_seen() as seen:
         for name, logits in dists.items():
             if name == "mix" or (args.dists and not re.search(args.dists, name)):
                 continue
-            inputs = sweep.InputSet(logits(0), 0, sorted({s for _, s in PATHS}))
-            for kind, settings in PATHS:
+            inputs = sweep.InputSet(logits(0), 0, sorted({s for _, s in paths}))
+            for kind, settings in paths:
                 call = sweep.make_call(sweep.SweepPath(f"{kind} {settings}", kind, settings),
                                        inputs, None, MAX_TOKENS, 0)
                 gpu, host = gpu_and_host_us([call], 5, 20)

@@ -48,7 +48,9 @@ Run (device, repository root, FlashInfer's headers fetched by
 benchmarks/flashinfer_fetch.sh and carried: carry=[".device/flashinfer"]):
   python3 benchmarks/sweep.py --json $OUT/sweep.json 2>&1 | tee $OUT/sweep.txt
 (~5 min on a warm H200, plus ~1.5 min of Triton and nvcc builds on a fresh
-one; --quick, --only REGEX (paths), --dists REGEX split it if need be.)
+one; --quick, --only REGEX (paths), --dists REGEX split it if need be;
+--tuning NAME=VALUE sets an integer of kernels/tuning.py for the run, so
+that one device call can hold an A/B of it.)
 Smoke (CPU): TRITON_INTERPRET=1 python benchmarks/sweep.py --smoke
 """
 
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import math
@@ -445,6 +448,24 @@ def load_flashinfer() -> tuple[Any, str]:
 # ------------------------------------------------------------------ main
 
 
+def set_tuning(assignments: list[str]) -> dict[str, int]:
+    """--tuning NAME=VALUE: kernels/tuning.py's integer NAME set to VALUE
+    (the launchers read it at each call); a name it does not have, or a
+    value that is not an integer, is refused."""
+    tuning = importlib.import_module(kernels.__name__ + ".tuning")
+    tuned = {}
+    for assignment in assignments:
+        name, _, value = assignment.partition("=")
+        if not name.isupper() or not isinstance(getattr(tuning, name, None), int):
+            raise SystemExit(f"--tuning {assignment}: kernels/tuning.py has no integer {name}")
+        try:
+            tuned[name] = int(value)
+        except ValueError:
+            raise SystemExit(f"--tuning {assignment}: {value!r} is not an integer") from None
+        setattr(tuning, name, tuned[name])
+    return tuned
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true",
@@ -453,7 +474,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="regex: run the paths it finds")
     parser.add_argument("--dists", default="", help="regex: run the distributions it finds")
     parser.add_argument("--json", help="write every row and the worst-case table here")
+    parser.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
+                        help="set an integer constant of kernels/tuning.py for this run "
+                             "(repeatable; an A/B of a tuning in one device call)")
     args = parser.parse_args()
+    tuned = set_tuning(args.tuning)
     # smoke: the interpreter costs ~0.2-1.5 s per call and row, so few rows;
     # V = 4000 is one block of the kernels (k4096 is then off: the whole row)
     batch, vocab, scales, rotate = (2, 4000, SMOKE_SCALES, 2) if args.smoke else \
@@ -466,7 +491,8 @@ def main() -> None:
     started = time.perf_counter()
     where = (f"{torch.cuda.get_device_name()}" if CUDA else "CPU, Triton interpreter")
     print(f"sweep: {where}; torch {torch.__version__}, triton {triton.__version__}; "
-          f"B={batch} V={vocab} max_tokens={args.max_tokens}; {time.strftime('%Y-%m-%d %H:%M')}")
+          f"B={batch} V={vocab} max_tokens={args.max_tokens}; {time.strftime('%Y-%m-%d %H:%M')}"
+          + "".join(f"; tuning.{name} = {value}" for name, value in tuned.items()))
     fi, fi_said = None, ""
     fi_wanted = any(p.kind == "fi" for p in paths)
     if fi_wanted:

@@ -28,6 +28,11 @@ def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWo
     ``seeds`` (sample) draws each row's token into ``tokens``, else
     ``tokens`` holds the sampled ones."""
     batch, vocab = probs.shape
+    # the whole-row passes' tile: a call that cannot have window rows (top-k
+    # on every row) gets a smaller one, which its other rows' resolve runs
+    # faster beside (kernels/tuning.py, FLOOR_LOADS_NO_WINDOW)
+    floor_loads, floor_block = ((tuning.FLOOR_LOADS, tuning.FLOOR_BLOCK) if settings.window else
+                                (tuning.FLOOR_LOADS_NO_WINDOW, tuning.FLOOR_BLOCK_NO_WINDOW))
     launch(_resolve_kernel, (batch,),
         probs, probs.stride(0), vocab, ws.cand_ids, ws.cand_vals, ws.counts, ws.n_chunks,
         ws.sums, ws.maxes, ws.lo, ws.window,
@@ -43,7 +48,7 @@ def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWo
         DRAW_BLOCK=tuning.DRAW_BLOCK, WINDOW=settings.window, CHUNK=tuning.CHUNK,
         BINS=triton.next_power_of_2(ws.n_chunks + 1), SEARCH_WAYS=tuning.WINDOW_SEARCH_WAYS,
         FLOOR_FIT=tuning.FLOOR_FIT, FLOOR_WAYS=tuning.FLOOR_WAYS,
-        FLOOR_BLOCK=tuning.FLOOR_BLOCK, FLOOR_LOADS=tuning.FLOOR_LOADS,
+        FLOOR_BLOCK=floor_block, FLOOR_LOADS=floor_loads,
         PDL=pdl, num_warps=tuning.RESOLVE_WARPS, **launch_options(pdl),
     )
 

@@ -113,6 +113,16 @@ FLOOR_BLOCK = 512  # columns a block of those passes (lane sums of each probe)
 # resolve on bf16 s5 top_p 0.99 with two such rows: 176 us at 16, 187 at 8,
 # 212 at 4; 236 with the tile and four blocks a step before)
 FLOOR_LOADS = 16
+# The same in a call that cannot have window rows (top-k on every row): the
+# passes' tile is compiled into resolve, and at 16 x 512 the kernel's other
+# rows resolve slower (the H100, resolve with no row taking the passes:
+# capture top_k 1000 30.4 us at 16 x 512, 18.1 at 16 x 256, 16.8 at 4 x
+# 256; top_k 1000 + top_p 0.9 51.8 / 31.5 / 29.0; sample top_k 1000 41.7 /
+# 25.4 / 24.3), while a window call's resolve keeps its speed at 16 x 512
+# only (46.0 us on fp32 s1 top_p 0.99; 69.2 at 4 x 256). Such a call's
+# rows rarely take the passes (top-k's floor keeps 1.25 k sampled ids).
+FLOOR_LOADS_NO_WINDOW = 4
+FLOOR_BLOCK_NO_WINDOW = 256
 # ids above the floor that end those passes: a row past RESOLVE_BLOCK
 # reads the rest of its candidates from memory in each search pass; a
 # pass over the whole row costs more (~100 us in one program on the H200

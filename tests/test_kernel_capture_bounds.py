@@ -299,17 +299,21 @@ def _row_floor_kernel(w_ptr, vocab, targets_ptr, start_ptr, hi_ptr, mass_ptr, ou
         tl.load(hi_ptr + i), tl.load(mass_ptr + i) != 0, FIT, BLOCK, WAYS, LOADS))
 
 
-def test_whole_row_floor_never_passes_the_cutoff() -> None:
+@pytest.mark.parametrize("tile", ["window", "no_window"])
+def test_whole_row_floor_never_passes_the_cutoff(tile: str) -> None:
     """The whole-row passes of a row the sample misled (_row_floor: counts
     and sums above 7 probes a pass over the whole row, FLOOR_LOADS blocks
-    loaded a step) end at a floor at or under the exact cutoff t (the largest key
+    loaded a step; both tiles, a window call's and the other calls') end at
+    a floor at or under the exact cutoff t (the largest key
     whose count, or mass, of the row's finite w > 0 at or above it reaches
     the target) and narrow it: over the row's two steps of blocks and its
     partial one, bad values left out, counts and masses, targets halfway
     between two cumulative sums (away from float32's rounding)."""
     gen = torch.Generator().manual_seed(38)
     rows, fit = 24, 64
-    vocab = 2 * tuning.FLOOR_LOADS * tuning.FLOOR_BLOCK + 904  # two steps and a partial one
+    loads, block = ((tuning.FLOOR_LOADS, tuning.FLOOR_BLOCK) if tile == "window" else
+                    (tuning.FLOOR_LOADS_NO_WINDOW, tuning.FLOOR_BLOCK_NO_WINDOW))
+    vocab = 2 * loads * block + 904  # two steps and a partial one
     w = torch.rand(rows, vocab, generator=gen) ** 6
     w[3, 100], w[4, vocab - 1], w[5, 2050] = float("nan"), float("inf"), -1.0  # bad: left out
     good = torch.isfinite(w) & (w > 0)
@@ -335,8 +339,7 @@ def test_whole_row_floor_never_passes_the_cutoff() -> None:
                     (mass, torch.int32))]
     out = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
     _row_floor_kernel[(rows,)](w.to(DEVICE), vocab, *device_args, out, FIT=fit,
-                               BLOCK=tuning.FLOOR_BLOCK, WAYS=tuning.FLOOR_WAYS,
-                               LOADS=tuning.FLOOR_LOADS)
+                               BLOCK=block, WAYS=tuning.FLOOR_WAYS, LOADS=loads)
     floors = out.cpu()
     for r in range(rows):
         t, f = cutoffs[r], int(floors[r])
@@ -516,6 +519,27 @@ def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.Monk
     if block is not None:  # and some kept more candidates than the registers hold
         assert (ws.n_cand.cpu()[from_the_row] > block).any(), ws.n_cand.tolist()
 
+
+
+@pytest.mark.parametrize("order", ["joint", "sequential"])
+def test_wrong_top_k_bounds_in_a_call_without_window_rows(monkeypatch: pytest.MonkeyPatch,
+                                                          kept: dict, order: str) -> None:
+    """A call with top-k on every row cannot have window rows, and its
+    resolve has the smaller whole-row tile (FLOOR_LOADS_NO_WINDOW x
+    FLOOR_BLOCK_NO_WINDOW): top-k floors wrong on purpose (too few ids asked
+    above them) send rows through those passes, over two steps of the tile
+    and a partial one, and every row, with top-p and min-p beside top-k,
+    equals the reference."""
+    monkeypatch.setattr(tuning, "K_SLACK", 0.2)
+    gen = torch.Generator().manual_seed(6)
+    vocab = 2 * tuning.FLOOR_LOADS_NO_WINDOW * tuning.FLOOR_BLOCK_NO_WINDOW + 700
+    probs = dyadic_probs(4, vocab, gen, scale=1.5)
+    got = run_both(probs, probs.argmax(1), top_k=600, top_p=0.95, min_p=0.01,
+                   max_tokens=vocab, order=order)
+    assert not capture_workspace.may_be_window(600, 0.95, 0.01, vocab)  # compiled without them
+    ws = kept["ws"]
+    assert (ws.cutoff.cpu() < ws.lo.cpu()).any(), (ws.cutoff.tolist(), ws.lo.tolist())
+    assert (got.status.cpu() == Status.OK).all()
 
 def test_sampled_rows_spread_over_a_long_row() -> None:
     """V past the sample's 8192 columns: the bound sees part of the row; a
