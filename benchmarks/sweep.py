@@ -50,7 +50,9 @@ benchmarks/flashinfer_fetch.sh and carried: carry=[".device/flashinfer"]):
 (~5 min on a warm H200, plus ~1.5 min of Triton and nvcc builds on a fresh
 one; --quick, --only REGEX (paths), --dists REGEX split it if need be;
 --tuning NAME=VALUE sets an integer of kernels/tuning.py for the run, so
-that one device call can hold an A/B of it.)
+that one device call can hold an A/B of it; --baseline JSON, an earlier
+run's --json, prints each path against it per distribution and marks a
+path that got slower anywhere, not only in its worst case.)
 Smoke (CPU): TRITON_INTERPRET=1 python benchmarks/sweep.py --smoke
 """
 
@@ -422,6 +424,45 @@ def worst_table(results: list[dict], paths: list[SweepPath], fi_missing: bool,
     return table
 
 
+SLOWER = 1.03  # a path this much slower than the baseline on some distribution is named
+
+
+def against_baseline(results: list[dict], baseline: dict, device: str) -> list[dict]:
+    """--baseline: each path's GPU us against an earlier run's (its --json)
+    on the distributions both ran: the worst case then and now, and the
+    distribution where it moved most; a path slower by SLOWER on some
+    distribution is marked, so that a change that slows a path the change
+    did not aim at shows in the run that would otherwise hide it under
+    the worst case."""
+    then = {(r["path"], r["dist"]): r["gpu_us"] for r in baseline["rows"]}
+    same_card = baseline.get("device") == device
+    print(f"\nagainst the baseline ({baseline.get('device')}"
+          + ("" if same_card else f"; this run: {device}, another card: the ratios say little")
+          + "; GPU us, the distributions both ran)")
+    header = (f"{'path':34} | {'then':>8} | {'now':>8} | {'now/then':>8} | "
+              f"{'moved most on':13} | {'ratio':>6} |")
+    print(header)
+    print("-" * len(header))
+    table = []
+    for name in dict.fromkeys(r["path"] for r in results):
+        pairs = [(r["dist"], r["gpu_us"], then[(name, r["dist"])]) for r in results
+                 if r["path"] == name and (name, r["dist"]) in then]
+        if not pairs:
+            continue
+        worst_then = max(t for _, _, t in pairs)
+        worst_now = max(n for _, n, _ in pairs)
+        dist, now, was = max(pairs, key=lambda p: abs(p[1] / p[2] - 1.0))
+        slower = any(n > SLOWER * t for _, n, t in pairs)
+        row = {"path": name, "then_us": worst_then, "now_us": worst_now,
+               "ratio": worst_now / worst_then, "moved_most_on": dist,
+               "moved_ratio": now / was, "slower": slower}
+        table.append(row)
+        print(f"{name:34} | {fmt(worst_then)} | {fmt(worst_now)} | {row['ratio']:8.3f} | "
+              f"{dist:13} | {row['moved_ratio']:6.3f} |"
+              + (f" SLOWER (past {SLOWER:g}x)" if slower else ""))
+    return table
+
+
 def load_flashinfer() -> tuple[Any, str]:
     """(FlashInfer's kernels, its version) or (None, why not):
     benchmarks/flashinfer_ref.py builds them from FlashInfer's headers (nvcc,
@@ -474,11 +515,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="regex: run the paths it finds")
     parser.add_argument("--dists", default="", help="regex: run the distributions it finds")
     parser.add_argument("--json", help="write every row and the worst-case table here")
+    parser.add_argument("--baseline", metavar="JSON",
+                        help="an earlier run's --json: each path against it, per distribution")
     parser.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
                         help="set an integer constant of kernels/tuning.py for this run "
                              "(repeatable; an A/B of a tuning in one device call)")
     args = parser.parse_args()
     tuned = set_tuning(args.tuning)
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     # smoke: the interpreter costs ~0.2-1.5 s per call and row, so few rows;
     # V = 4000 is one block of the kernels (k4096 is then off: the whole row)
     batch, vocab, scales, rotate = (2, 4000, SMOKE_SCALES, 2) if args.smoke else \
@@ -528,6 +572,7 @@ def main() -> None:
         if CUDA:
             torch.cuda.empty_cache()
     table = worst_table(results, paths, fi_wanted and fi is None, len(dists))
+    compared = [] if baseline is None else against_baseline(results, baseline, where)
     bad = sum(r["mismatches"] or 0 for r in results)
     print(f"\nchecks: {bad} mismatched rows; {sum(r['rounding'] or 0 for r in results)} rows "
           f"within fp32 rounding of the top-p target; {time.perf_counter() - started:.0f} s")
@@ -535,7 +580,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(
             {"device": where, "batch": batch, "vocab": vocab, "max_tokens": args.max_tokens,
              "flashinfer": fi_said if fi is not None else f"not built ({fi_said})",
-             "supports": supports, "rows": results, "worst": table}, indent=1))
+             "supports": supports, "rows": results, "worst": table,
+             "baseline": compared}, indent=1))
 
 
 if __name__ == "__main__":

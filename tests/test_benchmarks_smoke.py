@@ -155,6 +155,44 @@ def test_sweep_smoke_runs_every_path_on_every_distribution(tmp_path):
     assert {(r["path"], r["dist"]) for r in rows} == {(p, d) for p in shmask_paths for d in dists}
 
 
+
+@pytest.mark.timeout(120)
+def test_sweep_names_a_path_slower_than_its_baseline_under_an_unchanged_worst_case(tmp_path):
+    """sweep.py's --baseline comparison (against_baseline) on rows written
+    out here: a path 15% slower on one distribution is marked SLOWER though
+    its worst case did not move (the slower distribution is not its worst),
+    a path 10% faster and one within 1% are not; a path the baseline lacks
+    is left out; another card is said."""
+    rows = {"capture p0.9": {"flat": (300.0, 300.0), "peaked": (140.0, 161.0)},
+            "capture k1000": {"flat": (130.0, 117.0), "peaked": (129.0, 116.1)},
+            "compact k1000": {"flat": (74.0, 74.5), "peaked": (74.2, 74.0)}}
+    then = [{"path": p, "dist": d, "gpu_us": t} for p, ds in rows.items() for d, (t, _) in ds.items()]
+    now = [{"path": p, "dist": d, "gpu_us": n} for p, ds in rows.items() for d, (_, n) in ds.items()]
+    now.append({"path": "sample p0.9", "dist": "flat", "gpu_us": 500.0})
+    (tmp_path / "then.json").write_text(json.dumps({"device": "card A", "rows": then}))
+    (tmp_path / "now.json").write_text(json.dumps(now))
+    script = (
+        "import json, sys\n"
+        "sys.path.insert(0, 'benchmarks')\n"
+        "import sweep\n"
+        f"base = json.load(open({str(tmp_path / 'then.json')!r}))\n"
+        f"now = json.load(open({str(tmp_path / 'now.json')!r}))\n"
+        "print('TABLE', json.dumps(sweep.against_baseline(now, base, 'card A')))\n"
+        "sweep.against_baseline(now, base, 'card B')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=100, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = proc.stdout.split("\nagainst the baseline")[1:]
+    table = {r["path"]: r for r in json.loads(first.split("TABLE ", 1)[1])}
+    assert list(table) == ["capture p0.9", "capture k1000", "compact k1000"]
+    p = table["capture p0.9"]
+    assert p["slower"] and p["ratio"] == 1.0 and p["moved_most_on"] == "peaked"
+    assert abs(p["moved_ratio"] - 1.15) < 1e-9
+    assert not table["capture k1000"]["slower"] and not table["compact k1000"]["slower"]
+    assert first.count("SLOWER") == 1 and "another card" not in first
+    assert "this run: card B, another card" in second
+
 @pytest.mark.timeout(200)
 def test_replay_smoke_checks_and_measures_both_row_forms(tmp_path):
     """benchmarks/replay.py --smoke on the CPU: the replay checked against
