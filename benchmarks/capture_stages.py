@@ -74,15 +74,18 @@ def stage_us(call, runs: int = 10) -> dict[str, float]:
             for key, us in kernel_us(call, runs).items() if "Memcpy" not in key}
 
 
-def row_paths(ws, rows) -> dict[str, int]:
+def row_paths(ws, rows, may_window: bool) -> dict[str, int]:
+    """The rows' paths from the call's workspace; ``may_window`` False: a
+    call that cannot have window rows (top-k on every row), whose kernels
+    neither flag window rows nor count wide brackets (its wide count is
+    another call's)."""
     lo, cutoff, n_cand = ws.lo.cpu(), ws.cutoff.cpu(), ws.n_cand.cpu()
-    # (a call that cannot have window rows, top-k on every row, has no window arrays)
-    window = (ws.window.cpu() != 0 if ws.window.numel() else torch.zeros_like(lo, dtype=torch.bool))
+    window = ws.window.cpu() != 0 if may_window else torch.zeros_like(lo, dtype=torch.bool)
     sizes = rows.sizes.cpu().float()
     others = ~window
     # "whole_row": a row whose cutoff lies under its floor took resolve's
     # whole-row passes (a row of bad values would count too: the sweep has none)
-    return {"window": int(window.sum()), "wide": int(ws.wide_count.cpu()[0]) if ws.wide_count.numel() else 0,
+    return {"window": int(window.sum()), "wide": int(ws.wide_count.cpu()[0]) if may_window else 0,
             "whole_row": int((others & (cutoff < lo) & (lo > 1)).sum()),
             "cand_max_others": int(n_cand[others].max()) if bool(others.any()) else 0,
             "size_median": int(sizes.median()), "size_max": int(sizes.max())}
@@ -96,16 +99,16 @@ def main() -> int:
                         help="launch the kernels one after another: each kernel's own time")
     parser.add_argument("--paths", default=",".join(f"{k} {s}" for k, s in PATHS),
                         help="comma-separated 'capture SETTINGS' or 'sample SETTINGS' "
-                             "(sweep.py's settings names: p0.9, k1000, k1000 p0.9, ...)")
+                             "(sweep.py's settings names: p0.9, k1000, k1000 p0.9, ..., mixed)")
     parser.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
                         help="set an integer constant of kernels/tuning.py (as sweep.py's)")
     args = parser.parse_args()
     tuned = sweep.set_tuning(args.tuning)
     paths = [tuple(name.strip().split(" ", 1)) for name in args.paths.split(",")]
     for kind, settings in paths:
-        if kind not in ("capture", "sample") or settings not in sweep.SETTINGS:
+        if kind not in ("capture", "sample") or settings not in (*sweep.SETTINGS, "mixed"):
             raise SystemExit(f"--paths: {kind} {settings!r} is not capture or sample with one "
-                             f"of sweep.py's settings ({', '.join(sweep.SETTINGS)})")
+                             f"of sweep.py's settings ({', '.join((*sweep.SETTINGS, 'mixed'))})")
     if args.no_pdl:
         # the stages' launcher (the package's name "capture" is the function)
         importlib.import_module("shmask.kernels.capture").pdl_default = lambda device: False
@@ -127,8 +130,11 @@ def main() -> int:
                 gpu, host = gpu_and_host_us([call], 5, 20)
                 rows = call()
                 torch.cuda.synchronize()
+                kw = sweep.settings_kwargs(settings, BATCH)
+                may_window = capture_workspace.may_be_window(kw.get("top_k"), kw.get("top_p"),
+                                                             kw.get("min_p"), VOCAB)
                 result = {"dist": name, "path": f"{kind} {settings}", "gpu_us": gpu,
-                          "host_us": host, **row_paths(seen[-1], rows),
+                          "host_us": host, **row_paths(seen[-1], rows, may_window),
                           "kernels_us": stage_us(call)}
                 results.append(result)
                 top = " ".join(f"{k}:{v:.1f}" for k, v in list(result["kernels_us"].items())[:8])

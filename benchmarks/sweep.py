@@ -446,13 +446,16 @@ def against_baseline(results: list[dict], baseline: dict, device: str) -> list[d
     table = []
     for name in dict.fromkeys(r["path"] for r in results):
         pairs = [(r["dist"], r["gpu_us"], then[(name, r["dist"])]) for r in results
-                 if r["path"] == name and (name, r["dist"]) in then]
+                 if r["path"] == name and (name, r["dist"]) in then
+                 and not math.isnan(r["gpu_us"]) and not math.isnan(then[(name, r["dist"])])]
         if not pairs:
             continue
         worst_then = max(t for _, _, t in pairs)
         worst_now = max(n for _, n, _ in pairs)
-        dist, now, was = max(pairs, key=lambda p: abs(p[1] / p[2] - 1.0))
         slower = any(n > SLOWER * t for _, n, t in pairs)
+        # a slower path names where it slowed most, another where it moved most
+        dist, now, was = max(pairs, key=(lambda p: p[1] / p[2]) if slower
+                             else (lambda p: abs(p[1] / p[2] - 1.0)))
         row = {"path": name, "then_us": worst_then, "now_us": worst_now,
                "ratio": worst_now / worst_then, "moved_most_on": dist,
                "moved_ratio": now / was, "slower": slower}

@@ -66,10 +66,10 @@ def compact(
     keep: str = "finite",
     rows: torch.Tensor | None = None,
     overflow: str = "exact",
-    chunk: int = tuning.CHUNK,
-    num_warps: int = tuning.MARK_WARPS,
-    expand_words: int = tuning.EXPAND_WORDS,
-    expand_warps: int = tuning.EXPAND_WARPS,
+    chunk: int | None = None,
+    num_warps: int | None = None,
+    expand_words: int | None = None,
+    expand_warps: int | None = None,
     pdl: bool | None = None,
     scan_rows: int | None = None,
     into: tuple[Any, ...] | None = None,
@@ -77,10 +77,11 @@ def compact(
     """Kept entries of every opted-in row of ``x`` [B, V] (fp32/bf16/fp16).
 
     ``rows`` (bool[B], default all) opts rows in. ``chunk``, ``num_warps``
-    (mark), ``expand_words``, ``expand_warps``, ``pdl`` (None: on where
-    the GPU has it) and ``scan_rows`` (rows the scan kernel takes per step,
-    a power of two; None: as many as a tile of ``tuning.SCAN_TILE`` chunk
-    counts holds) are
+    (mark), ``expand_words``, ``expand_warps`` (None: kernels/tuning.py's
+    CHUNK, MARK_WARPS, EXPAND_WORDS, EXPAND_WARPS, read at the call), ``pdl``
+    (None: on where the GPU has it) and ``scan_rows`` (rows the scan kernel
+    takes per step, a power of two; None: as many as a tile of
+    ``tuning.SCAN_TILE`` chunk counts holds) are
     launch parameters; none changes the result.
     Output capacity: ``ids``
     ``B * ceil(V / 32)`` words (a row's id data never exceeds its bitmask);
@@ -103,6 +104,10 @@ def compact(
     target = check_into(into, False, max_tokens, vocab)  # refused before any kernel runs
     opt_in = None if rows is None else row_mask(rows, batch, x.device)
     pdl = pdl_default(x.device) if pdl is None else pdl
+    chunk = tuning.CHUNK if chunk is None else chunk
+    num_warps = tuning.MARK_WARPS if num_warps is None else num_warps
+    expand_words = tuning.EXPAND_WORDS if expand_words is None else expand_words
+    expand_warps = tuning.EXPAND_WARPS if expand_warps is None else expand_warps
     n_chunks = triton.cdiv(vocab, chunk)
     # A call shape's launches replay from a plan after two calls
     # (kernels/launch_plan.py); into= (scan and expand store into a claimed
@@ -250,12 +255,15 @@ def mark_kernel(
 
 def launch_mark(
     x: torch.Tensor, opt_in: torch.Tensor | None, key_floor: torch.Tensor | None, mode: int,
-    bits: torch.Tensor, counts: torch.Tensor, chunk: int = tuning.CHUNK,
-    num_warps: int = tuning.MARK_WARPS, pdl: bool = False,
+    bits: torch.Tensor, counts: torch.Tensor, chunk: int | None = None,
+    num_warps: int | None = None, pdl: bool = False,
 ) -> None:
     """Run mark_kernel into ``bits`` (B * n_chunks * chunk / 32 words) and
-    ``counts`` (B * n_chunks). ``opt_in`` None: every row."""
+    ``counts`` (B * n_chunks). ``opt_in`` None: every row; ``chunk``,
+    ``num_warps`` None: tuning's CHUNK and MARK_WARPS at the call."""
     batch, vocab = x.shape
+    chunk = tuning.CHUNK if chunk is None else chunk
+    num_warps = tuning.MARK_WARPS if num_warps is None else num_warps
     n_chunks = triton.cdiv(vocab, chunk)
     launch(mark_kernel, (batch, n_chunks),
         x, x.stride(0), vocab, counts if opt_in is None else opt_in,
@@ -510,11 +518,13 @@ def _peel(words, col_base):
 
 def launch_expand_local(
     x: torch.Tensor, bits: torch.Tensor, counts: torch.Tensor, n_chunks: int,
-    out_ids: torch.Tensor, out_vals: torch.Tensor, chunk: int = tuning.CHUNK, pdl: bool = False,
+    out_ids: torch.Tensor, out_vals: torch.Tensor, chunk: int | None = None, pdl: bool = False,
 ) -> None:
     """expand_kernel, row-local: row b's kept ids and values at out[b * V:]
-    (``pdl``: launched as a programmatic dependent of the kernel before)."""
+    (``pdl``: launched as a programmatic dependent of the kernel before;
+    ``chunk`` None: tuning.CHUNK at the call, as the mark's)."""
     batch, vocab = x.shape
+    chunk = tuning.CHUNK if chunk is None else chunk
     group = max(1, tuning.EXPAND_WORDS // (chunk // WORD_BITS))
     launch(expand_kernel, (batch, triton.cdiv(n_chunks, group)),
         x, x.stride(0), vocab, bits, counts, n_chunks, counts, counts, counts, counts,

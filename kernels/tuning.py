@@ -9,7 +9,8 @@ is met by a float32 subtraction of that mass, and the bracket follows the
 sample's estimate, whose sums' order follows the bound's warps; a row
 resolved from its whole row sums Z over candidates that start at the
 floor its passes found (their sums' order follows FLOOR_* and the
-passes' tile). So a constant can move such a row's logprobs by an ulp,
+passes' tile, which differs between a call that may have window rows and
+one that cannot: FLOOR_LOADS_NO_WINDOW). So a constant can move such a row's logprobs by an ulp,
 or a cutoff within float32 rounding of its target to the next key (benchmarks/RESULTS.md,
 "The stages, the decode loop with top-p-only rows, the replay at fp32").
 Every path of one configuration gives the same bits. The
@@ -113,14 +114,19 @@ FLOOR_BLOCK = 512  # columns a block of those passes (lane sums of each probe)
 # resolve on bf16 s5 top_p 0.99 with two such rows: 176 us at 16, 187 at 8,
 # 212 at 4; 236 with the tile and four blocks a step before)
 FLOOR_LOADS = 16
-# The same in a call that cannot have window rows (top-k on every row): the
-# passes' tile is compiled into resolve, and at 16 x 512 the kernel's other
-# rows resolve slower (the H100, resolve with no row taking the passes:
-# capture top_k 1000 30.4 us at 16 x 512, 18.1 at 16 x 256, 16.8 at 4 x
-# 256; top_k 1000 + top_p 0.9 51.8 / 31.5 / 29.0; sample top_k 1000 41.7 /
-# 25.4 / 24.3), while a window call's resolve keeps its speed at 16 x 512
-# only (46.0 us on fp32 s1 top_p 0.99; 69.2 at 4 x 256). Such a call's
-# rows rarely take the passes (top-k's floor keeps 1.25 k sampled ids).
+# The same in a call that cannot have window rows (top-k on every row, as
+# scalar settings: capture_workspace.may_be_window): the passes' tile is
+# compiled into resolve, and at 16 x 512 the kernel's other rows resolve
+# slower (the H100, resolve with no row taking the passes: capture top_k
+# 1000 30.4 us at 16 x 512, 18.1 at 16 x 256, 16.8 at 4 x 256; top_k 1000
+# + top_p 0.9 51.8 / 31.5 / 29.0; sample top_k 1000 41.7 / 25.4 / 24.3).
+# A call that may have window rows keeps 16 x 512: its misled rows' passes
+# are slower under any other tile tried (176.6 us; 183.9-385.5), and 4 x
+# 256 also slows its window rows' resolve (46.0 -> 69.2 on fp32 s1 top_p
+# 0.99). A top-k call's rows rarely take the passes (its floor keeps a
+# quarter more sampled ids than k asks). A row that does may differ in
+# its last bit between these settings as scalars and as [B] tensors (the
+# two compile different tiles; see the module's docstring).
 FLOOR_LOADS_NO_WINDOW = 4
 FLOOR_BLOCK_NO_WINDOW = 256
 # ids above the floor that end those passes: a row past RESOLVE_BLOCK

@@ -33,12 +33,15 @@ from shmask.kernels import (  # noqa: E402
     capture_resolve,
     capture_window,
     capture_workspace,
+    compact,
     reference_capture,
+    reference_compact,
     sample,
     top_p_within_rounding,
     tuning,
 )
 from test_kernel_capture import assert_same, dyadic_probs  # noqa: E402
+from test_kernel_compact import assert_same as assert_same_compact  # noqa: E402
 
 # the module (the package's `capture` is the function): the launchers run_capture calls
 capture_module = importlib.import_module("shmask.kernels.capture")
@@ -524,19 +527,22 @@ def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("order", ["joint", "sequential"])
 def test_wrong_top_k_bounds_in_a_call_without_window_rows(monkeypatch: pytest.MonkeyPatch,
                                                           kept: dict, order: str) -> None:
-    """A call with top-k on every row cannot have window rows, and its
-    resolve has the smaller whole-row tile (FLOOR_LOADS_NO_WINDOW x
-    FLOOR_BLOCK_NO_WINDOW): top-k floors wrong on purpose (too few ids asked
-    above them) send rows through those passes, over two steps of the tile
-    and a partial one, and every row, with top-p and min-p beside top-k,
-    equals the reference."""
+    """A call with top-k on every row (scalar settings) cannot have window
+    rows: its resolve is compiled without them, with the smaller whole-row
+    tile (FLOOR_LOADS_NO_WINDOW x FLOOR_BLOCK_NO_WINDOW). Top-k floors wrong
+    on purpose (too few ids asked above them) send rows to the whole row:
+    in joint order through _row_floor's passes over that tile (two steps
+    and a partial one), in sequential order through top-k's own search over
+    the row; every row, with top-p and min-p beside top-k, equals the
+    reference."""
+    resolves = LauncherSpy(monkeypatch, "launch_resolve", lambda *args: args[1].window)
     monkeypatch.setattr(tuning, "K_SLACK", 0.2)
     gen = torch.Generator().manual_seed(6)
     vocab = 2 * tuning.FLOOR_LOADS_NO_WINDOW * tuning.FLOOR_BLOCK_NO_WINDOW + 700
     probs = dyadic_probs(4, vocab, gen, scale=1.5)
     got = run_both(probs, probs.argmax(1), top_k=600, top_p=0.95, min_p=0.01,
                    max_tokens=vocab, order=order)
-    assert not capture_workspace.may_be_window(600, 0.95, 0.01, vocab)  # compiled without them
+    assert resolves.calls == [False]  # the call's kernels compiled without window rows
     ws = kept["ws"]
     assert (ws.cutoff.cpu() < ws.lo.cpu()).any(), (ws.cutoff.tolist(), ws.lo.tolist())
     assert (got.status.cpu() == Status.OK).all()
@@ -973,3 +979,22 @@ def test_peaked_top_p_rows_keep_enough_candidates(kept: dict, top_p: float) -> N
     assert (got.sizes.cpu() < tuning.P_KEEP).all()
     assert_no_whole_row_search(ws)
     assert assert_top_p_rows(got, probs, top_p) == 0
+
+
+def test_a_smaller_chunk_set_at_run_time_reaches_every_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/tuning.py's values are read at each call (benchmarks set them
+    with --tuning): CHUNK shrunk to 1024 reaches the candidate mark, the
+    window stages, the expand and the window write alike (one that kept the
+    import-time 8192 would read the bitmask in another layout), so window
+    rows, top-k rows and compact's rows still equal the reference."""
+    monkeypatch.setattr(tuning, "CHUNK", 1024)
+    monkeypatch.setattr(tuning, "WINDOW_WRITE_SUB", 512)  # a chunk in whole steps
+    monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
+    gen = torch.Generator().manual_seed(44)
+    vocab = 5000  # five chunks of 1024, the last partial
+    probs = torch.softmax(torch.randn(3, vocab, generator=gen)
+                          * torch.tensor([0.4, 2.0, 6.0])[:, None], -1)
+    run_both(probs, probs.argmax(1), top_p=0.9, max_tokens=vocab)
+    run_both(probs, probs.argmax(1), top_k=300, max_tokens=vocab)
+    masked = torch.where(probs > 1e-4, torch.log(probs), float("-inf"))
+    assert_same_compact(compact(masked.to(DEVICE), vocab), reference_compact(masked, vocab))
