@@ -255,15 +255,11 @@ def mark_kernel(
 
 def launch_mark(
     x: torch.Tensor, opt_in: torch.Tensor | None, key_floor: torch.Tensor | None, mode: int,
-    bits: torch.Tensor, counts: torch.Tensor, chunk: int | None = None,
-    num_warps: int | None = None, pdl: bool = False,
+    bits: torch.Tensor, counts: torch.Tensor, chunk: int, num_warps: int, pdl: bool,
 ) -> None:
     """Run mark_kernel into ``bits`` (B * n_chunks * chunk / 32 words) and
-    ``counts`` (B * n_chunks). ``opt_in`` None: every row; ``chunk``,
-    ``num_warps`` None: tuning's CHUNK and MARK_WARPS at the call."""
+    ``counts`` (B * n_chunks). ``opt_in`` None: every row."""
     batch, vocab = x.shape
-    chunk = tuning.CHUNK if chunk is None else chunk
-    num_warps = tuning.MARK_WARPS if num_warps is None else num_warps
     n_chunks = triton.cdiv(vocab, chunk)
     launch(mark_kernel, (batch, n_chunks),
         x, x.stride(0), vocab, counts if opt_in is None else opt_in,
@@ -518,13 +514,14 @@ def _peel(words, col_base):
 
 def launch_expand_local(
     x: torch.Tensor, bits: torch.Tensor, counts: torch.Tensor, n_chunks: int,
-    out_ids: torch.Tensor, out_vals: torch.Tensor, chunk: int | None = None, pdl: bool = False,
+    out_ids: torch.Tensor, out_vals: torch.Tensor, pdl: bool = False,
 ) -> None:
-    """expand_kernel, row-local: row b's kept ids and values at out[b * V:]
-    (``pdl``: launched as a programmatic dependent of the kernel before;
-    ``chunk`` None: tuning.CHUNK at the call, as the mark's)."""
+    """expand_kernel, row-local: row b's kept ids and values at out[b * V:],
+    from a bitmask of tuning.CHUNK-column chunks read at the call, as
+    capture's candidate mark wrote it (``pdl``: launched as a programmatic
+    dependent of the kernel before)."""
     batch, vocab = x.shape
-    chunk = tuning.CHUNK if chunk is None else chunk
+    chunk = tuning.CHUNK
     group = max(1, tuning.EXPAND_WORDS // (chunk // WORD_BITS))
     launch(expand_kernel, (batch, triton.cdiv(n_chunks, group)),
         x, x.stride(0), vocab, bits, counts, n_chunks, counts, counts, counts, counts,

@@ -10,8 +10,9 @@ sample's estimate, whose sums' order follows the bound's warps; a row
 resolved from its whole row sums Z over candidates that start at the
 floor its passes found (their sums' order follows FLOOR_* and the
 passes' tile, which differs between a call that may have window rows and
-one that cannot: FLOOR_LOADS_NO_WINDOW). So a constant can move such a row's logprobs by an ulp,
-or a cutoff within float32 rounding of its target to the next key (benchmarks/RESULTS.md,
+one that cannot: FLOOR_LOADS_NO_WINDOW). So a constant can move such a
+row's logprobs by an ulp, or a cutoff within float32 rounding of its
+target to the next key (benchmarks/RESULTS.md,
 "The stages, the decode loop with top-p-only rows, the replay at fp32").
 Every path of one configuration gives the same bits. The
 launchers read them at each call (``tuning.NAME``), so a test may shrink
