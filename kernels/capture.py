@@ -86,16 +86,14 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    rewrites its candidates as every id at or above the floor, and the
    searches run again over them (a sequential row whose top-k missed: 31
    passes a cutoff, exact). A window row's candidates are the ids of its
-   bracket (2d), so
-   its cutoff is exact, never a fallback; resolve also counts its support in
-   each chunk. Then ``Z`` (past the first RESOLVE_BLOCK candidates, block
-   by block, the same in capture and sample), the selected logprob or, for
-   :mod:`.sample`, the Gumbel-max draw (sample_draw.py); status, length,
-   form. A window row's draw is not resolve's:
-4b. window draw (sample only, launched when some row may be top-p only;
-   program per chunk): the race over a window row's support in the chunk
-   from one read, folded into the row's best by an atomic max; the write
-   kernel makes it the row's token and selected logprob.
+   bracket (2d), so its cutoff is exact, never a fallback; resolve also
+   counts its support in each chunk. Then ``Z`` (past the first
+   RESOLVE_BLOCK candidates, block by block, the same in capture and
+   sample), the selected logprob or, for :mod:`.sample`, the draw
+   (sample_draw.py: an exponential race over the candidates; a window
+   row's by inverse transform over its bracket's part and its chunks'
+   masses above the bracket, reading only the chunk it falls in); status,
+   length, form.
 5. write (capture_write.py, as 6; program per row): the support's logprobs
    at offsets[b] and its ids or bitmask words at id_offsets[b], both
    computed from the lengths and forms of the rows before (a bitmask row is
@@ -136,7 +134,6 @@ from .direct import claim_step, launching, publish_into
 from .host import check_into
 from .launch import pdl_default
 from .rows import Rows, Status, empty_rows, pack_rows
-from .sample_draw import launch_window_draw
 
 __all__ = ["ORDERS", "capture", "reference_capture", "top_p_within_rounding"]
 
@@ -229,9 +226,6 @@ def _launch_stages(
     launch_expand_local(probs, ws.bits, ws.counts, ws.n_chunks, ws.cand_ids, ws.cand_vals,
                         pdl=pdl)
     launch_resolve(probs, settings, ws, tokens, seed_rows, result, max_tokens, overflow, pdl)
-    drawn = settings.window and seed_rows is not None
-    if settings.window and seed_rows is not None:
-        launch_window_draw(probs, ws, seed_rows, pdl)
     # into= on the GPU-direct path: the table is prepared for this step now
     # and the write kernel stores each row into the ring as it computes it;
     # a call that may have window rows (their data are the window write's)
@@ -239,7 +233,7 @@ def _launch_stages(
     # gives a row the same bits.
     direct = None if settings.window else claim_step(target, batch, vocab)
     with launching(direct, "capture's write kernel"):
-        launch_write(probs, settings, ws, tokens, result, direct, support=support, drawn=drawn,
+        launch_write(probs, settings, ws, tokens, result, direct, support=support,
                      pdl=pdl)
     if settings.window:
         launch_window_write(probs, ws, result, pdl)

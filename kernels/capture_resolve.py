@@ -17,7 +17,7 @@ from .capture_workspace import B_FINAL_HI, B_FINAL_LO, B_TARGET, BRACKET, Captur
 from .float_bits import INF_KEY, log_any
 from .launch import after_previous, launch, launch_options
 from .rows import Rows, is_bitmask
-from .sample_draw import _draw
+from .sample_draw import _draw, _window_row_draw
 
 
 def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
@@ -41,7 +41,6 @@ def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWo
         max_tokens, ws.cutoff, ws.logz, rows.sizes, rows.lengths, rows.status, rows.forms,
         rows.selected_logprob,
         ws.n_cand, ws.window_ok, ws.above_mass, ws.above_count, ws.bracket, ws.before,
-        ws.draw, ws.best,
         SEQUENTIAL=settings.sequential, SAMPLE=seeds is not None,
         STATUS_ON_OVERFLOW=overflow == "status", BLOCK=tuning.RESOLVE_BLOCK,
         CHUNKS_PAD=triton.next_power_of_2(ws.n_chunks), ROW_BLOCK=tuning.ROW_BLOCK,
@@ -62,7 +61,6 @@ def _resolve_kernel(
     max_tokens,
     cutoff_ptr, logz_ptr, sizes_ptr, lengths_ptr, status_ptr, forms_ptr, selected_ptr,
     n_cand_ptr, window_ok_ptr, above_mass_ptr, above_count_ptr, bracket_ptr, before_ptr,
-    draw_ptr, best_ptr,
     SEQUENTIAL: tl.constexpr, SAMPLE: tl.constexpr, STATUS_ON_OVERFLOW: tl.constexpr,
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
     DRAW_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
@@ -265,9 +263,9 @@ def _resolve_kernel(
         # The exponential race (kernels/sample_draw.py) over the candidates
         # again (L2-hot), DRAW_BLOCK at a time: a Philox state for each of
         # BLOCK lanes at once would double the program's registers. A window
-        # row's support reaches past its candidates: its draw is the window
-        # draw's (_window_draw_kernel, one read of each chunk), and the
-        # write kernel finishes its token and selected logprob.
+        # row's support reaches past its candidates: its token is drawn by
+        # inverse transform over the bracket's part and the chunks' masses
+        # above it, reading only the part it falls in (_window_row_draw).
         seed = tl.load(seed_ptr + row)
         best_score = tl.full([], float("-inf"), tl.float32)
         best_id = tl.zeros([], dtype=tl.int32) + vocab
@@ -279,6 +277,12 @@ def _resolve_kernel(
                 best_score, best_id, first_id = _draw(v, ids, live, hit, seed, rowmax, vocab,
                                                       best_score, best_id, first_id)
         token = tl.where(greedy, first_id, best_id)
+        if WINDOW:
+            if window:
+                token = _window_row_draw(probs_ptr, row.to(tl.int64) * stride_row, vocab,
+                                         cand_vals_ptr, cand_ids_ptr, base, n, cutoff, b_hi,
+                                         above_mass_ptr, slots, in_row, seed,
+                                         CHUNK, CHUNKS_PAD, DRAW_BLOCK)
     else:
         # checked at the caller's width (int32 or int64), before the cast:
         # an int64 id past 2**31 must not wrap to a valid one
@@ -290,11 +294,6 @@ def _resolve_kernel(
                   mask=token_ok, other=0.0).to(tl.float32)
     in_support = token_ok & (w_y > 0.0) & (w_y.to(tl.int32, bitcast=True) >= cutoff)
     selected = log_any(w_y) - log_any(z)
-    if SAMPLE:
-        # a window row's token, drawn later, lies in its support: only its
-        # Z can make it INVALID here
-        in_support = in_support | window
-        selected = tl.where(window, -log_any(z), selected)
     invalid = bad | ~in_support | ~(z > 0.0) | ~(tl.abs(selected) < float("inf"))
     # Greedy: the support is the token itself, logprob 0.
     invalid = tl.where(greedy, bad | ~token_ok, invalid)
@@ -320,10 +319,6 @@ def _resolve_kernel(
     tl.store(window_ok_ptr + row, window_ok.to(tl.int32))
     if SAMPLE:
         tl.store(token_ptr + row, tl.where(invalid, -1, token))
-        if WINDOW:
-            # the window draw's rows and their race's best, cleared
-            tl.store(draw_ptr + row, (window & ~invalid).to(tl.int32))
-            tl.store(best_ptr + row, tl.zeros([], dtype=tl.int64))
 
 
 @triton.jit

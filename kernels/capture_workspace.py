@@ -73,7 +73,7 @@ class CaptureSettings:
     need_max: bool  # some row may have min-p on or be greedy
     # window rows (a top-p support of thousands of ids, bracketed by pivot
     # masses, or a min-p-only one, whose cutoff the row's max gives;
-    # written by the window write; sample's drawn by the window draw)
+    # written by the window write; sample's drawn in resolve)
     window: bool
 
     @property
@@ -190,10 +190,6 @@ class CaptureWorkspace:
     cand_vals: torch.Tensor  # float32[B * V]
     # resolve: per chunk, a window row's support ids in the chunks before
     before: torch.Tensor  # int32[B * n_chunks]
-    # resolve (sample, window rows): which rows the window draw races over,
-    # and the race's best (score bits << 32 | 2^31 - 1 - id), cleared
-    draw: torch.Tensor  # int32[B]
-    best: torch.Tensor  # int64[B]
     # resolve (per row): cutoff key, log Z, candidates kept (the whole-row
     # fallback rewrites them), whether the window write writes the row; the
     # rows' sizes, lengths, statuses, forms and selected logprobs are the
@@ -257,7 +253,6 @@ class CaptureWorkspace:
         floats = ("sums", "maxes", "above_mass", "pivot_mass", "refine_mass", "logz")
         arrays = {name: array.view(torch.float32) if name in floats else array
                   for name, array in _carve(small, **_small_sizes(batch, cells, window)).items()}
-        arrays["best"] = arrays["best"].view(torch.int64)  # first: 8-byte aligned
         return cls(n_chunks=n_chunks, bits=bits[:cells * (tuning.CHUNK // 32)],
                    cand_ids=cand_ids[:batch * vocab], cand_vals=cand_vals[:batch * vocab],
                    **arrays)
@@ -269,7 +264,7 @@ def _small_sizes(batch: int, cells: int, window: bool) -> dict[str, int]:
     rows_w = batch if window else 0  # a window array's rows
     cells_w = cells if window else 0
     return dict(
-        best=2 * rows_w, draw=rows_w, lo=batch, window=batch, bracket=BRACKET.value * rows_w,
+        lo=batch, window=batch, bracket=BRACKET.value * rows_w,
         pivots=tuning.WINDOW_PIVOTS * rows_w, refine_keys=tuning.WINDOW_REFINE * rows_w,
         wide_rows=rows_w, wide_count=1,
         counts=cells, sums=cells, maxes=cells, before=cells_w, above_count=cells_w,

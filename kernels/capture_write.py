@@ -23,13 +23,11 @@ from .rows import Rows
 
 def launch_write(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
                  tokens: torch.Tensor, rows: Rows, direct: Claim | None, support: bool,
-                 drawn: bool, pdl: bool) -> None:
+                 pdl: bool) -> None:
     """_write_kernel over the rows, after resolve: rows.offsets,
     rows.id_offsets, and every row's data but a window row's in rows.ids and
     rows.values; ``direct`` (a claimed GPU-direct step) each row into the
-    ring too, its values (``support``) or its selected logprob; ``drawn``
-    (sample, after the window draw) a window row's token and selected
-    logprob from the race's best."""
+    ring too, its values (``support``) or its selected logprob."""
     batch = probs.shape[0]
     # without PDL on the GPU-direct path (its ring stores and arrival have
     # not been measured chained)
@@ -38,12 +36,11 @@ def launch_write(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
         ws.cand_ids, ws.cand_vals, ws.n_cand, ws.window_ok, rows.vocab, batch,
         ws.cutoff, ws.logz, rows.lengths, rows.status, rows.forms, settings.greedy, tokens,
         rows.offsets, rows.id_offsets, rows.ids, rows.values, rows.selected_logprob,
-        probs, probs.stride(0), ws.draw, ws.best,
         0 if direct is None else direct.publisher.table,
         ws.counts if direct is None else direct.publisher.arrivals,  # (not read without direct)
         BLOCK=tuning.WRITE_BLOCK,
         ROWS_BLOCK=min(tuning.WRITE_ROWS_BLOCK, triton.next_power_of_2(batch)),
-        num_warps=tuning.WRITE_WARPS, DIRECT=direct is not None, SUPPORT=support, DRAWN=drawn,
+        num_warps=tuning.WRITE_WARPS, DIRECT=direct is not None, SUPPORT=support,
         PDL=chained,
         **launch_options(chained),
     )
@@ -71,9 +68,9 @@ def _write_kernel(
     cand_ids_ptr, cand_vals_ptr, n_cand_ptr, window_ok_ptr, vocab, batch,
     cutoff_ptr, logz_ptr, lengths_ptr, status_ptr, forms_ptr, greedy_ptr, token_ptr,
     offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, selected_ptr,
-    probs_ptr, stride_row, draw_ptr, best_ptr, table, arrivals,
+    table, arrivals,
     BLOCK: tl.constexpr, ROWS_BLOCK: tl.constexpr,
-    DIRECT: tl.constexpr, SUPPORT: tl.constexpr, DRAWN: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, SUPPORT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program b places row b's support: values at offsets[b], and at
     id_offsets[b] its ids (ids form) or its bitmask words (bitmask form).
@@ -85,22 +82,9 @@ def _write_kernel(
     of the row's data is made a second time into its queue's buffer in the
     ring (where it fits: ``ring_claim``), then its length, flags and counts
     (``ring_commit``), and the program arrives (``ring_arrive``); SUPPORT
-    says whether the ring gets the values or the selected logprob.
-
-    DRAWN (sample with window rows): a row the window draw raced over gets
-    its token (the best's id) and its selected logprob, log w_y - log Z as
-    resolve takes it for every other row."""
+    says whether the ring gets the values or the selected logprob."""
     after_previous(PDL)
     row = tl.program_id(0)
-    if DRAWN:
-        if tl.load(draw_ptr + row) != 0:
-            token = (2147483647 - (tl.load(best_ptr + row) & 0xFFFFFFFF)).to(tl.int32)
-            # (a drawn row has an id at or above its cutoff: the race's best
-            # is one; the mask only keeps a load in the row whatever it holds)
-            w_y = tl.load(probs_ptr + row.to(tl.int64) * stride_row + token,
-                          mask=(token >= 0) & (token < vocab), other=0.0).to(tl.float32)
-            tl.store(token_ptr + row, token)
-            tl.store(selected_ptr + row, log_any(w_y) - tl.load(logz_ptr + row))
     n_words = (vocab + 31) // 32
     offset = tl.zeros([], dtype=tl.int32)
     id_offset = tl.zeros([], dtype=tl.int32)

@@ -1,17 +1,24 @@
 """Sample with capture: draw each row's token and capture its support from the
 same thresholds in the same kernel, so the two can never disagree.
 
-The draw is an exponential race (equivalent to Gumbel-max; its device code
-in kernels/sample_draw.py, run by capture's resolve stage, or for a window
-row, whose candidates are only the ids around its cutoff, by the window
-draw over the row's chunks, the same score an id): over the support
-of :func:`.capture.capture`'s semantics, token = argmax ``w_i / E_i`` with
-``E_i = -log(u_i)`` and ``u_i`` component ``i mod 4`` of Philox4x32-10 at
-(``seeds[b]``, ``i div 4``).
-So the token has probability ``w_i / Z`` and depends only on the row's seed,
-its probabilities and its settings, not on the batch around it. Use a new seed
-per step (for example a hash of request seed and step). Greedy rows take the
-smallest id among the maxima. Tokens of INVALID rows are -1.
+The draw (device code in kernels/sample_draw.py, run by capture's resolve
+stage) gives each id of the support of :func:`.capture.capture`'s semantics
+the probability ``w_i / Z``, in one of two ways by the row's kind:
+
+* a row whose support lies among its candidates (top-k rows, peaked
+  top-p rows): an exponential race (equivalent to Gumbel-max), token =
+  argmax ``w_i / E_i`` with ``E_i = -log(u_i)`` and ``u_i`` component ``i mod
+  4`` of Philox4x32-10 at (``seeds[b]``, ``i div 4``);
+* a window row (a top-p-only or min-p-only support of thousands of ids,
+  its candidates only the ids around its cutoff): inverse transform, one
+  53-bit uniform of Philox at (``seeds[b]``, 2^30) placed in the support's
+  mass laid out as the bracket's ids at or above the cutoff, then each
+  chunk's ids above the bracket, ascending.
+
+Either way the token depends only on the row's seed, its probabilities and
+its settings, not on the batch around it. Use a new seed per step (for
+example a hash of request seed and step). Greedy rows take the smallest id
+among the maxima. Tokens of INVALID rows are -1.
 
 The torch reference draws from ``torch.Generator`` streams, so it matches the
 kernel in distribution, not draw by draw.

@@ -1,36 +1,45 @@
-"""Sample's device code: the draw that resolve makes for :func:`.sample.sample`
-(the resolve kernel compiled with SAMPLE, kernels/capture_resolve.py), and
-the window draw, the same race over a window row's support (its
-candidates are only the ids around its cutoff) from one read of the row.
+"""Sample's device code: the two draws that resolve makes for
+:func:`.sample.sample` (the resolve kernel compiled with SAMPLE,
+kernels/capture_resolve.py), each row's token depending only on its
+seed, probabilities and settings, never on the batch.
 
-An exponential race (equivalent to Gumbel-max): over the row's support,
-token = argmax ``w_i / E_i`` with ``E_i = -log(u_i)`` and ``u_i`` component
-``i mod 4`` of Philox4x32-10 at (seed, ``i div 4``) (:func:`_uniforms`):
-one log an id, one Philox evaluation for four consecutive ids where a
-whole row is raced (the window draw), and the token depends only on the
-row's seed, probabilities and settings, never on the batch. It lives
-apart from sample.py, which launches through capture's stages, so that
-resolve can import it without an import cycle.
+* A row whose support lies among its candidates: an exponential race
+  (equivalent to Gumbel-max), token = argmax ``w_i / E_i`` with ``E_i =
+  -log(u_i)`` and ``u_i`` component ``i mod 4`` of Philox4x32-10 at (seed,
+  ``i div 4``) (:func:`_uniforms`, :func:`_draw`): one log an id, over the
+  candidates (a few thousand at most).
+* A window row, whose support (up to the whole vocabulary) reaches past its
+  candidates (only the ids of its bracket): inverse transform sampling
+  (:func:`_window_row_draw`), one 53-bit uniform of Philox at (seed,
+  DRAW_COUNTER) placed in the support's mass, laid out as the bracket's
+  part and then each chunk's ids above the bracket; only the chosen part
+  is read. A race there would need a uniform, a log and a division for
+  every support id (the whole row, read again: ~110-150 us a call of flat
+  rows on the H100), this a few microseconds a row.
+
+Both give ``w_i / Z`` as each token's probability. It lives apart from
+sample.py, which launches through capture's stages, so that resolve can
+import it without an import cycle.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from . import tuning
-from .capture_workspace import CaptureWorkspace
 from .float_bits import INF_KEY
-from .launch import after_previous, launch, launch_options
+
+# The Philox counter of a window row's draw: past every id's (the race's
+# counters are ids div 4 < 2^29), so the two draws never share a uniform.
+DRAW_COUNTER = tl.constexpr(1 << 30)
 
 
 @triton.jit
 def _uniforms(seed, ids):
     """u_i for each id: component i mod 4 of Philox4x32-10 at (seed, i div 4).
-    Philox computes four 32-bit words at once; an id takes its own, so four
-    consecutive ids cost one evaluation (the window draw's tile) and every
-    path draws the same u for an id."""
+    Philox computes four 32-bit words at once; an id takes its own, so
+    every path draws the same u for an id, however its candidates are
+    blocked."""
     u0, u1, u2, u3 = tl.rand4x(seed, ids // 4)
     lane = ids % 4
     return tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
@@ -52,58 +61,86 @@ def _draw(v, ids, live, hit, seed, rowmax, vocab, best_score, best_id, first_id)
     return best_score, best_id, first_id
 
 
-def launch_window_draw(probs: torch.Tensor, ws: CaptureWorkspace, seeds: torch.Tensor,
-                       pdl: bool) -> None:
-    """_window_draw_kernel over every (row, chunk), after resolve: ws.best
-    of each row resolve marked in ws.draw (sample's window rows)."""
-    batch, vocab = probs.shape
-    launch(_window_draw_kernel, (batch, ws.n_chunks),
-        probs, probs.stride(0), vocab, ws.draw, ws.cutoff, seeds, ws.best, CHUNK=tuning.CHUNK,
-        SUB=tuning.WINDOW_WRITE_SUB, PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
-        **launch_options(pdl),
-    )
+@triton.jit
+def _uniform53(seed):
+    """A uniform in [0, 1) with 53 random bits (float64), from two words of
+    Philox4x32-10 at (seed, DRAW_COUNTER): a float32 uniform's 2^-24 steps
+    would round away the ids of a long row's tail."""
+    hi, lo, _, _ = tl.randint4x(seed, tl.full([], DRAW_COUNTER, tl.int32))
+    return ((hi >> 5).to(tl.float64) * 67108864.0 + (lo >> 6).to(tl.float64)) \
+        * (1.0 / 9007199254740992.0)
 
 
 @triton.jit
-def _window_draw_kernel(
-    probs_ptr, stride_row, vocab, draw_ptr, cutoff_ptr, seed_ptr, best_ptr,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program (b, c), sample's window rows only (their support reaches past
-    their candidates): the exponential race of _draw over the support in
-    columns [c*CHUNK, (c+1)*CHUNK) of row b, from one read, the same score
-    a column as _draw's; the chunk's best (score, then the smallest id) is
-    folded into the row's by one atomic max of ``score bits << 32 |
-    2^31 - 1 - id`` (scores are >= 0, so their bits order as they do). The
-    write kernel turns the row's best into its token."""
-    # a tile row's four columns share one Philox evaluation only while
-    # they are the four of one i div 4 (_uniforms): chunks and steps whole
-    tl.static_assert(SUB % 4 == 0 and CHUNK % SUB == 0)
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    after_previous(PDL)
-    if tl.load(draw_ptr + row) != 0:
-        cutoff = tl.load(cutoff_ptr + row)
-        seed = tl.load(seed_ptr + row)
-        best = tl.zeros([], dtype=tl.int64)
-        lane = tl.arange(0, 4)
-        for part in range(0, CHUNK // SUB):
-            # a [SUB / 4, 4] tile: row j holds columns 4j .. 4j + 3, whose
-            # uniforms are one Philox evaluation's four words (_uniforms)
-            quad = chunk * CHUNK + part * SUB + 4 * tl.arange(0, SUB // 4)
-            cols = quad[:, None] + lane[None, :]
-            w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
-                        other=0.0).to(tl.float32)
-            key = w.to(tl.int32, bitcast=True)
-            # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
-            hit = (key >= cutoff) & (key < INF_KEY)
-            u0, u1, u2, u3 = tl.rand4x(seed, quad // 4)
-            u = tl.where(lane[None, :] == 0, u0[:, None],
-                         tl.where(lane[None, :] == 1, u1[:, None],
-                                  tl.where(lane[None, :] == 2, u2[:, None], u3[:, None])))
-            score = w / -tl.log(u)
-            packed = ((score.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-                      | (2147483647 - cols).to(tl.int64))
-            best = tl.maximum(best, tl.max(tl.max(tl.where(hit, packed, 0), axis=1), axis=0))
-        if best != 0:
-            tl.atomic_max(best_ptr + row, best)
+def _crossing(w, ids, eligible, run, t, found, last, NONE: tl.constexpr):
+    """One block of an inverse transform's walk (ids ascending, after the
+    blocks before, whose eligible mass is ``run``): the first eligible id
+    whose running mass passes ``t`` (kept in ``found``, NONE until then),
+    the last eligible id, and the running mass after the block. float64:
+    exact enough that each id keeps its own share of the walk."""
+    mass = tl.where(eligible, w, 0.0).to(tl.float64)
+    passes = eligible & (run + tl.cumsum(mass, axis=0) > t)
+    found = tl.minimum(found, tl.min(tl.where(passes, ids, NONE), axis=0))
+    last = tl.maximum(last, tl.max(tl.where(eligible, ids, -1), axis=0))
+    return found, last, run + tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, base, n,
+                     cutoff, b_hi, above_mass_ptr, slots, in_row, seed,
+                     CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, DRAW_BLOCK: tl.constexpr):
+    """A window row's token, by inverse transform sampling over its support.
+
+    The support is the bracket's candidates at or above ``cutoff`` (in
+    ``cand_*`` from ``base``, n of them, ids ascending) and, in each chunk,
+    the ids at or above ``b_hi`` (finite; the window mark summed their mass
+    a chunk, ``above_mass``). t = u x (their total mass), in that order:
+    the bracket's part, then chunk 0, 1, ...; the part t falls in is walked
+    id by id (a chunk read from ``probs``: 32 KiB), and the token is the
+    first id whose running mass passes t. A t past a part's walked mass
+    (the chunk's float32 sum and the walk's float64 differ by rounding)
+    takes its last id. -1 when the support has no mass (the row is then
+    INVALID)."""
+    NONE: tl.constexpr = 2147483647
+    u = _uniform53(seed)
+    # the bracket's part: its mass first, then (if t falls in it) the walk
+    bracket = tl.zeros([], dtype=tl.float64)
+    for start in range(0, n, DRAW_BLOCK):
+        idx = start + tl.arange(0, DRAW_BLOCK)
+        v = tl.load(cand_vals_ptr + base + idx, mask=idx < n, other=0.0)
+        hit = (idx < n) & (v.to(tl.int32, bitcast=True) >= cutoff)
+        bracket += tl.sum(tl.where(hit, v, 0.0).to(tl.float64), axis=0)
+    above = tl.load(above_mass_ptr + slots, mask=in_row, other=0.0).to(tl.float64)
+    above_total = tl.sum(above, axis=0)
+    t = u * (bracket + above_total)
+    found = tl.full([], NONE, tl.int32)
+    last = tl.full([], -1, tl.int32)
+    run = tl.zeros([], dtype=tl.float64)
+    # (u x a total can round up to the bracket's mass when nothing lies above it)
+    if (t < bracket) | (above_total == 0.0):
+        for start in range(0, n, DRAW_BLOCK):
+            idx = start + tl.arange(0, DRAW_BLOCK)
+            v = tl.load(cand_vals_ptr + base + idx, mask=idx < n, other=0.0)
+            ids = tl.load(cand_ids_ptr + base + idx, mask=idx < n, other=0)
+            hit = (idx < n) & (v.to(tl.int32, bitcast=True) >= cutoff)
+            found, last, run = _crossing(v, ids, hit, run, t, found, last, NONE)
+    else:
+        # the chunk t falls in, by the chunks' masses above the bracket (a
+        # chunk with none is never taken)
+        t = t - bracket
+        chunk_idx = tl.arange(0, CHUNKS_PAD)
+        through = tl.cumsum(above, axis=0)
+        first = tl.min(tl.where((through > t) & (above > 0.0), chunk_idx, CHUNKS_PAD), axis=0)
+        chunk = tl.where(first < CHUNKS_PAD, first,
+                         tl.max(tl.where(above > 0.0, chunk_idx, -1), axis=0))
+        if chunk >= 0:
+            t = t - tl.sum(tl.where(chunk_idx == chunk, through - above, 0.0), axis=0)
+            for part in range(0, CHUNK, DRAW_BLOCK):
+                cols = chunk * CHUNK + part + tl.arange(0, DRAW_BLOCK)
+                w = tl.load(probs_ptr + row_start + cols, mask=cols < vocab,
+                            other=0.0).to(tl.float32)
+                key = w.to(tl.int32, bitcast=True)
+                # b_hi >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+                up = (cols < vocab) & (key >= b_hi) & (key < INF_KEY)
+                found, last, run = _crossing(w, cols, up, run, t, found, last, NONE)
+    return tl.where(found < NONE, found, last)

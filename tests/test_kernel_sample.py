@@ -3,6 +3,7 @@ it, draws are deterministic per seed, and frequencies follow w / Z."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -11,7 +12,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shmask.kernels import Status, reference_capture, reference_sample, sample, tuning  # noqa: E402
+from row_bits import bits  # noqa: E402  (tests/row_bits.py)
+from shmask.kernels import (Status, capture, reference_capture, reference_sample,  # noqa: E402
+                            sample, tuning)
+
+capture_module = importlib.import_module("shmask.kernels.capture")
+reference_support = capture_module.reference_support
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -138,40 +144,114 @@ def test_invalid_rows_get_token_minus_one() -> None:
     assert ref.status.tolist() == got.status.cpu().tolist() and ref.tokens.tolist()[:2] == [-1, -1]
 
 
+class WindowFlags:
+    """The bound's window flag of each row of each call (what the window
+    write is handed), so a test knows its rows were window rows."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[list[int]] = []
+        real = capture_module.launch_window_write
+        monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")  # a replayed plan calls no launcher
+
+        def spy(probs, ws, *args, **kwargs):
+            self.calls.append(ws.window.cpu().tolist())
+            return real(probs, ws, *args, **kwargs)
+
+        monkeypatch.setattr(capture_module, "launch_window_write", spy)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_window_rows_draw_the_token_the_candidates_draw(monkeypatch: pytest.MonkeyPatch,
-                                                        dtype: torch.dtype) -> None:
-    """Top-p-only rows of thousands of ids: as window rows (their candidates
-    only the ids around the cutoff) the window draw races over the whole
-    support, one chunk a program, and the write kernel finishes the token
-    and selected logprob; as candidate rows resolve draws. Same seeds, same
-    tokens, the same selected logprob, and the support is capture's for
-    the token (a row under 20,000 ids spans three chunks)."""
+def test_window_rows_draw_in_their_support_and_capture_agrees(monkeypatch: pytest.MonkeyPatch,
+                                                              dtype: torch.dtype) -> None:
+    """Top-p-only rows of thousands of ids as window rows (candidates only
+    the ids around the cutoff; a row under 20,000 ids spans three chunks):
+    resolve draws each token by inverse transform over the bracket's part
+    and the chunks' masses above it. The token lies in the support; capture()
+    of those tokens gives the same rows, bit for bit, with the same selected
+    logprobs; the same seeds draw the same tokens, other seeds others."""
     gen = torch.Generator().manual_seed(21)
     batch, vocab = 3, 20000
     probs = torch.softmax(torch.randn(batch, vocab, generator=gen) * 1.5, -1).to(dtype)
     top_p = torch.tensor([0.95, 0.6, 0.9])
-    min_p = torch.tensor([0.0, 0.0, 0.3])  # min-p's floor holds the last row's support
+    # min-p's floor holds the last row's support to a few ids: not a window
+    # row, drawn by the race over its candidates beside the window rows
+    min_p = torch.tensor([0.0, 0.0, 0.3])
     seeds = torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE)
     kwargs = {"top_p": top_p.to(DEVICE), "min_p": min_p.to(DEVICE), "max_tokens": 64}
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
-    windowed = sample(probs.to(DEVICE), seeds, **kwargs)
-    monkeypatch.setattr(tuning, "WINDOW_MIN", 1 << 30)
-    candidates = sample(probs.to(DEVICE), seeds, **kwargs)
-    assert windowed.tokens.tolist() == candidates.tokens.tolist()
-    assert torch.equal(windowed.selected_logprob.cpu(), candidates.selected_logprob.cpu())
-    assert (windowed.status.cpu() == Status.OK).all() and (windowed.sizes.cpu()[:2] > 1000).all()
-    want = reference_capture(probs, windowed.tokens.cpu().long(), top_p=top_p, min_p=min_p,
+    flags = WindowFlags(monkeypatch)
+    drawn = sample(probs.to(DEVICE), seeds, **kwargs)
+    assert flags.calls == [[1, 1, 0]]
+    assert (drawn.status.cpu() == Status.OK).all() and (drawn.sizes.cpu()[:2] > 1000).all()
+    want = reference_capture(probs, drawn.tokens.cpu().long(), top_p=top_p, min_p=min_p,
                              max_tokens=64)
     for b in range(batch):
-        assert windowed.row(b)[0].cpu().tolist() == want.row(b)[0].tolist()
+        assert drawn.row(b)[0].cpu().tolist() == want.row(b)[0].tolist()
+    captured = capture(probs.to(DEVICE), drawn.tokens, **kwargs)
+    assert bits(captured) == bits(drawn)
+    assert sample(probs.to(DEVICE), seeds, **kwargs).tokens.tolist() == drawn.tokens.tolist()
+    others = [sample(probs.to(DEVICE), seeds + k, **kwargs).tokens for k in (1, 2)]
+    assert not all(torch.equal(t, drawn.tokens) for t in others)
+
+
+def test_window_rows_draw_by_their_mass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many window rows of one distribution, a seed each (20,000 on a GPU,
+    240 in the interpreter): each token lies in the support, and the draws
+    follow w / Z within a 6-sigma band for every id, and for each level's
+    ids in each chunk. The row: three heavy ids (one a chunk) above four
+    levels of values over the other ids, the top-p cutoff inside the third
+    level, so its tied ids (in the support: ties are kept) are the
+    bracket's part and the ids above it each chunk's part; chunks of 1024
+    ids and walks of 256 ids a block here, so the draw crosses both."""
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "CHUNK", 1024)
+    monkeypatch.setattr(tuning, "WINDOW_WRITE_SUB", 512)  # a chunk in whole steps
+    monkeypatch.setattr(tuning, "DRAW_BLOCK", 256)  # the walks cross blocks
+    draws = 20000 if DEVICE == "cuda" else 240
+    gen = torch.Generator().manual_seed(12)
+    vocab = 3000
+    level = torch.randint(0, 4, (vocab,), generator=gen)
+    row = (4.0 - level).double()  # values 4, 3, 2, 1
+    heavy = torch.tensor([100, 1500, 2900])
+    row[heavy] = row.sum() * 0.1
+    row = row / row.sum()
+    body = torch.ones(vocab, dtype=torch.bool)
+    body[heavy] = False
+    # top_p halfway through the third level's mass: the heavy ids, the two
+    # levels above, half of it
+    top_p = float(row[heavy].sum() + row[body & (level < 2)].sum()
+                  + row[body & (level == 2)].sum() / 2)
+    probs = row.float().repeat(draws, 1).to(DEVICE)
+    flags = WindowFlags(monkeypatch)
+    got = sample(probs, torch.arange(draws, device=DEVICE) * 7919 + 17, top_p=top_p,
+                 max_tokens=vocab, rows=torch.zeros(draws, dtype=torch.bool, device=DEVICE))
+    assert flags.calls == [[1] * draws]
+    assert (got.status.cpu() == Status.SKIPPED).all()
+    support = reference_support(row.float()[None], None, top_p, None, "joint")[0][0]
+    assert torch.equal(support, body & (level <= 2) | ~body)  # the cutoff at the third level
+    tokens = got.tokens.cpu().long()
+    assert support[tokens].all()
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    expect = torch.where(support, row, 0.0)
+    expect = expect / expect.sum() * draws
+
+    def within(n, e):
+        return abs(float(n) - float(e)) <= 6 * (float(e) * (1 - float(e) / draws)) ** 0.5 + 3
+
+    assert all(within(n, e) for n, e in zip(counts.tolist(), expect.tolist()))
+    for first in range(0, vocab, 1024):
+        for value in range(3):
+            part = body & (level == value)
+            part[:first] = False
+            part[first + 1024:] = False
+            assert within(counts[part].sum(), expect[part].sum()), (first, value)
 
 
 def test_window_rows_not_written_draw_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """A window row that the window write does not write (SKIPPED: opted
-    out; OVERFLOW as a status: past max_tokens) is still drawn by the
-    window draw: the same token as when the row is written, and its
-    selected logprob the same."""
+    out; OVERFLOW as a status: past max_tokens) is still drawn, in
+    resolve: the same token as when the row is written, and its selected
+    logprob the same."""
     gen = torch.Generator().manual_seed(33)
     batch, vocab = 4, 20000
     probs = torch.softmax(torch.randn(batch, vocab, generator=gen) * 1.5, -1).to(DEVICE)

@@ -4,7 +4,7 @@ it was made or sent. capture(), capture(into=), kernels.publish of device
 Rows (GPU-direct), the CPU path (HostStaging + publish) and sample(into=)
 (against capture() of the tokens it drew) over one step that holds every
 row kind: window rows (top-p only, a support past WINDOW_MIN: bracketed,
-written by the window write; sample's drawn by the window draw), narrow
+written by the window write; sample's drawn in resolve), narrow
 rows (ids form), bitmask rows (past max_tokens, and dense), INVALID (a
 NaN row; a token outside its support), SKIPPED (not opted in) and greedy
 rows.
