@@ -53,7 +53,8 @@ kernels/capture_workspace.py; tuning constants: kernels/tuning.py):
    the sample puts past WINDOW_MIN ids) gets 8 pivots instead, around
    the key whose sampled share reaches top_p, spread by the width of [lo, hi)
    (hi: the key whose sampled share reaches top_p - P_MARGIN;
-   _window_pivots). A min-p-only row (top-k and top-p off) whose sample
+   _window_pivots), the inner ones by the standard error of the sample's
+   share estimate (_inner_span). A min-p-only row (top-k and top-p off) whose sample
    puts past WINDOW_MIN ids above min-p's floor is a window row with no
    pivots: its cutoff, min_p x the row's max, is exact once 2 has the max,
    and 2b-6 take its support as a top-p window row's above its bracket (a

@@ -27,7 +27,8 @@ def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
         settings.greedy, ws.lo, ws.window, ws.pivots, ws.wide_count,
         SEQUENTIAL=settings.sequential, WINDOW=settings.window, BLOCKS=tuning.SAMPLE_BLOCKS,
         COLS=tuning.SAMPLE_COLS, K_SLACK=tuning.K_SLACK, P_MARGIN=tuning.P_MARGIN,
-        WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS, INNER=tuning.WINDOW_INNER,
+        WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS,
+        INNER_MIN=tuning.WINDOW_INNER_MIN, INNER_MAX=tuning.WINDOW_INNER_MAX,
         BELOW=tuning.WINDOW_BELOW, ABOVE=tuning.WINDOW_ABOVE, K_FLOOR_ONLY=tuning.K_FLOOR_ONLY,
         P_KEEP=tuning.P_KEEP, HEAVY=tuning.SAMPLE_HEAVY, PDL=pdl,
         num_warps=tuning.BOUND_WINDOW_WARPS if settings.window else tuning.BOUND_WARPS,
@@ -41,7 +42,8 @@ def _bound_kernel(
     lo_ptr, window_ptr, pivots_ptr, wide_count_ptr,
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
-    PIVOTS: tl.constexpr, INNER: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
+    PIVOTS: tl.constexpr, INNER_MIN: tl.constexpr, INNER_MAX: tl.constexpr,
+    BELOW: tl.constexpr, ABOVE: tl.constexpr,
     K_FLOOR_ONLY: tl.constexpr, P_KEEP: tl.constexpr, HEAVY: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
@@ -173,9 +175,10 @@ def _bound_kernel(
             # then half the way to 1, and [lo, hi) can span binades)
             span = tl.where(top_p + P_MARGIN < 1.0, hi.to(tl.int64) - lo,
                             2 * (hi.to(tl.int64) - center))
+            half = _inner_span(w_mass, total, top_p, P_MARGIN, INNER_MIN, INNER_MAX)
             j = tl.arange(0, PIVOTS)
             tl.store(pivots_ptr + row * PIVOTS + j,
-                     _window_pivots(center, span, j, PIVOTS, INNER, BELOW, ABOVE))
+                     _window_pivots(center, span, j, PIVOTS, half, INNER_MAX, BELOW, ABOVE))
     tl.store(lo_ptr + row, lo)
     tl.store(window_ptr + row, window)
     if WINDOW:
@@ -229,15 +232,33 @@ def _sample_keys_reaching3(key, w, target1, target2, target3):
 
 
 @triton.jit
-def _window_pivots(center, span, j, PIVOTS: tl.constexpr, INNER: tl.constexpr,
+def _inner_span(w, total, top_p, P_MARGIN: tl.constexpr, INNER_MIN: tl.constexpr,
+                INNER_MAX: tl.constexpr):
+    """A window row's inner pivots' half-width in hundredths of its sampled
+    range (which spans about 2 x P_MARGIN of the row's mass): the standard
+    error of the sample's estimate of the top-p share, sqrt(top_p (1 -
+    top_p) / n), n the sample's effective size (sum w)^2 / sum w^2, within
+    [INNER_MIN, INNER_MAX]. A flat row's thousands of like-sized sampled
+    ids place its cutoff closely (a narrow bracket: fewer candidates for
+    the expand and resolve); a row whose mass sits in a few sampled ids is
+    placed loosely (wide: fewer brackets missed, each a refine's read)."""
+    n = total * total / tl.sum(w * w, axis=0)
+    scaled = tl.sqrt(top_p * (1.0 - top_p) / n) * (50.0 / P_MARGIN)
+    # (a NaN, from a row with no sampled mass, takes INNER_MIN)
+    return tl.where(scaled > INNER_MIN, tl.minimum(scaled, INNER_MAX), INNER_MIN).to(tl.int32)
+
+
+@triton.jit
+def _window_pivots(center, span, j, PIVOTS: tl.constexpr, half, INNER_MAX: tl.constexpr,
                    BELOW: tl.constexpr, ABOVE: tl.constexpr):
     """Pivot j (a block of indices) of a window row, ascending, within
-    [1, +inf's bits]: PIVOTS - 2 evenly over center +- INNER/100 x span, one
+    [1, +inf's bits]: PIVOTS - 2 evenly over center +- half/100 x span, one
     at center - BELOW/100 x span and one at center + ABOVE/100 x span."""
     tl.static_assert(PIVOTS >= 4, "two inner pivots and two outer ones at least")
-    tl.static_assert((INNER < BELOW) & (INNER < ABOVE), "the outer pivots lie outside the inner")
-    inner = (center - (span * INNER) // 100
-             + (span * (2 * INNER) * tl.maximum(j - 1, 0)) // (100 * (PIVOTS - 3)))
+    tl.static_assert((INNER_MAX < BELOW) & (INNER_MAX < ABOVE),
+                     "the outer pivots lie outside the inner")
+    inner = (center - (span * half) // 100
+             + (span * (2 * half) * tl.maximum(j - 1, 0)) // (100 * (PIVOTS - 3)))
     keys = tl.where(j == 0, center - (span * BELOW) // 100,
                     tl.where(j == PIVOTS - 1, center + (span * ABOVE) // 100, inner))
     return tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32)

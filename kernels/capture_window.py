@@ -77,7 +77,7 @@ def _window_bracket_kernel(
     above the row's pivots place its top-p cutoff in the bracket
     [b_lo, b_hi) between two of them (_narrow); stored with the target, the
     min-p floor and whether the bracket is wide (outside the inner pivots:
-    a sample that missed the cutoff by more than WINDOW_INNER, tens of
+    a sample that missed the cutoff by more than its inner span, tens of
     thousands of ids that resolve's one program a row would search slowly).
     A wide bracket also gets REFINE keys evenly inside it, whose masses
     _window_refine_kernel sums and _window_mark_kernel narrows it by (the

@@ -57,8 +57,14 @@ K_FLOOR_ONLY = 2048
 # a window row's range is [top_p - P_MARGIN, top_p + P_MARGIN]
 P_MARGIN = 0.05
 # a top-p-only row's floor also keeps P_KEEP ids by the sample's count (a
-# sample that holds a heavy token over-weighs it; resolve holds RESOLVE_BLOCK)
-P_KEEP = 2048
+# sample that holds a heavy token over-weighs it; resolve holds RESOLVE_BLOCK).
+# At 2048 a top_p 0.99 row of a few thousand ids was misled now and then
+# (~1 row in 256 on fp32 s5, benchmarks/bound_misled.py), each costing the
+# call its whole-row passes (~130-180 us of one program); on the H100's
+# sweep, capture top_p 0.99 on bf16 s5 2048 / 2560 / 3072: 435.6 / 399.0 /
+# 363.9 us, the peaked rows' (bf16 s8 top_p 0.9; more candidates) 144.0 /
+# 146.3 / 149.4.
+P_KEEP = 3072
 # The bound's bisection settles the first BOUND_BITS of bits 30..0 of a key
 # (the exponent and 8 mantissa bits: within 0.4% of the value, all an
 # estimate with margins needs); BOUND_STEP is one unit of the last.
@@ -79,13 +85,23 @@ CAND_MARK_WINDOW_WARPS = 8  # with window rows: WINDOW_PIVOTS sums an element
 WINDOW_MIN = 4096
 # Its candidate mark sums the mass above WINDOW_PIVOTS keys placed around the
 # sampled estimate of its top-p cutoff, in hundredths of the width s of its
-# sampled range: PIVOTS - 2 evenly over the estimate +- WINDOW_INNER, one
-# WINDOW_BELOW under it and one WINDOW_ABOVE over it. The cutoff lies between
-# two of them (the bracket), and every id in the bracket is a candidate of
-# resolve: the inner span keeps brackets within RESOLVE_BLOCK ids on the
-# benchmark's rows, the outer two keep a sample that missed bounded.
+# sampled range: PIVOTS - 2 evenly over the estimate +- h, one WINDOW_BELOW
+# under it and one WINDOW_ABOVE over it. The cutoff lies between two of them
+# (the bracket), and every id in the bracket is a candidate of resolve: the
+# inner span keeps brackets small, the outer two keep a sample that missed
+# bounded. h is the row's own: the standard error of the sample's estimate
+# of the top-p share (s spans about 2 x P_MARGIN of the mass), within
+# [WINDOW_INNER_MIN, WINDOW_INNER_MAX] (capture_bound._inner_span). The
+# H100, B 256, the sweep's 15 distributions at one h for all rows (15 / 20 /
+# 30 / 40), capture us: flat rows (fp32 s1 top_p 0.9, sample share error
+# ~0.005) 323.6 / 327.2 / 349.5 / 356.4, fp32 s2 top_p 0.99 356.8 / 380.0 /
+# 396.9 / 436.0; rows of few heavy ids (bf16 s3 top_p 0.9, ~0.05: a narrow
+# h misses, 185 / 149 / 90 / 58 wide brackets) 363.0 / 351.3 / 332.5 /
+# 325.2 (benchmarks/RESULTS.md, "Sample's window rows drawn by inverse
+# transform").
 WINDOW_PIVOTS = 8
-WINDOW_INNER = 30
+WINDOW_INNER_MIN = 15
+WINDOW_INNER_MAX = 40
 WINDOW_BELOW = 150
 WINDOW_ABOVE = 100
 # A bracket outside the inner pivots (wide) is narrowed by the exact masses

@@ -222,3 +222,21 @@ def test_replay_smoke_checks_and_measures_both_row_forms(tmp_path):
         # torch's gather of the support: the ids rows' floor, not the bitmask rows'
         assert ("support_gather" in r["forward_ms"]) == r["rows"].startswith("50-id"), r
         assert set(r["forward_backward_ms"]) == {"dense_mask", "replay", "dense_gradient_write"}
+
+
+@pytest.mark.timeout(300)
+def test_bound_misled_counts_rows_and_applies_each_tuning():
+    """benchmarks/bound_misled.py on 4 rows of one distribution (the bound in
+    Triton's interpreter without a GPU): a line per variant, the committed
+    values first, and a count floor set with --tuning keeps fewer ids than
+    the committed one (the value reached the kernel, and was put back)."""
+    done = run_in_own_group([sys.executable, "bound_misled.py", "--dists", "fp32 s5$",
+                             "--top-p", "0.9", "--batch", "4", "--tuning", "P_KEEP=256",
+                             "--tuning", "P_KEEP=1024"], REPO / "benchmarks", timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    lines = re.findall(r"^fp32 s5 +0 +0\.90 (\S+) +\| +(\d+) +(\d+) \| +(\d+)", output, re.MULTILINE)
+    assert [line[0] for line in lines] == ["committed", "P_KEEP=256", "P_KEEP=1024"], output
+    kept = [int(line[3]) for line in lines]
+    assert kept[1] < kept[2] < kept[0], output
+    assert all(line[1] == "0" for line in lines), output  # peaked rows: no window rows

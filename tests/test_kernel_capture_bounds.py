@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 from shmask.kernels import (  # noqa: E402
     Status,
     capture,
+    capture_bound,
     capture_mark,
     capture_resolve,
     capture_window,
@@ -438,7 +439,8 @@ def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch, layout) -> None:
     leave each row fewer candidates than 1."""
     inner, below, above = layout
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
-    monkeypatch.setattr(tuning, "WINDOW_INNER", inner)
+    monkeypatch.setattr(tuning, "WINDOW_INNER_MIN", inner)
+    monkeypatch.setattr(tuning, "WINDOW_INNER_MAX", inner)
     monkeypatch.setattr(tuning, "WINDOW_BELOW", below)
     monkeypatch.setattr(tuning, "WINDOW_ABOVE", above)
     window = WindowRows(monkeypatch)
@@ -454,6 +456,45 @@ def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch, layout) -> None:
     assert window.calls == [[1] * 4] * 2
     if below > inner:
         assert (brackets.calls[0] < brackets.calls[1]).all(), brackets.calls
+
+
+def test_inner_pivots_follow_the_estimates_standard_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window row's inner pivots span +-h hundredths of its sampled range,
+    h the standard error of the sample's top-p share, sqrt(p (1 - p) / n)
+    with n = (sum w)^2 / sum w^2, in hundredths of 2 x P_MARGIN of mass,
+    within [WINDOW_INNER_MIN, WINDOW_INNER_MAX]: a flat row (n ~ V) takes
+    the least, a row of ten heavy ids a wider one, a row of twenty heavier
+    ones the most. h is read back from the pivots the bound stored (the
+    inner pivots' spread against the outer ones'); rows equal the
+    reference."""
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    gen = torch.Generator().manual_seed(23)
+    vocab = 6000  # under the sample's 8 x 1024 columns: the whole row is the sample
+    body = torch.rand(3, vocab, generator=gen, dtype=torch.float64) + 0.5
+    for row, (heavy, share) in enumerate([(0, 0.0), (10, 0.2), (20, 0.6)]):
+        if heavy:
+            ids = torch.randperm(vocab, generator=gen)[:heavy]
+            body[row] *= (1 - share) / body[row].sum()
+            body[row, ids] = share / heavy
+    probs = (body / body.sum(1, keepdim=True)).float()
+    top_p = 0.9
+    settings = capture_workspace.CaptureSettings.of(
+        3, vocab, torch.device(DEVICE), top_k=None, top_p=top_p, min_p=None, greedy=None,
+        rows=None, sequential=False)
+    ws = capture_workspace.CaptureWorkspace.allocate(3, vocab, torch.device(DEVICE),
+                                                     settings.window)
+    capture_bound.launch_bound(probs.to(DEVICE), settings, ws, False)
+    assert ws.window.cpu().tolist() == [1, 1, 1]
+    pivots = ws.pivots.view(3, tuning.WINDOW_PIVOTS).cpu().double()
+    ratio = (pivots[:, -2] - pivots[:, 1]) / (pivots[:, -1] - pivots[:, 0])
+    got = (ratio * (tuning.WINDOW_BELOW + tuning.WINDOW_ABOVE) / 2).tolist()
+    w = probs.double()
+    n = w.sum(1) ** 2 / (w * w).sum(1)
+    scaled = (top_p * (1 - top_p) / n).sqrt() * 50 / tuning.P_MARGIN
+    want = scaled.clamp(tuning.WINDOW_INNER_MIN, tuning.WINDOW_INNER_MAX).floor().tolist()
+    assert want[0] == tuning.WINDOW_INNER_MIN < want[1] < want[2] == tuning.WINDOW_INNER_MAX
+    assert all(abs(g - h) < 1 for g, h in zip(got, want)), (got, want)
+    run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
 
 
 def test_window_rows_top_p_near_one(monkeypatch: pytest.MonkeyPatch) -> None:
