@@ -28,9 +28,8 @@ import argparse
 import re
 import time
 
-import torch
-
 import sweep  # noqa: F401  (imports the kernels first: the interpreter on a CPU)
+import torch
 from shmask.kernels import tuning
 from shmask.kernels.capture import reference_support
 from shmask.kernels.capture_bound import launch_bound

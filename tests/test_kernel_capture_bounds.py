@@ -493,7 +493,7 @@ def test_inner_pivots_follow_the_estimates_standard_error(monkeypatch: pytest.Mo
     scaled = (top_p * (1 - top_p) / n).sqrt() * 50 / tuning.P_MARGIN
     want = scaled.clamp(tuning.WINDOW_INNER_MIN, tuning.WINDOW_INNER_MAX).floor().tolist()
     assert want[0] == tuning.WINDOW_INNER_MIN < want[1] < want[2] == tuning.WINDOW_INNER_MAX
-    assert all(abs(g - h) < 1 for g, h in zip(got, want)), (got, want)
+    assert all(abs(g - h) < 1 for g, h in zip(got, want, strict=True)), (got, want)
     run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
 
 

@@ -13,8 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from row_bits import bits  # noqa: E402  (tests/row_bits.py)
-from shmask.kernels import (Status, capture, reference_capture, reference_sample,  # noqa: E402
-                            sample, tuning)
+from shmask.kernels import Status, capture, reference_capture, reference_sample, sample, tuning  # noqa: E402
 
 capture_module = importlib.import_module("shmask.kernels.capture")
 reference_support = capture_module.reference_support
@@ -238,7 +237,7 @@ def test_window_rows_draw_by_their_mass(monkeypatch: pytest.MonkeyPatch) -> None
     def within(n, e):
         return abs(float(n) - float(e)) <= 6 * (float(e) * (1 - float(e) / draws)) ** 0.5 + 3
 
-    assert all(within(n, e) for n, e in zip(counts.tolist(), expect.tolist()))
+    assert all(within(n, e) for n, e in zip(counts.tolist(), expect.tolist(), strict=True))
     for first in range(0, vocab, 1024):
         for value in range(3):
             part = body & (level == value)
