@@ -172,7 +172,11 @@ def _bound_kernel(
         if (window != 0) & p_window:
             # The pivots' spread: the width of [lo, hi), or twice that of
             # [center, hi) when top_p + P_MARGIN reaches 1 (lo's share is
-            # then half the way to 1, and [lo, hi) can span binades)
+            # then half the way to 1, and [lo, hi) can span binades). lo
+            # holds the count floor too: a row whose mass floor, center and
+            # hi share a heavy id's bucket keeps a spread wider than the
+            # bound's resolution (BOUND_STEP); a row of fewer than P_KEEP
+            # ids (a small vocabulary) has lo 1, pivots over every key
             span = tl.where(top_p + P_MARGIN < 1.0, hi.to(tl.int64) - lo,
                             2 * (hi.to(tl.int64) - center))
             half = _inner_span(w_mass, total, top_p, P_MARGIN, INNER_MIN, INNER_MAX)
@@ -242,7 +246,9 @@ def _inner_span(w, total, top_p, P_MARGIN: tl.constexpr, INNER_MIN: tl.constexpr
     ids place its cutoff closely (a narrow bracket: fewer candidates for
     the expand and resolve); a row whose mass sits in a few sampled ids is
     placed loosely (wide: fewer brackets missed, each a refine's read)."""
-    n = total * total / tl.sum(w * w, axis=0)
+    tl.static_assert((0 <= INNER_MIN) & (INNER_MIN <= INNER_MAX))
+    share = w / total  # (the weights' own scale would under- or overflow w * w)
+    n = 1.0 / tl.sum(share * share, axis=0)
     scaled = tl.sqrt(top_p * (1.0 - top_p) / n) * (50.0 / P_MARGIN)
     # (a NaN, from a row with no sampled mass, takes INNER_MIN)
     return tl.where(scaled > INNER_MIN, tl.minimum(scaled, INNER_MAX), INNER_MIN).to(tl.int32)

@@ -96,11 +96,11 @@ def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, b
     the ids at or above ``b_hi`` (finite; the window mark summed their mass
     a chunk, ``above_mass``). t = u x (their total mass), in that order:
     the bracket's part, then chunk 0, 1, ...; the part t falls in is walked
-    id by id (a chunk read from ``probs``: 32 KiB), and the token is the
-    first id whose running mass passes t. A t past a part's walked mass
-    (the chunk's float32 sum and the walk's float64 differ by rounding)
-    takes its last id. -1 when the support has no mass (the row is then
-    INVALID)."""
+    id by id (a chunk read from ``probs``, twice: its float64 sum, to which
+    t is rescaled from the chunk's float32 one, then the walk; 32 KiB), and
+    the token is the first id whose running mass passes t. A t past a
+    part's walked mass (by the last rounding) takes its last id. -1 when
+    the support has no mass (the row is then INVALID)."""
     NONE: tl.constexpr = 2147483647
     u = _uniform53(seed)
     # the bracket's part: its mass first, then (if t falls in it) the walk
@@ -135,12 +135,29 @@ def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, b
                          tl.max(tl.where(above > 0.0, chunk_idx, -1), axis=0))
         if chunk >= 0:
             t = t - tl.sum(tl.where(chunk_idx == chunk, through - above, 0.0), axis=0)
+            # t is uniform over the window mark's float32 sum of the chunk;
+            # rescaled to the walk's float64 sum, so that their rounding
+            # difference does not all fall on the chunk's last id
+            walked = tl.zeros([], dtype=tl.float64)
             for part in range(0, CHUNK, DRAW_BLOCK):
-                cols = chunk * CHUNK + part + tl.arange(0, DRAW_BLOCK)
-                w = tl.load(probs_ptr + row_start + cols, mask=cols < vocab,
-                            other=0.0).to(tl.float32)
-                key = w.to(tl.int32, bitcast=True)
-                # b_hi >= 1: no zero, no negative; +inf's bits and NaNs' excluded
-                up = (cols < vocab) & (key >= b_hi) & (key < INF_KEY)
+                cols, w, up = _above_bracket(probs_ptr, row_start, vocab, chunk, part, b_hi,
+                                             CHUNK, DRAW_BLOCK)
+                walked += tl.sum(tl.where(up, w, 0.0).to(tl.float64), axis=0)
+            t = t * (walked / tl.sum(tl.where(chunk_idx == chunk, above, 0.0), axis=0))
+            for part in range(0, CHUNK, DRAW_BLOCK):
+                cols, w, up = _above_bracket(probs_ptr, row_start, vocab, chunk, part, b_hi,
+                                             CHUNK, DRAW_BLOCK)
                 found, last, run = _crossing(w, cols, up, run, t, found, last, NONE)
     return tl.where(found < NONE, found, last)
+
+
+@triton.jit
+def _above_bracket(probs_ptr, row_start, vocab, chunk, part, b_hi, CHUNK: tl.constexpr,
+                   DRAW_BLOCK: tl.constexpr):
+    """DRAW_BLOCK columns of a chunk (from ``part``), their w, and which are
+    above the bracket (at or above b_hi and finite: in the support)."""
+    cols = chunk * CHUNK + part + tl.arange(0, DRAW_BLOCK)
+    w = tl.load(probs_ptr + row_start + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+    key = w.to(tl.int32, bitcast=True)
+    # b_hi >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+    return cols, w, (cols < vocab) & (key >= b_hi) & (key < INF_KEY)

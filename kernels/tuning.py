@@ -59,7 +59,7 @@ P_MARGIN = 0.05
 # a top-p-only row's floor also keeps P_KEEP ids by the sample's count (a
 # sample that holds a heavy token over-weighs it; resolve holds RESOLVE_BLOCK).
 # At 2048 a top_p 0.99 row of a few thousand ids was misled now and then
-# (~1 row in 256 on fp32 s5, benchmarks/bound_misled.py), each costing the
+# (2 rows in 1,024 on fp32 s5, benchmarks/bound_misled.py), each costing the
 # call its whole-row passes (~130-180 us of one program); on the H100's
 # sweep, capture top_p 0.99 on bf16 s5 2048 / 2560 / 3072: 435.6 / 399.0 /
 # 363.9 us, the peaked rows' (bf16 s8 top_p 0.9; more candidates) 144.0 /

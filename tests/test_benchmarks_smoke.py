@@ -232,11 +232,13 @@ def test_bound_misled_counts_rows_and_applies_each_tuning():
     the committed one (the value reached the kernel, and was put back)."""
     done = run_in_own_group([sys.executable, "bound_misled.py", "--dists", "fp32 s5$",
                              "--top-p", "0.9", "--batch", "4", "--tuning", "P_KEEP=256",
-                             "--tuning", "P_KEEP=1024"], REPO / "benchmarks", timeout=240)
+                             "--tuning", "WINDOW_MIN=8192"], REPO / "benchmarks", timeout=240)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     lines = re.findall(r"^fp32 s5 +0 +0\.90 (\S+) +\| +(\d+) +(\d+) \| +(\d+)", output, re.MULTILINE)
-    assert [line[0] for line in lines] == ["committed", "P_KEEP=256", "P_KEEP=1024"], output
+    assert [line[0] for line in lines] == ["committed", "P_KEEP=256", "WINDOW_MIN=8192"], output
     kept = [int(line[3]) for line in lines]
-    assert kept[1] < kept[2] < kept[0], output
+    # P_KEEP's variant keeps fewer; the next variant, which does not set it,
+    # keeps what the committed value keeps (P_KEEP was put back)
+    assert kept[1] < kept[0] == kept[2], output
     assert all(line[1] == "0" for line in lines), output  # peaked rows: no window rows

@@ -175,7 +175,8 @@ def test_window_rows_min_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
     the window path too: their cutoff, min_p x the row's max, from the
     candidate mark's max, their support from one read of each chunk; rows
     with top-k, top-p, greedy or a bad value beside them keep their paths.
-    sample() draws the same token on either path (the race is per id)."""
+    sample() draws a min-p window row by inverse transform (a token in its
+    support, the row OK), the others by the race, as with no window rows."""
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
     gen = torch.Generator().manual_seed(13)
@@ -206,6 +207,9 @@ def test_window_rows_min_p_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(window.calls) == 3 and window.calls[2] == [0] * 6, window.calls
     candidates = [1, 2, 3, 5]
     assert drawn.tokens.cpu()[candidates].tolist() == plain.tokens.cpu()[candidates].tolist()
+    for b in (0, 4):  # the min-p window rows: drawn, OK, in their support
+        assert drawn.status[b].item() == Status.OK
+        assert int(drawn.tokens[b]) in drawn.row(b)[0].cpu().tolist()
 
 
 def test_window_rows_overflow_status_and_invalid(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,12 +8,16 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from row_bits import bits  # noqa: E402  (tests/row_bits.py)
 from shmask.kernels import Status, capture, reference_capture, reference_sample, sample, tuning  # noqa: E402
+from shmask.kernels.capture_workspace import B_FINAL_HI, BRACKET  # noqa: E402
+from shmask.kernels.sample_draw import _uniform53  # noqa: E402
 
 capture_module = importlib.import_module("shmask.kernels.capture")
 reference_support = capture_module.reference_support
@@ -149,11 +153,19 @@ class WindowFlags:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[list[int]] = []
+        self.draw_inputs: dict[str, torch.Tensor] = {}
         real = capture_module.launch_window_write
         monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")  # a replayed plan calls no launcher
 
         def spy(probs, ws, *args, **kwargs):
+            # (after resolve: each row's cutoff, final bracket, and chunks'
+            # mass above it, what a window row's draw read)
             self.calls.append(ws.window.cpu().tolist())
+            batch = probs.shape[0]
+            self.draw_inputs = {
+                "cutoff": ws.cutoff.cpu().clone(),
+                "b_hi": ws.bracket.view(batch, BRACKET.value)[:, B_FINAL_HI.value].cpu().clone(),
+                "above_mass": ws.above_mass.view(batch, ws.n_chunks).cpu().clone()}
             return real(probs, ws, *args, **kwargs)
 
         monkeypatch.setattr(capture_module, "launch_window_write", spy)
@@ -190,14 +202,17 @@ def test_window_rows_draw_in_their_support_and_capture_agrees(monkeypatch: pytes
     assert bits(captured) == bits(drawn)
     assert sample(probs.to(DEVICE), seeds, **kwargs).tokens.tolist() == drawn.tokens.tolist()
     others = [sample(probs.to(DEVICE), seeds + k, **kwargs).tokens for k in (1, 2)]
-    assert not all(torch.equal(t, drawn.tokens) for t in others)
+    assert not all(torch.equal(t[:2], drawn.tokens[:2]) for t in others)  # the window rows
 
 
 def test_window_rows_draw_by_their_mass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many window rows of one distribution, a seed each (20,000 on a GPU,
-    240 in the interpreter): each token lies in the support, and the draws
-    follow w / Z within a 6-sigma band for every id, and for each level's
-    ids in each chunk. The row: three heavy ids (one a chunk) above four
+    120 in the interpreter): each token lies in the support, is the token
+    of the draw's layout walked in float64 torch from the same uniform
+    (reference_window_draw), and both parts, the bracket's and the mass
+    above it in each chunk, are drawn from; the draws follow w / Z within a
+    6-sigma band for every id, and for each level's ids in each chunk (a
+    test with power on the GPU only). The row: three heavy ids (one a chunk) above four
     levels of values over the other ids, the top-p cutoff inside the third
     level, so its tied ids (in the support: ties are kept) are the
     bracket's part and the ids above it each chunk's part; chunks of 1024
@@ -206,7 +221,11 @@ def test_window_rows_draw_by_their_mass(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(tuning, "CHUNK", 1024)
     monkeypatch.setattr(tuning, "WINDOW_WRITE_SUB", 512)  # a chunk in whole steps
     monkeypatch.setattr(tuning, "DRAW_BLOCK", 256)  # the walks cross blocks
-    draws = 20000 if DEVICE == "cuda" else 240
+    # a count floor under the row's length (P_KEEP 3072 of 3000 ids would
+    # put the bound's floor, and so the pivots' spread, at every key: the
+    # bracket the whole support, nothing above it)
+    monkeypatch.setattr(tuning, "P_KEEP", 1024)
+    draws = 20000 if DEVICE == "cuda" else 120
     gen = torch.Generator().manual_seed(12)
     vocab = 3000
     level = torch.randint(0, 4, (vocab,), generator=gen)
@@ -221,15 +240,30 @@ def test_window_rows_draw_by_their_mass(monkeypatch: pytest.MonkeyPatch) -> None
     top_p = float(row[heavy].sum() + row[body & (level < 2)].sum()
                   + row[body & (level == 2)].sum() / 2)
     probs = row.float().repeat(draws, 1).to(DEVICE)
+    seeds = torch.arange(draws, device=DEVICE) * 7919 + 17
     flags = WindowFlags(monkeypatch)
-    got = sample(probs, torch.arange(draws, device=DEVICE) * 7919 + 17, top_p=top_p,
-                 max_tokens=vocab, rows=torch.zeros(draws, dtype=torch.bool, device=DEVICE))
+    got = sample(probs, seeds, top_p=top_p, max_tokens=vocab,
+                 rows=torch.zeros(draws, dtype=torch.bool, device=DEVICE))
     assert flags.calls == [[1] * draws]
     assert (got.status.cpu() == Status.SKIPPED).all()
     support = reference_support(row.float()[None], None, top_p, None, "joint")[0][0]
     assert torch.equal(support, body & (level <= 2) | ~body)  # the cutoff at the third level
     tokens = got.tokens.cpu().long()
     assert support[tokens].all()
+    # token by token: the draw's layout walked in float64 from the same
+    # uniforms (Philox's, read through the kernels' own _uniform53)
+    inputs = flags.draw_inputs
+    uniforms = torch.empty(draws, dtype=torch.float64, device=DEVICE)
+    _uniforms_kernel[(draws,)](seeds, uniforms)
+    want = [reference_window_draw(row.float(), int(inputs["cutoff"][b]), int(inputs["b_hi"][b]),
+                                  inputs["above_mass"][b], float(uniforms[b]), 1024)
+            for b in range(draws)]
+    assert tokens.tolist() == want
+    # both parts drawn from: the bracket's (the tied third level) and the
+    # mass above it, in every chunk
+    above = row.float().view(torch.int32)[tokens] >= inputs["b_hi"][0]
+    assert 0 < int(above.sum()) < draws
+    assert sorted(set((tokens[above] // 1024).tolist())) == [0, 1, 2]
     counts = torch.bincount(tokens, minlength=vocab).double()
     expect = torch.where(support, row, 0.0)
     expect = expect / expect.sum() * draws
@@ -263,3 +297,40 @@ def test_window_rows_not_written_draw_the_same_tokens(monkeypatch: pytest.Monkey
     assert (written.status.cpu() == Status.OK).all() and (written.sizes.cpu() > 1000).all()
     assert apart.tokens.tolist() == written.tokens.tolist()
     assert torch.equal(apart.selected_logprob.cpu(), written.selected_logprob.cpu())
+
+
+@triton.jit
+def _uniforms_kernel(seed_ptr, out_ptr):
+    i = tl.program_id(0)
+    tl.store(out_ptr + i, _uniform53(tl.load(seed_ptr + i)))
+
+
+def reference_window_draw(w: torch.Tensor, cutoff: int, b_hi: int, above_mass: torch.Tensor,
+                          u: float, chunk: int) -> int:
+    """A window row's draw (kernels/sample_draw.py) in float64 torch: t = u x
+    (the bracket's support mass + the chunks' masses above the bracket, as
+    the window mark summed them); the bracket's ids at or above the cutoff
+    first, then each chunk's ids at or above b_hi, the chosen chunk's t
+    rescaled to its own float64 sum; the first id whose running mass passes
+    t, else the part's last id."""
+    keys = w.view(torch.int32)
+    good = (w > 0) & torch.isfinite(w)
+    values = w.double()
+
+    def walk(ids: torch.Tensor, t: float) -> int:
+        passed = (values[ids].cumsum(0) > t).nonzero()
+        return int(ids[passed[0, 0]] if len(passed) else ids[-1])
+
+    bracket = (good & (keys >= cutoff) & (keys < b_hi)).nonzero()[:, 0]
+    above = above_mass.double()
+    t = u * (float(values[bracket].sum()) + float(above.sum()))
+    if t < float(values[bracket].sum()) or float(above.sum()) == 0:
+        return walk(bracket, t)
+    t -= float(values[bracket].sum())
+    through = above.cumsum(0)
+    hits = ((through > t) & (above > 0)).nonzero()
+    c = int(hits[0, 0]) if len(hits) else int((above > 0).nonzero()[-1, 0])
+    ids = (good & (keys >= b_hi)).nonzero()[:, 0]
+    ids = ids[(ids >= c * chunk) & (ids < (c + 1) * chunk)]
+    t = (t - float(through[c] - above[c])) * float(values[ids].sum()) / float(above[c])
+    return walk(ids, t)
