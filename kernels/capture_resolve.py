@@ -17,7 +17,7 @@ from .capture_workspace import B_FINAL_HI, B_FINAL_LO, B_TARGET, BRACKET, Captur
 from .float_bits import INF_KEY, log_any
 from .launch import after_previous, launch, launch_options
 from .rows import Rows, is_bitmask
-from .sample_draw import _draw, _window_row_draw
+from .sample_draw import _candidates, _draw, _window_row_draw
 
 
 def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
@@ -319,17 +319,6 @@ def _resolve_kernel(
     tl.store(window_ok_ptr + row, window_ok.to(tl.int32))
     if SAMPLE:
         tl.store(token_ptr + row, tl.where(invalid, -1, token))
-
-
-@triton.jit
-def _candidates(vals_ptr, ids_ptr, base, start, n, cutoff, BLOCK: tl.constexpr):
-    """Candidates [start, start + BLOCK) of a row (of n): values, ids,
-    which are real, and which lie at or above the cutoff."""
-    idx = start + tl.arange(0, BLOCK)
-    live = idx < n
-    v = tl.load(vals_ptr + base + idx, mask=live, other=0.0)
-    ids = tl.load(ids_ptr + base + idx, mask=live, other=0)
-    return v, ids, live, live & (v.to(tl.int32, bitcast=True) >= cutoff)
 
 
 @triton.jit

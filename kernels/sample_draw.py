@@ -35,6 +35,18 @@ DRAW_COUNTER = tl.constexpr(1 << 30)
 
 
 @triton.jit
+def _candidates(vals_ptr, ids_ptr, base, start, n, cutoff, BLOCK: tl.constexpr):
+    """Candidates [start, start + BLOCK) of a row (of n): values, ids,
+    which are real, and which lie at or above the cutoff (resolve's blocks
+    and the draws'; here so that resolve imports it without a cycle)."""
+    idx = start + tl.arange(0, BLOCK)
+    live = idx < n
+    v = tl.load(vals_ptr + base + idx, mask=live, other=0.0)
+    ids = tl.load(ids_ptr + base + idx, mask=live, other=0)
+    return v, ids, live, live & (v.to(tl.int32, bitcast=True) >= cutoff)
+
+
+@triton.jit
 def _uniforms(seed, ids):
     """u_i for each id: component i mod 4 of Philox4x32-10 at (seed, i div 4).
     Philox computes four 32-bit words at once; an id takes its own, so
@@ -106,9 +118,8 @@ def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, b
     # the bracket's part: its mass first, then (if t falls in it) the walk
     bracket = tl.zeros([], dtype=tl.float64)
     for start in range(0, n, DRAW_BLOCK):
-        idx = start + tl.arange(0, DRAW_BLOCK)
-        v = tl.load(cand_vals_ptr + base + idx, mask=idx < n, other=0.0)
-        hit = (idx < n) & (v.to(tl.int32, bitcast=True) >= cutoff)
+        v, _, _, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n, cutoff,
+                                   DRAW_BLOCK)
         bracket += tl.sum(tl.where(hit, v, 0.0).to(tl.float64), axis=0)
     above = tl.load(above_mass_ptr + slots, mask=in_row, other=0.0).to(tl.float64)
     above_total = tl.sum(above, axis=0)
@@ -119,10 +130,8 @@ def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, b
     # (u x a total can round up to the bracket's mass when nothing lies above it)
     if (t < bracket) | (above_total == 0.0):
         for start in range(0, n, DRAW_BLOCK):
-            idx = start + tl.arange(0, DRAW_BLOCK)
-            v = tl.load(cand_vals_ptr + base + idx, mask=idx < n, other=0.0)
-            ids = tl.load(cand_ids_ptr + base + idx, mask=idx < n, other=0)
-            hit = (idx < n) & (v.to(tl.int32, bitcast=True) >= cutoff)
+            v, ids, _, hit = _candidates(cand_vals_ptr, cand_ids_ptr, base, start, n, cutoff,
+                                         DRAW_BLOCK)
             found, last, run = _crossing(v, ids, hit, run, t, found, last, NONE)
     else:
         # the chunk t falls in, by the chunks' masses above the bracket (a

@@ -26,6 +26,7 @@ import triton.language as tl
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from launcher_spy import LauncherSpy  # noqa: E402  (tests/launcher_spy.py)
 from shmask.kernels import (  # noqa: E402
     Status,
     capture,
@@ -62,22 +63,6 @@ def bf16_probs(batch: int, vocab: int, hidden: int, sigma: float, seed: int) -> 
     if DEVICE == "cuda":
         h, head = h.cuda(), head.cuda()
     return torch.softmax((h @ head).float(), -1)
-
-
-class LauncherSpy:
-    """What capture hands one of its launchers: record(*args) a call."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str, record) -> None:
-        self.calls: list = []
-        real = getattr(capture_module, name)
-        # a replayed plan calls no launcher (kernels/launch_plan.py)
-        monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")
-
-        def spy(*args, **kwargs):
-            self.calls.append(record(*args))
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(capture_module, name, spy)
 
 
 def WindowRows(monkeypatch: pytest.MonkeyPatch) -> LauncherSpy:  # noqa: N802 (reads as a class)

@@ -14,6 +14,7 @@ import triton.language as tl
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from launcher_spy import LauncherSpy  # noqa: E402  (tests/launcher_spy.py)
 from row_bits import bits  # noqa: E402  (tests/row_bits.py)
 from shmask.kernels import Status, capture, reference_capture, reference_sample, sample, tuning  # noqa: E402
 from shmask.kernels.capture_workspace import B_FINAL_HI, BRACKET  # noqa: E402
@@ -147,28 +148,15 @@ def test_invalid_rows_get_token_minus_one() -> None:
     assert ref.status.tolist() == got.status.cpu().tolist() and ref.tokens.tolist()[:2] == [-1, -1]
 
 
-class WindowFlags:
-    """The bound's window flag of each row of each call (what the window
-    write is handed), so a test knows its rows were window rows."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[list[int]] = []
-        self.draw_inputs: dict[str, torch.Tensor] = {}
-        real = capture_module.launch_window_write
-        monkeypatch.setenv("SHMASK_KERNEL_PLANS", "0")  # a replayed plan calls no launcher
-
-        def spy(probs, ws, *args, **kwargs):
-            # (after resolve: each row's cutoff, final bracket, and chunks'
-            # mass above it, what a window row's draw read)
-            self.calls.append(ws.window.cpu().tolist())
-            batch = probs.shape[0]
-            self.draw_inputs = {
-                "cutoff": ws.cutoff.cpu().clone(),
-                "b_hi": ws.bracket.view(batch, BRACKET.value)[:, B_FINAL_HI.value].cpu().clone(),
-                "above_mass": ws.above_mass.view(batch, ws.n_chunks).cpu().clone()}
-            return real(probs, ws, *args, **kwargs)
-
-        monkeypatch.setattr(capture_module, "launch_window_write", spy)
+def window_rows(probs, ws, *_) -> dict:
+    """What the window write is handed (after resolve): the bound's window
+    flag of each row, so a test knows its rows were window rows, and each
+    row's cutoff, final bracket and chunks' mass above it, what a window
+    row's draw read."""
+    batch = probs.shape[0]
+    return {"window": ws.window.cpu().tolist(), "cutoff": ws.cutoff.cpu().clone(),
+            "b_hi": ws.bracket.view(batch, BRACKET.value)[:, B_FINAL_HI.value].cpu().clone(),
+            "above_mass": ws.above_mass.view(batch, ws.n_chunks).cpu().clone()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -190,9 +178,9 @@ def test_window_rows_draw_in_their_support_and_capture_agrees(monkeypatch: pytes
     seeds = torch.randint(0, 2**40, (batch,), generator=gen).to(DEVICE)
     kwargs = {"top_p": top_p.to(DEVICE), "min_p": min_p.to(DEVICE), "max_tokens": 64}
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
-    flags = WindowFlags(monkeypatch)
+    flags = LauncherSpy(monkeypatch, "launch_window_write", window_rows)
     drawn = sample(probs.to(DEVICE), seeds, **kwargs)
-    assert flags.calls == [[1, 1, 0]]
+    assert [call["window"] for call in flags.calls] == [[1, 1, 0]]
     assert (drawn.status.cpu() == Status.OK).all() and (drawn.sizes.cpu()[:2] > 1000).all()
     want = reference_capture(probs, drawn.tokens.cpu().long(), top_p=top_p, min_p=min_p,
                              max_tokens=64)
@@ -241,10 +229,10 @@ def test_window_rows_draw_by_their_mass(monkeypatch: pytest.MonkeyPatch) -> None
                   + row[body & (level == 2)].sum() / 2)
     probs = row.float().repeat(draws, 1).to(DEVICE)
     seeds = torch.arange(draws, device=DEVICE) * 7919 + 17
-    flags = WindowFlags(monkeypatch)
+    flags = LauncherSpy(monkeypatch, "launch_window_write", window_rows)
     got = sample(probs, seeds, top_p=top_p, max_tokens=vocab,
                  rows=torch.zeros(draws, dtype=torch.bool, device=DEVICE))
-    assert flags.calls == [[1] * draws]
+    assert [call["window"] for call in flags.calls] == [[1] * draws]
     assert (got.status.cpu() == Status.SKIPPED).all()
     support = reference_support(row.float()[None], None, top_p, None, "joint")[0][0]
     assert torch.equal(support, body & (level <= 2) | ~body)  # the cutoff at the third level
@@ -252,7 +240,7 @@ def test_window_rows_draw_by_their_mass(monkeypatch: pytest.MonkeyPatch) -> None
     assert support[tokens].all()
     # token by token: the draw's layout walked in float64 from the same
     # uniforms (Philox's, read through the kernels' own _uniform53)
-    inputs = flags.draw_inputs
+    inputs = flags.calls[0]
     uniforms = torch.empty(draws, dtype=torch.float64, device=DEVICE)
     _uniforms_kernel[(draws,)](seeds, uniforms)
     want = [reference_window_draw(row.float(), int(inputs["cutoff"][b]), int(inputs["b_hi"][b]),
