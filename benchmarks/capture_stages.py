@@ -4,18 +4,22 @@ took.
 
     python3 benchmarks/capture_stages.py [--json PATH] [--dists REGEX]   # GPU
         [--paths 'capture k1000,sample p0.9,...'] [--tuning NAME=VALUE] [--no-pdl]
+        [--seeds 0,1,2,3]
 
 B = 256, V = 151,936, the sweep's distributions at scales 0.5-8 (fp32 and
 bf16-derived), capture top_p 0.6 / 0.9 / 0.99 and sample top_p 0.9 (or
 --paths: any of the sweep's settings, top-k ones included; --tuning as
-sweep.py's: an integer of kernels/tuning.py set for the run). Per
+sweep.py's: an integer of kernels/tuning.py set for the run; --seeds: the
+input sets, of which the sweep times four, 0-3, and averages them). Per
 call: GPU us (host ahead, as the sweep times it), then from the call's
 workspace: window rows (a support the sample put past WINDOW_MIN), wide
 brackets (a window row whose sample missed its cutoff by more than the
-inner pivots: refined), rows resolved from their whole row (not window, a
-cutoff under the bound's floor: resolve's serial passes), the largest
-candidate count of the other rows, the support's median and largest size;
-then each kernel's mean GPU us a call (torch.profiler, 10 calls).
+inner pivots: refined), the largest bracket (a window row's candidates,
+which resolve's one program a row searches), rows resolved from their
+whole row (not window, a cutoff under the bound's floor: resolve's serial
+passes), the largest candidate count of the other rows, the support's
+median and largest size; then each kernel's mean GPU us a call
+(torch.profiler, 10 calls).
 
 Under programmatic dependent launch (sm90+, the default) a kernel starts
 while the one before ends and waits for it inside: its profiled time holds
@@ -88,13 +92,44 @@ def row_paths(ws, rows, may_window: bool) -> dict[str, int]:
     return {"window": int(window.sum()), "wide": int(ws.wide_count.cpu()[0]) if may_window else 0,
             "whole_row": int((others & (cutoff < lo) & (lo > 1)).sum()),
             "cand_max_others": int(n_cand[others].max()) if bool(others.any()) else 0,
+            # a window row's candidates are its bracket's ids: resolve's one
+            # program a row searches them, so the largest sets the call's time
+            "bracket_max": int(n_cand[window].max()) if bool(window.any()) else 0,
             "size_median": int(sizes.median()), "size_max": int(sizes.max())}
+
+
+def run_paths(name: str, seed: int, inputs, paths: list[tuple[str, str]], seen: list) -> list:
+    """Each path on one input set: GPU us, the rows' paths, each kernel's us
+    (printed as a line, returned as dicts)."""
+    results = []
+    for kind, settings in paths:
+        call = sweep.make_call(sweep.SweepPath(f"{kind} {settings}", kind, settings),
+                               inputs, None, MAX_TOKENS, seed)
+        gpu, host = gpu_and_host_us([call], 5, 20)
+        rows = call()
+        torch.cuda.synchronize()
+        kw = sweep.settings_kwargs(settings, BATCH)
+        may_window = capture_workspace.may_be_window(kw.get("top_k"), kw.get("top_p"),
+                                                     kw.get("min_p"), VOCAB)
+        result = {"dist": name, "seed": seed, "path": f"{kind} {settings}", "gpu_us": gpu,
+                  "host_us": host, **row_paths(seen[-1], rows, may_window),
+                  "kernels_us": stage_us(call)}
+        results.append(result)
+        top = " ".join(f"{k}:{v:.1f}" for k, v in list(result["kernels_us"].items())[:8])
+        print(f"{name:9s} {seed} {kind:7s} {settings:5s} GPU {gpu:6.1f} us | window "
+              f"{result['window']:3d} wide {result['wide']:3d} bracket max "
+              f"{result['bracket_max']:6d} whole-row {result['whole_row']:2d} cand max "
+              f"{result['cand_max_others']:5d} | size median {result['size_median']:6d} max "
+              f"{result['size_max']:6d} | {top}", flush=True)
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dists", default="", help="regex: the distributions to run")
     parser.add_argument("--json", help="write every row here too")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated input sets (sweep.py times sets 0-3; default 0)")
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch the kernels one after another: each kernel's own time")
     parser.add_argument("--paths", default=",".join(f"{k} {s}" for k, s in PATHS),
@@ -123,26 +158,9 @@ def main() -> int:
         for name, logits in dists.items():
             if name == "mix" or (args.dists and not re.search(args.dists, name)):
                 continue
-            inputs = sweep.InputSet(logits(0), 0, sorted({s for _, s in paths}))
-            for kind, settings in paths:
-                call = sweep.make_call(sweep.SweepPath(f"{kind} {settings}", kind, settings),
-                                       inputs, None, MAX_TOKENS, 0)
-                gpu, host = gpu_and_host_us([call], 5, 20)
-                rows = call()
-                torch.cuda.synchronize()
-                kw = sweep.settings_kwargs(settings, BATCH)
-                may_window = capture_workspace.may_be_window(kw.get("top_k"), kw.get("top_p"),
-                                                             kw.get("min_p"), VOCAB)
-                result = {"dist": name, "path": f"{kind} {settings}", "gpu_us": gpu,
-                          "host_us": host, **row_paths(seen[-1], rows, may_window),
-                          "kernels_us": stage_us(call)}
-                results.append(result)
-                top = " ".join(f"{k}:{v:.1f}" for k, v in list(result["kernels_us"].items())[:8])
-                print(f"{name:9s} {kind:7s} {settings:5s} GPU {gpu:6.1f} us | window "
-                      f"{result['window']:3d} wide {result['wide']:3d} whole-row "
-                      f"{result['whole_row']:2d} cand max {result['cand_max_others']:5d} | "
-                      f"size median {result['size_median']:6d} max {result['size_max']:6d} | "
-                      f"{top}", flush=True)
+            for seed in (int(seed) for seed in args.seeds.split(",")):
+                inputs = sweep.InputSet(logits(seed), seed, sorted({s for _, s in paths}))
+                results += run_paths(name, seed, inputs, paths, seen)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                "pdl": not args.no_pdl, "results": results},

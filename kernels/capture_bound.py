@@ -29,6 +29,7 @@ def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
         COLS=tuning.SAMPLE_COLS, K_SLACK=tuning.K_SLACK, P_MARGIN=tuning.P_MARGIN,
         WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS,
         INNER_MIN=tuning.WINDOW_INNER_MIN, INNER_MAX=tuning.WINDOW_INNER_MAX,
+        UNSURE=tuning.WINDOW_UNSURE,
         BELOW=tuning.WINDOW_BELOW, ABOVE=tuning.WINDOW_ABOVE, K_FLOOR_ONLY=tuning.K_FLOOR_ONLY,
         P_KEEP=tuning.P_KEEP, HEAVY=tuning.SAMPLE_HEAVY, PDL=pdl,
         num_warps=tuning.BOUND_WINDOW_WARPS if settings.window else tuning.BOUND_WARPS,
@@ -43,7 +44,7 @@ def _bound_kernel(
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
     PIVOTS: tl.constexpr, INNER_MIN: tl.constexpr, INNER_MAX: tl.constexpr,
-    BELOW: tl.constexpr, ABOVE: tl.constexpr,
+    UNSURE: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
     K_FLOOR_ONLY: tl.constexpr, P_KEEP: tl.constexpr, HEAVY: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
@@ -62,7 +63,11 @@ def _bound_kernel(
     ids above lo is a window row too, with no pivots: its cutoff is min_p x
     the row's max, exact once the candidate mark has the max, and the
     window mark, resolve and the window write take its support from the
-    whole row as a top-p window row's above its bracket."""
+    whole row as a top-p window row's above its bracket. A top-p-only row
+    whose count floor does not settle it is a window row too when its
+    sample places the top-p share loosely (a standard error of at least
+    UNSURE thousandths of mass): its floors may lie above its cutoff, and a
+    window row never falls back to the whole-row passes."""
     after_previous(PDL)  # the kernel before may have written probs
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCKS * COLS)
@@ -132,6 +137,9 @@ def _bound_kernel(
     if SEQUENTIAL:
         only_k = k_on
         floor_km = tl.maximum(floor_k, 1)
+    # a top-p-only row that its count floor leaves unsettled, whose sample
+    # places the top-p share loosely: a window row (below)
+    unsure = tl.zeros([], dtype=tl.int1)
     if p_on & ~only_k & ~greedy:  # (a row that takes top-k's floor alone needs no top-p floor)
         # A top-p-only row's floor is also low enough to keep P_KEEP ids by
         # the sample's count (floor_c): a heavy token in the sample, weighed
@@ -156,6 +164,7 @@ def _bound_kernel(
             floor_p = floor_c
         else:
             if p_window:
+                unsure = _share_error(w_mass, total, top_p) * 1000.0 >= UNSURE
                 floor_p, hi, center = _sample_keys_reaching3(
                     key, w_mass, above * total, (top_p - P_MARGIN) * total, top_p * total)
                 hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
@@ -167,7 +176,7 @@ def _bound_kernel(
     lo = tl.where(greedy, tl.maximum(top, 1), lo)
     window = tl.zeros([], dtype=tl.int32)
     if WINDOW:
-        many = _keeps_window_rows(key, lo, share, WINDOW_MIN)
+        many = _keeps_window_rows(key, lo, share, WINDOW_MIN) | unsure
         window = (may_be_window & ~greedy & many & (hi > lo)).to(tl.int32)
         if (window != 0) & p_window:
             # The pivots' spread: the width of [lo, hi), or twice that of
@@ -247,11 +256,21 @@ def _inner_span(w, total, top_p, P_MARGIN: tl.constexpr, INNER_MIN: tl.constexpr
     the expand and resolve); a row whose mass sits in a few sampled ids is
     placed loosely (wide: fewer brackets missed, each a refine's read)."""
     tl.static_assert((0 <= INNER_MIN) & (INNER_MIN <= INNER_MAX))
-    share = w / total  # (the weights' own scale would under- or overflow w * w)
-    n = 1.0 / tl.sum(share * share, axis=0)
-    scaled = tl.sqrt(top_p * (1.0 - top_p) / n) * (50.0 / P_MARGIN)
+    scaled = _share_error(w, total, top_p) * (50.0 / P_MARGIN)
     # (a NaN, from a row with no sampled mass, takes INNER_MIN)
     return tl.where(scaled > INNER_MIN, tl.minimum(scaled, INNER_MAX), INNER_MIN).to(tl.int32)
+
+
+@triton.jit
+def _share_error(w, total, top_p):
+    """The standard error of the sample's estimate of a top-p share,
+    sqrt(top_p (1 - top_p) / n), n the sample's effective size
+    (sum w)^2 / sum w^2: about 1/sqrt(ids) for a flat row, far more for a
+    row whose mass sits in a few sampled ids. NaN for a row with no sampled
+    mass."""
+    share = w / total  # (the weights' own scale would under- or overflow w * w)
+    n = 1.0 / tl.sum(share * share, axis=0)
+    return tl.sqrt(top_p * (1.0 - top_p) / n)
 
 
 @triton.jit

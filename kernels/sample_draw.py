@@ -108,11 +108,12 @@ def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, b
     the ids at or above ``b_hi`` (finite; the window mark summed their mass
     a chunk, ``above_mass``). t = u x (their total mass), in that order:
     the bracket's part, then chunk 0, 1, ...; the part t falls in is walked
-    id by id (a chunk read from ``probs``, twice: its float64 sum, to which
-    t is rescaled from the chunk's float32 one, then the walk; 32 KiB), and
-    the token is the first id whose running mass passes t. A t past a
-    part's walked mass (by the last rounding) takes its last id. -1 when
-    the support has no mass (the row is then INVALID)."""
+    id by id (for a chunk: its DRAW_BLOCK-id parts summed in float64 from
+    ``probs``, 32 KiB, t rescaled from the chunk's float32 sum to theirs,
+    then the one part t falls in walked, read again from L2), and the
+    token is the first id whose running mass passes t. A t past a part's
+    walked mass (by the last rounding) takes its last id. -1 when the
+    support has no mass (the row is then INVALID)."""
     NONE: tl.constexpr = 2147483647
     u = _uniform53(seed)
     # the bracket's part: its mass first, then (if t falls in it) the walk
@@ -146,17 +147,33 @@ def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, b
             t = t - tl.sum(tl.where(chunk_idx == chunk, through - above, 0.0), axis=0)
             # t is uniform over the window mark's float32 sum of the chunk;
             # rescaled to the walk's float64 sum, so that their rounding
-            # difference does not all fall on the chunk's last id
+            # difference does not all fall on the chunk's last id. One pass
+            # sums each part of the chunk (DRAW_BLOCK ids) in float64; only
+            # the part t falls in is walked id by id (a cumulative sum of
+            # one block, not of all CHUNK / DRAW_BLOCK).
+            PARTS: tl.constexpr = CHUNK // DRAW_BLOCK
+            part_idx = tl.arange(0, PARTS)
+            sums = tl.zeros([PARTS], dtype=tl.float64)
+            befores = tl.zeros([PARTS], dtype=tl.float64)
             walked = tl.zeros([], dtype=tl.float64)
-            for part in range(0, CHUNK, DRAW_BLOCK):
-                cols, w, up = _above_bracket(probs_ptr, row_start, vocab, chunk, part, b_hi,
-                                             CHUNK, DRAW_BLOCK)
-                walked += tl.sum(tl.where(up, w, 0.0).to(tl.float64), axis=0)
+            for part in range(PARTS):
+                _, w, up = _above_bracket(probs_ptr, row_start, vocab, chunk, part * DRAW_BLOCK,
+                                          b_hi, CHUNK, DRAW_BLOCK)
+                befores = tl.where(part_idx == part, walked, befores)
+                s = tl.sum(tl.where(up, w, 0.0).to(tl.float64), axis=0)
+                sums = tl.where(part_idx == part, s, sums)
+                walked += s
             t = t * (walked / tl.sum(tl.where(chunk_idx == chunk, above, 0.0), axis=0))
-            for part in range(0, CHUNK, DRAW_BLOCK):
-                cols, w, up = _above_bracket(probs_ptr, row_start, vocab, chunk, part, b_hi,
-                                             CHUNK, DRAW_BLOCK)
-                found, last, run = _crossing(w, cols, up, run, t, found, last, NONE)
+            # the first part whose mass passes t (by the same running sums
+            # the walk continues), else the last part with any
+            chosen = tl.min(tl.where((befores + sums > t) & (sums > 0.0), part_idx, PARTS),
+                            axis=0)
+            chosen = tl.where(chosen < PARTS, chosen,
+                              tl.max(tl.where(sums > 0.0, part_idx, 0), axis=0))
+            run = tl.sum(tl.where(part_idx == chosen, befores, 0.0), axis=0)
+            cols, w, up = _above_bracket(probs_ptr, row_start, vocab, chunk, chosen * DRAW_BLOCK,
+                                         b_hi, CHUNK, DRAW_BLOCK)
+            found, last, run = _crossing(w, cols, up, run, t, found, last, NONE)
     return tl.where(found < NONE, found, last)
 
 

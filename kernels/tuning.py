@@ -102,6 +102,17 @@ WINDOW_MIN = 4096
 WINDOW_PIVOTS = 8
 WINDOW_INNER_MIN = 15
 WINDOW_INNER_MAX = 40
+# A top-p-only row that its count floor (P_KEEP) does not settle, whose
+# sample places the top-p share with a standard error of at least
+# WINDOW_UNSURE thousandths of mass (rows whose mass sits in a few sampled
+# ids; flat rows ~4-5, the sweep's bf16 s3 rows ~50), is a window row
+# whatever the ids above its floor: its mass floor, at top_p + P_MARGIN,
+# lies within a standard error or two of the cutoff, and a row it misleads
+# takes the whole-row passes (~180 us of one program on the H100: a bf16 s3
+# top_p 0.9 row of 5,322 candidates, one in 1,024, set the sweep's worst
+# case, benchmarks/RESULTS.md "The per-row inner span and the draw's part
+# sums measured"); a window row never falls back.
+WINDOW_UNSURE = 25
 WINDOW_BELOW = 150
 WINDOW_ABOVE = 100
 # A bracket outside the inner pivots (wide) is narrowed by the exact masses

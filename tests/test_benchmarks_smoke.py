@@ -241,4 +241,7 @@ def test_bound_misled_counts_rows_and_applies_each_tuning():
     # P_KEEP's variant keeps fewer; the next variant, which does not set it,
     # keeps what the committed value keeps (P_KEEP was put back)
     assert kept[1] < kept[0] == kept[2], output
-    assert all(line[1] == "0" for line in lines), output  # peaked rows: no window rows
+    # peaked rows: no window rows while the count floor settles them; with
+    # 256 ids it does not, and the sample places their top-p share loosely
+    # (a few ids hold the mass): window rows (decision 58)
+    assert [line[1] for line in lines] == ["0", "4", "0"], output
