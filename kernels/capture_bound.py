@@ -29,7 +29,7 @@ def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
         COLS=tuning.SAMPLE_COLS, K_SLACK=tuning.K_SLACK, P_MARGIN=tuning.P_MARGIN,
         WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS,
         INNER_MIN=tuning.WINDOW_INNER_MIN, INNER_MAX=tuning.WINDOW_INNER_MAX,
-        UNSURE=tuning.WINDOW_UNSURE,
+        INNER_SCALE=tuning.WINDOW_INNER_SCALE, UNSURE=tuning.WINDOW_UNSURE,
         BELOW=tuning.WINDOW_BELOW, ABOVE=tuning.WINDOW_ABOVE, K_FLOOR_ONLY=tuning.K_FLOOR_ONLY,
         P_KEEP=tuning.P_KEEP, HEAVY=tuning.SAMPLE_HEAVY, PDL=pdl,
         num_warps=tuning.BOUND_WINDOW_WARPS if settings.window else tuning.BOUND_WARPS,
@@ -44,7 +44,7 @@ def _bound_kernel(
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
     PIVOTS: tl.constexpr, INNER_MIN: tl.constexpr, INNER_MAX: tl.constexpr,
-    UNSURE: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
+    INNER_SCALE: tl.constexpr, UNSURE: tl.constexpr, BELOW: tl.constexpr, ABOVE: tl.constexpr,
     K_FLOOR_ONLY: tl.constexpr, P_KEEP: tl.constexpr, HEAVY: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program per row: from a sample of the row (BLOCKS x COLS columns),
@@ -188,7 +188,8 @@ def _bound_kernel(
             # ids (a small vocabulary) has lo 1, pivots over every key
             span = tl.where(top_p + P_MARGIN < 1.0, hi.to(tl.int64) - lo,
                             2 * (hi.to(tl.int64) - center))
-            half = _inner_span(w_mass, total, top_p, P_MARGIN, INNER_MIN, INNER_MAX)
+            half = _inner_span(w_mass, total, top_p, P_MARGIN, INNER_MIN, INNER_MAX,
+                               INNER_SCALE)
             j = tl.arange(0, PIVOTS)
             tl.store(pivots_ptr + row * PIVOTS + j,
                      _window_pivots(center, span, j, PIVOTS, half, INNER_MAX, BELOW, ABOVE))
@@ -246,17 +247,17 @@ def _sample_keys_reaching3(key, w, target1, target2, target3):
 
 @triton.jit
 def _inner_span(w, total, top_p, P_MARGIN: tl.constexpr, INNER_MIN: tl.constexpr,
-                INNER_MAX: tl.constexpr):
+                INNER_MAX: tl.constexpr, INNER_SCALE: tl.constexpr):
     """A window row's inner pivots' half-width in hundredths of its sampled
-    range (which spans about 2 x P_MARGIN of the row's mass): the standard
-    error of the sample's estimate of the top-p share, sqrt(top_p (1 -
-    top_p) / n), n the sample's effective size (sum w)^2 / sum w^2, within
-    [INNER_MIN, INNER_MAX]. A flat row's thousands of like-sized sampled
+    range (which spans about 2 x P_MARGIN of the row's mass): INNER_SCALE
+    percent of the standard error of the sample's estimate of the top-p
+    share, sqrt(top_p (1 - top_p) / n), n the sample's effective size
+    (sum w)^2 / sum w^2, within [INNER_MIN, INNER_MAX]. A flat row's thousands of like-sized sampled
     ids place its cutoff closely (a narrow bracket: fewer candidates for
     the expand and resolve); a row whose mass sits in a few sampled ids is
     placed loosely (wide: fewer brackets missed, each a refine's read)."""
     tl.static_assert((0 <= INNER_MIN) & (INNER_MIN <= INNER_MAX))
-    scaled = _share_error(w, total, top_p) * (50.0 / P_MARGIN)
+    scaled = _share_error(w, total, top_p) * (50.0 / P_MARGIN * INNER_SCALE / 100)
     # (a NaN, from a row with no sampled mass, takes INNER_MIN)
     return tl.where(scaled > INNER_MIN, tl.minimum(scaled, INNER_MAX), INNER_MIN).to(tl.int32)
 

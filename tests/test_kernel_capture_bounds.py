@@ -447,16 +447,21 @@ def test_wide_brackets_refined(monkeypatch: pytest.MonkeyPatch, layout) -> None:
         assert (brackets.calls[0] < brackets.calls[1]).all(), brackets.calls
 
 
-def test_inner_pivots_follow_the_estimates_standard_error(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("scale, inner_max", [(100, 40), (150, 60)])
+def test_inner_pivots_follow_the_estimates_standard_error(monkeypatch: pytest.MonkeyPatch,
+                                                          scale: int, inner_max: int) -> None:
     """A window row's inner pivots span +-h hundredths of its sampled range,
     h the standard error of the sample's top-p share, sqrt(p (1 - p) / n)
     with n = (sum w)^2 / sum w^2, in hundredths of 2 x P_MARGIN of mass,
     within [WINDOW_INNER_MIN, WINDOW_INNER_MAX]: a flat row (n ~ V) takes
     the least, a row of ten heavy ids a wider one, a row of twenty heavier
-    ones the most. h is read back from the pivots the bound stored (the
-    inner pivots' spread against the outer ones'); rows equal the
+    ones the most; WINDOW_INNER_SCALE percent of it (the middle row's h
+    19 at 100, 28 at 150). h is read back from the pivots the bound stored
+    (the inner pivots' spread against the outer ones'); rows equal the
     reference."""
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    monkeypatch.setattr(tuning, "WINDOW_INNER_SCALE", scale)
+    monkeypatch.setattr(tuning, "WINDOW_INNER_MAX", inner_max)
     gen = torch.Generator().manual_seed(23)
     vocab = 6000  # under the sample's 8 x 1024 columns: the whole row is the sample
     body = torch.rand(3, vocab, generator=gen, dtype=torch.float64) + 0.5
@@ -480,6 +485,7 @@ def test_inner_pivots_follow_the_estimates_standard_error(monkeypatch: pytest.Mo
     w = probs.double()
     n = w.sum(1) ** 2 / (w * w).sum(1)
     scaled = (top_p * (1 - top_p) / n).sqrt() * 50 / tuning.P_MARGIN
+    scaled = scaled * tuning.WINDOW_INNER_SCALE / 100
     want = scaled.clamp(tuning.WINDOW_INNER_MIN, tuning.WINDOW_INNER_MAX).floor().tolist()
     assert want[0] == tuning.WINDOW_INNER_MIN < want[1] < want[2] == tuning.WINDOW_INNER_MAX
     assert all(abs(g - h) < 1 for g, h in zip(got, want, strict=True)), (got, want)
