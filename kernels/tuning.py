@@ -181,3 +181,7 @@ WINDOW_WRITE_SUB = 4096  # columns a step of the window write (a chunk in whole 
 # the window write's registers a thread (maxnreg): three programs a
 # multiprocessor without spills, where the compiler's choice fits two
 WINDOW_WRITE_REGISTERS = 80
+# A window write step whose fullest word holds at most WINDOW_WRITE_SPARSE
+# support ids places them by peeling each word's bits, not by ranking every
+# column (0: never). Off until measured: the next device script's part g.
+WINDOW_WRITE_SPARSE = 0

@@ -538,6 +538,35 @@ def test_window_rows_top_p_near_one(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (brackets.calls[0] < sizes // 4).all(), (brackets.calls, sizes)
 
 
+def test_window_write_sparse_steps_store_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window write's sparse steps (WINDOW_WRITE_SPARSE: a step whose
+    fullest word holds at most that many support ids peels each word's
+    bits instead of ranking every column) store the rows of the dense
+    steps bit for bit: a flat bitmask row (dense steps at 4, sparse at 32),
+    mid-size bitmask rows and an ids-form row, all window rows; and equal
+    the reference."""
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    window = WindowRows(monkeypatch)
+    gen = torch.Generator().manual_seed(41)
+    vocab = 2 * tuning.CHUNK + 900
+    scales = torch.tensor([[0.5], [2.5], [3.5], [3.0]])
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen) * scales, -1)
+    top_p = torch.tensor([0.9, 0.9, 0.6, 0.99])
+    rows = {}
+    for sparse in (0, 4, 32):
+        monkeypatch.setattr(tuning, "WINDOW_WRITE_SPARSE", sparse)
+        rows[sparse] = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
+    assert window.calls == [[1] * 4] * 3
+    assert rows[0].forms.cpu().tolist() == [1, 1, 0, 1]
+    dense = rows[0]
+    for got in rows.values():
+        for field in ("offsets", "id_offsets", "sizes", "forms", "status"):
+            assert torch.equal(getattr(got, field), getattr(dense, field)), field
+        n, m = int(dense.offsets[-1]), int(dense.id_offsets[-1])
+        assert torch.equal(got.values[:n].view(torch.int32), dense.values[:n].view(torch.int32))
+        assert torch.equal(got.ids[:m], dense.ids[:m])
+
+
 def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """A window row whose exact support turns out small (its large values
     all outside the sampled blocks, so the sample expects thousands of ids):
