@@ -66,8 +66,9 @@ def _bound_kernel(
     whole row as a top-p window row's above its bracket. A top-p-only row
     whose count floor does not settle it is a window row too when its
     sample places the top-p share loosely (a standard error of at least
-    UNSURE thousandths of mass): its floors may lie above its cutoff, and a
-    window row never falls back to the whole-row passes."""
+    UNSURE thousandths of mass, corrected for the share of the row sampled:
+    none when the sample is the whole row): its floors may lie above its
+    cutoff, and a window row never falls back to the whole-row passes."""
     after_previous(PDL)  # the kernel before may have written probs
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCKS * COLS)
@@ -164,7 +165,9 @@ def _bound_kernel(
             floor_p = floor_c
         else:
             if p_window:
-                unsure = _share_error(w_mass, total, top_p) * 1000.0 >= UNSURE
+                # (times sqrt(1 - share): a sample of the whole row is exact)
+                unsure = (_share_error(w_mass, total, top_p) * tl.sqrt(1.0 - share) * 1000.0
+                          >= UNSURE)
                 floor_p, hi, center = _sample_keys_reaching3(
                     key, w_mass, above * total, (top_p - P_MARGIN) * total, top_p * total)
                 hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1

@@ -151,6 +151,7 @@ def _window_row_draw(probs_ptr, row_start, vocab, cand_vals_ptr, cand_ids_ptr, b
             # sums each part of the chunk (DRAW_BLOCK ids) in float64; only
             # the part t falls in is walked id by id (a cumulative sum of
             # one block, not of all CHUNK / DRAW_BLOCK).
+            tl.static_assert(CHUNK % DRAW_BLOCK == 0, "a chunk's walk takes whole parts")
             PARTS: tl.constexpr = CHUNK // DRAW_BLOCK
             part_idx = tl.arange(0, PARTS)
             sums = tl.zeros([PARTS], dtype=tl.float64)

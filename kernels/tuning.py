@@ -110,7 +110,8 @@ WINDOW_INNER_SCALE = 100
 # A top-p-only row that its count floor (P_KEEP) does not settle, whose
 # sample places the top-p share with a standard error of at least
 # WINDOW_UNSURE thousandths of mass (rows whose mass sits in a few sampled
-# ids; flat rows ~4-5, the sweep's bf16 s3 rows ~50), is a window row
+# ids; flat rows ~4-9, the sweep's bf16 s3 rows ~40; times sqrt(1 - the
+# sampled share of the row), none for a row sampled whole), is a window row
 # whatever the ids above its floor: its mass floor, at top_p + P_MARGIN,
 # lies within a standard error or two of the cutoff, and a row it misleads
 # takes the whole-row passes (~180 us of one program on the H100: a bf16 s3

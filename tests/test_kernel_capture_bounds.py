@@ -495,28 +495,37 @@ def test_inner_pivots_follow_the_estimates_standard_error(monkeypatch: pytest.Mo
 def test_a_row_its_sample_places_loosely_is_a_window_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """A top-p-only row that its count floor leaves unsettled, whose sample
     places its top-p share with a standard error of WINDOW_UNSURE
-    thousandths or more (20 heavy ids holding 60% of its mass: ~66), is a
-    window row though its floor keeps fewer ids than WINDOW_MIN: its mass
-    floor could lie above the cutoff of a row the sample misjudged, and a
-    window row never falls back to the whole-row passes. A flat row with a
-    like floor (error ~5) is not; with the rule off neither is, and the
-    rows equal the reference either way."""
-    monkeypatch.setattr(tuning, "WINDOW_MIN", 2048)
+    thousandths or more (20 heavy ids holding 60% of its mass, a sample of
+    41% of the row), is a window row though its floor keeps fewer ids than
+    WINDOW_MIN: its mass floor could lie above the cutoff of a row the
+    sample misjudged, and a window row never falls back to the whole-row
+    passes. A flat row with a like floor (error ~3) is not; with the rule
+    off neither is; nor is the heavy row in a vocabulary the sample holds
+    whole (its estimates are exact). The rows equal the reference."""
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 4096)
     monkeypatch.setattr(tuning, "P_KEEP", 256)
     window = WindowRows(monkeypatch)
     gen = torch.Generator().manual_seed(31)
-    vocab = 6000  # under the sample's 8 x 1024 columns: the whole row is the sample
+    vocab = 20000  # the sample (8 x 1024 columns) is 41% of the row
     body = torch.rand(2, vocab, generator=gen, dtype=torch.float64) + 0.5
     body[0] *= 0.4 / body[0].sum()
     body[0, torch.randperm(vocab, generator=gen)[:20]] = 0.6 / 20
     probs = (body / body.sum(1, keepdim=True)).float()
-    top_p = torch.tensor([0.6, 0.2])
+    top_p = torch.tensor([0.6, 0.1])
     for unsure, flags in ((tuning.WINDOW_UNSURE, [1, 0]), (10**6, [0, 0])):
         monkeypatch.setattr(tuning, "WINDOW_UNSURE", unsure)
         got = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
         assert window.calls[-1] == flags, (unsure, window.calls)
         # neither floor keeps WINDOW_MIN ids: both rows' supports lie under it
         assert (got.sizes.cpu() < tuning.WINDOW_MIN).all(), got.sizes
+    monkeypatch.setattr(tuning, "WINDOW_UNSURE", 25)
+    whole = 6000  # under the sample's 8 x 1024 columns: the whole row is the sample
+    body = torch.rand(1, whole, generator=gen, dtype=torch.float64) + 0.5
+    body *= 0.4 / body.sum()
+    body[0, torch.randperm(whole, generator=gen)[:20]] = 0.6 / 20
+    probs = (body / body.sum(1, keepdim=True)).float()
+    run_both(probs, probs.argmax(1), top_p=0.6, max_tokens=whole)
+    assert window.calls[-1] == [0], window.calls
 
 
 def test_window_rows_top_p_near_one(monkeypatch: pytest.MonkeyPatch) -> None:
