@@ -141,6 +141,7 @@ def _bound_kernel(
     # a top-p-only row that its count floor leaves unsettled, whose sample
     # places the top-p share loosely: a window row (below)
     unsure = tl.zeros([], dtype=tl.int1)
+    error = tl.zeros([], dtype=tl.float32)  # the top-p share's standard error (_share_error)
     if p_on & ~only_k & ~greedy:  # (a row that takes top-k's floor alone needs no top-p floor)
         # A top-p-only row's floor is also low enough to keep P_KEEP ids by
         # the sample's count (floor_c): a heavy token in the sample, weighed
@@ -165,9 +166,9 @@ def _bound_kernel(
             floor_p = floor_c
         else:
             if p_window:
+                error = _share_error(w_mass, total, top_p)
                 # (times sqrt(1 - share): a sample of the whole row is exact)
-                unsure = (_share_error(w_mass, total, top_p) * tl.sqrt(1.0 - share) * 1000.0
-                          >= UNSURE)
+                unsure = error * tl.sqrt(1.0 - share) * 1000.0 >= UNSURE
                 floor_p, hi, center = _sample_keys_reaching3(
                     key, w_mass, above * total, (top_p - P_MARGIN) * total, top_p * total)
                 hi += BOUND_STEP  # the top of the key's bucket: at least the exact key + 1
@@ -188,11 +189,11 @@ def _bound_kernel(
             # holds the count floor too: a row whose mass floor, center and
             # hi share a heavy id's bucket keeps a spread wider than the
             # bound's resolution (BOUND_STEP); a row of fewer than P_KEEP
-            # ids (a small vocabulary) has lo 1, pivots over every key
+            # ids (a small vocabulary) has lo 1, pivots over every key. (A
+            # top-p window row was never settled: its error is set above.)
             span = tl.where(top_p + P_MARGIN < 1.0, hi.to(tl.int64) - lo,
                             2 * (hi.to(tl.int64) - center))
-            half = _inner_span(w_mass, total, top_p, P_MARGIN, INNER_MIN, INNER_MAX,
-                               INNER_SCALE)
+            half = _inner_span(error, P_MARGIN, INNER_MIN, INNER_MAX, INNER_SCALE)
             j = tl.arange(0, PIVOTS)
             tl.store(pivots_ptr + row * PIVOTS + j,
                      _window_pivots(center, span, j, PIVOTS, half, INNER_MAX, BELOW, ABOVE))
@@ -249,18 +250,18 @@ def _sample_keys_reaching3(key, w, target1, target2, target3):
 
 
 @triton.jit
-def _inner_span(w, total, top_p, P_MARGIN: tl.constexpr, INNER_MIN: tl.constexpr,
+def _inner_span(error, P_MARGIN: tl.constexpr, INNER_MIN: tl.constexpr,
                 INNER_MAX: tl.constexpr, INNER_SCALE: tl.constexpr):
     """A window row's inner pivots' half-width in hundredths of its sampled
     range (which spans about 2 x P_MARGIN of the row's mass): INNER_SCALE
     percent of the standard error of the sample's estimate of the top-p
-    share, sqrt(top_p (1 - top_p) / n), n the sample's effective size
-    (sum w)^2 / sum w^2, within [INNER_MIN, INNER_MAX]. A flat row's thousands of like-sized sampled
-    ids place its cutoff closely (a narrow bracket: fewer candidates for
-    the expand and resolve); a row whose mass sits in a few sampled ids is
-    placed loosely (wide: fewer brackets missed, each a refine's read)."""
+    share (``error``, _share_error's), within [INNER_MIN, INNER_MAX]. A
+    flat row's thousands of like-sized sampled ids place its cutoff closely
+    (a narrow bracket: fewer candidates for the expand and resolve); a row
+    whose mass sits in a few sampled ids is placed loosely (wide: fewer
+    brackets missed, each a refine's read)."""
     tl.static_assert((0 <= INNER_MIN) & (INNER_MIN <= INNER_MAX))
-    scaled = _share_error(w, total, top_p) * (50.0 / P_MARGIN * INNER_SCALE / 100)
+    scaled = error * (50.0 / P_MARGIN * INNER_SCALE / 100)
     # (a NaN, from a row with no sampled mass, takes INNER_MIN)
     return tl.where(scaled > INNER_MIN, tl.minimum(scaled, INNER_MAX), INNER_MIN).to(tl.int32)
 

@@ -257,9 +257,8 @@ def _window_write_kernel(
                     word_rank = base + tl.cumsum(per_word, axis=0) - per_word
                     base += tl.sum(per_word, axis=0)
                     if bitmask:
-                        word = (chunk * CHUNK + part * SUB) // 32 + word_idx
-                        tl.store(out_ids_ptr + id_dst + word, words,
-                                 mask=word < (vocab + 31) // 32)
+                        _store_words(out_ids_ptr + id_dst, words, chunk * CHUNK + part * SUB,
+                                     word_idx, vocab)
                     _place_sparse(probs_ptr + row.to(tl.int64) * stride_row,
                                   chunk * CHUNK + part * SUB + word_idx * 32, words, word_rank,
                                   fullest, logz, bitmask, out_vals_ptr + dst,
@@ -298,11 +297,18 @@ def _dense_step(keep, words, w, cols, word_idx, bit_idx, base, logz, bitmask, fi
     keep = tl.reshape(keep, [SUB])
     tl.store(vals_ptr + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
     if bitmask:
-        word = first_col // 32 + word_idx
-        tl.store(ids_ptr + word, words, mask=word < (vocab + 31) // 32)
+        _store_words(ids_ptr, words, first_col, word_idx, vocab)
     else:
         tl.store(ids_ptr + rank, tl.reshape(cols, [SUB]), mask=keep)
     return base
+
+
+@triton.jit
+def _store_words(ids_ptr, words, first_col, word_idx, vocab):
+    """A bitmask row's words of a window write step (from column first_col),
+    at their places in the row's ``ceil(V/32)``."""
+    word = first_col // 32 + word_idx
+    tl.store(ids_ptr + word, words, mask=word < (vocab + 31) // 32)
 
 
 @triton.jit
