@@ -52,7 +52,8 @@ def launch_window(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWor
     launch(_window_mark_kernel, (batch, ws.n_chunks),
         probs, probs.stride(0), vocab, ws.window, ws.bracket, ws.refine_keys, ws.refine_mass,
         ws.bits, ws.counts, ws.above_mass, ws.above_count, ws.n_chunks, CHUNK=tuning.CHUNK,
-        CHUNKS_PAD=chunks_pad, REFINE=tuning.WINDOW_REFINE, PDL=pdl,
+        CHUNKS_PAD=chunks_pad, REFINE=tuning.WINDOW_REFINE, REVERSED=tuning.WINDOW_MARK_REVERSED,
+        PDL=pdl,
         num_warps=tuning.WINDOW_MARK_WARPS, **launch_options(pdl),
     )
 
@@ -178,7 +179,8 @@ def _window_refine_kernel(
 def _window_mark_kernel(
     probs_ptr, stride_row, vocab, window_ptr, bracket_ptr, refine_keys_ptr, refine_mass_ptr,
     bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr, n_chunks,
-    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, REFINE: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, REFINE: tl.constexpr,
+    REVERSED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c), window rows only (top-p without top-k, a support of
     thousands of ids), after _window_bracket_kernel (and, for a wide
@@ -187,9 +189,17 @@ def _window_mark_kernel(
     [b_lo, b_hi), min-p's key a floor under it, plus its bad values, and
     sums the count and mass of the ids at or above b_hi (all in the
     support). The row's first program stores the final bracket for
-    resolve."""
+    resolve.
+
+    REVERSED: program (b, c) takes chunk n_chunks - 1 - c. Programs start
+    in the order of their index, rows fastest, so the candidate mark read
+    the rows' last chunks last: taken first here, they may still be in L2
+    (and this kernel's own last reads, the first chunks, are the window
+    write's first)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    if REVERSED:
+        chunk = n_chunks - 1 - chunk
     # A window row's chunk is read before the wait for the kernels before,
     # overlapping their end: its flag is the bound's, which finished before
     # the kernel before this one began (read from L2: ".cg")

@@ -14,7 +14,6 @@ import triton.language as tl
 from . import tuning
 from .capture_mark import _chunk_tile
 from .capture_workspace import CaptureSettings, CaptureWorkspace
-from .compact import _peel
 from .direct import Claim
 from .float_bits import INF_KEY, log_any, popcount
 from .launch import after_previous, compiled_for_nvidia, launch, launch_options, register_cap
@@ -59,7 +58,7 @@ def launch_window_write(probs: torch.Tensor, ws: CaptureWorkspace, rows: Rows,
     launch(_window_write_kernel, (batch, ws.n_chunks),
         probs, probs.stride(0), vocab, ws.window_ok, ws.cutoff, ws.logz, rows.forms, ws.before,
         ws.n_chunks, rows.offsets, rows.id_offsets, rows.ids, rows.values, CHUNK=tuning.CHUNK,
-        SUB=tuning.WINDOW_WRITE_SUB, SPARSE=tuning.WINDOW_WRITE_SPARSE, FAST=nvidia, PDL=pdl,
+        SUB=tuning.WINDOW_WRITE_SUB, FAST=nvidia, PDL=pdl,
         num_warps=tuning.WINDOW_WRITE_WARPS,
         **register_cap(nvidia, tuning.WINDOW_WRITE_REGISTERS), **launch_options(pdl),
     )
@@ -200,7 +199,7 @@ def _or_in_word(word_a, bits_a, word_b, bits_b):
 def _window_write_kernel(
     probs_ptr, stride_row, vocab, window_ok_ptr, cutoff_ptr, logz_ptr, forms_ptr, before_ptr,
     n_chunks, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, CHUNK: tl.constexpr,
-    SUB: tl.constexpr, SPARSE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    SUB: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c), window rows only: the support in columns
     [c*CHUNK, (c+1)*CHUNK) of row b, every finite w at or above the row's
@@ -209,15 +208,7 @@ def _window_write_kernel(
     at id_offsets[b], and ``log(w) - log(Z)`` at offsets[b] + before[b, c] +
     the rank in the chunk (the set bits of the words before and below it).
     before, the support's ids in the chunks before c, comes from resolve,
-    so no pass counts them first.
-
-    SPARSE (0: off): a step whose fullest word holds at most SPARSE support
-    ids places them word by word, peeling each word's lowest set bit four
-    times a round (the expand kernel's way), each id's w read again from
-    the chunk just loaded (L1/L2), instead of ranking, taking the log of
-    and storing every one of the step's SUB columns: a mid-size support
-    (a few ids a word) pays for its ids, not for the columns. Both ways
-    store the same bits."""
+    so no pass counts them first."""
     tl.static_assert(CHUNK % SUB == 0, "the window write takes a chunk in whole steps")
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -243,36 +234,15 @@ def _window_write_kernel(
             # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
             keep = (key >= cutoff) & (key < INF_KEY)
             words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-            if SPARSE == 0:
-                base = _dense_step(keep, words, w, cols, word_idx, bit_idx, base, logz, bitmask,
-                                   chunk * CHUNK + part * SUB, vocab, out_vals_ptr + dst,
-                                   out_ids_ptr + id_dst, SUB, FAST)
-            else:
-                if FAST:
-                    per_word = _popc(words)
-                else:
-                    per_word = popcount(words.to(tl.uint32, bitcast=True))
-                fullest = tl.max(per_word, axis=0)
-                if fullest <= SPARSE:
-                    word_rank = base + tl.cumsum(per_word, axis=0) - per_word
-                    base += tl.sum(per_word, axis=0)
-                    if bitmask:
-                        _store_words(out_ids_ptr + id_dst, words, chunk * CHUNK + part * SUB,
-                                     word_idx, vocab)
-                    _place_sparse(probs_ptr + row.to(tl.int64) * stride_row,
-                                  chunk * CHUNK + part * SUB + word_idx * 32, words, word_rank,
-                                  fullest, logz, bitmask, out_vals_ptr + dst,
-                                  out_ids_ptr + id_dst, FAST)
-                else:
-                    base = _dense_step(keep, words, w, cols, word_idx, bit_idx, base, logz,
-                                       bitmask, chunk * CHUNK + part * SUB, vocab,
-                                       out_vals_ptr + dst, out_ids_ptr + id_dst, SUB, FAST)
+            base = _write_step(keep, words, w, cols, word_idx, bit_idx, base, logz, bitmask,
+                               chunk * CHUNK + part * SUB, vocab, out_vals_ptr + dst,
+                               out_ids_ptr + id_dst, SUB, FAST)
 
 
 @triton.jit
-def _dense_step(keep, words, w, cols, word_idx, bit_idx, base, logz, bitmask, first_col, vocab,
+def _write_step(keep, words, w, cols, word_idx, bit_idx, base, logz, bitmask, first_col, vocab,
                 vals_ptr, ids_ptr, SUB: tl.constexpr, FAST: tl.constexpr):
-    """The window write's step over all its SUB columns: each kept column's
+    """A window write step over its SUB columns: each kept column's
     rank (the set bits of the words before and below it), its logprob and
     (ids form) its id stored there, the step's words (bitmask form); the
     rank base after the step."""
@@ -309,42 +279,6 @@ def _store_words(ids_ptr, words, first_col, word_idx, vocab):
     at their places in the row's ``ceil(V/32)``."""
     word = first_col // 32 + word_idx
     tl.store(ids_ptr + word, words, mask=word < (vocab + 31) // 32)
-
-
-@triton.jit
-def _place_sparse(row_ptr, col_base, words, slots, fullest, logz, bitmask, vals_ptr, ids_ptr,
-                  FAST: tl.constexpr):
-    """The window write's sparse step: each word's support ids, lowest bit
-    first, four a round (fullest: the most any word holds), their w read
-    again (the step's columns were just loaded) and ``log(w) - logz``
-    stored at the word's rank plus the id's place in the word; the ids too
-    unless the row is a bitmask."""
-    left = words.to(tl.uint32, bitcast=True)
-    for _ in range(0, fullest, 4):
-        cols_a, live_a, left = _peel(left, col_base)
-        cols_b, live_b, left = _peel(left, col_base)
-        cols_c, live_c, left = _peel(left, col_base)
-        cols_d, live_d, left = _peel(left, col_base)
-        _store_sparse(row_ptr, cols_a, live_a, slots, logz, bitmask, vals_ptr, ids_ptr, FAST)
-        _store_sparse(row_ptr, cols_b, live_b, slots + 1, logz, bitmask, vals_ptr, ids_ptr, FAST)
-        _store_sparse(row_ptr, cols_c, live_c, slots + 2, logz, bitmask, vals_ptr, ids_ptr, FAST)
-        _store_sparse(row_ptr, cols_d, live_d, slots + 3, logz, bitmask, vals_ptr, ids_ptr, FAST)
-        slots += 4
-
-
-@triton.jit
-def _store_sparse(row_ptr, cols, live, slots, logz, bitmask, vals_ptr, ids_ptr,
-                  FAST: tl.constexpr):
-    """One peel of the sparse step: the peeled ids' logprobs (the same
-    float32 w and log as the dense step's) at their slots, and their ids
-    for an ids-form row."""
-    w = tl.load(row_ptr + cols, mask=live, other=1.0).to(tl.float32)
-    if FAST:
-        logw = _log_approx(w)
-    else:
-        logw = log_any(w)
-    tl.store(vals_ptr + slots, logw - logz, mask=live)
-    tl.store(ids_ptr + slots, cols, mask=tl.where(bitmask, False, live))
 
 
 @triton.jit

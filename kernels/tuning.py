@@ -105,7 +105,9 @@ WINDOW_INNER_MAX = 40
 # h is INNER_SCALE percent of that standard error (an A/B knob: on the
 # H100, rows of s2 logits at top_p 0.6 had wide brackets in 136 of 256 rows
 # at 100, where one standard error would miss about a third; their capture
-# took 318.0 us at h 40 for every row against ~346 with h their own)
+# took 318.0 us at h 40 for every row against ~346 with h their own; at
+# 150 / 200 percent the worst cases of capture top_p 0.6 / 0.99 went
+# 347.7 / 374.1 -> 331.7 / 403.5 -> 323.2 / 434.8 us: 100 is kept)
 WINDOW_INNER_SCALE = 100
 # A top-p-only row that its count floor (P_KEEP) does not settle, whose
 # sample places the top-p share with a standard error of at least
@@ -117,7 +119,10 @@ WINDOW_INNER_SCALE = 100
 # takes the whole-row passes (~180 us of one program on the H100: a bf16 s3
 # top_p 0.9 row of 5,322 candidates, one in 1,024, set the sweep's worst
 # case, benchmarks/RESULTS.md "The per-row inner span and the draw's part
-# sums measured"); a window row never falls back.
+# sums measured"); a window row never falls back. On the H100 (one call,
+# off / on): that case 381.8 -> 335.0 us, the s5 calls at top_p 0.9 (one
+# or two new window rows) 1.07-1.13x, under 200 us; at 60 they gain ~8%
+# and the misled row is still a window row, with no margin left.
 WINDOW_UNSURE = 25
 WINDOW_BELOW = 150
 WINDOW_ABOVE = 100
@@ -130,6 +135,15 @@ BRACKET_WARPS = 4
 REFINE_PROGRAMS_PER_SM = 8
 REFINE_PROGRAMS_INTERPRETED = 2
 WINDOW_MARK_WARPS = 8  # the window mark's and the refine's
+# The window mark takes a row's chunks last to first (1) or first to last
+# (0): the candidate mark before it read every row's last chunks last (its
+# programs start rows fastest, chunk by chunk), and a chunk the window mark
+# reads while it is still in L2 (50 MB, about six of the 19 chunks of 256
+# rows) costs no read of memory; the window write after it starts at the
+# first chunks, the window mark's last. On the H100, one call, 0 / 1 / 0:
+# the top-p and min-p paths' worst cases 0.978-0.994x, flat rows 1.5-2.2%
+# faster, peaked rows the same (decision 60).
+WINDOW_MARK_REVERSED = 1
 
 # --------------------------------------------------------- capture: resolve
 RESOLVE_BLOCK = 4096  # candidates held in registers by a resolve program
@@ -182,7 +196,3 @@ WINDOW_WRITE_SUB = 4096  # columns a step of the window write (a chunk in whole 
 # the window write's registers a thread (maxnreg): three programs a
 # multiprocessor without spills, where the compiler's choice fits two
 WINDOW_WRITE_REGISTERS = 80
-# A window write step whose fullest word holds at most WINDOW_WRITE_SPARSE
-# support ids places them by peeling each word's bits, not by ranking every
-# column (0: never). Off until measured: the next device script's part g.
-WINDOW_WRITE_SPARSE = 0

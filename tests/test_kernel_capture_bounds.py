@@ -551,27 +551,25 @@ def test_window_rows_top_p_near_one(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (brackets.calls[0] < sizes // 4).all(), (brackets.calls, sizes)
 
 
-def test_window_write_sparse_steps_store_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The window write's sparse steps (WINDOW_WRITE_SPARSE: a step whose
-    fullest word holds at most that many support ids peels each word's
-    bits instead of ranking every column) store the rows of the dense
-    steps bit for bit: a flat bitmask row (dense steps at 4, sparse at 32),
-    mid-size bitmask rows and an ids-form row, all window rows; and equal
-    the reference."""
+def test_window_mark_in_either_chunk_order_keeps_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window mark taking each row's chunks last to first
+    (WINDOW_MARK_REVERSED, for the chunks the candidate mark left in L2)
+    marks the same ids, counts and sums as first to last: rows of three
+    chunks, flat and mid-size, equal bit for bit, and the reference."""
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     window = WindowRows(monkeypatch)
-    gen = torch.Generator().manual_seed(41)
+    gen = torch.Generator().manual_seed(43)
     vocab = 2 * tuning.CHUNK + 900
-    scales = torch.tensor([[0.5], [2.5], [3.5], [3.0]])
-    probs = torch.softmax(torch.randn(4, vocab, generator=gen) * scales, -1)
-    top_p = torch.tensor([0.9, 0.9, 0.6, 0.99])
+    probs = torch.softmax(torch.randn(3, vocab, generator=gen)
+                          * torch.tensor([[0.5], [2.5], [1.0]]), -1)
+    top_p = torch.tensor([0.9, 0.6, 0.99])
     written = {}
-    for sparse in (0, 4, 32):
-        monkeypatch.setattr(tuning, "WINDOW_WRITE_SPARSE", sparse)
-        written[sparse] = bits(run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab))
-    assert window.calls == [[1] * 4] * 3
-    assert written[0]["forms"] == [1, 1, 0, 1]
-    assert written[4] == written[0] and written[32] == written[0]
+    for reversed_order in (0, 1):
+        monkeypatch.setattr(tuning, "WINDOW_MARK_REVERSED", reversed_order)
+        written[reversed_order] = bits(run_both(probs, probs.argmax(1), top_p=top_p,
+                                                max_tokens=vocab))
+    assert window.calls == [[1] * 3] * 2
+    assert written[1] == written[0]
 
 
 def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -965,7 +963,7 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         capture_window._window_mark_kernel[(batch, n_chunks)](
             probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, bits,
             counts, above_mass, above_count, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
-            REFINE=refine, PDL=False, num_warps=4)
+            REFINE=refine, REVERSED=0, PDL=False, num_warps=4)
         final = capture_workspace.B_FINAL_LO.value
         b_lo, b_hi = bracket.cpu().view(batch, record)[:, final:final + 2].long().unbind(1)
         assert (b_lo >= 1).all() and (b_hi <= inf_key).all()
