@@ -46,7 +46,8 @@ def launch_window(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWor
     )
     launch(_window_refine_kernel, (min(batch * ws.n_chunks, refine_programs(probs.device)),),
         probs, probs.stride(0), vocab, ws.wide_count, ws.wide_rows, ws.refine_keys,
-        ws.refine_mass, ws.n_chunks, CHUNK=tuning.CHUNK, REFINE=tuning.WINDOW_REFINE, PDL=pdl,
+        ws.refine_mass, ws.n_chunks, CHUNK=tuning.CHUNK, REFINE=tuning.WINDOW_REFINE,
+        ORDER=tuning.REFINE_ORDER, PDL=pdl,
         num_warps=tuning.WINDOW_MARK_WARPS, **launch_options(pdl),
     )
     launch(_window_mark_kernel, (batch, ws.n_chunks),
@@ -157,18 +158,32 @@ def _top_p_target(top_p, mass):
 @triton.jit
 def _window_refine_kernel(
     probs_ptr, stride_row, vocab, wide_count_ptr, wide_rows_ptr, refine_keys_ptr,
-    refine_mass_ptr, n_chunks, CHUNK: tl.constexpr, REFINE: tl.constexpr, PDL: tl.constexpr,
+    refine_mass_ptr, n_chunks, CHUNK: tl.constexpr, REFINE: tl.constexpr, ORDER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The chunks of the rows with a wide bracket (listed by
     _window_bracket_kernel), shared out over the programs: each chunk's
     mass at or above each of its row's REFINE refining keys. A fixed grid
     of a few programs an SM (refine_programs), not one a chunk of every
-    row: wide rows are rare."""
+    row: wide rows are rare.
+
+    ORDER (tuning.REFINE_ORDER), the order the programs take the items
+    in: 0 row by row (each row's chunks in turn), 1 chunk by chunk from
+    the first (every wide row's first chunk, then their second, ...), 2
+    chunk by chunk from the last (where the candidate mark ended: its
+    last chunks may still be in L2)."""
     after_previous(PDL)
-    items = tl.load(wide_count_ptr) * n_chunks
+    wide = tl.load(wide_count_ptr)
+    items = wide * n_chunks
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        row = tl.load(wide_rows_ptr + item // n_chunks)
-        chunk = item % n_chunks
+        if ORDER == 0:
+            row = tl.load(wide_rows_ptr + item // n_chunks)
+            chunk = item % n_chunks
+        else:
+            row = tl.load(wide_rows_ptr + item % wide)
+            chunk = item // wide
+            if ORDER == 2:
+                chunk = n_chunks - 1 - chunk
         _, _, _, w, _ = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
         slot = row * n_chunks + chunk
         _masses_above(_good_tile(w), refine_keys_ptr + row * REFINE,

@@ -875,6 +875,37 @@ def test_full_vocab_top_p_only_window_rows(monkeypatch: pytest.MonkeyPatch) -> N
         torch.testing.assert_close(values, match[0][1], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_refine_sums_each_wide_chunk_in_any_order(order: int) -> None:
+    """The window refine (a fixed grid sharing out the listed wide rows'
+    chunks; REFINE_ORDER row by row, or chunk by chunk from the first or
+    the last) stores each chunk's mass at or above each of its row's keys
+    in that chunk's slot, and nothing in the slots of rows not listed:
+    three chunks a row, every chunk holding mass above the keys."""
+    chunk, refine, batch = tuning.CHUNK, tuning.WINDOW_REFINE, 3
+    vocab = 2 * chunk + 700
+    n_chunks = triton.cdiv(vocab, chunk)
+    gen = torch.Generator().manual_seed(47)
+    probs = torch.softmax(torch.randn(batch, vocab, generator=gen), -1)
+    # keys between the rows' quantiles, so that every chunk counts
+    quantiles = torch.quantile(probs, torch.linspace(0.2, 0.95, refine), dim=1).T
+    keys = quantiles.contiguous().view(torch.int32)
+    wide_rows = torch.tensor([2, 0], dtype=torch.int32)
+    refine_mass = torch.full((batch * n_chunks * refine,), -1.0, device=DEVICE)
+    capture_window._window_refine_kernel[(3,)](
+        probs.to(DEVICE), vocab, vocab, torch.tensor([2], dtype=torch.int32, device=DEVICE),
+        wide_rows.to(DEVICE), keys.flatten().to(DEVICE), refine_mass, n_chunks, CHUNK=chunk,
+        REFINE=refine, ORDER=order, PDL=False, num_warps=4)
+    got = refine_mass.cpu().view(batch, n_chunks, refine)
+    for row in (0, 2):
+        for c in range(n_chunks):
+            part = probs[row, c * chunk:(c + 1) * chunk]
+            want = torch.stack([part[part.view(torch.int32) >= k].sum() for k in keys[row]])
+            assert torch.allclose(got[row, c], want, rtol=1e-5), (row, c)
+            assert (want > 0).all()
+    assert (got[1] == -1.0).all()  # row 1 is not listed
+
+
 @pytest.mark.parametrize("window", [False, True])
 def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
     """The candidate mark's one integer test of the float bits keeps exactly
@@ -959,7 +990,7 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         assert sorted(wide_rows.cpu()[:int(wide_count)].tolist()) == wide.tolist()
         capture_window._window_refine_kernel[(3,)](
             probs, probs.stride(0), vocab, wide_count, wide_rows, refine_keys, refine_mass,
-            n_chunks, CHUNK=chunk, REFINE=refine, PDL=False, num_warps=4)
+            n_chunks, CHUNK=chunk, REFINE=refine, ORDER=0, PDL=False, num_warps=4)
         capture_window._window_mark_kernel[(batch, n_chunks)](
             probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, bits,
             counts, above_mass, above_count, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
