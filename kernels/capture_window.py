@@ -171,7 +171,8 @@ def _window_refine_kernel(
     in: 0 row by row (each row's chunks in turn), 1 chunk by chunk from
     the first (every wide row's first chunk, then their second, ...), 2
     chunk by chunk from the last (where the candidate mark ended: its
-    last chunks may still be in L2)."""
+    last chunks may still be in L2). 1 and 2 measured alike, both faster
+    than 0 (tuning.REFINE_ORDER)."""
     after_previous(PDL)
     wide = tl.load(wide_count_ptr)
     items = wide * n_chunks
@@ -203,8 +204,8 @@ def _window_mark_kernel(
     of the chunk rewrites its candidates as the ids in the row's bracket
     [b_lo, b_hi), min-p's key a floor under it, plus its bad values, and
     sums the count and mass of the ids at or above b_hi (all in the
-    support). The row's first program stores the final bracket for
-    resolve.
+    support). The program of the row's chunk 0 stores the final bracket
+    for resolve.
 
     REVERSED: program (b, c) takes chunk n_chunks - 1 - c. Programs start
     in the order of their index, rows fastest, so the candidate mark read

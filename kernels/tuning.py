@@ -121,7 +121,7 @@ WINDOW_INNER_SCALE = 100
 # case, benchmarks/RESULTS.md "The per-row inner span and the draw's part
 # sums measured"); a window row never falls back. On the H100 (one call,
 # off / on): that case 381.8 -> 335.0 us, the s5 calls at top_p 0.9 (one
-# or two new window rows) 1.07-1.13x, under 200 us; at 60 they gain ~8%
+# or two new window rows) 1.07-1.13x, under 200 us; at 60 they gain 5-8%
 # and the misled row is still a window row, with no margin left.
 WINDOW_UNSURE = 25
 WINDOW_BELOW = 150
@@ -137,8 +137,9 @@ REFINE_PROGRAMS_INTERPRETED = 2
 # The order the refine's programs take the wide rows' chunks in: 0 row by
 # row, 1 chunk by chunk from the first, 2 from the last (the candidate
 # mark's last chunks may still be in L2; _window_refine_kernel). On the
-# H100, one call, 0 / 2 / 1: 2 against 0 0.985-1.000x, the call with most
-# wide rows (bf16 s2 top_p 0.6) 345.6 -> 340.5 us; 1 alike (decision 60).
+# H100, one call, 0 / 2 / 1: 2 against 0 0.985-1.000x, the calls with many
+# wide rows 1.4-1.5% (bf16 s2 top_p 0.6 345.6 -> 340.5 us); 1 alike, and
+# why chunk by chunk wins was not profiled (decision 60).
 REFINE_ORDER = 2
 WINDOW_MARK_WARPS = 8  # the window mark's and the refine's
 # The window mark takes a row's chunks last to first (1) or first to last

@@ -551,25 +551,35 @@ def test_window_rows_top_p_near_one(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (brackets.calls[0] < sizes // 4).all(), (brackets.calls, sizes)
 
 
-def test_window_mark_in_either_chunk_order_keeps_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("squeezed", [False, True], ids=["narrow", "wide"])
+def test_window_mark_in_either_chunk_order_keeps_the_rows(monkeypatch: pytest.MonkeyPatch,
+                                                          squeezed: bool) -> None:
     """The window mark taking each row's chunks last to first
     (WINDOW_MARK_REVERSED, for the chunks the candidate mark left in L2)
-    marks the same ids, counts and sums as first to last: rows of three
-    chunks, flat and mid-size, equal bit for bit, and the reference."""
+    marks the same ids, counts and sums as first to last, and the window
+    refine's orders (REFINE_ORDER) refine the same brackets: rows of three
+    chunks, flat and mid-size, equal bit for bit, and the reference; with
+    the inner pivots squeezed most brackets are wide (refined)."""
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    if squeezed:  # test_wide_brackets_refined's "outer" layout
+        monkeypatch.setattr(tuning, "WINDOW_INNER_MIN", 1)
+        monkeypatch.setattr(tuning, "WINDOW_INNER_MAX", 1)
     window = WindowRows(monkeypatch)
+    workspaces = LauncherSpy(monkeypatch, "launch_window", lambda probs, settings, ws, pdl: ws)
     gen = torch.Generator().manual_seed(43)
     vocab = 2 * tuning.CHUNK + 900
     probs = torch.softmax(torch.randn(3, vocab, generator=gen)
                           * torch.tensor([[0.5], [2.5], [1.0]]), -1)
     top_p = torch.tensor([0.9, 0.6, 0.99])
     written = {}
-    for reversed_order in (0, 1):
-        monkeypatch.setattr(tuning, "WINDOW_MARK_REVERSED", reversed_order)
-        written[reversed_order] = bits(run_both(probs, probs.argmax(1), top_p=top_p,
-                                                max_tokens=vocab))
-    assert window.calls == [[1] * 3] * 2
-    assert written[1] == written[0]
+    for orders in ((0, 0), (1, 2), (1, 1)):
+        monkeypatch.setattr(tuning, "WINDOW_MARK_REVERSED", orders[0])
+        monkeypatch.setattr(tuning, "REFINE_ORDER", orders[1])
+        written[orders] = bits(run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab))
+        wide = int(workspaces.calls[-1].wide_count.item())
+        assert wide >= 2 if squeezed else wide == 0
+    assert window.calls == [[1] * 3] * 3
+    assert written[(1, 2)] == written[(0, 0)] and written[(1, 1)] == written[(0, 0)]
 
 
 def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -891,19 +901,21 @@ def test_refine_sums_each_wide_chunk_in_any_order(order: int) -> None:
     quantiles = torch.quantile(probs, torch.linspace(0.2, 0.95, refine), dim=1).T
     keys = quantiles.contiguous().view(torch.int32)
     wide_rows = torch.tensor([2, 0], dtype=torch.int32)
-    refine_mass = torch.full((batch * n_chunks * refine,), -1.0, device=DEVICE)
+    # one row of slots past the batch's: a chunk index out of range lands
+    # there (checked below), not past the tensor
+    refine_mass = torch.full(((batch + 1) * n_chunks * refine,), -1.0, device=DEVICE)
     capture_window._window_refine_kernel[(3,)](
         probs.to(DEVICE), vocab, vocab, torch.tensor([2], dtype=torch.int32, device=DEVICE),
         wide_rows.to(DEVICE), keys.flatten().to(DEVICE), refine_mass, n_chunks, CHUNK=chunk,
         REFINE=refine, ORDER=order, PDL=False, num_warps=4)
-    got = refine_mass.cpu().view(batch, n_chunks, refine)
+    got = refine_mass.cpu().view(batch + 1, n_chunks, refine)
     for row in (0, 2):
         for c in range(n_chunks):
             part = probs[row, c * chunk:(c + 1) * chunk]
             want = torch.stack([part[part.view(torch.int32) >= k].sum() for k in keys[row]])
             assert torch.allclose(got[row, c], want, rtol=1e-5), (row, c)
             assert (want > 0).all()
-    assert (got[1] == -1.0).all()  # row 1 is not listed
+    assert (got[1] == -1.0).all() and (got[batch] == -1.0).all()  # row 1 is not listed
 
 
 @pytest.mark.parametrize("window", [False, True])
@@ -990,11 +1002,12 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         assert sorted(wide_rows.cpu()[:int(wide_count)].tolist()) == wide.tolist()
         capture_window._window_refine_kernel[(3,)](
             probs, probs.stride(0), vocab, wide_count, wide_rows, refine_keys, refine_mass,
-            n_chunks, CHUNK=chunk, REFINE=refine, ORDER=0, PDL=False, num_warps=4)
+            n_chunks, CHUNK=chunk, REFINE=refine, ORDER=tuning.REFINE_ORDER, PDL=False,
+            num_warps=4)
         capture_window._window_mark_kernel[(batch, n_chunks)](
             probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, bits,
             counts, above_mass, above_count, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
-            REFINE=refine, REVERSED=0, PDL=False, num_warps=4)
+            REFINE=refine, REVERSED=tuning.WINDOW_MARK_REVERSED, PDL=False, num_warps=4)
         final = capture_workspace.B_FINAL_LO.value
         b_lo, b_hi = bracket.cpu().view(batch, record)[:, final:final + 2].long().unbind(1)
         assert (b_lo >= 1).all() and (b_hi <= inf_key).all()
