@@ -58,8 +58,7 @@ def launch_window_write(probs: torch.Tensor, ws: CaptureWorkspace, rows: Rows,
     launch(_window_write_kernel, (batch, ws.n_chunks),
         probs, probs.stride(0), vocab, ws.window_ok, ws.cutoff, ws.logz, rows.forms, ws.before,
         ws.n_chunks, rows.offsets, rows.id_offsets, rows.ids, rows.values, CHUNK=tuning.CHUNK,
-        SUB=tuning.WINDOW_WRITE_SUB, FAST=nvidia, PDL=pdl,
-        num_warps=tuning.WINDOW_WRITE_WARPS,
+        SUB=tuning.WINDOW_WRITE_SUB, FAST=nvidia, PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
         **register_cap(nvidia, tuning.WINDOW_WRITE_REGISTERS), **launch_options(pdl),
     )
 
@@ -234,51 +233,32 @@ def _window_write_kernel(
             # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
             keep = (key >= cutoff) & (key < INF_KEY)
             words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-            base = _write_step(keep, words, w, cols, word_idx, bit_idx, base, logz, bitmask,
-                               chunk * CHUNK + part * SUB, vocab, out_vals_ptr + dst,
-                               out_ids_ptr + id_dst, SUB, FAST)
-
-
-@triton.jit
-def _write_step(keep, words, w, cols, word_idx, bit_idx, base, logz, bitmask, first_col, vocab,
-                vals_ptr, ids_ptr, SUB: tl.constexpr, FAST: tl.constexpr):
-    """A window write step over its SUB columns: each kept column's
-    rank (the set bits of the words before and below it), its logprob and
-    (ids form) its id stored there, the step's words (bitmask form); the
-    rank base after the step."""
-    below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
-    if FAST:
-        per_word = _popc(words)
-        in_word = _popc(below)
-    else:
-        per_word = popcount(words.to(tl.uint32, bitcast=True))
-        in_word = popcount(below.to(tl.uint32, bitcast=True))
-    rank = base + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word
-    base += tl.sum(per_word, axis=0)
-    if FAST:
-        logw = _log_approx(w)
-    else:
-        logw = log_any(w)
-    # The scattered stores as flat vectors, in the tile's own order: the
-    # compiler keeps the load's layout (lanes along a word's 32 columns,
-    # whose kept values land side by side); stored as the [words, 32] tile,
-    # they would go through shared memory into lanes running down 32 words.
-    rank = tl.reshape(rank, [SUB])
-    keep = tl.reshape(keep, [SUB])
-    tl.store(vals_ptr + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
-    if bitmask:
-        _store_words(ids_ptr, words, first_col, word_idx, vocab)
-    else:
-        tl.store(ids_ptr + rank, tl.reshape(cols, [SUB]), mask=keep)
-    return base
-
-
-@triton.jit
-def _store_words(ids_ptr, words, first_col, word_idx, vocab):
-    """A bitmask row's words of a window write step (from column first_col),
-    at their places in the row's ``ceil(V/32)``."""
-    word = first_col // 32 + word_idx
-    tl.store(ids_ptr + word, words, mask=word < (vocab + 31) // 32)
+            below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
+            if FAST:
+                per_word = _popc(words)
+                in_word = _popc(below)
+            else:
+                per_word = popcount(words.to(tl.uint32, bitcast=True))
+                in_word = popcount(below.to(tl.uint32, bitcast=True))
+            rank = base + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word
+            base += tl.sum(per_word, axis=0)
+            if FAST:
+                logw = _log_approx(w)
+            else:
+                logw = log_any(w)
+            # The scattered stores as flat vectors, in the tile's own order:
+            # the compiler keeps the load's layout (lanes along a word's 32
+            # columns, whose kept values land side by side); stored as the
+            # [words, 32] tile, they would go through shared memory into
+            # lanes running down 32 words.
+            rank = tl.reshape(rank, [SUB])
+            keep = tl.reshape(keep, [SUB])
+            tl.store(out_vals_ptr + dst + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
+            if bitmask:
+                word = (chunk * CHUNK + part * SUB) // 32 + word_idx
+                tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
+            else:
+                tl.store(out_ids_ptr + id_dst + rank, tl.reshape(cols, [SUB]), mask=keep)
 
 
 @triton.jit
