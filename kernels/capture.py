@@ -122,8 +122,9 @@ from typing import Any
 
 import torch
 
-from . import launch_plan
+from . import launch_plan, tuning
 from .capture_bound import launch_bound
+from .capture_interleave import launch_interleaved_mark
 from .capture_mark import launch_candidate_mark
 from .capture_resolve import launch_resolve
 from .capture_window import launch_window
@@ -221,9 +222,13 @@ def _launch_stages(
     published: the caller returns ``result`` as it is)."""
     batch, vocab = probs.shape
     launch_bound(probs, settings, ws, pdl)
-    launch_candidate_mark(probs, settings, ws, pdl)
+    interleaved = settings.window and tuning.MARK_INTERLEAVE != 0
+    if interleaved:  # the candidate mark, the window bracket and most of the window mark
+        launch_interleaved_mark(probs, settings, ws, pdl)
+    else:
+        launch_candidate_mark(probs, settings, ws, pdl)
     if settings.window:
-        launch_window(probs, settings, ws, pdl)
+        launch_window(probs, settings, ws, pdl, interleaved=interleaved)
     launch_expand_local(probs, ws.bits, ws.counts, ws.n_chunks, ws.cand_ids, ws.cand_vals,
                         pdl=pdl)
     launch_resolve(probs, settings, ws, tokens, seed_rows, result, max_tokens, overflow, pdl)

@@ -20,11 +20,12 @@ from .tuning import BOUND_BITS, BOUND_STEP
 def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
                  pdl: bool) -> None:
     """_bound_kernel over the rows: ws.lo, ws.window, a window row's
-    ws.pivots, and ws.wide_count cleared for the window bracket."""
+    ws.pivots, and ws.wide_count and ws.done cleared for the window
+    bracket and the interleaved mark."""
     batch = probs.shape[0]
     launch(_bound_kernel, (batch,),
         probs, probs.stride(0), probs.shape[1], settings.top_k, settings.top_p, settings.min_p,
-        settings.greedy, ws.lo, ws.window, ws.pivots, ws.wide_count,
+        settings.greedy, ws.lo, ws.window, ws.pivots, ws.wide_count, ws.done,
         SEQUENTIAL=settings.sequential, WINDOW=settings.window, BLOCKS=tuning.SAMPLE_BLOCKS,
         COLS=tuning.SAMPLE_COLS, K_SLACK=tuning.K_SLACK, P_MARGIN=tuning.P_MARGIN,
         WINDOW_MIN=tuning.WINDOW_MIN, PIVOTS=tuning.WINDOW_PIVOTS,
@@ -40,7 +41,7 @@ def launch_bound(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWork
 @triton.jit
 def _bound_kernel(
     probs_ptr, stride_row, vocab, top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-    lo_ptr, window_ptr, pivots_ptr, wide_count_ptr,
+    lo_ptr, window_ptr, pivots_ptr, wide_count_ptr, done_ptr,
     SEQUENTIAL: tl.constexpr, WINDOW: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr,
     K_SLACK: tl.constexpr, P_MARGIN: tl.constexpr, WINDOW_MIN: tl.constexpr,
     PIVOTS: tl.constexpr, INNER_MIN: tl.constexpr, INNER_MAX: tl.constexpr,
@@ -200,6 +201,7 @@ def _bound_kernel(
     tl.store(lo_ptr + row, lo)
     tl.store(window_ptr + row, window)
     if WINDOW:
+        tl.store(done_ptr + row, 0)  # the interleaved mark counts a row's programs
         if row == 0:
             tl.store(wide_count_ptr, 0)  # _window_bracket_kernel counts the wide rows
 

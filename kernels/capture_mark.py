@@ -52,12 +52,25 @@ def _cand_mark_kernel(
     MASS, TOP and WINDOW say whether any row of the call may need the mass,
     the max or a window (known from the call's arguments, no host sync):
     a reduction a call cannot need is not compiled in at all."""
-    WORDS: tl.constexpr = CHUNK // 32
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     word_idx, bit_idx, _, w, key = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
     # the chunk's read is issued first: it overlaps the bound's end
     after_previous(PDL)
+    _cand_mark_chunk(row, chunk, word_idx, bit_idx, w, key, lo_ptr, window_ptr, pivots_ptr,
+                     top_p_ptr, min_p_ptr, greedy_ptr, bits_ptr, counts_ptr, sum_ptr, max_ptr,
+                     pivot_mass_ptr, n_chunks, CHUNK, MASS, TOP, WINDOW, PIVOTS)
+
+
+@triton.jit
+def _cand_mark_chunk(row, chunk, word_idx, bit_idx, w, key, lo_ptr, window_ptr, pivots_ptr,
+                     top_p_ptr, min_p_ptr, greedy_ptr, bits_ptr, counts_ptr, sum_ptr, max_ptr,
+                     pivot_mass_ptr, n_chunks, CHUNK: tl.constexpr, MASS: tl.constexpr,
+                     TOP: tl.constexpr, WINDOW: tl.constexpr, PIVOTS: tl.constexpr):
+    """The candidate mark's work on chunk ``chunk`` of ``row``, read as
+    _chunk_tile's tile (_cand_mark_kernel; the interleaved mark's first
+    phase, capture_interleave.py)."""
+    WORDS: tl.constexpr = CHUNK // 32
     # lo can lie above +inf's bits (a top-p floor from a sample of zero
     # mass: the largest key reaching 0); no finite key reaches either.
     lo = tl.minimum(tl.load(lo_ptr + row), INF_KEY)

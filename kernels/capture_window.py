@@ -31,19 +31,23 @@ from .launch import after_previous, launch, launch_options, launches_interpreted
 
 
 def launch_window(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWorkspace,
-                  pdl: bool) -> None:
+                  pdl: bool, interleaved: bool = False) -> None:
     """The window bracket, refine and mark, after the candidate mark:
     ws.bracket (with the final bracket), ws.refine_keys and ws.wide_rows,
     ws.refine_mass, and a window row's ws.bits, ws.counts, ws.above_count
-    and ws.above_mass."""
+    and ws.above_mass. ``interleaved``: after the interleaved mark
+    (capture_interleave.py), which did the bracket and marked the window
+    rows whose bracket is not wide: the refine and the mark of the wide
+    rows only."""
     batch, vocab = probs.shape
     chunks_pad = triton.next_power_of_2(ws.n_chunks)
-    launch(_window_bracket_kernel, (batch,),
-        ws.window, ws.pivots, settings.top_p, settings.min_p, ws.sums, ws.maxes, ws.pivot_mass,
-        ws.bracket, ws.refine_keys, ws.wide_count, ws.wide_rows, ws.n_chunks,
-        CHUNKS_PAD=chunks_pad, PIVOTS=tuning.WINDOW_PIVOTS, REFINE=tuning.WINDOW_REFINE, PDL=pdl,
-        num_warps=tuning.BRACKET_WARPS, **launch_options(pdl),
-    )
+    if not interleaved:
+        launch(_window_bracket_kernel, (batch,),
+            ws.window, ws.pivots, settings.top_p, settings.min_p, ws.sums, ws.maxes,
+            ws.pivot_mass, ws.bracket, ws.refine_keys, ws.wide_count, ws.wide_rows, ws.n_chunks,
+            CHUNKS_PAD=chunks_pad, PIVOTS=tuning.WINDOW_PIVOTS, REFINE=tuning.WINDOW_REFINE,
+            PDL=pdl, num_warps=tuning.BRACKET_WARPS, **launch_options(pdl),
+        )
     launch(_window_refine_kernel, (min(batch * ws.n_chunks, refine_programs(probs.device)),),
         probs, probs.stride(0), vocab, ws.wide_count, ws.wide_rows, ws.refine_keys,
         ws.refine_mass, ws.n_chunks, CHUNK=tuning.CHUNK, REFINE=tuning.WINDOW_REFINE,
@@ -54,7 +58,7 @@ def launch_window(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWor
         probs, probs.stride(0), vocab, ws.window, ws.bracket, ws.refine_keys, ws.refine_mass,
         ws.bits, ws.counts, ws.above_mass, ws.above_count, ws.n_chunks, CHUNK=tuning.CHUNK,
         CHUNKS_PAD=chunks_pad, REFINE=tuning.WINDOW_REFINE, REVERSED=tuning.WINDOW_MARK_REVERSED,
-        PDL=pdl,
+        WIDE_ONLY=interleaved, PDL=pdl,
         num_warps=tuning.WINDOW_MARK_WARPS, **launch_options(pdl),
     )
 
@@ -90,47 +94,62 @@ def _window_bracket_kernel(
     after_previous(PDL)
     row = tl.program_id(0)
     if tl.load(window_ptr + row) != 0:
-        chunk_idx = tl.arange(0, CHUNKS_PAD)
-        in_row = chunk_idx < n_chunks
-        slots = row * n_chunks + chunk_idx
-        total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0), axis=0)
-        rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0), axis=0)
-        top_p = tl.load(top_p_ptr + row)
-        target = _top_p_target(top_p, total)
-        pivots = pivots_ptr + row * PIVOTS
-        # A min-p-only row (top-p off) has no pivots: an empty bracket at
-        # key 1, which the window mark raises to min-p's floor, so that its
-        # whole support lies at or above the bracket
-        b_lo = tl.full([], 1, tl.int32)
-        b_hi = tl.full([], 1, tl.int32)
-        wide = tl.zeros([], dtype=tl.int1)
-        if top_p < 1.0:
-            pivot_idx = tl.arange(0, PIVOTS)
-            masses = tl.sum(tl.load(pivot_mass_ptr + slots.to(tl.int64)[:, None] * PIVOTS
-                                    + pivot_idx[None, :], mask=in_row[:, None], other=0.0),
-                            axis=0)
-            b_lo, b_hi = _narrow(tl.load(pivots + pivot_idx), masses, target,
-                                 tl.full([], 1, tl.int32), tl.full([], INF_KEY, tl.int32))
-            wide = (b_lo < tl.load(pivots + 1)) | (b_hi > tl.load(pivots + PIVOTS - 2))
-        min_p = tl.load(min_p_ptr + row)
-        floor = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 1)
-        record = bracket_ptr + row * BRACKET
-        tl.store(record + B_LO, b_lo)
-        tl.store(record + B_HI, b_hi)
-        tl.store(record + B_TARGET, target.to(tl.int32, bitcast=True))
-        tl.store(record + B_FLOOR, floor)
-        tl.store(record + B_WIDE, wide.to(tl.int32))
-        if wide:
-            # listed (in any order) for _window_refine_kernel's programs
-            tl.store(wide_rows_ptr + tl.atomic_add(wide_count_ptr, 1), row)
-            first = tl.load(pivots).to(tl.int64)
-            last = tl.load(pivots + PIVOTS - 1).to(tl.int64)
-            r_lo = tl.where(b_lo < first, first - (last - first), b_lo.to(tl.int64))
-            r_hi = tl.where(b_hi > last, last + (last - first), b_hi.to(tl.int64))
-            k = tl.arange(0, REFINE)
-            keys = r_lo + (r_hi - r_lo) * (k + 1) // (REFINE + 1)  # r_hi >= r_lo
-            tl.store(refine_keys_ptr + row * REFINE + k,
-                     tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32))
+        _window_bracket_row(row, pivots_ptr, top_p_ptr, min_p_ptr, sum_ptr, max_ptr,
+                            pivot_mass_ptr, bracket_ptr, refine_keys_ptr, wide_count_ptr,
+                            wide_rows_ptr, n_chunks, CHUNKS_PAD, PIVOTS, REFINE)
+
+
+@triton.jit
+def _window_bracket_row(row, pivots_ptr, top_p_ptr, min_p_ptr, sum_ptr, max_ptr, pivot_mass_ptr,
+                        bracket_ptr, refine_keys_ptr, wide_count_ptr, wide_rows_ptr, n_chunks,
+                        CHUNKS_PAD: tl.constexpr, PIVOTS: tl.constexpr, REFINE: tl.constexpr):
+    """The window bracket of window row ``row`` (_window_bracket_kernel; the
+    interleaved mark's last first-phase program of the row). The chunks'
+    sums are read from L2 (".cg"): in the interleaved mark other programs
+    of the same kernel wrote them, and L1 is not coherent across SMs."""
+    chunk_idx = tl.arange(0, CHUNKS_PAD)
+    in_row = chunk_idx < n_chunks
+    slots = row * n_chunks + chunk_idx
+    total = tl.sum(tl.load(sum_ptr + slots, mask=in_row, other=0.0, cache_modifier=".cg"),
+                   axis=0)
+    rowmax = tl.max(tl.load(max_ptr + slots, mask=in_row, other=0.0, cache_modifier=".cg"),
+                    axis=0)
+    top_p = tl.load(top_p_ptr + row)
+    target = _top_p_target(top_p, total)
+    pivots = pivots_ptr + row * PIVOTS
+    # A min-p-only row (top-p off) has no pivots: an empty bracket at
+    # key 1, which the window mark raises to min-p's floor, so that its
+    # whole support lies at or above the bracket
+    b_lo = tl.full([], 1, tl.int32)
+    b_hi = tl.full([], 1, tl.int32)
+    wide = tl.zeros([], dtype=tl.int1)
+    if top_p < 1.0:
+        pivot_idx = tl.arange(0, PIVOTS)
+        masses = tl.sum(tl.load(pivot_mass_ptr + slots.to(tl.int64)[:, None] * PIVOTS
+                                + pivot_idx[None, :], mask=in_row[:, None], other=0.0,
+                                cache_modifier=".cg"), axis=0)
+        b_lo, b_hi = _narrow(tl.load(pivots + pivot_idx), masses, target,
+                             tl.full([], 1, tl.int32), tl.full([], INF_KEY, tl.int32))
+        wide = (b_lo < tl.load(pivots + 1)) | (b_hi > tl.load(pivots + PIVOTS - 2))
+    min_p = tl.load(min_p_ptr + row)
+    floor = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 1)
+    record = bracket_ptr + row * BRACKET
+    tl.store(record + B_LO, b_lo)
+    tl.store(record + B_HI, b_hi)
+    tl.store(record + B_TARGET, target.to(tl.int32, bitcast=True))
+    tl.store(record + B_FLOOR, floor)
+    tl.store(record + B_WIDE, wide.to(tl.int32))
+    if wide:
+        # listed (in any order) for _window_refine_kernel's programs
+        tl.store(wide_rows_ptr + tl.atomic_add(wide_count_ptr, 1), row)
+        first = tl.load(pivots).to(tl.int64)
+        last = tl.load(pivots + PIVOTS - 1).to(tl.int64)
+        r_lo = tl.where(b_lo < first, first - (last - first), b_lo.to(tl.int64))
+        r_hi = tl.where(b_hi > last, last + (last - first), b_hi.to(tl.int64))
+        k = tl.arange(0, REFINE)
+        keys = r_lo + (r_hi - r_lo) * (k + 1) // (REFINE + 1)  # r_hi >= r_lo
+        tl.store(refine_keys_ptr + row * REFINE + k,
+                 tl.minimum(tl.maximum(keys, 1), INF_KEY).to(tl.int32))
 
 
 @triton.jit
@@ -196,7 +215,7 @@ def _window_mark_kernel(
     probs_ptr, stride_row, vocab, window_ptr, bracket_ptr, refine_keys_ptr, refine_mass_ptr,
     bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr, n_chunks,
     CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, REFINE: tl.constexpr,
-    REVERSED: tl.constexpr, PDL: tl.constexpr,
+    REVERSED: tl.constexpr, WIDE_ONLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c), window rows only (top-p without top-k, a support of
     thousands of ids), after _window_bracket_kernel (and, for a wide
@@ -211,7 +230,10 @@ def _window_mark_kernel(
     in the order of their index, rows fastest, so the candidate mark read
     the rows' last chunks last: taken first here, they may still be in L2
     (and this kernel's own last reads, the first chunks, are the window
-    write's first)."""
+    write's first).
+
+    WIDE_ONLY: the wide rows only (after the interleaved mark,
+    capture_interleave.py, which marked the others)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if REVERSED:
@@ -220,39 +242,60 @@ def _window_mark_kernel(
     # overlapping their end: its flag is the bound's, which finished before
     # the kernel before this one began (read from L2: ".cg")
     window = tl.load(window_ptr + row, cache_modifier=".cg") != 0
-    word_idx, bit_idx, cols, w, key = _chunk_tile(probs_ptr, stride_row,
-                                                  tl.where(window, vocab, 0), row, chunk, CHUNK)
+    if WIDE_ONLY:
+        # after the interleaved mark, which marked the other window rows
+        # (and finished before the refine, the kernel before, began)
+        window = window & (tl.load(bracket_ptr + row * BRACKET + B_WIDE,
+                                   cache_modifier=".cg") != 0)
+    word_idx, bit_idx, _, w, key = _chunk_tile(probs_ptr, stride_row,
+                                               tl.where(window, vocab, 0), row, chunk, CHUNK)
     after_previous(PDL)
     if window:
-        WORDS: tl.constexpr = CHUNK // 32
-        record = bracket_ptr + row * BRACKET
-        b_lo = tl.load(record + B_LO)
-        b_hi = tl.load(record + B_HI)
-        if tl.load(record + B_WIDE) != 0:
-            chunk_idx = tl.arange(0, CHUNKS_PAD)
-            refine_idx = tl.arange(0, REFINE)
-            slots = row * n_chunks + chunk_idx
-            sub_mass = tl.sum(tl.load(refine_mass_ptr + slots.to(tl.int64)[:, None] * REFINE
-                                      + refine_idx[None, :],
-                                      mask=(chunk_idx < n_chunks)[:, None], other=0.0), axis=0)
-            b_lo, b_hi = _narrow(tl.load(refine_keys_ptr + row * REFINE + refine_idx), sub_mass,
-                                 tl.load(record + B_TARGET).to(tl.float32, bitcast=True),
-                                 b_lo, b_hi)
-        b_lo = tl.maximum(b_lo, tl.load(record + B_FLOOR))  # nothing below min-p's key
-        b_hi = tl.maximum(b_hi, b_lo)
-        if chunk == 0:
-            tl.store(record + B_FINAL_LO, b_lo)
-            tl.store(record + B_FINAL_HI, b_hi)
-        # integer tests of the bits, as in the candidate mark: bad values
-        # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
-        # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits: no
-        # NaN, no inf) and the ids above it (finite, positive)
-        bad = (key.to(tl.uint32, bitcast=True) >= INF_KEY) & (key != NEG_ZERO_KEY)
-        keep = bad | ((key >= b_lo) & (key < b_hi))
-        words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-        slot = row * n_chunks + chunk
-        tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
-        tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
-        up = (key >= b_hi) & (key < INF_KEY)
-        tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
-        tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))
+        _window_mark_chunk(row, chunk, word_idx, bit_idx, w, key, bracket_ptr, refine_keys_ptr,
+                           refine_mass_ptr, bits_ptr, counts_ptr, above_mass_ptr,
+                           above_count_ptr, n_chunks, CHUNK, CHUNKS_PAD, REFINE)
+
+
+@triton.jit
+def _window_mark_chunk(row, chunk, word_idx, bit_idx, w, key, bracket_ptr, refine_keys_ptr,
+                       refine_mass_ptr, bits_ptr, counts_ptr, above_mass_ptr, above_count_ptr,
+                       n_chunks, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                       REFINE: tl.constexpr):
+    """The window mark's work on chunk ``chunk`` of window row ``row``, read
+    as _chunk_tile's tile (_window_mark_kernel; the interleaved mark's
+    second phase, capture_interleave.py, which reads the bracket record
+    that a program of the same kernel wrote: from L2, ".cg")."""
+    WORDS: tl.constexpr = CHUNK // 32
+    record = bracket_ptr + row * BRACKET
+    b_lo = tl.load(record + B_LO, cache_modifier=".cg")
+    b_hi = tl.load(record + B_HI, cache_modifier=".cg")
+    if tl.load(record + B_WIDE, cache_modifier=".cg") != 0:
+        chunk_idx = tl.arange(0, CHUNKS_PAD)
+        refine_idx = tl.arange(0, REFINE)
+        slots = row * n_chunks + chunk_idx
+        sub_mass = tl.sum(tl.load(refine_mass_ptr + slots.to(tl.int64)[:, None] * REFINE
+                                  + refine_idx[None, :],
+                                  mask=(chunk_idx < n_chunks)[:, None], other=0.0), axis=0)
+        b_lo, b_hi = _narrow(tl.load(refine_keys_ptr + row * REFINE + refine_idx), sub_mass,
+                             tl.load(record + B_TARGET, cache_modifier=".cg").to(tl.float32,
+                                                                            bitcast=True),
+                             b_lo, b_hi)
+    # nothing below min-p's key
+    b_lo = tl.maximum(b_lo, tl.load(record + B_FLOOR, cache_modifier=".cg"))
+    b_hi = tl.maximum(b_hi, b_lo)
+    if chunk == 0:
+        tl.store(record + B_FINAL_LO, b_lo)
+        tl.store(record + B_FINAL_HI, b_hi)
+    # integer tests of the bits, as in the candidate mark: bad values
+    # (sign bit set, or at least +inf's bits; -0.0 is a zero), the
+    # bracket (b_lo >= 1: no zero, no negative; b_hi <= +inf's bits: no
+    # NaN, no inf) and the ids above it (finite, positive)
+    bad = (key.to(tl.uint32, bitcast=True) >= INF_KEY) & (key != NEG_ZERO_KEY)
+    keep = bad | ((key >= b_lo) & (key < b_hi))
+    words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
+    slot = row * n_chunks + chunk
+    tl.store(bits_ptr + slot.to(tl.int64) * WORDS + word_idx, words)
+    tl.store(counts_ptr + slot, tl.sum(popcount(words.to(tl.uint32, bitcast=True)), axis=0))
+    up = (key >= b_hi) & (key < INF_KEY)
+    tl.store(above_count_ptr + slot, tl.sum(tl.sum(up.to(tl.int32), axis=1), axis=0))
+    tl.store(above_mass_ptr + slot, tl.sum(tl.sum(tl.where(up, w, 0.0), axis=1), axis=0))

@@ -166,11 +166,13 @@ class CaptureWorkspace:
 
     n_chunks: int
     # bound (per row): the candidates' floor key, whether a window row;
-    # a window row's pivots, and the wide-bracket list's count (cleared)
+    # a window row's pivots, and the wide-bracket list's count and the
+    # interleaved mark's counts (cleared)
     lo: torch.Tensor  # int32[B]
     window: torch.Tensor  # int32[B]
     pivots: torch.Tensor  # int32[B * WINDOW_PIVOTS]
     wide_count: torch.Tensor  # int32[1]
+    done: torch.Tensor  # int32[B]: the interleaved mark's count of a row's programs (cleared)
     # window bracket (per row): the bracket record, refining keys, wide rows
     bracket: torch.Tensor  # int32[B * BRACKET]; the window mark adds the final bracket
     refine_keys: torch.Tensor  # int32[B * WINDOW_REFINE]
@@ -266,7 +268,7 @@ def _small_sizes(batch: int, cells: int, window: bool) -> dict[str, int]:
     return dict(
         lo=batch, window=batch, bracket=BRACKET.value * rows_w,
         pivots=tuning.WINDOW_PIVOTS * rows_w, refine_keys=tuning.WINDOW_REFINE * rows_w,
-        wide_rows=rows_w, wide_count=1,
+        wide_rows=rows_w, wide_count=1, done=rows_w,
         counts=cells, sums=cells, maxes=cells, before=cells_w, above_count=cells_w,
         above_mass=cells_w, pivot_mass=tuning.WINDOW_PIVOTS * cells_w,
         refine_mass=tuning.WINDOW_REFINE * cells_w,

@@ -151,6 +151,19 @@ WINDOW_MARK_WARPS = 8  # the window mark's and the refine's
 # the top-p and min-p paths' worst cases 0.978-0.994x, flat rows 1.5-2.2%
 # faster, peaked rows the same (decision 60).
 WINDOW_MARK_REVERSED = 1
+# The interleaved mark (capture_interleave.py, decision 61): 1 puts the
+# candidate mark, the window bracket and the window mark of the rows whose
+# bracket is not wide in one grid, blocks of INTERLEAVE_GROUP rows, a
+# group's second read INTERLEAVE_LAG groups after its first (while the
+# rows are still in L2); 0 launches them as three kernels. Not yet
+# measured on the GPU: 0 until it is.
+MARK_INTERLEAVE = 0
+INTERLEAVE_GROUP = 8
+INTERLEAVE_LAG = 1
+# its registers a thread (maxnreg; 0: the compiler's choice, 94 for fp32
+# probs on sm_90, two programs a multiprocessor where the candidate mark
+# alone has four)
+INTERLEAVE_REGISTERS = 0
 
 # --------------------------------------------------------- capture: resolve
 RESOLVE_BLOCK = 4096  # candidates held in registers by a resolve program

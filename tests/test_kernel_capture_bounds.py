@@ -556,30 +556,54 @@ def test_window_mark_in_either_chunk_order_keeps_the_rows(monkeypatch: pytest.Mo
                                                           squeezed: bool) -> None:
     """The window mark taking each row's chunks last to first
     (WINDOW_MARK_REVERSED, for the chunks the candidate mark left in L2)
-    marks the same ids, counts and sums as first to last, and the window
-    refine's orders (REFINE_ORDER) refine the same brackets: rows of three
-    chunks, flat and mid-size, equal bit for bit, and the reference; with
-    the inner pivots squeezed most brackets are wide (refined)."""
+    marks the same ids, counts and sums as first to last, the window
+    refine's orders (REFINE_ORDER) refine the same brackets, and the
+    interleaved mark (MARK_INTERLEAVE; groups of one and two rows, second
+    reads one and two groups behind, so that more than one group waits)
+    marks them too: rows of three chunks, flat and mid-size, and one that
+    is not a window row (top-p off, min-p off: a top-k row), equal bit for
+    bit, and the reference; with the inner pivots squeezed most brackets
+    are wide (refined, after the interleaved mark)."""
     monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
     if squeezed:  # test_wide_brackets_refined's "outer" layout
         monkeypatch.setattr(tuning, "WINDOW_INNER_MIN", 1)
         monkeypatch.setattr(tuning, "WINDOW_INNER_MAX", 1)
     window = WindowRows(monkeypatch)
-    workspaces = LauncherSpy(monkeypatch, "launch_window", lambda probs, settings, ws, pdl: ws)
+    workspaces = LauncherSpy(monkeypatch, "launch_window",
+                             lambda probs, settings, ws, pdl, interleaved=False: ws)
+    interleaved = LauncherSpy(monkeypatch, "launch_interleaved_mark",
+                              lambda probs, settings, ws, pdl: tuning.INTERLEAVE_GROUP)
+    # the scratch is kept from call to call: what the marks write is
+    # poisoned first (and what the bound clears), so that each call's rows
+    # are its own stages' work
+    LauncherSpy(monkeypatch, "launch_bound", lambda probs, settings, ws, pdl: [
+        array.fill_(value) for array, value in ((ws.bits, -1), (ws.counts, 7), (ws.done, 5),
+                                                (ws.above_count, 3), (ws.above_mass, 0.25),
+                                                (ws.wide_count, 9), (ws.bracket, 2))])
     gen = torch.Generator().manual_seed(43)
     vocab = 2 * tuning.CHUNK + 900
-    probs = torch.softmax(torch.randn(3, vocab, generator=gen)
-                          * torch.tensor([[0.5], [2.5], [1.0]]), -1)
-    top_p = torch.tensor([0.9, 0.6, 0.99])
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen)
+                          * torch.tensor([[0.5], [2.5], [1.0], [1.5]]), -1)
+    top_p = torch.tensor([0.9, 0.6, 0.99, 1.0])
+    top_k = torch.tensor([0, 0, 0, 50], dtype=torch.int32)
     written = {}
-    for orders in ((0, 0), (1, 2), (1, 1)):
-        monkeypatch.setattr(tuning, "WINDOW_MARK_REVERSED", orders[0])
-        monkeypatch.setattr(tuning, "REFINE_ORDER", orders[1])
-        written[orders] = bits(run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab))
+    # (reversed, refine order, interleaved, group, lag)
+    settings = ((0, 0, 0, 8, 1), (1, 2, 0, 8, 1), (1, 1, 0, 8, 1), (1, 2, 1, 1, 1),
+                (1, 2, 1, 2, 1), (0, 0, 1, 1, 2))
+    for reverse, order, interleave, group, lag in settings:
+        monkeypatch.setattr(tuning, "WINDOW_MARK_REVERSED", reverse)
+        monkeypatch.setattr(tuning, "REFINE_ORDER", order)
+        monkeypatch.setattr(tuning, "MARK_INTERLEAVE", interleave)
+        monkeypatch.setattr(tuning, "INTERLEAVE_GROUP", group)
+        monkeypatch.setattr(tuning, "INTERLEAVE_LAG", lag)
+        written[reverse, order, interleave, group, lag] = bits(
+            run_both(probs, probs.argmax(1), top_k=top_k, top_p=top_p, max_tokens=vocab))
         wide = int(workspaces.calls[-1].wide_count.item())
         assert wide >= 2 if squeezed else wide == 0
-    assert window.calls == [[1] * 3] * 3
-    assert written[(1, 2)] == written[(0, 0)] and written[(1, 1)] == written[(0, 0)]
+    assert window.calls == [[1, 1, 1, 0]] * len(settings)
+    assert interleaved.calls == [1, 2, 1]
+    for key in settings[1:]:
+        assert written[key] == written[settings[0]], key
 
 
 def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1007,7 +1031,8 @@ def test_mark_predicate_on_every_half_precision_pattern(window: bool) -> None:
         capture_window._window_mark_kernel[(batch, n_chunks)](
             probs, probs.stride(0), vocab, is_window, bracket, refine_keys, refine_mass, bits,
             counts, above_mass, above_count, n_chunks, CHUNK=chunk, CHUNKS_PAD=chunks_pad,
-            REFINE=refine, REVERSED=tuning.WINDOW_MARK_REVERSED, PDL=False, num_warps=4)
+            REFINE=refine, REVERSED=tuning.WINDOW_MARK_REVERSED, WIDE_ONLY=False, PDL=False,
+            num_warps=4)
         final = capture_workspace.B_FINAL_LO.value
         b_lo, b_hi = bracket.cpu().view(batch, record)[:, final:final + 2].long().unbind(1)
         assert (b_lo >= 1).all() and (b_hi <= inf_key).all()
