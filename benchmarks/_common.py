@@ -325,19 +325,23 @@ def kernel_us(call, runs: int) -> dict[str, float]:
     return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
 
-def gpu_and_host_us(calls, reps: int, per_rep: int) -> tuple[float, float]:
+def gpu_and_host_us(calls, reps: int, per_rep: int,
+                    cpu: list[float] | None = None) -> tuple[float, float]:
     """(GPU us, host us) per call of ``calls`` (run in turn), medians of
     ``reps``: the GPU is kept busy by a sleep kernel long enough to cover
     the enqueue of ``per_rep`` calls, so the events between the first and
     the last call see device time only, and the host timer sees the Python
-    call only (capture_bf16.py and sweep.py)."""
+    call only (capture_bf16.py and sweep.py). ``cpu``: appended with the
+    median CPU time of the calling thread a call (time.thread_time), which
+    a host busy with other processes does not inflate as it does the wall
+    time (the sweep prints both)."""
     import torch  # the GPU benchmarks' alone: _common stays importable without it
 
     n = len(calls)
     for i in range(3 * n):  # warm up (compiles, allocator pools)
         calls[i % n]()
     torch.cuda.synchronize()
-    host_samples, gpu_samples = [], []
+    host_samples, gpu_samples, cpu_samples = [], [], []
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     cycles = 2_000_000  # grown until the sleep outlasts the enqueue
@@ -346,10 +350,11 @@ def gpu_and_host_us(calls, reps: int, per_rep: int) -> tuple[float, float]:
         attempts += 1
         torch.cuda._sleep(cycles)
         start.record()
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         for i in range(per_rep):
             calls[i % n]()
         host = (time.perf_counter() - began) / per_rep
+        host_cpu = (time.thread_time() - began_cpu) / per_rep
         end.record()
         end.synchronize()
         gpu = start.elapsed_time(end) * 1e3 / per_rep
@@ -360,7 +365,10 @@ def gpu_and_host_us(calls, reps: int, per_rep: int) -> tuple[float, float]:
             cycles = int(host * per_rep * 1e6 * 1.98e3 * 2)
             continue
         host_samples.append(host * 1e6)
+        cpu_samples.append(host_cpu * 1e6)
         gpu_samples.append(gpu)
+    if cpu is not None:
+        cpu.append(statistics.median(cpu_samples) if cpu_samples else float("nan"))
     if not gpu_samples:
         return float("nan"), float("nan")
     return statistics.median(gpu_samples), statistics.median(host_samples)

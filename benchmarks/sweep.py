@@ -345,12 +345,14 @@ def measure(path: SweepPath, dist: str, sets: list[InputSet], fi, args) -> dict:
     mismatches = rounding = None
     if path.kind in ("capture", "sample", "compact"):
         mismatches, rounding = check(path, first, sets[0], args.max_tokens)
+    cpu: list[float] = []
     if CUDA:
-        gpu, host = gpu_and_host_us(calls, args.reps, args.per_rep)
+        gpu, host = gpu_and_host_us(calls, args.reps, args.per_rep, cpu)
     else:  # the interpreter: one call's wall time stands for both (no verdicts)
         gpu = host = wall_us
+        cpu.append(float("nan"))
     return {"path": path.name, "dist": dist, "gpu_us": gpu, "host_us": host,
-            "mismatches": mismatches, "rounding": rounding}
+            "host_cpu_us": cpu[0], "mismatches": mismatches, "rounding": rounding}
 
 
 # ------------------------------------------------------------------ tables
@@ -362,13 +364,18 @@ def fmt(x: float | None, width: int = 8) -> str:
 
 def worst(results: list[dict], name: str) -> dict | None:
     """The row of `name` with the largest GPU us, and the largest host us over
-    the distributions; None when the path was not measured."""
+    the distributions (with that cell's thread CPU us: a host busy with
+    other work inflates the wall time, not this); None when the path was
+    not measured."""
     rows = [r for r in results if r["path"] == name and not math.isnan(r["gpu_us"])]
     if not rows:
         return None
     top = max(rows, key=lambda r: r["gpu_us"])
+    slowest_host = max(rows, key=lambda r: r["host_us"])
     return {"gpu_us": top["gpu_us"], "dist": top["dist"],
-            "host_us": max(r["host_us"] for r in rows),
+            "host_us": slowest_host["host_us"],
+            "host_cpu_us": slowest_host.get("host_cpu_us", float("nan")),
+            "host_dist": slowest_host["dist"],
             "mismatches": sum(r["mismatches"] or 0 for r in rows),
             "rounding": sum(r["rounding"] or 0 for r in rows)}
 
@@ -381,9 +388,11 @@ def worst_table(results: list[dict], paths: list[SweepPath], fi_missing: bool,
                 n_dists: int) -> list[dict]:
     """THE table: per shmask path its worst case, its goals and verdicts,
     and its FlashInfer kernel's worst case judged by the same GPU goal."""
-    print(f"\nworst case over {n_dists} distributions (GPU us, the distribution, worst host us)"
+    print(f"\nworst case over {n_dists} distributions (GPU us, the distribution, worst host us"
+          " and that cell's thread CPU us)"
           + ("" if CUDA else "; no CUDA: interpreter wall time, no verdicts"))
-    header = (f"{'path':34} | {'GPU us':>8} | {'on':9} | {'host us':>8} | {'mism':>4} | "
+    header = (f"{'path':34} | {'GPU us':>8} | {'on':9} | {'host us':>8} | {'cpu us':>8} | "
+              f"{'mism':>4} | "
               f"{'round':>5} | {'goal':40} | {'GPU':4} | {'host':4} | {'FlashInfer/floor':34} | "
               f"{'its GPU us':>10} | {'on':9} | {'its':4}")
     print(header)
@@ -395,7 +404,8 @@ def worst_table(results: list[dict], paths: list[SweepPath], fi_missing: bool,
             continue
         if path.kind in ("fi", "read"):  # baselines: their worst case, no goal of their own
             table.append({"path": path.name, **w})
-            print(f"{path.name:34} | {fmt(w['gpu_us'])} | {w['dist']:9} | {fmt(w['host_us'])} |")
+            print(f"{path.name:34} | {fmt(w['gpu_us'])} | {w['dist']:9} | {fmt(w['host_us'])} | "
+                  f"{fmt(w['host_cpu_us'])} |")
             continue
         goal, gpu_ok = "-", None
         if path.goal_us is not None:
@@ -419,7 +429,7 @@ def worst_table(results: list[dict], paths: list[SweepPath], fi_missing: bool,
                "match_dist": None if m is None else m["dist"], "match_verdict": its[2]}
         table.append(row)
         print(f"{path.name:34} | {fmt(w['gpu_us'])} | {w['dist']:9} | {fmt(w['host_us'])} | "
-              f"{w['mismatches']:4d} | {w['rounding']:5d} | {goal:40} | {row['gpu_verdict']:4} | "
+              f"{fmt(w['host_cpu_us'])} | {w['mismatches']:4d} | {w['rounding']:5d} | {goal:40} | {row['gpu_verdict']:4} | "
               f"{row['host_verdict']:4} | {path.match:34} | {its[0]} | {its[1]} | {its[2]:4}")
     return table
 
@@ -563,13 +573,14 @@ def main() -> None:
                           "max": size.max().item()}
         print(f"\n{dist}: top_p {SUPPORT_P} support mean {supports[dist]['mean']:.0f}, "
               f"min {supports[dist]['min']:.0f}, max {supports[dist]['max']:.0f} ids")
-        print(f"  {'path':34} | {'GPU us':>8} | {'host us':>8} | check")
+        print(f"  {'path':34} | {'GPU us':>8} | {'host us':>8} | {'cpu us':>8} | check")
         for path in paths:
             r = measure(path, dist, sets, fi, args)
             results.append(r)
             checked = ("-" if r["mismatches"] is None
                        else f"{r['mismatches']} mismatched, {r['rounding']} within rounding")
-            print(f"  {path.name:34} | {fmt(r['gpu_us'])} | {fmt(r['host_us'])} | {checked}",
+            print(f"  {path.name:34} | {fmt(r['gpu_us'])} | {fmt(r['host_us'])} | "
+                  f"{fmt(r['host_cpu_us'])} | {checked}",
                   flush=True)
         del sets
         if CUDA:
