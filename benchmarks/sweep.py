@@ -429,7 +429,8 @@ def worst_table(results: list[dict], paths: list[SweepPath], fi_missing: bool,
                "match_dist": None if m is None else m["dist"], "match_verdict": its[2]}
         table.append(row)
         print(f"{path.name:34} | {fmt(w['gpu_us'])} | {w['dist']:9} | {fmt(w['host_us'])} | "
-              f"{fmt(w['host_cpu_us'])} | {w['mismatches']:4d} | {w['rounding']:5d} | {goal:40} | {row['gpu_verdict']:4} | "
+              f"{fmt(w['host_cpu_us'])} | {w['mismatches']:4d} | {w['rounding']:5d} | {goal:40} | "
+              f"{row['gpu_verdict']:4} | "
               f"{row['host_verdict']:4} | {path.match:34} | {its[0]} | {its[1]} | {its[2]:4}")
     return table
 
