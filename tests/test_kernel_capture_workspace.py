@@ -30,7 +30,7 @@ def test_arrays_have_their_sizes_and_never_overlap(batch: int, window: bool) -> 
     sizes = {
         "lo": batch, "window": batch, "pivots": w * tuning.WINDOW_PIVOTS * batch,
         "wide_count": 1, "bracket": w * BRACKET.value * batch,
-        "refine_keys": w * tuning.WINDOW_REFINE * batch, "wide_rows": w * batch,
+        "refine_keys": w * tuning.WINDOW_REFINE * batch, "wide_rows": w * batch, "done": w * batch,
         "bits": cells * tuning.CHUNK // 32, "counts": cells, "sums": cells, "maxes": cells,
         "pivot_mass": w * tuning.WINDOW_PIVOTS * cells,
         "refine_mass": w * tuning.WINDOW_REFINE * cells, "above_count": w * cells,
