@@ -58,7 +58,8 @@ def launch_window_write(probs: torch.Tensor, ws: CaptureWorkspace, rows: Rows,
     launch(_window_write_kernel, (batch, ws.n_chunks),
         probs, probs.stride(0), vocab, ws.window_ok, ws.cutoff, ws.logz, rows.forms, ws.before,
         ws.n_chunks, rows.offsets, rows.id_offsets, rows.ids, rows.values, CHUNK=tuning.CHUNK,
-        SUB=tuning.WINDOW_WRITE_SUB, FAST=nvidia, PDL=pdl, num_warps=tuning.WINDOW_WRITE_WARPS,
+        SUB=tuning.WINDOW_WRITE_SUB, FAST=nvidia, LANES=tuning.WINDOW_WRITE_LANES, PDL=pdl,
+        num_warps=tuning.WINDOW_WRITE_WARPS,
         **register_cap(nvidia, tuning.WINDOW_WRITE_REGISTERS), **launch_options(pdl),
     )
 
@@ -198,7 +199,7 @@ def _or_in_word(word_a, bits_a, word_b, bits_b):
 def _window_write_kernel(
     probs_ptr, stride_row, vocab, window_ok_ptr, cutoff_ptr, logz_ptr, forms_ptr, before_ptr,
     n_chunks, offsets_ptr, id_offsets_ptr, out_ids_ptr, out_vals_ptr, CHUNK: tl.constexpr,
-    SUB: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    SUB: tl.constexpr, FAST: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, c), window rows only: the support in columns
     [c*CHUNK, (c+1)*CHUNK) of row b, every finite w at or above the row's
@@ -228,37 +229,87 @@ def _window_write_kernel(
         # SUB columns a step, not the whole chunk at once: a thread holds
         # half the values, so more programs share a multiprocessor.
         for part in tl.range(0, CHUNK // SUB):
-            word_idx, bit_idx, cols, w, key = _chunk_tile(
-                probs_ptr, stride_row, vocab, row, chunk * (CHUNK // SUB) + part, SUB)
-            # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
-            keep = (key >= cutoff) & (key < INF_KEY)
-            words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)  # distinct bits: an OR
-            below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
-            if FAST:
-                per_word = _popc(words)
-                in_word = _popc(below)
+            if LANES:
+                base = _window_write_lanes(probs_ptr, stride_row, vocab, row,
+                                           chunk * CHUNK + part * SUB, cutoff, logz, dst, id_dst,
+                                           bitmask, base, out_ids_ptr, out_vals_ptr, SUB, FAST)
             else:
-                per_word = popcount(words.to(tl.uint32, bitcast=True))
-                in_word = popcount(below.to(tl.uint32, bitcast=True))
-            rank = base + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word
-            base += tl.sum(per_word, axis=0)
-            if FAST:
-                logw = _log_approx(w)
-            else:
-                logw = log_any(w)
-            # The scattered stores as flat vectors, in the tile's own order:
-            # the compiler keeps the load's layout (lanes along a word's 32
-            # columns, whose kept values land side by side); stored as the
-            # [words, 32] tile, they would go through shared memory into
-            # lanes running down 32 words.
-            rank = tl.reshape(rank, [SUB])
-            keep = tl.reshape(keep, [SUB])
-            tl.store(out_vals_ptr + dst + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
-            if bitmask:
-                word = (chunk * CHUNK + part * SUB) // 32 + word_idx
-                tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
-            else:
-                tl.store(out_ids_ptr + id_dst + rank, tl.reshape(cols, [SUB]), mask=keep)
+                word_idx, bit_idx, cols, w, key = _chunk_tile(
+                    probs_ptr, stride_row, vocab, row, chunk * (CHUNK // SUB) + part, SUB)
+                # cutoff >= 1: no zero, no negative; +inf's bits and NaNs' excluded
+                keep = (key >= cutoff) & (key < INF_KEY)
+                # distinct bits: an OR
+                words = tl.sum(keep.to(tl.int32) << bit_idx[None, :], axis=1)
+                below = words[:, None] & ((1 << bit_idx[None, :]) - 1)
+                if FAST:
+                    per_word = _popc(words)
+                    in_word = _popc(below)
+                else:
+                    per_word = popcount(words.to(tl.uint32, bitcast=True))
+                    in_word = popcount(below.to(tl.uint32, bitcast=True))
+                rank = base + (tl.cumsum(per_word, axis=0) - per_word)[:, None] + in_word
+                base += tl.sum(per_word, axis=0)
+                if FAST:
+                    logw = _log_approx(w)
+                else:
+                    logw = log_any(w)
+                # The scattered stores as flat vectors, in the tile's own order:
+                # the compiler keeps the load's layout (lanes along a word's 32
+                # columns, whose kept values land side by side); stored as the
+                # [words, 32] tile, they would go through shared memory into
+                # lanes running down 32 words.
+                rank = tl.reshape(rank, [SUB])
+                keep = tl.reshape(keep, [SUB])
+                tl.store(out_vals_ptr + dst + rank, tl.reshape(logw - logz, [SUB]), mask=keep)
+                if bitmask:
+                    word = (chunk * CHUNK + part * SUB) // 32 + word_idx
+                    tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
+                else:
+                    tl.store(out_ids_ptr + id_dst + rank, tl.reshape(cols, [SUB]), mask=keep)
+
+
+@triton.jit
+def _window_write_lanes(probs_ptr, stride_row, vocab, row, start, cutoff, logz, dst, id_dst,
+                        bitmask, base, out_ids_ptr, out_vals_ptr, SUB: tl.constexpr,
+                        FAST: tl.constexpr):
+    """One step of the window write (the same bits as the kernel's tile
+    step), columns [start, start + SUB) of the row read one column a lane: compiled
+    for NVIDIA (FAST), the columns' contiguity is hidden from the compiler,
+    so the load takes the layout the scattered stores want (one element a
+    thread per register) and no value, rank or address goes through shared
+    memory to change layout; a word's 32 columns are then one warp's lanes,
+    ORed in one reduction. Returns base plus the support ids in the step."""
+    offs = tl.arange(0, SUB)
+    if FAST:
+        offs = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [offs], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    cols = start + offs
+    w = tl.load(probs_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                other=0.0).to(tl.float32)
+    key = w.to(tl.int32, bitcast=True)
+    keep = (key >= cutoff) & (key < INF_KEY)
+    bit = offs % 32
+    words = tl.sum(tl.reshape(keep.to(tl.int32) << bit, [SUB // 32, 32]), axis=1)  # an OR
+    if FAST:
+        per_word = _popc(words)
+    else:
+        per_word = popcount(words.to(tl.uint32, bitcast=True))
+    first = base + tl.cumsum(per_word, axis=0) - per_word  # [words]: the rank of a word's first
+    before = tl.reshape(tl.broadcast_to(first[:, None], [SUB // 32, 32]), [SUB])
+    below = tl.reshape(tl.broadcast_to(words[:, None], [SUB // 32, 32]), [SUB]) & ((1 << bit) - 1)
+    if FAST:
+        rank = before + _popc(below)
+        logw = _log_approx(w)
+    else:
+        rank = before + popcount(below.to(tl.uint32, bitcast=True))
+        logw = log_any(w)
+    tl.store(out_vals_ptr + dst + rank, logw - logz, mask=keep)
+    if bitmask:
+        word = start // 32 + tl.arange(0, SUB // 32)
+        tl.store(out_ids_ptr + id_dst + word, words, mask=word < (vocab + 31) // 32)
+    else:
+        tl.store(out_ids_ptr + id_dst + rank, cols, mask=keep)
+    return base + tl.sum(per_word, axis=0)
 
 
 @triton.jit

@@ -212,7 +212,13 @@ WRITE_BLOCK = 4096
 WRITE_WARPS = 16
 WRITE_ROWS_BLOCK = 1024  # most rows a step of the sum of the rows before
 WINDOW_WRITE_WARPS = 8
+# 1: the window write reads a step one column a lane, no layout changed
+# through shared memory before its stores (_window_write_lanes; decision
+# 62); 0 until an A/B on the GPU
+WINDOW_WRITE_LANES = 0
 WINDOW_WRITE_SUB = 4096  # columns a step of the window write (a chunk in whole steps)
 # the window write's registers a thread (maxnreg): three programs a
-# multiprocessor without spills, where the compiler's choice fits two
+# multiprocessor, where the compiler's choice fits two (the tile step
+# spills 24 / 8 bytes a thread there with Triton 3.6, fp32 / bf16; the
+# lanes step none)
 WINDOW_WRITE_REGISTERS = 80

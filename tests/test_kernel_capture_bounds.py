@@ -621,6 +621,36 @@ def test_window_row_in_the_ids_form(monkeypatch: pytest.MonkeyPatch) -> None:
     assert got.forms[1].item() == 1  # the flat row: every id (ties), a bitmask
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_write_one_column_a_lane_writes_the_same_rows(monkeypatch: pytest.MonkeyPatch,
+                                                              dtype: torch.dtype) -> None:
+    """The window write's step read one column a lane (WINDOW_WRITE_LANES,
+    _window_write_lanes) writes the rows the [words, 32] tile writes, bit for
+    bit, and the reference's: bitmask rows (flat, ids in every word, a last
+    word of 4 columns), a row in the ids form, and zeros and -0.0 kept out
+    of the support (a bad value makes its row INVALID: no window write)."""
+    monkeypatch.setattr(tuning, "WINDOW_MIN", 64)
+    window = WindowRows(monkeypatch)
+    gen = torch.Generator().manual_seed(45)
+    vocab = 2 * tuning.CHUNK + 900  # 17284 = 540 words and 4 columns
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen)
+                          * torch.tensor([[0.5], [1.5], [1.0], [0.0]]), -1)
+    probs[3] = 1 / 2**20
+    probs[3, 5000:5040] = 1 / 2**6  # 40 ids between the sampled blocks: the ids form
+    probs[2, 77] = -0.0
+    probs[2, 9000:9100] = 0.0
+    probs = probs.to(dtype)
+    top_p = torch.tensor([0.9, 0.6, 0.95, 0.5])
+    written = {}
+    for lanes in (0, 1):
+        monkeypatch.setattr(tuning, "WINDOW_WRITE_LANES", lanes)
+        got = run_both(probs, probs.argmax(1), top_p=top_p, max_tokens=vocab)
+        written[lanes] = bits(got)
+    assert window.calls == [[1, 1, 1, 1]] * 2
+    assert got.forms.tolist() == [1, 1, 1, 0]
+    assert written[1] == written[0]
+
+
 @pytest.mark.parametrize("window_min, block", [(64, None), (1 << 30, None), (1 << 30, 64)])
 def test_wrong_sampled_bounds_are_resolved_from_the_row(monkeypatch: pytest.MonkeyPatch,
                                                         kept: dict, window_min: int,
