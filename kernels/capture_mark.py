@@ -71,12 +71,23 @@ def _cand_mark_chunk(row, chunk, word_idx, bit_idx, w, key, lo_ptr, window_ptr, 
     _chunk_tile's tile (_cand_mark_kernel; the interleaved mark's first
     phase, capture_interleave.py)."""
     WORDS: tl.constexpr = CHUNK // 32
+    # Every value of the row's settings is loaded here, before the first
+    # store: a load after a store that may alias it waits for the store,
+    # so a load between the sums below would add its latency to each.
     # lo can lie above +inf's bits (a top-p floor from a sample of zero
     # mass: the largest key reaching 0); no finite key reaches either.
     lo = tl.minimum(tl.load(lo_ptr + row), INF_KEY)
     window = False
     if WINDOW:
         window = tl.load(window_ptr + row) != 0
+    top_p = 1.0
+    if MASS or WINDOW:
+        top_p = tl.load(top_p_ptr + row)
+    wants_max = False
+    if TOP:
+        wants_max = (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0)
+    if WINDOW:
+        pivots = _load_keys(pivots_ptr + row * PIVOTS, PIVOTS)
     # A bad value (NaN, inf, negative) is a candidate whatever its key: the
     # resolve program finds it among the candidates and the row is INVALID.
     # All of it is one unsigned comparison of the float bits: lo >= 1 lies
@@ -98,19 +109,18 @@ def _cand_mark_chunk(row, chunk, word_idx, bit_idx, w, key, lo_ptr, window_ptr, 
     good = _good_tile(w)
     total = tl.zeros([], dtype=tl.float32)
     if MASS:
-        if tl.load(top_p_ptr + row) < 1.0:
+        if top_p < 1.0:
             total = tl.sum(good, axis=None)
     tl.store(sum_ptr + slot, total)
     top = tl.zeros([], dtype=tl.float32)
     if TOP:
-        if (tl.load(min_p_ptr + row) > 0.0) | (tl.load(greedy_ptr + row) != 0):
+        if wants_max:
             top = tl.max(good, axis=None)
     tl.store(max_ptr + slot, top)
     if WINDOW:
         # (a min-p-only window row, top-p off, has no pivots)
-        if window & (tl.load(top_p_ptr + row) < 1.0):
-            _masses_above(good, pivots_ptr + row * PIVOTS,
-                          pivot_mass_ptr + slot.to(tl.int64) * PIVOTS, PIVOTS)
+        if window & (top_p < 1.0):
+            _masses_above(good, pivots, pivot_mass_ptr + slot.to(tl.int64) * PIVOTS, PIVOTS)
 
 
 @triton.jit
@@ -124,12 +134,24 @@ def _good_tile(w):
 
 
 @triton.jit
-def _masses_above(good, keys_ptr, out_ptr, N: tl.constexpr):
-    """out[j] = the chunk's mass at or above key j, for N keys: one
-    whole-tile reduction a key (good: _good_tile's)."""
+def _load_keys(keys_ptr, N: tl.constexpr):
+    """keys_ptr[0..N) as a tuple of N scalars: loaded together, before the
+    sums that use them (see _masses_above)."""
+    keys = ()  # one key a step below
+    for j in tl.static_range(N):
+        keys = keys + (tl.load(keys_ptr + j),)  # type: ignore[assignment]
+    return keys
+
+
+@triton.jit
+def _masses_above(good, keys, out_ptr, N: tl.constexpr):
+    """out[j] = the chunk's mass at or above keys[j], for the N keys of a
+    tuple (_load_keys): one whole-tile reduction a key (good:
+    _good_tile's). The keys come loaded: a key loaded after the store of
+    the sum before it would wait for that store, a load's latency a key."""
     fkey = good.to(tl.int32, bitcast=True)
     for j in tl.static_range(N):
-        tl.store(out_ptr + j, tl.sum(tl.where(fkey >= tl.load(keys_ptr + j), good, 0.0), axis=None))
+        tl.store(out_ptr + j, tl.sum(tl.where(fkey >= keys[j], good, 0.0), axis=None))
 
 
 @triton.jit

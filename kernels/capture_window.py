@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .capture_mark import _chunk_tile, _good_tile, _masses_above
+from .capture_mark import _chunk_tile, _good_tile, _load_keys, _masses_above
 from .capture_workspace import (
     B_FINAL_HI,
     B_FINAL_LO,
@@ -204,10 +204,10 @@ def _window_refine_kernel(
             chunk = item // wide
             if ORDER == 2:
                 chunk = n_chunks - 1 - chunk
+        keys = _load_keys(refine_keys_ptr + row * REFINE, REFINE)
         _, _, _, w, _ = _chunk_tile(probs_ptr, stride_row, vocab, row, chunk, CHUNK)
         slot = row * n_chunks + chunk
-        _masses_above(_good_tile(w), refine_keys_ptr + row * REFINE,
-                      refine_mass_ptr + slot.to(tl.int64) * REFINE, REFINE)
+        _masses_above(_good_tile(w), keys, refine_mass_ptr + slot.to(tl.int64) * REFINE, REFINE)
 
 
 @triton.jit
