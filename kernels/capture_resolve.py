@@ -15,7 +15,7 @@ from . import tuning
 from .capture_window import _top_p_target
 from .capture_workspace import B_FINAL_HI, B_FINAL_LO, B_TARGET, BRACKET, CaptureSettings, CaptureWorkspace
 from .float_bits import INF_KEY, log_any
-from .launch import after_previous, launch, launch_options
+from .launch import after_previous, compiled_for_nvidia, launch, launch_options
 from .rows import Rows, is_bitmask
 from .sample_draw import _candidates, _draw, _window_row_draw
 
@@ -47,7 +47,7 @@ def launch_resolve(probs: torch.Tensor, settings: CaptureSettings, ws: CaptureWo
         DRAW_BLOCK=tuning.DRAW_BLOCK, WINDOW=settings.window, CHUNK=tuning.CHUNK,
         BINS=triton.next_power_of_2(ws.n_chunks + 1), SEARCH_WAYS=tuning.WINDOW_SEARCH_WAYS,
         FLOOR_FIT=tuning.FLOOR_FIT, FLOOR_WAYS=tuning.FLOOR_WAYS,
-        FLOOR_BLOCK=floor_block, FLOOR_LOADS=floor_loads,
+        FLOOR_BLOCK=floor_block, FLOOR_LOADS=floor_loads, ONE_REDUCE=compiled_for_nvidia(probs),
         PDL=pdl, num_warps=tuning.RESOLVE_WARPS, **launch_options(pdl),
     )
 
@@ -65,7 +65,7 @@ def _resolve_kernel(
     BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
     DRAW_BLOCK: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
     SEARCH_WAYS: tl.constexpr, FLOOR_FIT: tl.constexpr, FLOOR_WAYS: tl.constexpr,
-    FLOOR_BLOCK: tl.constexpr, FLOOR_LOADS: tl.constexpr,
+    FLOOR_BLOCK: tl.constexpr, FLOOR_LOADS: tl.constexpr, ONE_REDUCE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program per row: the row's exact cutoff over its candidates (or,
@@ -143,10 +143,11 @@ def _resolve_kernel(
                               .to(tl.float32, bitcast=True), target)
         if window:
             cut_p = _largest_key_between(cand_vals_ptr, base, n, v0, key0, live0,
-                                         target - above_mass, b_lo, b_hi, BLOCK, SEARCH_WAYS)
+                                         target - above_mass, b_lo, b_hi, BLOCK, SEARCH_WAYS,
+                                         ONE_REDUCE)
         else:
             cut_p = _mass_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, BLOCK,
-                                       SEARCH_WAYS)
+                                       SEARCH_WAYS, ONE_REDUCE)
     min_p = tl.load(min_p_ptr + row)
     cut_m = tl.where(min_p > 0.0, (min_p * rowmax).to(tl.int32, bitcast=True), 0)
     cutoff = tl.maximum(tl.maximum(cut_k, cut_p), cut_m)
@@ -220,7 +221,7 @@ def _resolve_kernel(
                                           top_k.to(tl.float32), False, BLOCK)
         if need_p & ~(SEQUENTIAL & need_k):
             cut_p = _mass_key_reaching(cand_vals_ptr, base, n, v0, key0, live0, target, BLOCK,
-                                       SEARCH_WAYS)
+                                       SEARCH_WAYS, ONE_REDUCE)
             # the floor reached the target by _row_floor's sums; the
             # candidates' own sums may put it a rounding short (then no
             # candidate key reaches): the support is every id at or above it
@@ -358,7 +359,7 @@ def _largest_key_reaching(
 
 @triton.jit
 def _mass_key_reaching(vals_ptr, base, n, v0, key0, live0, target, BLOCK: tl.constexpr,
-                       WAYS: tl.constexpr):
+                       WAYS: tl.constexpr, ONE_REDUCE: tl.constexpr = False):
     """_largest_key_reaching by mass. Past the BLOCK candidates in registers
     (a row resolved from its whole row keeps up to FLOOR_FIT), every pass
     reads the rest from memory: the search of [0, INF_KEY] by WAYS - 1
@@ -368,7 +369,7 @@ def _mass_key_reaching(vals_ptr, base, n, v0, key0, live0, target, BLOCK: tl.con
     if n > BLOCK:
         found = _largest_key_between(vals_ptr, base, n, v0, key0, live0, target,
                                      tl.zeros([], dtype=tl.int32), tl.full([], INF_KEY, tl.int32),
-                                     BLOCK, WAYS)
+                                     BLOCK, WAYS, ONE_REDUCE)
     else:
         found = _largest_key_reaching(vals_ptr, base, n, v0, key0, live0, target, True, BLOCK)
     return found
@@ -376,13 +377,13 @@ def _mass_key_reaching(vals_ptr, base, n, v0, key0, live0, target, BLOCK: tl.con
 
 @triton.jit
 def _largest_key_between(vals_ptr, base, n, v0, key0, live0, target, lo, hi, BLOCK: tl.constexpr,
-                         WAYS: tl.constexpr):
+                         WAYS: tl.constexpr, ONE_REDUCE: tl.constexpr = False):
     """Largest key t in [lo, hi] whose candidates' mass at or above it
     reaches target, lo when none does: a search over the bracket's keys
     alone, not all 31 bits (a window row's bracket spans about 2^22 keys).
     WAYS 4: each pass over the candidates sums the mass above three probes
     (a quarter of the interval apart) and keeps a quarter, half the passes
-    of a binary search (WAYS 2)."""
+    of a binary search (WAYS 2). ONE_REDUCE: _reach3's."""
     hi = hi + 1  # the search keeps lo (reaching, or the floor) below hi (not reaching)
     for _step in range(32):  # a binary search takes 31 at most, 4 ways 16
         if hi - lo > 1:
@@ -391,7 +392,8 @@ def _largest_key_between(vals_ptr, base, n, v0, key0, live0, target, lo, hi, BLO
                 p1 = lo + q // 4
                 p2 = lo + q // 2
                 p3 = p2 + q // 4
-                r1, r2, r3 = _reach3(vals_ptr, base, n, v0, key0, live0, p1, p2, p3, BLOCK)
+                r1, r2, r3 = _reach3(vals_ptr, base, n, v0, key0, live0, p1, p2, p3, BLOCK,
+                                     ONE_REDUCE)
                 # reach falls as the probe rises: the last probe reaching
                 # is the new lo, the first one not reaching the new hi
                 new_lo = tl.where(r3 >= target, p3,
@@ -408,20 +410,46 @@ def _largest_key_between(vals_ptr, base, n, v0, key0, live0, target, lo, hi, BLO
 
 
 @triton.jit
-def _reach3(vals_ptr, base, n, v0, key0, live0, p1, p2, p3, BLOCK: tl.constexpr):
+def _reach3(vals_ptr, base, n, v0, key0, live0, p1, p2, p3, BLOCK: tl.constexpr,
+            ONE_REDUCE: tl.constexpr):
     """The candidates' mass at or above each of three keys, from one pass
-    (the first BLOCK candidates from registers, the rest from memory)."""
-    r1 = tl.sum(tl.where(live0 & (key0 >= p1), v0, 0.0), axis=0)
-    r2 = tl.sum(tl.where(live0 & (key0 >= p2), v0, 0.0), axis=0)
-    r3 = tl.sum(tl.where(live0 & (key0 >= p3), v0, 0.0), axis=0)
+    (the first BLOCK candidates from registers, the rest from memory).
+    ONE_REDUCE (compiled kernels): the three sums a block in one reduction
+    of three operands, whose warps meet once (decision 64: resolve is
+    latency-bound, one program a row; 0.978-0.988x on the top-p paths'
+    worst cases); Triton's interpreter runs such a reduction element by
+    element in Python, so there three sums."""
+    r1, r2, r3 = _sums3(tl.where(live0 & (key0 >= p1), v0, 0.0),
+                        tl.where(live0 & (key0 >= p2), v0, 0.0),
+                        tl.where(live0 & (key0 >= p3), v0, 0.0), ONE_REDUCE)
     for start in range(BLOCK, n, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         v = tl.load(vals_ptr + base + idx, mask=idx < n, other=0.0)
         key = v.to(tl.int32, bitcast=True)
-        r1 += tl.sum(tl.where(key >= p1, v, 0.0), axis=0)
-        r2 += tl.sum(tl.where(key >= p2, v, 0.0), axis=0)
-        r3 += tl.sum(tl.where(key >= p3, v, 0.0), axis=0)
+        s1, s2, s3 = _sums3(tl.where(key >= p1, v, 0.0), tl.where(key >= p2, v, 0.0),
+                            tl.where(key >= p3, v, 0.0), ONE_REDUCE)
+        r1 += s1
+        r2 += s2
+        r3 += s3
     return r1, r2, r3
+
+
+@triton.jit
+def _sums3(a, b, c, ONE_REDUCE: tl.constexpr):
+    """The sums of three blocks: one reduction of three operands, or three."""
+    if ONE_REDUCE:
+        sa, sb, sc = tl.reduce((a, b, c), 0, _add3)
+    else:
+        sa = tl.sum(a, axis=0)
+        sb = tl.sum(b, axis=0)
+        sc = tl.sum(c, axis=0)
+    return sa, sb, sc
+
+
+@triton.jit
+def _add3(a1, a2, a3, b1, b2, b3):
+    """tl.reduce's combine for three sums at once."""
+    return a1 + b1, a2 + b2, a3 + b3
 
 
 @triton.jit

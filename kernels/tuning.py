@@ -155,8 +155,9 @@ WINDOW_MARK_REVERSED = 1
 # candidate mark, the window bracket and the window mark of the rows whose
 # bracket is not wide in one grid, blocks of INTERLEAVE_GROUP rows, a
 # group's second read INTERLEAVE_LAG groups after its first (while the
-# rows are still in L2); 0 launches them as three kernels. Not yet
-# measured on the GPU: 0 until it is.
+# rows are still in L2); 0 launches them as three kernels. Measured on an
+# H100 at 1.220-1.246x the three kernels' time on the top-p paths' worst
+# cases (decision 61): off, to be removed.
 MARK_INTERLEAVE = 0
 INTERLEAVE_GROUP = 8
 INTERLEAVE_LAG = 1
@@ -214,8 +215,9 @@ WRITE_ROWS_BLOCK = 1024  # most rows a step of the sum of the rows before
 WINDOW_WRITE_WARPS = 8
 # 1: the window write reads a step one column a lane, no layout changed
 # through shared memory before its stores (_window_write_lanes; decision
-# 62); 0 until an A/B on the GPU
-WINDOW_WRITE_LANES = 0
+# 62: 0.964-0.971x on the top-p paths' worst cases on an H100); 0: the
+# [words, 32] tile, four columns a thread (the same bits)
+WINDOW_WRITE_LANES = 1
 WINDOW_WRITE_SUB = 4096  # columns a step of the window write (a chunk in whole steps)
 # the window write's registers a thread (maxnreg): three programs a
 # multiprocessor, where the compiler's choice fits two (the tile step
