@@ -248,19 +248,29 @@ def _sample_keys_reaching3(key, w, target1, target2, target3, ONE_REDUCE: tl.con
     found3 = tl.zeros([], dtype=tl.int32)
     for step in range(BOUND_BITS):
         bit = 1 << (30 - step)
-        part1 = tl.where(key >= (found1 | bit), w, 0.0)
-        part2 = tl.where(key >= (found2 | bit), w, 0.0)
-        part3 = tl.where(key >= (found3 | bit), w, 0.0)
-        if ONE_REDUCE:
-            reach1, reach2, reach3 = tl.reduce((part1, part2, part3), 0, _add3)
-        else:
-            reach1 = tl.sum(part1, axis=0)
-            reach2 = tl.sum(part2, axis=0)
-            reach3 = tl.sum(part3, axis=0)
+        reach1, reach2, reach3 = _sums3(tl.where(key >= (found1 | bit), w, 0.0),
+                                        tl.where(key >= (found2 | bit), w, 0.0),
+                                        tl.where(key >= (found3 | bit), w, 0.0), ONE_REDUCE)
         found1 = tl.where(reach1 >= target1, found1 | bit, found1)
         found2 = tl.where(reach2 >= target2, found2 | bit, found2)
         found3 = tl.where(reach3 >= target3, found3 | bit, found3)
     return found1, found2, found3
+
+
+@triton.jit
+def _sums3(a, b, c, ONE_REDUCE: tl.constexpr):
+    """The sums of three blocks (the bound's three searches, resolve's three
+    probes): one reduction of three operands, whose warps meet once
+    (ONE_REDUCE, compiled kernels), or three sums (Triton's interpreter,
+    where a reduction of several operands runs element by element in
+    Python)."""
+    if ONE_REDUCE:
+        sa, sb, sc = tl.reduce((a, b, c), 0, _add3)
+    else:
+        sa = tl.sum(a, axis=0)
+        sb = tl.sum(b, axis=0)
+        sc = tl.sum(c, axis=0)
+    return sa, sb, sc
 
 
 @triton.jit

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from .capture_bound import _sums3
 from .capture_window import _top_p_target
 from .capture_workspace import B_FINAL_HI, B_FINAL_LO, B_TARGET, BRACKET, CaptureSettings, CaptureWorkspace
 from .float_bits import INF_KEY, log_any
@@ -432,24 +433,6 @@ def _reach3(vals_ptr, base, n, v0, key0, live0, p1, p2, p3, BLOCK: tl.constexpr,
         r2 += s2
         r3 += s3
     return r1, r2, r3
-
-
-@triton.jit
-def _sums3(a, b, c, ONE_REDUCE: tl.constexpr):
-    """The sums of three blocks: one reduction of three operands, or three."""
-    if ONE_REDUCE:
-        sa, sb, sc = tl.reduce((a, b, c), 0, _add3)
-    else:
-        sa = tl.sum(a, axis=0)
-        sb = tl.sum(b, axis=0)
-        sc = tl.sum(c, axis=0)
-    return sa, sb, sc
-
-
-@triton.jit
-def _add3(a1, a2, a3, b1, b2, b3):
-    """tl.reduce's combine for three sums at once."""
-    return a1 + b1, a2 + b2, a3 + b3
 
 
 @triton.jit
